@@ -1,0 +1,98 @@
+"""train-rm: Bradley-Terry reward-model training, as the procedure you would write by hand.
+
+load pairs -> tokenize -> plan batches -> init model -> [train step -> (snapshot every N steps)] -> evaluate
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from flows.common import Progress, artifact_key, bind, load_run_config
+from rollout_lib.config import RmConfig
+from tasks.common import open_store
+from tasks.rm import (
+    evaluate_task,
+    init_model_task,
+    load_pairs_task,
+    plan_batches_task,
+    snapshot_task,
+    tokenize_pairs_task,
+    train_step_task,
+)
+
+# Metrics shown per step in the UI table (and their column order).
+METRIC_COLUMNS = ("step", "loss", "accuracy", "mean_margin", "lr", "grad_norm", "pairs_per_s")
+
+
+@flow(name="train-rm", log_prints=True)
+def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dict[str, Any] | None = None,
+             max_steps: int | None = None) -> dict:
+    """Train a reward model. `overrides`: ["key.path=value", ...] or {"key.path": value}; `max_steps` is a
+    shortcut for algorithm.rm.budget.max_steps."""
+    logger = get_run_logger()
+    cfg = load_run_config(RmConfig, config, overrides, max_steps, "algorithm.rm.budget.max_steps")
+    settings = cfg.settings
+    t = lambda task: bind(task, cfg)  # noqa: E731 - every task stores its result beside the store
+
+    train = t(load_pairs_task)(cfg, "train")
+    tokenized = t(tokenize_pairs_task)(cfg, train["pairs"], "train")["tokenized"]
+    plan = t(plan_batches_task)(cfg, tokenized, train["rows"])["plan"]
+    held_out = None
+    if settings.eval_dataset is not None:
+        eval_pairs = t(load_pairs_task)(cfg, "eval")
+        held_out = t(tokenize_pairs_task)(cfg, eval_pairs["pairs"], "eval")["tokenized"]
+
+    state = t(init_model_task)(cfg, tokenized, plan)["checkpoint"]
+    before = t(evaluate_task)(cfg, state, held_out, "step-0") if held_out else None
+    if before:
+        logger.info("held-out before training: accuracy %.3f over %d pairs", before["accuracy"], before["pairs"])
+
+    total = settings.budget.max_steps
+    progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rm {cfg.run.name}: steps done")
+    history = []
+    for step in range(1, total + 1):
+        result = t(train_step_task)(cfg, tokenized, plan, state, step)
+        state, metrics = result["state"], result["metrics"]
+        history.append(metrics)
+        if step % settings.checkpoint_interval == 0 or step == total:
+            state = t(snapshot_task)(cfg, tokenized, plan, state, step, metrics)["checkpoint"]
+            logger.info("step %d: loss %.4f accuracy %.2f -> checkpoint %s", step, metrics["loss"],
+                        metrics["accuracy"], state)
+        if step % 10 == 0 or step == total:
+            progress.update(step)
+
+    checkpoint = state
+    after = t(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}") if held_out else None
+    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
+
+    create_table_artifact(
+        [{k: round(m[k], 6) if isinstance(m[k], float) else m[k] for k in METRIC_COLUMNS} for m in history],
+        key=artifact_key(cfg.run.name, "metrics"), description="train-rm metrics per step",
+    )
+    create_markdown_artifact(_summary(cfg, checkpoint, before, after), key=artifact_key(cfg.run.name, "summary"),
+                             description="train-rm summary")
+    logger.info("final checkpoint %s", checkpoint)
+    return {"checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
+            "last_metrics": history[-1]}
+
+
+def _summary(cfg: RmConfig, checkpoint: str, before: dict | None, after: dict | None) -> str:
+    lines = [
+        f"# train-rm `{cfg.run.name}`",
+        "",
+        f"- final checkpoint: `{checkpoint}`",
+        f"- store: `{cfg.run.store}`",
+        f"- base model: `{cfg.settings.base_model.uri}`, steps: {cfg.settings.budget.max_steps}",
+    ]
+    if before and after:
+        lines += [
+            "",
+            "| held-out | accuracy | mean margin | loss |",
+            "|---|---|---|---|",
+            f"| before | {before['accuracy']:.3f} | {before['mean_margin']:.3f} | {before['loss']:.4f} |",
+            f"| after | {after['accuracy']:.3f} | {after['mean_margin']:.3f} | {after['loss']:.4f} |",
+        ]
+    return "\n".join(lines)

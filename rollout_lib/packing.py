@@ -1,0 +1,293 @@
+"""Training samples -> micro-batches, and micro-batches -> model inputs and per-token logprobs.
+
+Three steps, each with one job:
+
+- `pack_samples` (packing on) bins TRAINING_SAMPLES rows into MICRO_BATCHES rows of at most `max_seq_len`
+  tokens with best-fit-decreasing, no padding; `batch_unpacked` (packing off) groups a fixed number of
+  consecutive samples per row. Both materialise null streams with TRAINING_SAMPLE_DEFAULTS and enforce the
+  alignment invariant: every per-token column of every micro-batch has exactly `len(input_ids)` entries.
+  A violation raises here, so a misaligned stream can never train silently.
+- `collate_micro_batch` turns one MICRO_BATCHES row into tensors, packed ([1, T] with per-sequence
+  position ids) or padded ([B, Tmax] with an attention mask). Per-token streams come back flat, [T], in the
+  same order for both layouts, so losses never need to know the layout.
+- `token_logprobs` runs a causal LM on either layout and returns one logprob per real token, [T], aligned
+  with those streams.
+
+Token convention (the one fact every loss relies on): a stream value at position t refers to token
+`input_ids[t]` as a prediction target, and `token_logprobs(...)[t] = log p(input_ids[t] | the tokens before t
+in the same sequence)`. The first token of a sequence has no prediction: its logprob is 0.0
+(`FIRST_TOKEN_LOGPROB`) and its weights (`WEIGHT_COLUMNS`) must be zero; the packer rejects a sample that
+puts weight there.
+
+Packed attention: with `position_ids` restarting at 0 per sequence, no attention mask and no KV cache,
+transformers (>= 5, `masking_utils.find_packed_sequence_indices`) detects the sequence boundaries and builds a
+block-diagonal causal mask for sdpa, eager and flex attention (flash attention derives varlen boundaries from
+the same position ids). `use_cache=False` is required: the model's config default creates a cache, which
+turns the detection off and lets attention cross sequence boundaries. tests/test_packing.py pins this.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from rollout_lib.wire import (
+    MICRO_BATCHES,
+    TOKEN_FLOAT_COLUMNS,
+    TRAINING_SAMPLE_DEFAULTS,
+    TRAINING_SAMPLES,
+    conform,
+)
+
+FIRST_TOKEN_LOGPROB = 0.0
+# Streams that say how much a token counts in a loss; all must be zero on a sequence's first token.
+WEIGHT_COLUMNS = ("loss_mask", "rl_weights", "ce_weights", "ref_kl_weights")
+# Per-token columns of a micro-batch besides input_ids, in a fixed order.
+STREAM_COLUMNS = ("loss_mask", *TOKEN_FLOAT_COLUMNS)
+
+
+# --- samples -> micro-batches --------------------------------------------------------------------------------
+
+
+def pack_samples(samples: pa.Table, max_seq_len: int) -> pa.Table:
+    """Best-fit-decreasing packing of TRAINING_SAMPLES rows into MICRO_BATCHES rows of <= max_seq_len tokens.
+
+    Samples are placed longest first (ties: original order) into the open bin with the least room that still
+    fits, else a new bin. Within a micro-batch the samples keep their original relative order; micro-batches
+    are numbered in the order their bins were opened. Envs and algorithms mix freely in a bin.
+    A sample longer than `max_seq_len` raises (callers truncate before packing).
+    """
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    rows = _validated_rows(samples)
+    for row in rows:
+        if len(row["input_ids"]) > max_seq_len:
+            raise ValueError(
+                f"sample {row['sample_id']!r} has {len(row['input_ids'])} tokens, more than "
+                f"max_seq_len={max_seq_len}; truncate before packing"
+            )
+
+    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]["input_ids"]), i))
+    bins: list[list[int]] = []
+    # (room left, bin index), sorted: the first entry with room >= length is the best fit, and among equally
+    # good bins the one opened first wins, which keeps packing deterministic.
+    room: list[tuple[int, int]] = []
+    for index in order:
+        length = len(rows[index]["input_ids"])
+        slot = bisect.bisect_left(room, (length, -1))
+        if slot == len(room):
+            bins.append([index])
+            bisect.insort(room, (max_seq_len - length, len(bins) - 1))
+        else:
+            left, bin_index = room.pop(slot)
+            bins[bin_index].append(index)
+            bisect.insort(room, (left - length, bin_index))
+
+    return _micro_batches([[rows[i] for i in sorted(members)] for members in bins])
+
+
+def batch_unpacked(
+    samples: pa.Table, sequences_per_micro_batch: int, *, max_seq_len: int | None = None
+) -> pa.Table:
+    """Packing off: consecutive groups of `sequences_per_micro_batch` samples per MICRO_BATCHES row.
+
+    The row layout is the same as packed rows; `collate_micro_batch(..., packed=False)` pads them at collate
+    time. With `max_seq_len`, a longer sample raises as in `pack_samples`.
+    """
+    if sequences_per_micro_batch < 1:
+        raise ValueError(f"sequences_per_micro_batch must be >= 1, got {sequences_per_micro_batch}")
+    rows = _validated_rows(samples)
+    if max_seq_len is not None:
+        for row in rows:
+            if len(row["input_ids"]) > max_seq_len:
+                raise ValueError(
+                    f"sample {row['sample_id']!r} has {len(row['input_ids'])} tokens, more than "
+                    f"max_seq_len={max_seq_len}; truncate before batching"
+                )
+    groups = [rows[i : i + sequences_per_micro_batch] for i in range(0, len(rows), sequences_per_micro_batch)]
+    return _micro_batches(groups)
+
+
+def check_micro_batches(micro_batches: pa.Table) -> None:
+    """The alignment invariant of MICRO_BATCHES; raises ValueError naming the micro-batch and column.
+
+    Every per-token column (position_ids and all streams) has len(input_ids) entries, sequence lengths sum to
+    it, there is one sample id per sequence, and position ids restart at 0 at every sequence start.
+    """
+    table = conform(micro_batches, MICRO_BATCHES)
+    token_counts = pc.list_value_length(table["input_ids"]).to_pylist()
+    for name in ("position_ids", *STREAM_COLUMNS):
+        lengths = pc.list_value_length(table[name]).to_pylist()
+        for index, (length, expected) in enumerate(zip(lengths, token_counts)):
+            if length != expected:
+                raise ValueError(
+                    f"micro-batch {index}: column {name!r} has {length} entries, input_ids has {expected}"
+                )
+    for index, (row_lengths, positions, expected) in enumerate(
+        zip(table["sequence_lengths"].to_pylist(), table["position_ids"].to_pylist(), token_counts)
+    ):
+        if len(row_lengths) != len(table["sample_ids"][index]):
+            raise ValueError(f"micro-batch {index}: {len(row_lengths)} sequence lengths for as many sample ids")
+        if sum(row_lengths) != expected or min(row_lengths, default=1) < 1:
+            raise ValueError(f"micro-batch {index}: sequence_lengths {row_lengths} do not tile {expected} tokens")
+        if not np.array_equal(np.asarray(positions), _restarting_positions(row_lengths)):
+            raise ValueError(f"micro-batch {index}: position_ids do not restart at 0 per sequence")
+
+
+def _validated_rows(samples: pa.Table) -> list[dict]:
+    """Samples as Python rows, each per-token column checked against len(input_ids)."""
+    rows = conform(samples, TRAINING_SAMPLES).to_pylist()
+    seen: set[str] = set()
+    for row in rows:
+        sample_id = row["sample_id"]
+        if sample_id in seen:
+            raise ValueError(f"sample {sample_id!r} appears twice")
+        seen.add(sample_id)
+        input_ids = row["input_ids"]
+        if not input_ids:
+            raise ValueError(f"sample {sample_id!r} has no tokens")
+        if row["loss_mask"] is None:
+            raise ValueError(f"sample {sample_id!r}: column 'loss_mask' is null")
+        for name in STREAM_COLUMNS:
+            values = row[name]
+            if values is None:
+                continue
+            if len(values) != len(input_ids):
+                raise ValueError(
+                    f"sample {sample_id!r}: column {name!r} has {len(values)} entries, "
+                    f"input_ids has {len(input_ids)}"
+                )
+            if any(value is None for value in values):
+                raise ValueError(f"sample {sample_id!r}: column {name!r} has null entries")
+        # The first token has no prediction (see the module docstring), so weight there would be lost.
+        for name in WEIGHT_COLUMNS:
+            if row[name] is not None and row[name][0]:
+                raise ValueError(
+                    f"sample {sample_id!r}: column {name!r} is non-zero on the first token, which is never "
+                    f"predicted"
+                )
+    return rows
+
+
+def _materialised(row: dict, name: str) -> list:
+    """A stream with its null replaced by the documented default."""
+    if row[name] is not None:
+        return row[name]
+    default = TRAINING_SAMPLE_DEFAULTS[name]
+    if default == "loss_mask":
+        return [1.0 if keep else 0.0 for keep in row["loss_mask"]]
+    return [float(default)] * len(row["input_ids"])
+
+
+def _micro_batches(groups: Sequence[Sequence[dict]]) -> pa.Table:
+    records = []
+    for index, group in enumerate(groups):
+        lengths = [len(row["input_ids"]) for row in group]
+        record = {
+            "micro_batch_index": index,
+            "sample_ids": [row["sample_id"] for row in group],
+            "sequence_lengths": lengths,
+            "position_ids": _restarting_positions(lengths).tolist(),
+            "input_ids": [token for row in group for token in row["input_ids"]],
+        }
+        for name in STREAM_COLUMNS:
+            record[name] = [value for row in group for value in _materialised(row, name)]
+        records.append(record)
+    table = pa.Table.from_pylist(records, schema=MICRO_BATCHES)
+    check_micro_batches(table)
+    return table
+
+
+def _restarting_positions(sequence_lengths: Sequence[int]) -> np.ndarray:
+    if not sequence_lengths:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(length, dtype=np.int64) for length in sequence_lengths])
+
+
+# --- micro-batch -> tensors ----------------------------------------------------------------------------------
+
+
+def collate_micro_batch(row: dict, *, packed: bool, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """One MICRO_BATCHES row (e.g. from `table.to_pylist()`) as model inputs plus flat per-token streams.
+
+    packed=True:  input_ids [1, T], position_ids [1, T] restarting per sequence; no attention_mask (its absence
+                  is what lets transformers detect the packed sequences).
+    packed=False: input_ids [B, Tmax] right-padded with pad_token_id, attention_mask [B, Tmax], position_ids
+                  [B, Tmax] (0 on padding).
+    Both: sequence_lengths [B], and every stream in STREAM_COLUMNS as [T] over real tokens in packed order
+    (loss_mask bool, the rest float32).
+    """
+    lengths = [int(length) for length in row["sequence_lengths"]]
+    input_ids = torch.as_tensor(np.asarray(row["input_ids"], dtype=np.int64))
+    position_ids = torch.as_tensor(np.asarray(row["position_ids"], dtype=np.int64))
+    total = int(input_ids.numel())
+    if sum(lengths) != total or position_ids.numel() != total:
+        raise ValueError(f"micro-batch {row.get('micro_batch_index')}: sequence_lengths/position_ids misaligned")
+
+    batch: dict[str, torch.Tensor] = {"sequence_lengths": torch.tensor(lengths, dtype=torch.long)}
+    if packed:
+        batch["input_ids"] = input_ids.unsqueeze(0)
+        batch["position_ids"] = position_ids.unsqueeze(0)
+    else:
+        width = max(lengths)
+        padded_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+        padded_positions = torch.zeros((len(lengths), width), dtype=torch.long)
+        for sequence, chunk in enumerate(torch.split(input_ids, lengths)):
+            padded_ids[sequence, : chunk.numel()] = chunk
+            attention_mask[sequence, : chunk.numel()] = 1
+            padded_positions[sequence, : chunk.numel()] = torch.arange(chunk.numel())
+        batch["input_ids"] = padded_ids
+        batch["attention_mask"] = attention_mask
+        batch["position_ids"] = padded_positions
+
+    for name in STREAM_COLUMNS:
+        values = row[name]
+        if len(values) != total:
+            raise ValueError(
+                f"micro-batch {row.get('micro_batch_index')}: column {name!r} has {len(values)} entries, "
+                f"input_ids has {total}"
+            )
+        dtype = np.bool_ if name == "loss_mask" else np.float32
+        batch[name] = torch.as_tensor(np.asarray(values, dtype=dtype))
+    return batch
+
+
+def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log p(input_ids[t] | earlier tokens of the same sequence) per real token, [T], in packed order.
+
+    Works on either layout from `collate_micro_batch` and gives the same values for both. The first token of
+    each sequence gets FIRST_TOKEN_LOGPROB (0.0). Differentiable: use it inside the training step.
+    """
+    padded = "attention_mask" in batch
+    input_ids = batch["input_ids"]
+    position_ids = batch["position_ids"]
+    if padded:
+        real = batch["attention_mask"].bool()
+        outputs = model(
+            input_ids=input_ids, attention_mask=batch["attention_mask"], position_ids=position_ids, use_cache=False
+        )
+    else:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"a packed batch has exactly one row, got input_ids of shape {tuple(input_ids.shape)}")
+        real = torch.ones_like(input_ids, dtype=torch.bool)
+        # No attention_mask and no cache: transformers then reads sequence boundaries from position_ids and
+        # builds a block-diagonal causal mask (see the module docstring).
+        outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+
+    logits = outputs.logits[:, :-1].float()
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    # gather - logsumexp avoids materialising a second [B, T, V] tensor for log_softmax.
+    predicted = torch.gather(logits, -1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    # Position 0 of a row is never predicted; pad it so position t holds the logprob of token t.
+    predicted = torch.nn.functional.pad(predicted, (1, 0), value=FIRST_TOKEN_LOGPROB)
+
+    flat = predicted[real]
+    # In the packed layout the logit before a sequence start belongs to the previous sequence: discard it.
+    sequence_starts = position_ids[real] == 0
+    return flat.masked_fill(sequence_starts, FIRST_TOKEN_LOGPROB)

@@ -1,0 +1,45 @@
+"""Example reward functions, importable so the sync ones can run in worker processes.
+
+They double as the fixtures of tests/test_reward_loop.py and bench/bench_reward_loop.py. A user's own module
+looks the same: module-level functions taking a RewardInput, referenced in config as "my_pkg.rewards:name".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from rollout_lib.reward.functions import RewardInput
+
+
+def sleep_then_one(inp: RewardInput) -> float:
+    """Sync, latency-bound: sleeps info["sleep_s"] seconds (default 0.05), then 1.0. 1000 s = a hung call."""
+    time.sleep(float(inp.info.get("sleep_s", 0.05)))
+    return 1.0
+
+
+async def async_sleep_then_one(inp: RewardInput) -> float:
+    """The async twin of sleep_then_one, the shape of a call to an LLM judge or a sandbox."""
+    await asyncio.sleep(float(inp.info.get("sleep_s", 0.05)))
+    return 1.0
+
+
+def always_fails(inp: RewardInput) -> float:
+    """Raises: the loop records a missing reward with this error text."""
+    raise ValueError(f"cannot score completion of length {len(inp.completion_text)}")
+
+
+def crash_worker(inp: RewardInput) -> float:
+    """Ends its process abruptly, as a segfaulting extension would."""
+    os._exit(3)
+
+
+def completion_length(inp: RewardInput) -> float:
+    """Sync and instant: the completion's length in characters."""
+    return float(len(inp.completion_text))
+
+
+def worker_pid(inp: RewardInput) -> float:
+    """Which process ran the call (sync functions run in worker processes, never in the caller)."""
+    return float(os.getpid())

@@ -1,0 +1,181 @@
+"""Reward functions: the input they receive, the built-ins, and resolving a function from its config name.
+
+A reward function takes one `RewardInput` and returns a float, or a dict with a "score" key (room for extra
+diagnostics later). It may be `def` or `async def`; the loop (`loop.py`) detects which. Sync functions run in
+worker processes, so they must be picklable: a module-level function of an importable module, a
+`functools.partial` of one, or an instance of a module-level class. Everything here is module-level for that
+reason.
+
+A function that cannot score (no answer to compare with, a malformed entry) raises: the loop records the
+reward as missing with the error text, never as a silent 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """Everything a reward function may look at for one rollout."""
+
+    prompt: list[dict]  # chat messages [{role, content}, ...]
+    completion_text: str
+    answer: str | None = None
+    info: dict = field(default_factory=dict)  # parsed from the JSON `info` column of PROMPTS / ROLLOUTS
+    env: str = ""
+
+
+def as_score(value: Any) -> float:
+    """The float a reward function's return value stands for; anything else is the function's bug."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"reward dict has no 'score' key (keys: {sorted(value)})")
+        value = value["score"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # bool is an int subclass; a True that slips through is almost always a missing float() somewhere.
+        raise TypeError(f"reward must be a float or {{'score': float}}, got {type(value).__name__}: {value!r}")
+    score = float(value)
+    if not math.isfinite(score):
+        # A NaN would poison every group mean it touches; treat it as a failed reward instead.
+        raise ValueError(f"reward is not finite: {score}")
+    return score
+
+
+# --- built-ins -----------------------------------------------------------------------------------------------
+
+
+def _require_answer(inp: RewardInput, function_name: str) -> str:
+    if inp.answer is None:
+        raise ValueError(f"{function_name} needs an answer, but the example has none")
+    return inp.answer
+
+
+def exact_match(inp: RewardInput) -> float:
+    """1.0 when the stripped completion equals the stripped answer, else 0.0."""
+    return float(inp.completion_text.strip() == _require_answer(inp, "exact_match").strip())
+
+
+def contains_answer(inp: RewardInput) -> float:
+    """1.0 when the stripped answer occurs anywhere in the completion, else 0.0."""
+    return float(_require_answer(inp, "contains_answer").strip() in inp.completion_text)
+
+
+# Thousands separators only in proper groups ("1,234"), so "3,4" reads as two numbers, not 34.
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
+
+
+def _parse_number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def number_match(inp: RewardInput, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> float:
+    """1.0 when the last number in the completion equals the numeric answer, else 0.0 (also when no number)."""
+    answer = _require_answer(inp, "number_match").strip()
+    try:
+        expected = _parse_number(answer)
+    except ValueError:
+        raise ValueError(f"number_match: answer {answer!r} is not a number") from None
+    numbers = _NUMBER.findall(inp.completion_text)
+    if not numbers:
+        return 0.0
+    return float(math.isclose(_parse_number(numbers[-1]), expected, rel_tol=rel_tol, abs_tol=abs_tol))
+
+
+def target_length(inp: RewardInput, *, target: int = 20, unit: str = "words") -> float:
+    """Toy learnable reward: 1 - |length - target| / target, clipped to [0, 1]; length in words or chars."""
+    if target <= 0:
+        raise ValueError(f"target_length: target must be > 0, got {target}")
+    if unit == "words":
+        length = len(inp.completion_text.split())
+    elif unit == "chars":
+        length = len(inp.completion_text)
+    else:
+        raise ValueError(f"target_length: unit must be 'words' or 'chars', got {unit!r}")
+    return max(0.0, 1.0 - abs(length - target) / target)
+
+
+@functools.lru_cache(maxsize=64)
+def _reasoning_gym_dataset(name: str, config_json: str):
+    # Datasets are cheap to build but some load word lists etc.; one per (name, config) per process.
+    import reasoning_gym  # imported here: ~1 s, and only this built-in needs it
+
+    return reasoning_gym.create_dataset(name, **json.loads(config_json))
+
+
+def reasoning_gym_score(inp: RewardInput, *, require_tags: bool = False) -> float:
+    """reasoning_gym's own `score_answer` for info["rg_dataset"] on info["rg_entry"] (the generated item).
+
+    The answer is the last `<answer>...</answer>` block (reasoning_gym's prompt convention); without one the
+    whole stripped completion is scored, unless `require_tags`, in which case it scores 0.0.
+    `info["rg_config"]` (optional) is the dataset config the entry was generated with.
+    """
+    from reasoning_gym.utils import extract_answer
+
+    name = inp.info.get("rg_dataset")
+    entry = inp.info.get("rg_entry")
+    if not name or not isinstance(entry, dict):
+        raise ValueError("reasoning_gym needs info['rg_dataset'] (a name) and info['rg_entry'] (the item dict)")
+    config_json = json.dumps(inp.info.get("rg_config") or {}, sort_keys=True)
+    dataset = _reasoning_gym_dataset(name, config_json)
+    extracted = extract_answer(inp.completion_text)
+    if extracted is None:
+        if require_tags:
+            return 0.0
+        extracted = inp.completion_text.strip()
+    return float(dataset.score_answer(extracted, entry))
+
+
+BUILTIN_REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
+    "exact_match": exact_match,
+    "contains_answer": contains_answer,
+    "number_match": number_match,
+    "target_length": target_length,
+    "reasoning_gym": reasoning_gym_score,
+}
+
+
+# --- resolution ----------------------------------------------------------------------------------------------
+
+
+def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[..., Any]:
+    """A built-in name ("number_match") or an import path ("package.module:attr"), with kwargs bound.
+
+    kwargs are bound with `functools.partial`, which stays picklable for the sync worker processes.
+    """
+    if ":" in spec:
+        module_name, _, attr_path = spec.partition(":")
+        try:
+            target: Any = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+        for attr in attr_path.split("."):
+            try:
+                target = getattr(target, attr)
+            except AttributeError:
+                raise ValueError(f"reward function {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
+    else:
+        if spec not in BUILTIN_REWARD_FUNCTIONS:
+            raise ValueError(
+                f"unknown built-in reward function {spec!r}; available: {sorted(BUILTIN_REWARD_FUNCTIONS)} "
+                "(or an import path 'package.module:attr')"
+            )
+        target = BUILTIN_REWARD_FUNCTIONS[spec]
+    if not callable(target):
+        raise ValueError(f"reward function {spec!r} is not callable: {type(target).__name__}")
+    if kwargs:
+        # A misspelt kwarg is a config error: fail here, not once per rollout inside the loop.
+        try:
+            inspect.signature(target).bind_partial(**kwargs)
+        except TypeError as exc:
+            raise ValueError(f"reward function {spec!r}: bad kwargs {sorted(kwargs)}: {exc}") from None
+        except ValueError:
+            pass  # no introspectable signature (some C callables): let the call itself complain
+    return functools.partial(target, **kwargs) if kwargs else target

@@ -1,0 +1,246 @@
+"""The reward loop: score each rollout asynchronously with a weighted sum of reward functions.
+
+Modelled on verl's reward loop (seed 004): each sample is scored on its own coroutine, so latency-bound
+rewards (an LLM judge, a sandbox) overlap instead of queueing. Unlike verl, sync functions do not go to a
+thread executor: a hung thread cannot be stopped. They run in `pool.SyncWorkerPool`, whose worker processes
+are killed on timeout. Async functions are cancelled on timeout.
+
+Limits of "a timeout that really stops the work":
+- an async function that blocks the event loop (time.sleep inside `async def`) stalls everything and cannot be
+  interrupted; one that swallows CancelledError is abandoned after `kill_grace_s` (its task keeps running);
+- a sync function must be picklable (see functions.py) because it runs in another process;
+- the timeout covers running the function, not waiting for a free concurrency slot or worker.
+
+Every failure (exception, timeout, dead worker, a non-float return) makes that rollout's reward None with the
+error text; it never crashes the step. Use `raise_if_all_missing` to fail a step where nothing scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+import os
+from typing import Any, Callable, Sequence
+
+from rollout_lib.reward.functions import RewardInput, as_score
+from rollout_lib.reward.pool import RewardTimeout, SyncWorkerPool, WorkerFunctionError
+from rollout_lib.reward.results import (  # re-exported: the loop's vocabulary
+    AllRewardsFailedError,
+    RewardResult,
+    raise_if_all_missing,
+    reward_metrics,
+)
+from rollout_lib.reward.tables import apply_rewards
+
+__all__ = [
+    "AllRewardsFailedError",
+    "RewardLoop",
+    "RewardResult",
+    "apply_rewards",
+    "is_async_callable",
+    "raise_if_all_missing",
+    "reward_metrics",
+    "score_rollouts",
+    "score_rollouts_sync",
+]
+
+DEFAULT_KILL_GRACE_S = 1.0
+
+
+def is_async_callable(fn: Any) -> bool:
+    """True when calling fn returns an awaitable by construction: `async def`, a bound async method, a
+    functools.partial of one (at any depth), or an instance whose `__call__` is `async def`."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):  # also sees through bound methods
+        return True
+    if isinstance(fn, type):  # calling a class constructs an instance, whatever its __call__ is
+        return False
+    return inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))
+
+
+def function_name(fn: Any) -> str:
+    """A readable name for metrics and errors: the underlying function's name, through partials."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _unique_names(functions: Sequence[Callable[..., Any]]) -> list[str]:
+    names: list[str] = []
+    for fn in functions:
+        base = function_name(fn)
+        name, n = base, 1
+        while name in names:
+            n += 1
+            name = f"{base}#{n}"
+        names.append(name)
+    return names
+
+
+class RewardLoop:
+    """Owns the sync worker processes across steps; use as a context manager so they are always shut down.
+
+        with RewardLoop([(number_match, 1.0)], concurrency=32, timeout_s=10) as loop:
+            results = loop.score(items)
+    """
+
+    def __init__(
+        self,
+        functions: Sequence[tuple[Callable[..., Any], float]],
+        *,
+        concurrency: int = 32,
+        timeout_s: float = 10.0,
+        kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+        sync_workers: int | None = None,
+        start_method: str | None = None,
+    ) -> None:
+        if not functions:
+            raise ValueError("RewardLoop needs at least one (function, weight)")
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        for fn, weight in functions:
+            if not callable(fn):
+                raise TypeError(f"reward function {fn!r} is not callable")
+            if not math.isfinite(weight):
+                raise ValueError(f"weight of {function_name(fn)!r} must be finite, got {weight}")
+        self._functions = [fn for fn, _ in functions]
+        self._weights = [float(weight) for _, weight in functions]
+        self._names = _unique_names(self._functions)
+        self._is_async = [is_async_callable(fn) for fn in self._functions]
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.kill_grace_s = kill_grace_s
+        # Sync functions run by index in the pool; only they are pickled, async ones may be closures.
+        self._pool_index: dict[int, int] = {}
+        sync_functions = []
+        for i, fn in enumerate(self._functions):
+            if not self._is_async[i]:
+                self._pool_index[i] = len(sync_functions)
+                sync_functions.append(fn)
+        self._pool: SyncWorkerPool | None = None
+        if sync_functions:
+            # Sync reward functions are usually CPU-bound (parsing, verifying): more workers than cores
+            # would not go faster. Latency-bound ones should be async, or raise sync_workers.
+            size = sync_workers or min(concurrency, os.cpu_count() or 1)
+            self._pool = SyncWorkerPool(
+                sync_functions, size=size, kill_grace_s=kill_grace_s, start_method=start_method
+            )
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> RewardLoop:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def sync_worker_pids(self) -> list[int]:
+        """Pids of the live sync workers (for tests and debugging; started lazily on the first sync call)."""
+        return self._pool.pids() if self._pool is not None else []
+
+    # -- scoring --------------------------------------------------------------------------------------------------
+
+    def score(self, items: Sequence[RewardInput]) -> list[RewardResult]:
+        """Score from sync code (runs its own event loop; use `ascore` inside a running loop)."""
+        return asyncio.run(self.ascore(items))
+
+    async def ascore(self, items: Sequence[RewardInput]) -> list[RewardResult]:
+        """One RewardResult per item, in order."""
+        # Bounds function calls in flight, whatever mix of items and functions they belong to.
+        slots = asyncio.Semaphore(self.concurrency)
+        return list(await asyncio.gather(*(self._score_item(item, slots) for item in items)))
+
+    async def _score_item(self, item: RewardInput, slots: asyncio.Semaphore) -> RewardResult:
+        outcomes = await asyncio.gather(*(self._call(i, item, slots) for i in range(len(self._functions))))
+        per_function = {name: score for name, (score, _) in zip(self._names, outcomes)}
+        errors = [error for _, error in outcomes if error is not None]
+        if errors:
+            return RewardResult(reward=None, error="; ".join(errors), per_function=per_function)
+        reward = math.fsum(weight * score for weight, (score, _) in zip(self._weights, outcomes))
+        return RewardResult(reward=reward, error=None, per_function=per_function)
+
+    async def _call(self, i: int, item: RewardInput, slots: asyncio.Semaphore) -> tuple[float | None, str | None]:
+        """(score, None) or (None, "Type: reward fn 'name' ...")."""
+        name = self._names[i]
+        async with slots:
+            try:
+                if self._is_async[i]:
+                    value = await self._call_async(self._functions[i], item)
+                else:
+                    assert self._pool is not None
+                    value = await self._pool.call(self._pool_index[i], item, self.timeout_s)
+                return as_score(value), None
+            except RewardTimeout:
+                return None, f"TimeoutError: reward fn '{name}' exceeded {self.timeout_s}s"
+            except WorkerFunctionError as exc:  # already "Type: message" from the worker
+                type_name, _, message = str(exc).partition(": ")
+                return None, f"{type_name}: reward fn '{name}': {message}"
+            except Exception as exc:  # noqa: BLE001 - a reward failure must never crash the step
+                return None, f"{type(exc).__name__}: reward fn '{name}': {exc}"
+
+    async def _call_async(self, fn: Callable[..., Any], item: RewardInput) -> Any:
+        task = asyncio.ensure_future(fn(item))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+        finally:
+            if not task.done():
+                task.cancel()  # also when we ourselves are cancelled: never leave the work running
+        if task in done:
+            return task.result()
+        # Give the cancellation a bounded chance to run its cleanup (finally blocks, closing connections).
+        await asyncio.wait({task}, timeout=self.kill_grace_s)
+        if not task.done():
+            task.add_done_callback(_consume_result)  # swallows CancelledError: abandon, don't warn later
+        raise RewardTimeout
+
+
+def _consume_result(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def score_rollouts(
+    items: Sequence[RewardInput],
+    functions: Sequence[tuple[Callable[..., Any], float]],
+    *,
+    concurrency: int,
+    timeout_s: float,
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+    sync_workers: int | None = None,
+) -> list[RewardResult]:
+    """Score items once with a throwaway RewardLoop (its worker processes are shut down on return)."""
+    with RewardLoop(
+        functions, concurrency=concurrency, timeout_s=timeout_s, kill_grace_s=kill_grace_s, sync_workers=sync_workers
+    ) as loop:
+        return await loop.ascore(items)
+
+
+def score_rollouts_sync(
+    items: Sequence[RewardInput],
+    functions: Sequence[tuple[Callable[..., Any], float]],
+    *,
+    concurrency: int,
+    timeout_s: float,
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+    sync_workers: int | None = None,
+) -> list[RewardResult]:
+    """`score_rollouts` from sync code."""
+    return asyncio.run(
+        score_rollouts(
+            items,
+            functions,
+            concurrency=concurrency,
+            timeout_s=timeout_s,
+            kill_grace_s=kill_grace_s,
+            sync_workers=sync_workers,
+        )
+    )

@@ -1,0 +1,58 @@
+"""Between the reward loop and the wire: RewardInputs from ROLLOUTS (+ PROMPTS) rows, rewards back into them."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+from rollout_lib import wire
+from rollout_lib.reward.functions import RewardInput
+from rollout_lib.reward.results import RewardResult
+
+
+def reward_inputs(rollouts: pa.Table, prompts: pa.Table | None = None) -> list[RewardInput]:
+    """One RewardInput per rollout row; prompt messages come from PROMPTS rows matched on example_id.
+
+    Without a prompts table the prompt is empty (most rule-based rewards only need completion, answer, info).
+    """
+    messages_by_example: dict[str, list[dict]] = {}
+    if prompts is not None:
+        for example_id, messages in zip(
+            prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()
+        ):
+            messages_by_example[example_id] = messages
+    columns = {name: rollouts.column(name).to_pylist() for name in ("example_id", "env", "completion_text", "answer", "info")}
+    inputs = []
+    for row, example_id in enumerate(columns["example_id"]):
+        if prompts is not None and example_id not in messages_by_example:
+            raise ValueError(f"rollout row {row}: example_id {example_id!r} is not in the prompts table")
+        info_text = columns["info"][row]
+        inputs.append(
+            RewardInput(
+                prompt=messages_by_example.get(example_id, []),
+                completion_text=columns["completion_text"][row],
+                answer=columns["answer"][row],
+                info=json.loads(info_text) if info_text else {},
+                env=columns["env"][row],
+            )
+        )
+    return inputs
+
+
+def apply_rewards(rollouts: pa.Table, results: list[RewardResult]) -> pa.Table:
+    """The rollouts with `reward` / `reward_error` replaced (or added) from results, row for row."""
+    if len(results) != rollouts.num_rows:
+        raise ValueError(f"{len(results)} reward results for {rollouts.num_rows} rollouts")
+    for name, values in (
+        ("reward", [r.reward for r in results]),
+        ("reward_error", [r.error for r in results]),
+    ):
+        schema_field = wire.ROLLOUTS.field(name)
+        column = pa.array(values, type=schema_field.type)
+        index = rollouts.schema.get_field_index(name)
+        if index == -1:
+            rollouts = rollouts.append_column(schema_field, column)
+        else:
+            rollouts = rollouts.set_column(index, schema_field, column)
+    return rollouts

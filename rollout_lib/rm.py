@@ -1,0 +1,219 @@
+"""Bradley-Terry reward-model training on pairs: tokenization, the batch plan, the train step, evaluation.
+
+Everything here is deterministic on CPU: the batch plan derives from the seed, each step seeds dropout from
+(seed, step), and the learning rate is a function of the step, so a run restored from a snapshot replays
+exactly what an uninterrupted run computed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rollout_lib import wire
+from rollout_lib.config.rm import RmConfig
+from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
+from rollout_lib.model.loading import load_reward_model, load_tokenizer, resolve_model
+from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_scores
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
+from rollout_lib.trainer.determinism import seed_for_step, use_deterministic_torch
+from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training step produced a NaN/inf loss; the step fails instead of corrupting the weights."""
+
+
+def tokenize_pairs(pairs: pa.Table, tokenizer, max_seq_len: int) -> pa.Table:
+    rows = pairs.to_pydict()
+    chosen = [encode_prompt_response(tokenizer, p, c, max_seq_len) for p, c in zip(rows["prompt"], rows["chosen"])]
+    rejected = [encode_prompt_response(tokenizer, p, r, max_seq_len)
+                for p, r in zip(rows["prompt"], rows["rejected"])]
+    return pa.Table.from_pydict(
+        {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "margin": rows["margin"],
+         "source_line": rows["source_line"]},
+        schema=wire.TOKENIZED_PAIRS,
+    )
+
+
+def plan_batches(num_rows: int, minibatch_size: int, max_steps: int, seed: int) -> pa.Table:
+    """Row indices of every step's minibatch: a fresh seeded permutation per epoch, consumed in order."""
+    needed = minibatch_size * max_steps
+    order: list[int] = []
+    epoch = 0
+    while len(order) < needed:
+        order.extend(np.random.default_rng([seed, epoch]).permutation(num_rows).tolist())
+        epoch += 1
+    return pa.Table.from_pydict(
+        {"step": list(range(1, max_steps + 1)),
+         "row_indices": [order[i * minibatch_size:(i + 1) * minibatch_size] for i in range(max_steps)]},
+        schema=wire.BATCH_PLAN,
+    )
+
+
+@dataclass
+class PairBatch:
+    input_ids: torch.Tensor  # [2B, T]: chosen rows first, then rejected rows
+    attention_mask: torch.Tensor
+    margin: torch.Tensor | None
+    size: int
+
+
+def collate_pairs(tokenized: pa.Table, rows: list[int], pad_token_id: int) -> PairBatch:
+    picked = tokenized.take(rows).to_pydict()
+    input_ids, attention_mask = pad_right(picked["chosen_input_ids"] + picked["rejected_input_ids"], pad_token_id)
+    margins = picked["margin"]
+    margin = None
+    if any(m is not None for m in margins):
+        margin = torch.tensor([m or 0.0 for m in margins], dtype=torch.float32)
+    return PairBatch(input_ids, attention_mask, margin, len(rows))
+
+
+def forward_pairs(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    rewards = reward_scores(model, batch.input_ids, batch.attention_mask)
+    return rewards[: batch.size], rewards[batch.size:]
+
+
+@dataclass
+class RmRun:
+    """Content ids and settings that define a run; everything a trainer needs to (re)build itself."""
+
+    store: ObjectStore
+    config: RmConfig
+    settings_hash: str
+    tokenized_id: str
+    plan_id: str
+
+
+class RewardModelTrainer:
+    def __init__(self, run: RmRun, model, tokenizer, optimizer, step: int, checkpoint_id: str | None,
+                 model_files: dict):
+        self.run = run
+        self.model = model
+        self.tokenizer = tokenizer
+        self.optimizer = optimizer
+        self.step = step
+        self.checkpoint_id = checkpoint_id  # the last snapshot this state descends from
+        self.model_files = model_files
+        self._tokenized: pa.Table | None = None
+        self._plan: pa.Table | None = None
+
+    # --- construction -------------------------------------------------------------------------------------
+
+    @classmethod
+    def _build(cls, run: RmRun):
+        use_deterministic_torch()
+        resolved = resolve_model(run.config.settings.base_model)
+        tokenizer = load_tokenizer(resolved)
+        torch.manual_seed(run.config.run.seed)  # the new score head is initialised from the run's seed
+        model = load_reward_model(resolved)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        optimizer = build_optimizer(model.parameters(), run.config.settings.optimizer)
+        return model, tokenizer, optimizer
+
+    @classmethod
+    def initial_checkpoint(cls, run: RmRun) -> str:
+        """Step 0: the base model with its freshly initialised head, stored so every later step can replay."""
+        model, tokenizer, optimizer = cls._build(run)
+        trainer = cls(run, model, tokenizer, optimizer, 0, None, save_model_files(run.store, model, tokenizer))
+        return trainer.snapshot(metrics={})
+
+    @classmethod
+    def from_checkpoint(cls, run: RmRun, checkpoint_id: str) -> "RewardModelTrainer":
+        manifest = read_manifest(run.store, checkpoint_id)
+        model, tokenizer, optimizer = cls._build(run)
+        restore_checkpoint(run.store, manifest, model, optimizer)
+        return cls(run, model, tokenizer, optimizer, manifest["step"], checkpoint_id, manifest["model"])
+
+    # --- training -----------------------------------------------------------------------------------------
+
+    @property
+    def tokenized(self) -> pa.Table:
+        if self._tokenized is None:
+            self._tokenized = self.run.store.get_table(self.run.tokenized_id, wire.TOKENIZED_PAIRS)
+        return self._tokenized
+
+    @property
+    def plan(self) -> pa.Table:
+        if self._plan is None:
+            self._plan = self.run.store.get_table(self.run.plan_id, wire.BATCH_PLAN)
+        return self._plan
+
+    def train_step(self, step: int) -> dict[str, float]:
+        if step != self.step + 1:
+            raise RuntimeError(f"trainer is at step {self.step}; cannot run step {step}")
+        settings = self.run.config.settings
+        started = time.perf_counter()
+        rows = self.plan.column("row_indices")[step - 1].as_py()
+        batch = collate_pairs(self.tokenized, rows, self.tokenizer.pad_token_id)
+        lr = lr_at(step, settings.optimizer, settings.budget.max_steps)
+        set_lr(self.optimizer, lr)
+        torch.manual_seed(seed_for_step(self.run.config.run.seed, step))  # dropout masks, replayable
+        self.model.train()
+        r_chosen, r_rejected = forward_pairs(self.model, batch)
+        loss = bradley_terry_batch_mean(r_chosen, r_rejected, batch.margin, settings.center_rewards_coefficient)
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(f"train step {step}: loss is {loss.item()} (non-finite); weights not updated")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if settings.optimizer.max_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.optimizer.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteLossError(f"train step {step}: gradient norm is {grad_norm.item()}; weights not updated")
+        self.optimizer.step()
+        self.step = step
+        elapsed = time.perf_counter() - started
+        return {
+            "step": step,
+            "loss": loss.item(),
+            **{k: v for k, v in pair_metrics(r_chosen.detach(), r_rejected.detach()).items()},
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "pairs_per_s": batch.size / elapsed,
+        }
+
+    def snapshot(self, metrics: dict) -> str:
+        # Timing metrics differ run to run; only deterministic ones go into the (content-addressed) manifest.
+        deterministic = {k: v for k, v in metrics.items() if k != "pairs_per_s"}
+        self.checkpoint_id = save_checkpoint(
+            self.run.store, model=self.model, optimizer=self.optimizer, model_files=self.model_files,
+            step=self.step, parent=self.checkpoint_id, settings_hash=self.run.settings_hash,
+            extra={"kind_of_model": "reward_model", "base_model": self.run.config.settings.base_model.uri,
+                   "data": {"tokenized": self.run.tokenized_id, "plan": self.run.plan_id, "cursor": self.step},
+                   "seed": self.run.config.run.seed, "metrics": deterministic},
+        )
+        return self.checkpoint_id
+
+
+@torch.no_grad()
+def evaluate_pairs(model, tokenized: pa.Table, pad_token_id: int, batch_size: int) -> dict[str, float]:
+    """Held-out pair accuracy (r_chosen > r_rejected), mean reward margin and mean loss, dropout off."""
+    model.eval()
+    chosen, rejected = [], []
+    for start in range(0, tokenized.num_rows, batch_size):
+        rows = list(range(start, min(start + batch_size, tokenized.num_rows)))
+        r_c, r_r = forward_pairs(model, collate_pairs(tokenized, rows, pad_token_id))
+        chosen.append(r_c)
+        rejected.append(r_r)
+    r_c, r_r = torch.cat(chosen), torch.cat(rejected)
+    return {**pair_metrics(r_c, r_r), "loss": bradley_terry_batch_mean(r_c, r_r).item(), "pairs": tokenized.num_rows}
+
+
+@torch.no_grad()
+def score_responses(model, tokenizer, responses: pa.Table, max_seq_len: int, batch_size: int = 32) -> pa.Table:
+    model.eval()
+    rows = responses.to_pydict()
+    encoded = [encode_prompt_response(tokenizer, p, r, max_seq_len) for p, r in zip(rows["prompt"], rows["response"])]
+    rewards: list[float] = []
+    for start in range(0, len(encoded), batch_size):
+        input_ids, attention_mask = pad_right(encoded[start:start + batch_size], tokenizer.pad_token_id)
+        rewards.extend(reward_scores(model, input_ids, attention_mask).tolist())
+    return responses.append_column(wire.SCORED_RESPONSES.field("reward"), pa.array(rewards, pa.float64()))

@@ -1,0 +1,241 @@
+"""Content-addressed object store on any fsspec filesystem (local directory, ``memory://``, ``s3://``).
+
+Layout under ``<root>``:
+
+* ``objects/<first two hex>/<blake3 hex>``: immutable objects, named by the blake3 of their bytes;
+* ``refs/<name>``: small mutable pointers (an object id and a newline), e.g. ``refs/runs/rm-default/latest``;
+* ``tmp/<uuid>``: staging area for atomic writes on local disks.
+
+Writes are atomic and idempotent; every read re-hashes the bytes, so corruption fails loudly. Tensors are
+stored as safetensors and tables as Arrow IPC streams: nothing in the store is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from typing import Any
+
+import blake3
+import fsspec
+import pyarrow as pa
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+from rollout_lib import wire
+
+_ID_RE = re.compile(r"[0-9a-f]{64}")
+_REF_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+_PARALLEL_HASH_BYTES = 1 << 20  # above this, blake3's multithreading pays for itself (large weight files)
+
+
+class StoreError(Exception):
+    """Base class of every error raised by the store."""
+
+
+class ObjectNotFoundError(StoreError):
+    """The requested object is not in the store."""
+
+
+class CorruptObjectError(StoreError):
+    """An object's bytes no longer hash to its id."""
+
+
+def content_id(data: bytes) -> str:
+    """The blake3 hex digest of ``data``: the id of an object with these bytes."""
+    threads = blake3.blake3.AUTO if len(data) >= _PARALLEL_HASH_BYTES else 1
+    return blake3.blake3(data, max_threads=threads).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    """One byte string per JSON value: sorted keys, no whitespace, UTF-8, and no NaN/Infinity."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _check_id(object_id: str) -> str:
+    if not isinstance(object_id, str) or not _ID_RE.fullmatch(object_id):
+        raise StoreError(f"invalid object id {object_id!r}: expected 64 lowercase hex characters")
+    return object_id
+
+
+def _check_ref_name(name: str) -> str:
+    segments = name.split("/") if isinstance(name, str) else []
+    if not segments or any(not _REF_SEGMENT_RE.fullmatch(s) or s in (".", "..") for s in segments):
+        raise StoreError(
+            f"invalid ref name {name!r}: expected '/'-separated segments of letters, digits, '_', '-', '.' "
+            "(no leading '/', no '.' or '..' segments)"
+        )
+    return name
+
+
+def _canonical_safetensors(data: bytes) -> bytes:
+    """Rewrite a safetensors header so that ``__metadata__`` keys are sorted.
+
+    safetensors serialises metadata from a Rust HashMap, whose order changes from process to process; without
+    this, equal tensors with equal metadata would get different ids in different runs.
+    """
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    if not header.get("__metadata__"):
+        return data  # tensor entries are already in a deterministic order
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    new = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    new += b" " * (-len(new) % 8)  # keep the data section 8-byte aligned, as safetensors does
+    return len(new).to_bytes(8, "little") + new + data[8 + n :]
+
+
+class ObjectStore:
+    """A content-addressed store rooted at a local path or fsspec URL."""
+
+    def __init__(self, root: str, storage_options: dict | None = None):
+        self.storage_options = dict(storage_options or {})
+        self.fs, path = fsspec.core.url_to_fs(os.fspath(root), **self.storage_options)
+        self._local = isinstance(self.fs, LocalFileSystem)
+        self._base = path.rstrip("/") or path  # fsspec path: no protocol; absolute for local
+        self.root = self._base if self._local else self.fs.unstrip_protocol(self._base)
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.root!r})"
+
+    # --- paths -----------------------------------------------------------------------------------------------
+
+    def object_path(self, object_id: str) -> str:
+        """``<root>/objects/<first two hex>/<hex>``."""
+        _check_id(object_id)
+        return f"{self.root}/objects/{object_id[:2]}/{object_id}"
+
+    def _object_fspath(self, object_id: str) -> str:
+        _check_id(object_id)
+        return f"{self._base}/objects/{object_id[:2]}/{object_id}"
+
+    def _exists(self, path: str) -> bool:
+        # s3fs caches directory listings; another process may have written this object since.
+        self.fs.invalidate_cache(path)
+        return self.fs.exists(path)
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        """Make ``path`` hold exactly ``data``, never visible half-written."""
+        if not self._local:
+            # A single PUT on s3 (or a dict assignment in memory://) is already all-or-nothing.
+            self.fs.pipe_file(path, data)
+            return
+        tmp_dir = f"{self._base}/tmp"
+        os.makedirs(tmp_dir, exist_ok=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{tmp_dir}/{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
+            os.replace(tmp, path)  # atomic within one filesystem, which tmp/ and objects/ share
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    # --- bytes -----------------------------------------------------------------------------------------------
+
+    def put_bytes(self, data: bytes) -> str:
+        """Store ``data`` and return its id; a no-op when the object is already there."""
+        data = bytes(data)
+        object_id = content_id(data)
+        path = self._object_fspath(object_id)
+        if not self._exists(path):  # stored objects are never rewritten
+            self._write_atomic(path, data)
+        return object_id
+
+    def get_bytes(self, object_id: str) -> bytes:
+        """The bytes of an object, after checking that they still hash to its id."""
+        path = self._object_fspath(object_id)
+        try:
+            data = self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"object {object_id} not found in store {self.root}") from None
+        actual = content_id(data)
+        if actual != object_id:
+            raise CorruptObjectError(f"object {object_id} in {self.root} is corrupted: content hash is {actual}")
+        return data
+
+    def has(self, object_id: str) -> bool:
+        """Whether the object is stored (its content is not checked)."""
+        return self._exists(self._object_fspath(object_id))
+
+    # --- JSON ------------------------------------------------------------------------------------------------
+
+    def put_json(self, obj: Any) -> str:
+        return self.put_bytes(canonical_json(obj))
+
+    def get_json(self, object_id: str) -> Any:
+        return json.loads(self.get_bytes(object_id))
+
+    # --- Arrow tables ----------------------------------------------------------------------------------------
+
+    def put_table(self, table: pa.Table) -> str:
+        """Store a table as an Arrow IPC stream; equal tables (and schemas) give equal bytes and ids."""
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            # One batch per table, whatever its chunking, so that the bytes depend only on the content.
+            writer.write_table(table.combine_chunks())
+        return self.put_bytes(sink.getvalue().to_pybytes())
+
+    def get_table(self, object_id: str, schema: pa.Schema | None = None) -> pa.Table:
+        """Read a table; with ``schema``, conform it to that wire schema (ValueError if it cannot)."""
+        table = pa.ipc.open_stream(pa.py_buffer(self.get_bytes(object_id))).read_all()
+        if schema is None:
+            return table
+        try:
+            return wire.conform(table, schema)
+        except ValueError as exc:
+            raise ValueError(f"table {object_id} in {self.root}: {exc}") from exc
+
+    # --- tensors ---------------------------------------------------------------------------------------------
+
+    def put_tensors(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+        """Store tensors as safetensors bytes (moved to CPU, made contiguous, never pickled)."""
+        prepared: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            t = tensor.detach().to("cpu").contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr and ptr in storages:
+                t = t.clone()  # safetensors refuses tensors that share storage (tied weights, views)
+            storages.add(t.untyped_storage().data_ptr())
+            prepared[name] = t
+        return self.put_bytes(_canonical_safetensors(_st_save(prepared, metadata=metadata)))
+
+    def get_tensors(self, object_id: str) -> dict[str, torch.Tensor]:
+        """Load tensors (on CPU, each with its own storage)."""
+        return _st_load(self.get_bytes(object_id))
+
+    def get_tensors_metadata(self, object_id: str) -> dict[str, str]:
+        """The ``metadata`` given to :meth:`put_tensors` ({} if none)."""
+        data = self.get_bytes(object_id)
+        n = int.from_bytes(data[:8], "little")
+        return dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})
+
+    # --- refs ------------------------------------------------------------------------------------------------
+
+    def set_ref(self, name: str, object_id: str) -> None:
+        """Point ``refs/<name>`` at an object, which must already be stored (refs are written last)."""
+        path = f"{self._base}/refs/{_check_ref_name(name)}"
+        if not self.has(object_id):
+            raise ObjectNotFoundError(f"cannot point ref {name!r} at object {object_id}: not in store {self.root}")
+        self._write_atomic(path, f"{object_id}\n".encode())
+
+    def get_ref(self, name: str) -> str | None:
+        """The object id ``refs/<name>`` points at, or None if the ref does not exist."""
+        path = f"{self._base}/refs/{_check_ref_name(name)}"
+        try:
+            text = self.fs.cat_file(path).decode().strip()
+        except FileNotFoundError:
+            return None
+        try:
+            return _check_id(text)
+        except StoreError:
+            raise StoreError(f"ref {name!r} in {self.root} holds {text!r}, not an object id") from None

@@ -1,0 +1,1 @@
+"""Training machinery shared by every entry point: optimizers, checkpoints, live training state."""

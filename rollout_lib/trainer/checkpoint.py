@@ -1,0 +1,114 @@
+"""Checkpoints in the content-addressed store: weights and optimizer state as safetensors, a JSON manifest.
+
+A checkpoint id is the blake3 of its manifest, so two runs that reach the same weights, optimizer state, step,
+parent and settings produce the same id, byte for byte. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout_lib.store import ObjectStore, StoreError
+from rollout_lib.trainer.optim import load_optimizer_state, optimizer_state_tensors
+
+CHECKPOINT_KIND = "rollout.checkpoint/v1"
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State dict without tied duplicates (safetensors refuses shared storage); the first name is kept, which
+    is the one transformers' own save_pretrained keeps (e.g. embed_tokens over a tied lm_head)."""
+    seen: set[int] = set()
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        weights[name] = tensor.detach().cpu().contiguous()
+    return weights
+
+
+def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {name for name in missing if _is_tied(model, name, weights)}
+    if unexpected or set(missing) - tied:
+        raise StoreError(f"checkpoint weights do not fit the model: missing {sorted(set(missing) - tied)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+
+
+def _is_tied(model: torch.nn.Module, name: str, weights: dict[str, torch.Tensor]) -> bool:
+    param = model.state_dict().get(name)
+    ptr = param.untyped_storage().data_ptr() if param is not None else None
+    return any(model.state_dict()[other].untyped_storage().data_ptr() == ptr for other in weights if other != name)
+
+
+def save_model_files(store: ObjectStore, model, tokenizer) -> dict[str, Any]:
+    """Store what is needed to rebuild the model without its base: HF config JSON and tokenizer files."""
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # GGUF-loaded models are plain fp32 weights once loaded
+    config.pop("_name_or_path", None)  # a machine-specific path would break byte-identical checkpoints
+    files = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            if path.is_file():
+                files[path.name] = store.put_bytes(path.read_bytes())
+    return {
+        "architecture": type(model).__name__,
+        "config": store.put_json(config),
+        "tokenizer_files": files,
+    }
+
+
+def save_checkpoint(store: ObjectStore, *, model, optimizer, model_files: dict, step: int, parent: str | None,
+                    settings_hash: str, extra: dict[str, Any]) -> str:
+    weights_id = store.put_tensors(model_weights(model), {"format": "pt"})
+    opt_tensors, opt_meta = optimizer_state_tensors(optimizer)
+    optimizer_id = store.put_tensors(opt_tensors, opt_meta)
+    manifest = {
+        "kind": CHECKPOINT_KIND,
+        "step": step,
+        "parent": parent,
+        "weights": weights_id,
+        "optimizer": optimizer_id,
+        "model": model_files,
+        "settings_hash": settings_hash,
+        **extra,
+    }
+    return store.put_json(manifest)
+
+
+def read_manifest(store: ObjectStore, checkpoint_id: str) -> dict[str, Any]:
+    manifest = store.get_json(checkpoint_id)
+    if not isinstance(manifest, dict) or manifest.get("kind") != CHECKPOINT_KIND:
+        raise StoreError(f"object {checkpoint_id} in {store.root} is not a rollout checkpoint")
+    return manifest
+
+
+def restore_checkpoint(store: ObjectStore, manifest: dict, model, optimizer=None) -> None:
+    load_model_weights(model, store.get_tensors(manifest["weights"]))
+    if optimizer is not None:
+        load_optimizer_state(optimizer, store.get_tensors(manifest["optimizer"]),
+                             store.get_tensors_metadata(manifest["optimizer"]))
+
+
+def export_hf_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path) -> Path:
+    """Write a checkpoint as a plain Hugging Face directory that `from_pretrained` loads."""
+    from safetensors.torch import save_file
+
+    manifest = read_manifest(store, checkpoint_id)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = manifest["model"]
+    config = store.get_json(files["config"])
+    config["architectures"] = [files["architecture"]]
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for name, object_id in files["tokenizer_files"].items():
+        (directory / name).write_bytes(store.get_bytes(object_id))
+    save_file(store.get_tensors(manifest["weights"]), str(directory / "model.safetensors"), {"format": "pt"})
+    return directory

@@ -1,0 +1,72 @@
+"""Optimizers, the learning-rate schedule as a pure function of the step, and optimizer state as tensors.
+
+The schedule is a function of the step (not a stateful scheduler) so a run restored from any snapshot computes
+exactly the same learning rates as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from rollout_lib.config.common import OptimizerSettings
+
+
+def build_optimizer(params, settings: OptimizerSettings) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if settings.kind == "adamw":
+        # foreach=False: one code path on CPU and GPU, and no dependence on tensor grouping for determinism.
+        return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                                 weight_decay=settings.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
+                           weight_decay=settings.weight_decay, foreach=False)
+
+
+def lr_at(step: int, settings: OptimizerSettings, max_steps: int) -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warmup, then constant / linear / cosine decay."""
+    if settings.warmup_steps and step <= settings.warmup_steps:
+        return settings.lr * step / settings.warmup_steps
+    if settings.schedule == "constant":
+        return settings.lr
+    decay_steps = max(1, max_steps - settings.warmup_steps)
+    progress = min(1.0, (step - settings.warmup_steps) / decay_steps)
+    floor = settings.min_lr_ratio
+    if settings.schedule == "linear":
+        factor = 1.0 - progress
+    else:
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return settings.lr * (floor + (1.0 - floor) * factor)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Flatten optimizer state to named tensors plus JSON metadata, for safetensors (never pickle)."""
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
+            elif value is not None:
+                tensors[f"state.{index}.{key}"] = torch.tensor(value)
+    groups = [{k: v for k, v in group.items()} for group in state["param_groups"]]
+    return tensors, {"param_groups": json.dumps(groups, sort_keys=True)}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                         metadata: dict[str, str]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        _, index, key = name.split(".", 2)
+        state.setdefault(int(index), {})[key] = tensor
+    groups = json.loads(metadata["param_groups"])
+    for group in groups:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,155 @@
+"""Arrow schemas of every table that crosses a task boundary: one place for each fact.
+
+Per-token columns are `list<...>` aligned with `input_ids`. A nullable per-token column means "the default"
+(see `TRAINING_SAMPLE_DEFAULTS`); after packing every per-token column is materialised with exactly
+`len(input_ids)` entries.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+# --- reward models -------------------------------------------------------------------------------------------
+
+PAIRS = pa.schema(
+    [
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("chosen", pa.string(), nullable=False),
+        pa.field("rejected", pa.string(), nullable=False),
+        pa.field("margin", pa.float64(), nullable=True),
+        pa.field("source_line", pa.int64(), nullable=False),  # 1-based line in the JSONL file, for errors
+    ]
+)
+
+TOKENIZED_PAIRS = pa.schema(
+    [
+        pa.field("chosen_input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("rejected_input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("margin", pa.float64(), nullable=True),
+        pa.field("source_line", pa.int64(), nullable=False),
+    ]
+)
+
+# One row per optimizer step: which rows of the tokenized table form its minibatch.
+BATCH_PLAN = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("row_indices", pa.list_(pa.int64()), nullable=False),
+    ]
+)
+
+# (prompt, response) rows to score with a reward model, and their scores.
+RESPONSES = pa.schema(
+    [
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("response", pa.string(), nullable=False),
+        pa.field("source_line", pa.int64(), nullable=False),
+    ]
+)
+SCORED_RESPONSES = RESPONSES.append(pa.field("reward", pa.float64(), nullable=False))
+
+# --- SFT -----------------------------------------------------------------------------------------------------
+
+# A conversation as a list of {role, content}; prompt/completion rows become [user, assistant].
+MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
+EXAMPLES = pa.schema(
+    [
+        pa.field("messages", pa.list_(MESSAGE), nullable=False),
+        pa.field("source_line", pa.int64(), nullable=False),
+    ]
+)
+
+# --- RL ------------------------------------------------------------------------------------------------------
+
+PROMPTS = pa.schema(
+    [
+        pa.field("example_id", pa.string(), nullable=False),
+        pa.field("env", pa.string(), nullable=False),
+        pa.field("messages", pa.list_(MESSAGE), nullable=False),
+        pa.field("answer", pa.string(), nullable=True),
+        pa.field("info", pa.string(), nullable=True),  # JSON text: free-form per-example metadata
+        pa.field("source_line", pa.int64(), nullable=True),
+    ]
+)
+
+ROLLOUTS = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("example_id", pa.string(), nullable=False),
+        pa.field("env", pa.string(), nullable=False),
+        pa.field("group_index", pa.int32(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("completion_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("sampling_logprobs", pa.list_(pa.float32()), nullable=False),  # one per completion token
+        pa.field("completion_text", pa.string(), nullable=False),
+        pa.field("answer", pa.string(), nullable=True),
+        pa.field("info", pa.string(), nullable=True),
+        pa.field("reward", pa.float64(), nullable=True),  # null = missing (the error says why)
+        pa.field("reward_error", pa.string(), nullable=True),
+    ]
+)
+
+# --- training samples and micro-batches (shared by SFT and RL) ----------------------------------------------
+
+TOKEN_INT_COLUMNS = ("input_ids",)
+TOKEN_FLOAT_COLUMNS = (
+    "advantages",
+    "rl_weights",
+    "ce_weights",
+    "ref_kl_weights",
+    "ref_logprobs",
+    "inference_logprobs",
+)
+PER_TOKEN_COLUMNS = ("input_ids", "loss_mask", *TOKEN_FLOAT_COLUMNS)
+
+TRAINING_SAMPLES = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("env", pa.string(), nullable=True),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
+        # Nullable streams: null means the default in TRAINING_SAMPLE_DEFAULTS.
+        pa.field("advantages", pa.list_(pa.float32()), nullable=True),
+        pa.field("rl_weights", pa.list_(pa.float32()), nullable=True),
+        pa.field("ce_weights", pa.list_(pa.float32()), nullable=True),
+        pa.field("ref_kl_weights", pa.list_(pa.float32()), nullable=True),
+        pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),
+        pa.field("inference_logprobs", pa.list_(pa.float32()), nullable=True),
+    ]
+)
+
+# What a null stream means, per position: 0.0 everywhere, so a sample only enters a loss component whose weights
+# it ships (an SFT sample with null rl_weights can never leak into the rl term). The "loss_mask" form (1.0 where
+# loss_mask is true, else 0.0) is understood by the packer for streams that want it.
+TRAINING_SAMPLE_DEFAULTS = {
+    "advantages": 0.0,
+    "rl_weights": 0.0,
+    "ce_weights": 0.0,
+    "ref_kl_weights": 0.0,
+    "ref_logprobs": 0.0,
+    "inference_logprobs": 0.0,
+}
+
+# One row per micro-batch: the concatenation of its samples, with per-sequence position ids restarting at 0.
+MICRO_BATCHES = pa.schema(
+    [
+        pa.field("micro_batch_index", pa.int32(), nullable=False),
+        pa.field("sample_ids", pa.list_(pa.string()), nullable=False),
+        pa.field("sequence_lengths", pa.list_(pa.int32()), nullable=False),
+        pa.field("position_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
+        *[pa.field(name, pa.list_(pa.float32()), nullable=False) for name in TOKEN_FLOAT_COLUMNS],
+    ]
+)
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Cast a table to a declared schema, failing with the offending column named."""
+    missing = [name for name in schema.names if name not in table.column_names]
+    if missing:
+        raise ValueError(f"table is missing column(s) {missing} of schema {schema.names}")
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ValueError(f"table does not conform to its wire schema: {exc}") from exc

@@ -1,0 +1,57 @@
+"""What every task shares: the store, config (de)serialisation, and cache keys built from content ids.
+
+A task's cache key is blake3(task name, code version, settings hash, content ids of its inputs), never the
+flow run id, so rerunning a flow (CLI rerun, Retry in the UI) returns completed work from cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Callable
+
+import blake3
+
+from rollout_lib.config.loading import settings_hash
+from rollout_lib.store import ObjectStore, canonical_json
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def code_version() -> str:
+    """Hash of the library and task sources: results computed by other code are never reused."""
+    digest = blake3.blake3()
+    for package in ("rollout_lib", "tasks"):
+        for path in sorted((PROJECT_ROOT / package).rglob("*.py")):
+            digest.update(str(path.relative_to(PROJECT_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def open_store(config) -> ObjectStore:
+    return ObjectStore(config.run.store, config.run.storage_options or None)
+
+
+def content_key(*, ignore: tuple[str, ...] = (), extra: Callable[[dict], dict] | None = None):
+    """A Prefect `cache_key_fn` over the task's parameters: the `config` parameter enters as its settings hash,
+    parameters in `ignore` (deterministic consequences of the others, such as step metrics) are left out."""
+
+    def key_fn(context, parameters: dict[str, Any]) -> str:
+        inputs = {}
+        for name, value in parameters.items():
+            if name in ignore:
+                continue
+            inputs[name] = settings_hash(value) if name == "config" else value
+        if extra is not None:
+            inputs.update(extra(parameters))
+        material = {"task": context.task.name, "code": code_version(), "inputs": inputs}
+        return blake3.blake3(canonical_json(material)).hexdigest()
+
+    return key_fn
+
+
+def file_digest(path: str | Path) -> str:
+    try:
+        return blake3.blake3(Path(path).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return "missing"  # the task itself reports the missing file with its path

@@ -1,0 +1,310 @@
+"""Packing: best-fit-decreasing bins, the alignment invariant, and packed attention that never crosses sequences."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pyarrow as pa
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout_lib.model.tiny import build_tiny_qwen2
+from rollout_lib.packing import (
+    FIRST_TOKEN_LOGPROB,
+    STREAM_COLUMNS,
+    batch_unpacked,
+    check_micro_batches,
+    collate_micro_batch,
+    pack_samples,
+    token_logprobs,
+)
+from rollout_lib.wire import MICRO_BATCHES, TRAINING_SAMPLE_DEFAULTS, TRAINING_SAMPLES
+
+PAD = 0
+
+
+def sample(sample_id, input_ids, loss_mask=None, env="env-a", **streams):
+    if loss_mask is None:
+        loss_mask = [False] + [True] * (len(input_ids) - 1)
+    row = {"sample_id": sample_id, "env": env, "input_ids": list(input_ids), "loss_mask": list(loss_mask)}
+    for name in STREAM_COLUMNS[1:]:
+        row[name] = streams.get(name)
+    return row
+
+
+def samples_table(rows):
+    return pa.Table.from_pylist(rows, schema=TRAINING_SAMPLES)
+
+
+def of_lengths(*lengths):
+    return samples_table([sample(f"s{i}", range(10 * i + 1, 10 * i + 1 + n)) for i, n in enumerate(lengths)])
+
+
+# --- bin packing ---------------------------------------------------------------------------------------------
+
+
+def test_best_fit_decreasing_pairs_complements():
+    # 9, 8, 7 open three bins; 3 fits 7's bin exactly, 2 fits 8's, 1 fits 9's: three full bins.
+    packed = pack_samples(of_lengths(9, 1, 8, 2, 7, 3), max_seq_len=10)
+    assert packed.schema == MICRO_BATCHES
+    assert packed["sample_ids"].to_pylist() == [["s0", "s1"], ["s2", "s3"], ["s4", "s5"]]
+    assert packed["sequence_lengths"].to_pylist() == [[9, 1], [8, 2], [7, 3]]
+    assert packed["micro_batch_index"].to_pylist() == [0, 1, 2]
+
+
+def test_best_fit_prefers_the_tightest_bin():
+    # 6 -> bin0 (room 4); 5 -> bin1 (room 5); 4 -> bin0, exact fit; 3 -> bin1 (room 2); 2 -> bin1 (room 0).
+    packed = pack_samples(of_lengths(6, 5, 4, 3, 2), max_seq_len=10)
+    assert packed["sample_ids"].to_pylist() == [["s0", "s2"], ["s1", "s3", "s4"]]
+
+    # 8 -> bin0 (room 2); 6 -> bin1 (room 4); 3 -> bin1 (room 1). The 1 fits both: best fit takes bin1, the
+    # tightest, where first fit would take bin0.
+    packed = pack_samples(of_lengths(8, 6, 3, 1), max_seq_len=10)
+    assert packed["sample_ids"].to_pylist() == [["s0"], ["s1", "s2", "s3"]]
+    assert packed["sequence_lengths"].to_pylist() == [[8], [6, 3, 1]]
+
+
+def test_ties_break_by_original_order():
+    packed = pack_samples(of_lengths(3, 3, 3, 3, 3), max_seq_len=6)
+    assert packed["sample_ids"].to_pylist() == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    assert pack_samples(of_lengths(3, 3, 3, 3, 3), max_seq_len=6).equals(packed)
+
+
+def test_no_bin_exceeds_max_and_no_token_is_lost():
+    lengths = [5, 17, 3, 9, 12, 1, 16, 8, 8, 2, 11, 4]
+    packed = pack_samples(of_lengths(*lengths), max_seq_len=20)
+    sizes = [sum(row) for row in packed["sequence_lengths"].to_pylist()]
+    assert max(sizes) <= 20
+    assert sum(sizes) == sum(lengths)
+    assert len(sizes) == -(-sum(lengths) // 20)  # this input packs perfectly: 96 tokens in 5 bins
+    assert sorted(i for ids in packed["sample_ids"].to_pylist() for i in ids) == sorted(
+        f"s{i}" for i in range(len(lengths))
+    )
+
+
+def test_sample_at_exactly_max_len_fits_and_longer_raises():
+    assert pack_samples(of_lengths(4), max_seq_len=4)["sequence_lengths"].to_pylist() == [[4]]
+    with pytest.raises(ValueError, match="'s1'.*5 tokens.*max_seq_len=4"):
+        pack_samples(of_lengths(4, 5), max_seq_len=4)
+
+
+def test_envs_mix_in_a_bin():
+    rows = [sample("a", [1, 2, 3], env="math"), sample("b", [4, 5], env="chat")]
+    packed = pack_samples(samples_table(rows), max_seq_len=8)
+    assert packed["sample_ids"].to_pylist() == [["a", "b"]]
+
+
+# --- streams and the alignment invariant ---------------------------------------------------------------------
+
+
+def test_positions_restart_and_streams_concatenate_across_the_boundary():
+    rows = [
+        sample("long", [11, 12, 13, 14], [False, False, True, True], advantages=[0.0, 0.0, 0.5, 0.5]),
+        sample("short", [21, 22, 23], [False, True, False], ce_weights=[0.0, 1.0, 0.0]),
+    ]
+    [mb] = pack_samples(samples_table(rows), max_seq_len=7).to_pylist()
+    assert mb["sample_ids"] == ["long", "short"]
+    assert mb["input_ids"] == [11, 12, 13, 14, 21, 22, 23]
+    assert mb["position_ids"] == [0, 1, 2, 3, 0, 1, 2]
+    assert mb["loss_mask"] == [False, False, True, True, False, True, False]
+    assert mb["advantages"] == [0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0]  # null -> 0.0
+    assert mb["ce_weights"] == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    # Nulls become wire.py's documented default, whatever it is today.
+    loss_mask_as_float = [1.0 if keep else 0.0 for keep in mb["loss_mask"]]
+    for name in ("rl_weights", "ref_kl_weights", "ref_logprobs", "inference_logprobs"):
+        default = TRAINING_SAMPLE_DEFAULTS[name]
+        expected = loss_mask_as_float if default == "loss_mask" else [float(default)] * 7
+        assert mb[name] == expected, name
+
+
+def test_loss_mask_default_form_is_materialised(monkeypatch):
+    monkeypatch.setitem(TRAINING_SAMPLE_DEFAULTS, "rl_weights", "loss_mask")
+    monkeypatch.setitem(TRAINING_SAMPLE_DEFAULTS, "ref_kl_weights", 0.0)
+    rows = [sample("a", [1, 2, 3], [False, True, True]), sample("b", [4, 5], [False, True], rl_weights=[0.0, 0.5])]
+    [mb] = pack_samples(samples_table(rows), max_seq_len=8).to_pylist()
+    assert mb["rl_weights"] == [0.0, 1.0, 1.0, 0.0, 0.5]
+    assert mb["ref_kl_weights"] == [0.0] * 5
+
+
+def test_assistant_loss_mask_survives_packing(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_qwen2(tmp_path / "tiny"))
+    conversations = [
+        [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42."}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Say hi."},
+            {"role": "assistant", "content": "Hello there, friend!"},
+        ],
+        [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}],
+    ]
+    rows, originals = [], {}
+    for index, messages in enumerate(conversations):
+        out = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        mask = [bool(m) for m in out["assistant_masks"]]
+        rows.append(sample(f"chat{index}", out["input_ids"], mask))
+        originals[f"chat{index}"] = (out["input_ids"], mask)
+
+    total = sum(len(ids) for ids, _ in originals.values())
+    [mb] = pack_samples(samples_table(rows), max_seq_len=total).to_pylist()
+    assert mb["sequence_lengths"] == [len(originals[s][0]) for s in mb["sample_ids"]]
+    offset = 0
+    for sample_id, length in zip(mb["sample_ids"], mb["sequence_lengths"]):
+        ids, mask = originals[sample_id]
+        assert mb["input_ids"][offset : offset + length] == ids
+        assert mb["loss_mask"][offset : offset + length] == mask
+        # The assistant tokens sit at the same offsets within the sequence, shifted by where it starts.
+        expected = [offset + i for i, keep in enumerate(mask) if keep]
+        assert [t for t in range(offset, offset + length) if mb["loss_mask"][t]] == expected
+        assert tokenizer.decode([mb["input_ids"][t] for t in expected]).endswith("<|im_end|>")
+        offset += length
+    # Across the first boundary: the last token of sequence 1 (newline after <|im_end|>) is not trained, and the
+    # first token of sequence 2 (<|im_start|>) is not trained and starts at position 0.
+    boundary = mb["sequence_lengths"][0]
+    assert mb["loss_mask"][boundary - 2 : boundary + 1] == [True, False, False]
+    assert mb["position_ids"][boundary - 1 : boundary + 1] == [mb["sequence_lengths"][0] - 1, 0]
+    assert tokenizer.decode(mb["input_ids"][boundary - 2 : boundary + 1]) == "<|im_end|>\n<|im_start|>"
+
+
+@pytest.mark.parametrize("column", ["loss_mask", "advantages", "inference_logprobs", "ref_logprobs"])
+def test_misaligned_column_raises_naming_sample_and_column(column):
+    good = sample("ok", [1, 2, 3])
+    bad = sample("broken", [4, 5, 6])
+    bad[column] = [False, True] if column == "loss_mask" else [0.0, 0.0]
+    with pytest.raises(ValueError, match=f"'broken'.*'{column}'.*2 entries.*3"):
+        pack_samples(samples_table([good, bad]), max_seq_len=16)
+    with pytest.raises(ValueError, match="'broken'"):
+        batch_unpacked(samples_table([good, bad]), 2)
+
+
+def test_weight_on_first_token_raises():
+    with pytest.raises(ValueError, match="'first'.*'loss_mask'.*first token"):
+        pack_samples(samples_table([sample("first", [1, 2], [True, True])]), max_seq_len=4)
+    with pytest.raises(ValueError, match="'first'.*'ce_weights'"):
+        pack_samples(samples_table([sample("first", [1, 2], ce_weights=[1.0, 1.0])]), max_seq_len=4)
+
+
+def test_empty_and_duplicate_samples_raise():
+    with pytest.raises(ValueError, match="'empty' has no tokens"):
+        pack_samples(samples_table([sample("empty", [], [])]), max_seq_len=4)
+    with pytest.raises(ValueError, match="'twice' appears twice"):
+        pack_samples(samples_table([sample("twice", [1, 2]), sample("twice", [3, 4])]), max_seq_len=4)
+
+
+def test_check_micro_batches_catches_a_tampered_row():
+    packed = pack_samples(of_lengths(3, 2), max_seq_len=5).to_pylist()
+    packed[0]["ref_logprobs"] = packed[0]["ref_logprobs"][:-1]
+    with pytest.raises(ValueError, match="micro-batch 0: column 'ref_logprobs' has 4 entries, input_ids has 5"):
+        check_micro_batches(pa.Table.from_pylist(packed, schema=MICRO_BATCHES))
+    packed = pack_samples(of_lengths(3, 2), max_seq_len=5).to_pylist()
+    packed[0]["position_ids"] = [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="restart"):
+        check_micro_batches(pa.Table.from_pylist(packed, schema=MICRO_BATCHES))
+
+
+def test_batch_unpacked_groups_in_order():
+    table = batch_unpacked(of_lengths(3, 5, 2, 4, 1), 2)
+    assert table["sample_ids"].to_pylist() == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    assert table["position_ids"].to_pylist()[0] == [0, 1, 2, 0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="'s1'"):
+        batch_unpacked(of_lengths(3, 5), 2, max_seq_len=4)
+
+
+# --- collate -------------------------------------------------------------------------------------------------
+
+
+def test_collate_layouts_share_stream_order():
+    rows = [sample("a", [5, 6, 7], [False, True, True]), sample("b", [8, 9], [False, True], advantages=[0.0, 2.0])]
+    [row] = pack_samples(samples_table(rows), max_seq_len=8).to_pylist()
+    packed = collate_micro_batch(row, packed=True, pad_token_id=PAD)
+    padded = collate_micro_batch(row, packed=False, pad_token_id=PAD)
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert "attention_mask" not in packed
+    assert padded["input_ids"].tolist() == [[5, 6, 7], [8, 9, PAD]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert padded["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
+    for name in STREAM_COLUMNS:
+        assert torch.equal(packed[name], padded[name]), name
+    assert packed["loss_mask"].dtype == torch.bool
+    assert packed["advantages"].tolist() == [0.0, 0.0, 0.0, 0.0, 2.0]
+    assert packed["sequence_lengths"].tolist() == [3, 2]
+
+
+# --- packed attention on the tiny Qwen2 ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny") / "qwen2")
+
+
+def _three_sequence_bin():
+    generator = torch.Generator().manual_seed(0)
+    lengths = [9, 4, 6]
+    rows = [
+        sample(f"seq{i}", torch.randint(3, 500, (n,), generator=generator).tolist()) for i, n in enumerate(lengths)
+    ]
+    [row] = pack_samples(samples_table(rows), max_seq_len=sum(lengths)).to_pylist()
+    assert row["sequence_lengths"] == lengths
+    return row
+
+
+def _one_by_one(model, row):
+    """Reference: each sequence alone, no packing, no padding."""
+    pieces, offset = [], 0
+    for length in row["sequence_lengths"]:
+        ids = torch.tensor([row["input_ids"][offset : offset + length]])
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        pieces.append(torch.cat([torch.tensor([FIRST_TOKEN_LOGPROB]), logprobs]))
+        offset += length
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_logprobs_equal_one_by_one(tiny_dir, attn_implementation):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation=attn_implementation).eval()
+    row = _three_sequence_bin()
+    with torch.no_grad():
+        reference = _one_by_one(model, row)
+        packed = token_logprobs(model, collate_micro_batch(row, packed=True, pad_token_id=PAD))
+        padded = token_logprobs(model, collate_micro_batch(row, packed=False, pad_token_id=PAD))
+    assert packed.shape == padded.shape == (sum(row["sequence_lengths"]),)
+    torch.testing.assert_close(packed, reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded, reference, atol=1e-5, rtol=0)
+    starts = [0, 9, 13]
+    assert packed[starts].tolist() == [FIRST_TOKEN_LOGPROB] * 3
+    assert (packed[[t for t in range(19) if t not in starts]] < 0).all()
+
+
+def test_attention_would_leak_without_packed_detection(tiny_dir):
+    # Control: the equality above is not vacuous. If transformers did not isolate the sequences (here forced by
+    # a cache, which turns off packed-sequence detection), later sequences would see earlier ones.
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    row = _three_sequence_bin()
+    batch = collate_micro_batch(row, packed=True, pad_token_id=PAD)
+    with torch.no_grad():
+        leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits
+        isolated = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    assert torch.allclose(leaky[0, :9], isolated[0, :9], atol=1e-5)  # the first sequence sees nothing before it
+    assert not torch.allclose(leaky[0, 9:], isolated[0, 9:], atol=1e-3)
+
+
+def test_token_logprobs_is_differentiable_and_ignores_the_first_token(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    row = _three_sequence_bin()
+    batch = collate_micro_batch(row, packed=True, pad_token_id=PAD)
+    logprobs = token_logprobs(model, batch)
+    loss = -(logprobs * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    assert torch.isfinite(model.model.embed_tokens.weight.grad).all()
+
+
+def test_packed_batch_must_have_one_row(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    with pytest.raises(ValueError, match="exactly one row"):
+        token_logprobs(model, {"input_ids": torch.ones(2, 3, dtype=torch.long), "position_ids": torch.zeros(2, 3)})

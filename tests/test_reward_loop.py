@@ -1,0 +1,309 @@
+"""The reward loop: sync/async detection, weighted scoring, timeouts that really stop the work, failures as
+missing rewards, the concurrency bound, built-ins, and the Arrow round trip."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import math
+import os
+import time
+
+import pyarrow as pa
+import pytest
+
+from rollout_lib import wire
+from rollout_lib.reward import (
+    AllRewardsFailedError,
+    RewardInput,
+    RewardLoop,
+    RewardResult,
+    apply_rewards,
+    is_async_callable,
+    raise_if_all_missing,
+    resolve_reward_function,
+    reward_inputs,
+    reward_metrics,
+    score_rollouts_sync,
+)
+from rollout_lib.reward import examples
+
+
+def _item(text: str = "hello world", answer: str | None = None, **info) -> RewardInput:
+    return RewardInput(prompt=[{"role": "user", "content": "q"}], completion_text=text, answer=answer, info=info)
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _async_one(inp: RewardInput) -> float:
+    return 1.0
+
+
+async def _async_scaled(inp: RewardInput, *, scale: float) -> float:
+    return scale * len(inp.completion_text)
+
+
+class _AsyncCallable:
+    async def __call__(self, inp: RewardInput) -> dict:
+        return {"score": 3.0}
+
+
+class _Judge:
+    async def score(self, inp: RewardInput) -> float:
+        return 4.0
+
+
+# --- detection -------------------------------------------------------------------------------------------------
+
+
+def test_is_async_callable_sees_through_partials_methods_and_call():
+    assert is_async_callable(_async_one)
+    assert is_async_callable(functools.partial(_async_scaled, scale=2.0))
+    assert is_async_callable(functools.partial(functools.partial(_async_scaled), scale=2.0))
+    assert is_async_callable(_AsyncCallable())
+    assert is_async_callable(_Judge().score)
+    assert not is_async_callable(_AsyncCallable)  # the class: calling it constructs
+    assert not is_async_callable(examples.sleep_then_one)
+    assert not is_async_callable(functools.partial(examples.sleep_then_one))
+    assert not is_async_callable(lambda inp: 1.0)
+
+
+# --- scoring -----------------------------------------------------------------------------------------------------
+
+
+def test_weighted_sum_of_sync_and_async_functions():
+    functions = [
+        (examples.completion_length, 2.0),  # sync: runs in a worker process
+        (functools.partial(_async_scaled, scale=0.5), 1.0),
+        (_AsyncCallable(), -1.0),  # dict {"score": 3.0}
+        (_Judge().score, 0.25),
+        (examples.worker_pid, 0.0),
+    ]
+    with RewardLoop(functions, concurrency=4, timeout_s=30) as loop:
+        results = loop.score([_item("abcd"), _item("ab")])
+    assert [r.reward for r in results] == [2 * 4 + 0.5 * 4 - 3 + 1, 2 * 2 + 0.5 * 2 - 3 + 1]
+    assert results[0].error is None
+    assert results[0].per_function["completion_length"] == 4.0
+    assert results[0].per_function["_async_scaled"] == 2.0
+    assert results[0].per_function["_AsyncCallable"] == 3.0
+    assert results[0].per_function["worker_pid"] != os.getpid()  # sync work never runs in the caller
+
+
+def test_hung_sync_function_is_killed_and_the_loop_goes_on():
+    with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=2, timeout_s=0.5, sync_workers=1) as loop:
+        assert loop.score([_item(sleep_s=0)])[0].reward == 1.0  # starts the worker outside any timeout
+        (hung_pid,) = loop.sync_worker_pids()
+        start = time.monotonic()
+        results = loop.score([_item(sleep_s=1000), _item(sleep_s=0), _item(sleep_s=0.01)])
+        assert time.monotonic() - start < 20
+        assert results[0].reward is None
+        assert results[0].error == "TimeoutError: reward fn 'sleep_then_one' exceeded 0.5s"
+        assert [r.reward for r in results[1:]] == [1.0, 1.0]  # scored by a fresh worker
+        assert not _pid_exists(hung_pid)  # killed and reaped, not just abandoned
+        assert loop.sync_worker_pids() and hung_pid not in loop.sync_worker_pids()
+        worker_pids = loop.sync_worker_pids()
+    assert not any(_pid_exists(pid) for pid in worker_pids)  # the context manager shut the pool down
+
+
+def test_hung_async_function_is_cancelled():
+    cancelled = []
+
+    async def hangs(inp: RewardInput) -> float:
+        if inp.info.get("hang"):
+            try:
+                await asyncio.sleep(1000)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+        return 1.0
+
+    start = time.monotonic()
+    results = score_rollouts_sync([_item(hang=True), _item()], [(hangs, 1.0)], concurrency=2, timeout_s=0.2)
+    assert time.monotonic() - start < 5
+    assert cancelled == [True]
+    assert results[0] == RewardResult(
+        None, "TimeoutError: reward fn 'test_hung_async_function_is_cancelled.<locals>.hangs' exceeded 0.2s",
+        {"test_hung_async_function_is_cancelled.<locals>.hangs": None},
+    )
+    assert results[1].reward == 1.0
+
+
+def test_exceptions_and_bad_values_become_missing_rewards_with_the_error():
+    async def returns_nan(inp):
+        return math.nan
+
+    async def returns_text(inp):
+        return "1.0"
+
+    with RewardLoop([(examples.always_fails, 1.0)], concurrency=2, timeout_s=30) as loop:
+        (failed,) = loop.score([_item("abc")])
+    assert failed.reward is None
+    assert failed.error == "ValueError: reward fn 'always_fails': cannot score completion of length 3"
+
+    results = score_rollouts_sync([_item()], [(returns_nan, 1.0), (returns_text, 1.0)], concurrency=1, timeout_s=5)
+    assert results[0].reward is None
+    assert "ValueError: reward fn " in results[0].error and "not finite" in results[0].error
+    assert "TypeError: reward fn " in results[0].error and "got str" in results[0].error
+
+
+def test_a_crashing_worker_is_a_missing_reward_not_a_crashed_step():
+    with RewardLoop(
+        [(examples.crash_worker, 1.0)], concurrency=1, timeout_s=30, sync_workers=1
+    ) as loop:
+        results = loop.score([_item(), _item()])
+    assert [r.reward for r in results] == [None, None]
+    assert all("RewardWorkerError" in r.error and "exit code 3" in r.error for r in results)
+
+
+def test_concurrency_bound_is_respected():
+    in_flight = 0
+    peak = 0
+
+    async def counts(inp: RewardInput) -> float:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return 1.0
+
+    results = score_rollouts_sync([_item() for _ in range(40)], [(counts, 1.0)], concurrency=4, timeout_s=5)
+    assert all(r.reward == 1.0 for r in results)
+    assert peak == 4
+
+
+def test_non_picklable_sync_function_is_refused_up_front():
+    with pytest.raises(TypeError, match="must be picklable"):
+        RewardLoop([(lambda inp: 1.0, 1.0)], concurrency=1, timeout_s=1)
+
+
+# --- step-level summaries ----------------------------------------------------------------------------------------
+
+
+def test_metrics_and_all_missing():
+    results = [RewardResult(1.0), RewardResult(3.0), RewardResult(None, "ValueError: x")]
+    assert reward_metrics(results) == {"reward_mean": 2.0, "reward_std": 1.0, "n_missing": 1, "n_total": 3}
+    raise_if_all_missing(results)  # some scored: fine
+    raise_if_all_missing([])
+
+    failed = [RewardResult(None, "ValueError: a"), RewardResult(None, "ValueError: a"), RewardResult(None, "E: b")]
+    assert reward_metrics(failed)["reward_mean"] is None
+    with pytest.raises(AllRewardsFailedError, match="all 3 rewards failed") as info:
+        raise_if_all_missing(failed)
+    assert info.value.errors == ["ValueError: a", "E: b"]
+
+
+def test_arrow_round_trip():
+    prompts = pa.table(
+        {
+            "example_id": ["e1"],
+            "env": ["math"],
+            "messages": [[{"role": "user", "content": "2+2?"}]],
+            "answer": ["4"],
+            "info": [json.dumps({"k": 1})],
+            "source_line": [1],
+        },
+        schema=wire.PROMPTS,
+    )
+    rollouts = pa.table(
+        {
+            "sample_id": ["s1", "s2"],
+            "example_id": ["e1", "e1"],
+            "env": ["math", "math"],
+            "group_index": [0, 1],
+            "prompt_ids": [[1], [1]],
+            "completion_ids": [[2], [3]],
+            "sampling_logprobs": [[-0.1], [-0.2]],
+            "completion_text": ["it is 4", "it is 5"],
+            "answer": ["4", "4"],
+            "info": [json.dumps({"k": 1}), None],
+            "reward": [None, None],
+            "reward_error": [None, None],
+        },
+        schema=wire.ROLLOUTS,
+    )
+    inputs = reward_inputs(rollouts, prompts)
+    assert inputs[0] == RewardInput([{"role": "user", "content": "2+2?"}], "it is 4", "4", {"k": 1}, "math")
+    assert inputs[1].info == {}
+    scored = apply_rewards(rollouts, [RewardResult(1.0), RewardResult(None, "ValueError: x")])
+    assert scored.schema == wire.ROLLOUTS
+    assert scored.column("reward").to_pylist() == [1.0, None]
+    assert scored.column("reward_error").to_pylist() == [None, "ValueError: x"]
+
+
+# --- built-ins and resolution ------------------------------------------------------------------------------------
+
+
+def test_builtin_rule_rewards():
+    exact = resolve_reward_function("exact_match")
+    assert exact(_item(" 42\n", answer="42")) == 1.0
+    assert exact(_item("42.", answer="42")) == 0.0
+    assert resolve_reward_function("contains_answer")(_item("so it is 42.", answer="42")) == 1.0
+
+    number = resolve_reward_function("number_match")
+    assert number(_item("3 + 4 = 7, then 1,234", answer="1234")) == 1.0
+    assert number(_item("the answer is -0.5", answer="-.5")) == 1.0
+    assert number(_item("7 then 8", answer="7")) == 0.0  # the last number counts
+    assert number(_item("no idea", answer="7")) == 0.0
+    with pytest.raises(ValueError, match="needs an answer"):
+        number(_item("7"))
+
+    length = resolve_reward_function("target_length", {"target": 4})
+    assert length(_item("a b c d")) == 1.0
+    assert length(_item("a b")) == 0.5
+    assert length(_item(" ".join("x" * 20))) == 0.0  # clipped
+
+
+def test_builtin_missing_answer_is_a_missing_reward_in_the_loop():
+    results = score_rollouts_sync(
+        [_item("7")], [(resolve_reward_function("exact_match"), 1.0)], concurrency=1, timeout_s=30
+    )
+    assert results[0].reward is None
+    assert results[0].error == "ValueError: reward fn 'exact_match': exact_match needs an answer, but the example has none"
+
+
+def test_resolution_by_import_path_and_errors():
+    assert resolve_reward_function("rollout_lib.reward.examples:completion_length") is examples.completion_length
+    with pytest.raises(ValueError, match=r"available: \['contains_answer', 'exact_match', 'number_match'"):
+        resolve_reward_function("exact")
+    with pytest.raises(ValueError, match="cannot import module"):
+        resolve_reward_function("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no attribute"):
+        resolve_reward_function("rollout_lib.reward.examples:nope")
+    with pytest.raises(ValueError, match="bad kwargs"):
+        resolve_reward_function("target_length", {"targte": 3})
+
+
+def test_reasoning_gym_scores_right_and_wrong_answers():
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=0)[0]
+    info = {"rg_dataset": "basic_arithmetic", "rg_entry": json.loads(json.dumps(entry))}  # as stored on the wire
+    score = resolve_reward_function("reasoning_gym")
+    right, wrong = entry["answer"], str(int(entry["answer"]) + 1)
+    assert score(_item(f"thinking... <answer>{right}</answer>", **info)) == 1.0
+    assert score(_item(right, **info)) == 1.0  # no tags: the whole completion is the answer
+    assert score(_item(f"<answer>{wrong}</answer>", **info)) == 0.0
+    assert resolve_reward_function("reasoning_gym", {"require_tags": True})(_item(right, **info)) == 0.0
+    with pytest.raises(ValueError, match="rg_dataset"):
+        score(_item(right))
+
+
+def test_cancelling_the_step_kills_a_busy_worker():
+    async def give_up_early(loop: RewardLoop) -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(loop.ascore([_item(sleep_s=1000)]), 0.3)
+
+    with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=1, timeout_s=100, sync_workers=1) as loop:
+        loop.score([_item(sleep_s=0)])
+        (busy_pid,) = loop.sync_worker_pids()
+        asyncio.run(give_up_early(loop))
+        assert not _pid_exists(busy_pid)  # the abandoned call's worker does not linger
+        assert loop.score([_item(sleep_s=0)])[0].reward == 1.0

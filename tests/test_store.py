@@ -1,0 +1,295 @@
+"""Behaviour of the content-addressed store on a local directory, memory:// and S3 (a local moto server)."""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import blake3
+import fsspec
+import pyarrow as pa
+import pytest
+import torch
+
+from rollout_lib.store import (
+    CorruptObjectError,
+    ObjectNotFoundError,
+    ObjectStore,
+    StoreError,
+    canonical_json,
+    content_id,
+)
+
+BUCKET = "rollout-test"
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="module")
+def s3_options():
+    """A moto S3 server on a free local port, with one bucket; yields s3fs storage options for it."""
+    from moto.server import ThreadedMotoServer
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in AWS_ENV.items():  # nothing may fall through to real AWS credentials
+            mp.setenv(key, value)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "key": "testing", "secret": "testing"}
+        fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(BUCKET)
+        yield options
+        server.stop()
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def store_args(request, tmp_path, monkeypatch):
+    """(root, storage_options) of a fresh, empty store on each backend."""
+    if request.param == "local":
+        return str(tmp_path / "store"), None
+    if request.param == "memory":
+        return f"memory://store-tests/{uuid.uuid4().hex}", None
+    for key, value in AWS_ENV.items():
+        monkeypatch.setenv(key, value)
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}", request.getfixturevalue("s3_options")
+
+
+@pytest.fixture
+def store(store_args):
+    return ObjectStore(*store_args)
+
+
+def overwrite(store: ObjectStore, object_id: str, data: bytes) -> None:
+    """Replace an object's stored bytes behind the store's back."""
+    fs, path = fsspec.core.url_to_fs(store.object_path(object_id), **store.storage_options)
+    fs.pipe_file(path, data)
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as uint8, for bit-exact comparison."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+# --- ids and canonical JSON -------------------------------------------------------------------------------------
+
+
+def test_content_id_is_blake3_hex():
+    assert content_id(b"") == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    big = os.urandom(3 << 20)  # takes the multithreaded path
+    assert content_id(big) == blake3.blake3(big).hexdigest()
+
+
+def test_canonical_json():
+    assert canonical_json({"b": 1, "a": [1.5, "é", None]}) == '{"a":[1.5,"é",null],"b":1}'.encode()
+    with pytest.raises(ValueError):
+        canonical_json({"x": math.nan})
+
+
+# --- behaviour on every backend ----------------------------------------------------------------------------------
+
+
+def test_bytes_round_trip_and_layout(store):
+    object_id = store.put_bytes(b"hello")
+    assert object_id == content_id(b"hello")
+    assert store.object_path(object_id) == f"{store.root}/objects/{object_id[:2]}/{object_id}"
+    assert store.has(object_id)
+    assert store.get_bytes(object_id) == b"hello"
+    assert store.get_bytes(store.put_bytes(b"")) == b""
+
+
+def test_put_is_idempotent(store):
+    first = store.put_bytes(b"same")
+    assert store.put_bytes(b"same") == first
+    assert store.get_bytes(first) == b"same"
+    fs, path = fsspec.core.url_to_fs(f"{store.root}/objects", **store.storage_options)
+    assert len(fs.find(path)) == 1
+
+
+def test_missing_object(store):
+    object_id = content_id(b"never stored")
+    assert not store.has(object_id)
+    with pytest.raises(ObjectNotFoundError) as err:
+        store.get_bytes(object_id)
+    assert object_id in str(err.value) and store.root in str(err.value)
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "A" * 64, "g" * 64, "../" + "a" * 61, None])
+def test_invalid_ids_are_rejected(store, bad):
+    for call in (store.get_bytes, store.has, store.object_path):
+        with pytest.raises(StoreError, match="invalid object id"):
+            call(bad)
+
+
+def test_corrupted_object_is_detected(store):
+    good = store.put_bytes(b"keep me")
+    victim = store.put_bytes(b"corrupt me")
+    overwrite(store, victim, b"corrupt mE")
+    with pytest.raises(CorruptObjectError) as err:
+        store.get_bytes(victim)
+    message = str(err.value)
+    assert message == f"object {victim} in {store.root} is corrupted: content hash is {content_id(b'corrupt mE')}"
+    assert "\n" not in message
+    assert store.get_bytes(good) == b"keep me"  # other objects are unaffected
+    # A put of the true content never silently rewrites what is stored.
+    store.put_bytes(b"corrupt me")
+    with pytest.raises(CorruptObjectError):
+        store.get_bytes(victim)
+
+
+def test_json_round_trip(store):
+    obj = {"step": 3, "parent": None, "metrics": {"loss": 0.25}, "name": "ünïcode"}
+    object_id = store.put_json(obj)
+    assert object_id == content_id(canonical_json(obj))
+    assert store.put_json(dict(reversed(list(obj.items())))) == object_id  # key order does not matter
+    assert store.get_json(object_id) == obj
+
+
+def test_table_round_trip_and_stable_id(store):
+    schema = pa.schema([pa.field("x", pa.int64(), nullable=False), pa.field("s", pa.list_(pa.string()))])
+    table = pa.table({"x": [1, 2, 3], "s": [["a"], None, ["b", "c"]]}, schema=schema)
+    object_id = store.put_table(table)
+    assert store.put_table(table) == object_id
+    # The same rows in different chunks are the same object.
+    rechunked = pa.concat_tables([table.slice(0, 1), table.slice(1)])
+    assert rechunked.column("x").num_chunks == 2
+    assert store.put_table(rechunked) == object_id
+    loaded = store.get_table(object_id)
+    assert loaded.equals(table) and loaded.schema.equals(schema)
+    assert store.get_table(store.put_table(schema.empty_table())).num_rows == 0
+
+
+def test_get_table_conforms_to_schema(store):
+    table = pa.table({"extra": ["z"], "x": pa.array([7], pa.int32())})
+    object_id = store.put_table(table)
+    wanted = pa.schema([pa.field("x", pa.int64(), nullable=False)])
+    conformed = store.get_table(object_id, schema=wanted)
+    assert conformed.schema.equals(wanted) and conformed.column("x").to_pylist() == [7]
+    with pytest.raises(ValueError, match=object_id):
+        store.get_table(object_id, schema=pa.schema([pa.field("missing", pa.int64())]))
+
+
+def test_tensors_round_trip_bit_exactly(store):
+    g = torch.Generator().manual_seed(0)
+    bf16 = torch.randn(4, 5, generator=g).to(torch.bfloat16)
+    bf16[0, 0] = float("nan")
+    bf16[0, 1] = float("-inf")
+    tensors = {
+        "w.bf16": bf16,
+        "w.f32": torch.randn(3, generator=g),
+        "i64": torch.tensor([0, -1, 2**62, -(2**63)], dtype=torch.int64),
+        "scalar": torch.tensor(1.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3, dtype=torch.float16),
+        "flag": torch.tensor([True, False]),
+    }
+    object_id = store.put_tensors(tensors, metadata={"format": "pt", "step": "7"})
+    loaded = store.get_tensors(object_id)
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape, name
+        assert torch.equal(raw_bytes(loaded[name]), raw_bytes(tensor)), name  # NaN payloads included
+    assert store.get_tensors_metadata(object_id) == {"format": "pt", "step": "7"}
+    assert store.get_tensors_metadata(store.put_tensors({"a": torch.ones(1)})) == {}
+    # Loaded tensors are independent and writable.
+    ptrs = [t.untyped_storage().data_ptr() for t in loaded.values() if t.numel()]
+    assert len(set(ptrs)) == len(ptrs)
+    loaded["w.f32"][0] = 0.0
+
+
+def test_tensors_that_share_storage_or_are_views(store):
+    base = torch.arange(12, dtype=torch.float32)
+    tensors = {"base": base, "tied": base, "row": base.view(3, 4)[1], "col": base.view(3, 4)[:, 0]}
+    loaded = store.get_tensors(store.put_tensors(tensors))
+    for name, tensor in tensors.items():
+        assert torch.equal(loaded[name], tensor), name
+    loaded["base"][0] = 100.0
+    assert loaded["tied"][0] == 0.0  # what comes back shares nothing
+    assert base[0] == 0.0  # and the caller's tensors were not touched
+
+
+def test_refs(store):
+    assert store.get_ref("runs/rm-default/latest") is None
+    first, second = store.put_bytes(b"one"), store.put_bytes(b"two")
+    store.set_ref("runs/rm-default/latest", first)
+    assert store.get_ref("runs/rm-default/latest") == first
+    store.set_ref("runs/rm-default/latest", second)  # refs are the one mutable thing
+    assert store.get_ref("runs/rm-default/latest") == second
+    assert store.get_ref("runs/other/latest") is None
+    with pytest.raises(ObjectNotFoundError):  # a ref may only point at something already stored
+        store.set_ref("runs/x/latest", content_id(b"absent"))
+    for bad in ["", "/abs", "runs/../escape", "a//b", "runs/./x", "trailing/", "sp ace", "back\\slash"]:
+        with pytest.raises(StoreError, match="invalid ref name"):
+            store.set_ref(bad, first)
+        with pytest.raises(StoreError, match="invalid ref name"):
+            store.get_ref(bad)
+    with pytest.raises(StoreError, match="invalid object id"):
+        store.set_ref("runs/x/latest", "nope")
+
+
+def test_a_second_store_on_the_same_root_sees_everything(store_args):
+    writer = ObjectStore(*store_args)
+    reader = ObjectStore(writer.root, store_args[1])
+    assert reader.root == writer.root
+    object_id = writer.put_json({"a": 1})
+    writer.set_ref("runs/r/latest", object_id)
+    assert reader.has(object_id) and reader.get_json(object_id) == {"a": 1}
+    assert reader.get_ref("runs/r/latest") == object_id
+
+
+def test_concurrent_puts_of_the_same_object(store):
+    data = os.urandom(256 * 1024)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        ids = list(pool.map(lambda _: store.put_bytes(data), range(16)))
+    assert set(ids) == {content_id(data)}
+    assert store.get_bytes(ids[0]) == data
+
+
+def test_tensor_ids_do_not_depend_on_metadata_hash_order(store):
+    """safetensors writes metadata in hash-map order, which changes from call to call; ids must not."""
+    from safetensors.torch import save
+
+    tensors = {"b": torch.arange(6), "a": torch.ones(3, dtype=torch.bfloat16)}
+    metadata = {k: str(i) for i, k in enumerate("zyxwvutsrq")}
+    assert len({save(tensors, metadata=metadata) for _ in range(10)}) > 1  # the hazard is real
+    ids = {store.put_tensors(tensors, metadata=dict(reversed(metadata.items()))) for _ in range(10)}
+    assert len(ids) == 1
+    object_id = ids.pop()
+    assert int.from_bytes(store.get_bytes(object_id)[:8], "little") % 8 == 0  # data stays 8-byte aligned
+    assert store.get_tensors_metadata(object_id) == metadata
+    assert torch.equal(store.get_tensors(object_id)["b"], tensors["b"])
+
+
+# --- local specifics ---------------------------------------------------------------------------------------------
+
+
+def test_local_root_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = ObjectStore("relative/store")
+    assert store.root == str(tmp_path / "relative" / "store")
+    object_id = store.put_bytes(b"x")
+    assert os.path.isfile(tmp_path / "relative" / "store" / "objects" / object_id[:2] / object_id)
+    assert ObjectStore(f"file://{store.root}").get_bytes(object_id) == b"x"
+
+
+def test_local_corruption_on_disk(tmp_path):
+    store = ObjectStore(tmp_path)
+    object_id = store.put_bytes(b"0123456789")
+    path = store.object_path(object_id)
+    with open(path, "r+b") as f:  # flip one byte in place
+        f.seek(3)
+        f.write(b"X")
+    with pytest.raises(CorruptObjectError, match=object_id):
+        store.get_bytes(object_id)
+
+
+def test_local_writes_leave_no_temporaries(tmp_path):
+    store = ObjectStore(tmp_path)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda i: store.put_bytes(b"%d" % (i % 3)), range(12)))
+    store.set_ref("runs/r/latest", content_id(b"0"))
+    assert os.listdir(tmp_path / "tmp") == []
