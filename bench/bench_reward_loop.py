@@ -13,7 +13,8 @@ import argparse
 import asyncio
 import time
 
-from rollout_lib.reward import RewardInput, RewardLoop
+from rollout_lib.reward.functions import RewardInput
+from rollout_lib.reward.loop import RewardLoop
 from rollout_lib.reward.examples import async_sleep_then_one, sleep_then_one
 
 

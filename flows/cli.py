@@ -9,8 +9,10 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time unless the user opts in
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # load reports are noise in training logs
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_lib")  # library log lines reach the flow run
 
-ENTRY_POINTS = ("rm",)
+ENTRY_POINTS = ("rm", "sft", "rl")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--out", required=True)
     export.add_argument("--store", default=".rollout/store")
 
+    stack = commands.add_parser("stack", help="the local Prefect stack deployments run on (docs/deployments.md)")
+    stack.add_argument("action", choices=("start", "stop", "status", "env"))
+    stack.add_argument("--port", type=int, help="start: server port (default 4200, else any free port)")
+    stack.add_argument("--no-schedule", action="store_true", help="start: pause the nightly schedules")
+
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
@@ -44,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             return _score(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "stack":
+            from flows.stack import run_cli
+
+            return run_cli(args)
     except KnownError as exc:  # noqa: F821 - bound below, after the lazy imports
         print(f"rollout: error: {exc}", file=sys.stderr)
         return 2
@@ -63,9 +74,9 @@ KnownError = _known_errors()
 
 
 def _config_class(kind: str):
-    from rollout_lib.config import RmConfig
+    from rollout_lib.config import RlConfig, RmConfig, SftConfig
 
-    return {"rm": RmConfig}[kind]
+    return {"rm": RmConfig, "sft": SftConfig, "rl": RlConfig}[kind]
 
 
 def _train(args) -> int:
@@ -80,16 +91,22 @@ def _train(args) -> int:
     from flows.local_server import use_prefect_api
 
     use_prefect_api()
-    from flows.train_rm import train_rm
+    if args.kind == "sft":
+        from flows.train_sft import train_sft as train_flow
+    elif args.kind == "rl":
+        from flows.train_rl import train_rl as train_flow
+    else:
+        from flows.train_rm import train_rm as train_flow
 
-    state = train_rm(config=args.config, overrides=args.overrides, return_state=True)
+    state = train_flow(config=args.config, overrides=args.overrides, return_state=True)
     if state.is_failed() or state.is_crashed():
         exc = state.result(raise_on_failure=False)
         print(f"rollout: error: flow run failed: {_one_line(exc)}", file=sys.stderr)
         return 1
     result = state.result()
-    print(json.dumps({"checkpoint": result["checkpoint"], "eval_before": result["eval_before"],
-                      "eval_after": result["eval_after"]}, indent=2))
+    print(json.dumps({"flow_run_id": str(state.state_details.flow_run_id), "checkpoint": result["checkpoint"],
+                      **{key: result[key] for key in ("eval_before", "eval_after", "reward_curve") if key in result}},
+                     indent=2))
     print(f"final checkpoint: {result['checkpoint']}")
     return 0
 

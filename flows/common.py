@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prefect import Task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from rollout_lib.config.loading import load_config
+
+# rollout_lib logs through the standard library (it never imports Prefect); PREFECT_LOGGING_EXTRA_LOGGERS=rollout_lib
+# (set by the CLI and the deployments) routes these records into the flow run's logs.
+logging.getLogger("rollout_lib").setLevel(logging.INFO)
 
 
 def load_run_config(config_cls, config_path: str, overrides: list[str] | dict[str, Any] | None,
@@ -52,3 +58,20 @@ class Progress:
 
     def update(self, done: int) -> None:
         update_progress_artifact(self.artifact_id, progress=100.0 * done / self.total)
+
+
+def train_steps(t: Callable[[Task], Task], train_step_task: Task, snapshot_task: Task, cfg, data_ids: tuple[str, ...],
+                state: str, *, total: int, checkpoint_interval: int,
+                progress: Progress) -> Iterator[tuple[int, dict, str | None]]:
+    """Steps 1..total, each `train_step_task(cfg, *data_ids, state, step)`, and `snapshot_task(cfg, *data_ids,
+    state, step, metrics)` every `checkpoint_interval` steps and at the last one. Yields (step, metrics, the
+    snapshot's checkpoint id or None); the last step always yields the final checkpoint."""
+    for step in range(1, total + 1):
+        result = t(train_step_task)(cfg, *data_ids, state, step)
+        state, metrics = result["state"], result["metrics"]
+        checkpoint = None
+        if step % checkpoint_interval == 0 or step == total:
+            state = checkpoint = t(snapshot_task)(cfg, *data_ids, state, step, metrics)["checkpoint"]
+        if step % 10 == 0 or step == total:
+            progress.update(step)
+        yield step, metrics, checkpoint

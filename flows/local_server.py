@@ -63,11 +63,11 @@ def read_record() -> dict | None:
     return record if pid_alive(record["pid"]) else None
 
 
-def start_server(wait_s: float = 90.0) -> dict:
+def start_server(wait_s: float = 90.0, port: int | None = None) -> dict:
     """Start `prefect server start` detached (own session, so it outlives this process) and wait for health."""
     home = prefect_home()
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_UI_ENABLED": "true"}
     env.pop("PREFECT_API_URL", None)

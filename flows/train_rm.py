@@ -5,6 +5,7 @@ load pairs -> tokenize -> plan batches -> init model -> [train step -> (snapshot
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -53,6 +54,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     total = settings.budget.max_steps
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rm {cfg.run.name}: steps done")
     history = []
+    train_started = time.perf_counter()
     for step in range(1, total + 1):
         result = t(train_step_task)(cfg, tokenized, plan, state, step)
         state, metrics = result["state"], result["metrics"]
@@ -65,6 +67,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
             progress.update(step)
 
     checkpoint = state
+    train_seconds = time.perf_counter() - train_started
     after = t(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}") if held_out else None
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
@@ -76,7 +79,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
                              description="train-rm summary")
     logger.info("final checkpoint %s", checkpoint)
     return {"checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
-            "last_metrics": history[-1]}
+            "last_metrics": history[-1], "train_seconds": train_seconds}
 
 
 def _summary(cfg: RmConfig, checkpoint: str, before: dict | None, after: dict | None) -> str:

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import math
 
+from rollout_lib.config.rl import RlConfig
 from rollout_lib.config.rm import RmConfig
-from rollout_lib.data import load_pairs
+from rollout_lib.config.sft import SftConfig
+from rollout_lib.data import load_examples, load_pairs
 from rollout_lib.model.loading import resolve_model
 
 
 def describe_plan(config) -> dict:
     if isinstance(config, RmConfig):
         return _rm_plan(config)
+    if isinstance(config, SftConfig):
+        return _sft_plan(config)
+    if isinstance(config, RlConfig):
+        return _rl_plan(config)
     raise TypeError(f"no plan for {type(config).__name__}")
 
 
@@ -32,6 +38,68 @@ def _rm_plan(config: RmConfig) -> dict:
         "pairs_per_step": settings.minibatch_size,
         "batches_per_epoch": math.ceil(train_rows / settings.minibatch_size),
         "epochs": round(steps * settings.minibatch_size / train_rows, 3),
-        "snapshots_at": sorted({*range(settings.checkpoint_interval, steps + 1, settings.checkpoint_interval), steps}),
+        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
         "optimizer": settings.optimizer.model_dump(mode="json"),
     }
+
+
+def _sft_plan(config: SftConfig) -> dict:
+    settings = config.settings
+    train = load_examples(settings.dataset.path)  # parses every row: a bad one fails here
+    eval_rows = load_examples(settings.eval_dataset.path).num_rows if settings.eval_dataset else 0
+    resolved = resolve_model(settings.base_model)
+    steps = settings.budget.max_steps
+    turns = sum(1 for messages in train["messages"].to_pylist() for m in messages if m["role"] == "assistant")
+    return {
+        "entry_point": "train-sft",
+        "run": config.run.name,
+        "store": config.run.store,
+        "model": {"reference": settings.base_model.uri, "resolved": resolved.source, "gguf_file": resolved.gguf_file},
+        "train_examples": train.num_rows,
+        "assistant_turns": turns,
+        "eval_examples": eval_rows,
+        "loss_on": settings.loss_on.kind,
+        "steps": steps,
+        "examples_per_step": settings.minibatch_size,
+        "micro_batches_per_step": (f"packed: <= {settings.packing.max_seq_len} tokens each" if settings.packed
+                                   else settings.gradient_accumulation),
+        "max_seq_len": settings.packing.max_seq_len,
+        "epochs": round(steps * settings.minibatch_size / train.num_rows, 3),
+        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
+        "optimizer": settings.optimizer.model_dump(mode="json"),
+    }
+
+
+def _rl_plan(config: RlConfig) -> dict:
+    from rollout_lib.rl import check_distinct_examples, load_prompts
+
+    settings = config.settings
+    prompts = {env.name: load_prompts(env) for env in settings.envs}  # parses or generates every prompt
+    check_distinct_examples(prompts)
+    resolved = resolve_model(settings.base_model)
+    steps = settings.budget.max_steps
+    return {
+        "entry_point": "train-rl",
+        "run": config.run.name,
+        "store": config.run.store,
+        "model": {"reference": settings.base_model.uri, "resolved": resolved.source, "gguf_file": resolved.gguf_file},
+        "envs": [
+            {"name": env.name, "source": env.source.type, "prompts": prompts[env.name].num_rows,
+             "algo": env.algo.model_dump(mode="json"), "rewards": [r.function for r in env.rewards],
+             "sampling": env.sampling.model_dump(mode="json"),
+             "rollouts_per_step": env.prompts_per_step * env.sampling.group_size}
+            for env in settings.envs
+        ],
+        "rollouts_per_step": sum(env.prompts_per_step * env.sampling.group_size for env in settings.envs),
+        "steps": steps,
+        "sampler": settings.sampler.model_dump(mode="json"),
+        "micro_batches": (f"packed: <= {config.packed_tokens} tokens each" if settings.packing
+                          else f"{settings.sequences_per_micro_batch} sequences each"),
+        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
+        "optimizer": settings.optimizer.model_dump(mode="json"),
+        "warnings": [f"{locator}: {message}" for locator, message in config.plan_warnings()],
+    }
+
+
+def _snapshot_steps(interval: int, steps: int) -> list[int]:
+    return sorted({*range(interval, steps + 1, interval), steps})

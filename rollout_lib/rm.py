@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import torch
 
@@ -20,13 +19,9 @@ from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
 from rollout_lib.model.loading import load_reward_model, load_tokenizer, resolve_model
 from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_scores
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
-from rollout_lib.trainer.determinism import seed_for_step, use_deterministic_torch
-from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
-
-
-class NonFiniteLossError(FloatingPointError):
-    """A training step produced a NaN/inf loss; the step fails instead of corrupting the weights."""
+from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError
+from rollout_lib.trainer.determinism import plan_batches, seed_for_step, use_deterministic_torch  # noqa: F401
+from rollout_lib.trainer.optim import build_optimizer, clip_gradients, lr_at, set_lr
 
 
 def tokenize_pairs(pairs: pa.Table, tokenizer, max_seq_len: int) -> pa.Table:
@@ -38,21 +33,6 @@ def tokenize_pairs(pairs: pa.Table, tokenizer, max_seq_len: int) -> pa.Table:
         {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "margin": rows["margin"],
          "source_line": rows["source_line"]},
         schema=wire.TOKENIZED_PAIRS,
-    )
-
-
-def plan_batches(num_rows: int, minibatch_size: int, max_steps: int, seed: int) -> pa.Table:
-    """Row indices of every step's minibatch: a fresh seeded permutation per epoch, consumed in order."""
-    needed = minibatch_size * max_steps
-    order: list[int] = []
-    epoch = 0
-    while len(order) < needed:
-        order.extend(np.random.default_rng([seed, epoch]).permutation(num_rows).tolist())
-        epoch += 1
-    return pa.Table.from_pydict(
-        {"step": list(range(1, max_steps + 1)),
-         "row_indices": [order[i * minibatch_size:(i + 1) * minibatch_size] for i in range(max_steps)]},
-        schema=wire.BATCH_PLAN,
     )
 
 
@@ -90,23 +70,18 @@ class RmRun:
     plan_id: str
 
 
-class RewardModelTrainer:
+class RewardModelTrainer(CheckpointedTrainer):
+    kind_of_model = "reward_model"
+    timing_metrics = frozenset({"pairs_per_s"})
+
     def __init__(self, run: RmRun, model, tokenizer, optimizer, step: int, checkpoint_id: str | None,
                  model_files: dict):
-        self.run = run
-        self.model = model
-        self.tokenizer = tokenizer
-        self.optimizer = optimizer
-        self.step = step
-        self.checkpoint_id = checkpoint_id  # the last snapshot this state descends from
-        self.model_files = model_files
+        super().__init__(run, model, tokenizer, optimizer, step, checkpoint_id, model_files)
         self._tokenized: pa.Table | None = None
         self._plan: pa.Table | None = None
 
-    # --- construction -------------------------------------------------------------------------------------
-
     @classmethod
-    def _build(cls, run: RmRun):
+    def build(cls, run: RmRun):
         use_deterministic_torch()
         resolved = resolve_model(run.config.settings.base_model)
         tokenizer = load_tokenizer(resolved)
@@ -116,19 +91,8 @@ class RewardModelTrainer:
         optimizer = build_optimizer(model.parameters(), run.config.settings.optimizer)
         return model, tokenizer, optimizer
 
-    @classmethod
-    def initial_checkpoint(cls, run: RmRun) -> str:
-        """Step 0: the base model with its freshly initialised head, stored so every later step can replay."""
-        model, tokenizer, optimizer = cls._build(run)
-        trainer = cls(run, model, tokenizer, optimizer, 0, None, save_model_files(run.store, model, tokenizer))
-        return trainer.snapshot(metrics={})
-
-    @classmethod
-    def from_checkpoint(cls, run: RmRun, checkpoint_id: str) -> "RewardModelTrainer":
-        manifest = read_manifest(run.store, checkpoint_id)
-        model, tokenizer, optimizer = cls._build(run)
-        restore_checkpoint(run.store, manifest, model, optimizer)
-        return cls(run, model, tokenizer, optimizer, manifest["step"], checkpoint_id, manifest["model"])
+    def data_ids(self) -> dict[str, str]:
+        return {"tokenized": self.run.tokenized_id, "plan": self.run.plan_id}
 
     # --- training -----------------------------------------------------------------------------------------
 
@@ -161,11 +125,7 @@ class RewardModelTrainer:
             raise NonFiniteLossError(f"train step {step}: loss is {loss.item()} (non-finite); weights not updated")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if settings.optimizer.max_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.optimizer.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = clip_gradients(self.model.parameters(), settings.optimizer.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"train step {step}: gradient norm is {grad_norm.item()}; weights not updated")
         self.optimizer.step()
@@ -179,18 +139,6 @@ class RewardModelTrainer:
             "grad_norm": grad_norm.item(),
             "pairs_per_s": batch.size / elapsed,
         }
-
-    def snapshot(self, metrics: dict) -> str:
-        # Timing metrics differ run to run; only deterministic ones go into the (content-addressed) manifest.
-        deterministic = {k: v for k, v in metrics.items() if k != "pairs_per_s"}
-        self.checkpoint_id = save_checkpoint(
-            self.run.store, model=self.model, optimizer=self.optimizer, model_files=self.model_files,
-            step=self.step, parent=self.checkpoint_id, settings_hash=self.run.settings_hash,
-            extra={"kind_of_model": "reward_model", "base_model": self.run.config.settings.base_model.uri,
-                   "data": {"tokenized": self.run.tokenized_id, "plan": self.run.plan_id, "cursor": self.step},
-                   "seed": self.run.config.run.seed, "metrics": deterministic},
-        )
-        return self.checkpoint_id
 
 
 @torch.no_grad()

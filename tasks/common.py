@@ -17,6 +17,9 @@ from rollout_lib.store import ObjectStore, canonical_json
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
+# Task results are small JSON (ids and numbers): they persist, and come back `Cached` on a rerun.
+TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
+
 
 @functools.cache
 def code_version() -> str:

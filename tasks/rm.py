@@ -14,9 +14,7 @@ from rollout_lib.data import load_pairs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rm import RewardModelTrainer, RmRun, evaluate_pairs, plan_batches, tokenize_pairs
 from rollout_lib.trainer import live
-from tasks.common import content_key, file_digest, open_store
-
-TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
+from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
 
 
 def _dataset_path(config: RmConfig, split: str) -> str:
@@ -43,14 +41,14 @@ def tokenize_pairs_task(config: RmConfig, pairs_id: str, split: str) -> dict:
     return {"tokenized": store.put_table(table)}
 
 
-@task(name="plan-batches", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="plan-batches", task_run_name="plan-batches", **TASK_OPTIONS, cache_key_fn=content_key())
 def plan_batches_task(config: RmConfig, tokenized_id: str, rows: int) -> dict:
     settings = config.settings
     plan = plan_batches(rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
     return {"plan": open_store(config).put_table(plan), "steps": plan.num_rows}
 
 
-@task(name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="init-model", task_run_name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
 def init_model_task(config: RmConfig, tokenized_id: str, plan_id: str) -> dict:
     return {"checkpoint": RewardModelTrainer.initial_checkpoint(_run(config, tokenized_id, plan_id))}
 

@@ -64,3 +64,114 @@ def tiny_model_dir() -> Path:
 @pytest.fixture
 def store_root(tmp_path) -> str:
     return str(tmp_path / "store")
+
+
+# --- deployments: the session's server + `rollout stack start` (work pool, `prefect deploy --all`, a worker) ----
+
+TINY_PAIRS = [
+    {"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}.", "rejected": f"Maybe {a + b + 3}? No idea."}
+    for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (9, 9)]
+]
+
+
+def write_pairs(path: Path, rows: list[dict], bad_line: int | None = None) -> Path:
+    """JSONL of preference pairs; `bad_line` (1-based) replaces that row with malformed JSON."""
+    import json
+
+    lines = [json.dumps(row) for row in rows]
+    if bad_line is not None:
+        lines[bad_line - 1] = '{"prompt": "broken row", "chosen": oops}'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class DeploymentStack:
+    """The session's stack seen from a test: start deployment runs as users do (`prefect deployment run`) and
+    read what happened through the REST API."""
+
+    terminal = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+    def __init__(self, record: dict):
+        self.api_url = record["api_url"]
+        self.ui_url = record["ui_url"]
+        self.worker = record["worker"]
+
+    def prefect(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def run(self, deployment: str = "train-rm/default", timeout: float = 600, **params) -> dict:
+        """`prefect deployment run <deployment> --param k=<json> ... --watch`; returns the finished flow run, with
+        the command's exit code and output under "cli"."""
+        import json
+        import re
+
+        args = ["deployment", "run", deployment, "--watch", "--watch-timeout", str(int(timeout))]
+        for key, value in params.items():
+            args += ["--param", f"{key}={json.dumps(value)}"]
+        done = self.prefect(*args, timeout=timeout + 60)
+        match = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)
+        assert match, f"no flow run created:\n{done.stdout}\n{done.stderr}"
+        flow_run = self.wait(match.group(1), timeout=60)
+        return {**flow_run, "cli": {"returncode": done.returncode, "output": done.stdout + done.stderr}}
+
+    def wait(self, flow_run_id: str, timeout: float = 300, states: tuple[str, ...] = terminal) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            flow_run = self.api("GET", f"/flow_runs/{flow_run_id}")
+            if flow_run["state"]["type"] in states or time.monotonic() > deadline:
+                return flow_run
+            time.sleep(0.5)
+
+    def task_runs(self, flow_run_id: str) -> list[dict]:
+        return self.api("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}},
+                                                        "sort": "EXPECTED_START_TIME_ASC"})
+
+    def artifacts(self, flow_run_id: str) -> list[dict]:
+        return self.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+
+    def logs(self, flow_run_id: str) -> str:
+        logs = self.api("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                                  "sort": "TIMESTAMP_ASC"})
+        return "\n".join(entry["message"] for entry in logs)
+
+    def api(self, method: str, path: str, body: dict | None = None):
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.api_url}{path}", method=method,
+                                         data=json.dumps(body).encode() if body is not None else None,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"null")
+
+
+@pytest.fixture(scope="session")
+def worker_stack(prefect_server):
+    """`rollout stack start --no-schedule` against the session's server (PREFECT_API_URL): the work pool, every
+    deployment of prefect.yaml, one process worker polling every second. The worker is always stopped; the
+    server belongs to `prefect_server` and is left to it."""
+    from flows import stack
+
+    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
+    try:
+        started = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "start", "--no-schedule"], cwd=ROOT,
+                                 env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        assert started.returncode == 0, f"rollout stack start failed:\n{started.stdout}\n{started.stderr}"
+        record = stack.read_record()
+        assert record["server"]["owned"] is False and record["api_url"] == prefect_server["api_url"]
+        yield DeploymentStack(record)
+    finally:
+        stack.stop(log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def failed_row_run(worker_stack) -> dict:
+    """A `train-rm/default` run whose training data has a malformed row at line 3: it ends Failed. Shared by the
+    API test of the failure path and the browser test that inspects it in the UI."""
+    data = write_pairs(SESSION_DIR / "bad-row" / "train.jsonl", TINY_PAIRS, bad_line=3)
+    flow_run = worker_stack.run(config="configs/rm-tiny.toml", overrides=[
+        f"algorithm.rm.dataset.path={data}", f"run.store={SESSION_DIR / 'bad-row' / 'store'}", "run.name=bad-row",
+    ])
+    return {"flow_run": flow_run, "data": data, "line": 3}

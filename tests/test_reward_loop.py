@@ -8,26 +8,26 @@ import functools
 import json
 import math
 import os
+import signal
 import time
 
 import pyarrow as pa
 import pytest
 
 from rollout_lib import wire
-from rollout_lib.reward import (
+from rollout_lib.reward import examples
+from rollout_lib.reward.functions import RewardInput, resolve_reward_function
+from rollout_lib.reward.loop import (
     AllRewardsFailedError,
-    RewardInput,
     RewardLoop,
     RewardResult,
     apply_rewards,
     is_async_callable,
     raise_if_all_missing,
-    resolve_reward_function,
-    reward_inputs,
     reward_metrics,
     score_rollouts_sync,
 )
-from rollout_lib.reward import examples
+from rollout_lib.reward.tables import reward_inputs
 
 
 def _item(text: str = "hello world", answer: str | None = None, **info) -> RewardInput:
@@ -40,6 +40,16 @@ def _pid_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _pid_running(pid: int) -> bool:
+    # A killed grandchild is reaped by init, not by us; in a container init may never reap, so a zombie
+    # counts as stopped.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 async def _async_one(inp: RewardInput) -> float:
@@ -110,6 +120,31 @@ def test_hung_sync_function_is_killed_and_the_loop_goes_on():
         assert loop.sync_worker_pids() and hung_pid not in loop.sync_worker_pids()
         worker_pids = loop.sync_worker_pids()
     assert not any(_pid_exists(pid) for pid in worker_pids)  # the context manager shut the pool down
+
+
+def test_timeout_also_kills_what_the_sync_function_started(tmp_path):
+    pid_file = tmp_path / "pid"
+    command = ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 1000"]
+    with RewardLoop([(examples.command_succeeds, 1.0)], concurrency=1, timeout_s=1.0, sync_workers=1) as loop:
+        (result,) = loop.score([_item(command=command)])
+        assert result.error == "TimeoutError: reward fn 'command_succeeds' exceeded 1.0s"
+        sleeper = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while _pid_running(sleeper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_running(sleeper)
+        assert loop.score([_item(command=["true"])])[0].reward == 1.0
+
+
+def test_a_worker_that_died_while_idle_is_replaced():
+    with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
+        loop.score([_item(sleep_s=0)])
+        (pid,) = loop.sync_worker_pids()
+        os.kill(pid, signal.SIGKILL)  # OOM killer, say
+        while _pid_running(pid):  # the kill lands asynchronously; a zombie (unreaped by us) counts as dead
+            time.sleep(0.01)
+        assert loop.score([_item(sleep_s=0)]) == [RewardResult(1.0, None, {"sleep_then_one": 1.0})]
+        assert loop.sync_worker_pids() != [pid]
 
 
 def test_hung_async_function_is_cancelled():
@@ -266,7 +301,9 @@ def test_builtin_missing_answer_is_a_missing_reward_in_the_loop():
         [_item("7")], [(resolve_reward_function("exact_match"), 1.0)], concurrency=1, timeout_s=30
     )
     assert results[0].reward is None
-    assert results[0].error == "ValueError: reward fn 'exact_match': exact_match needs an answer, but the example has none"
+    assert results[0].error == (
+        "ValueError: reward fn 'exact_match': exact_match needs an answer, but the example has none"
+    )
 
 
 def test_resolution_by_import_path_and_errors():

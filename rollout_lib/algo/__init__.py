@@ -1,0 +1,22 @@
+"""RL algorithms, one module each, registered by their `type` name (see base.py).
+
+Importing this package imports every module in it, so an algorithm module dropped here is registered and
+appears in the config's `algo` union without editing anything else.
+"""
+
+import importlib
+import pkgutil
+
+from rollout_lib.algo.base import ALGORITHMS, Algorithm, AlgoSettings, Group, build_algorithm
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in ("base", "stamping"):
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def algo_settings_types() -> tuple[type[AlgoSettings], ...]:
+    """The settings class of every registered algorithm, in type-name order (for the config's union)."""
+    return tuple(ALGORITHMS[name].settings_class for name in sorted(ALGORITHMS))
+
+
+__all__ = ["ALGORITHMS", "AlgoSettings", "Algorithm", "Group", "algo_settings_types", "build_algorithm"]

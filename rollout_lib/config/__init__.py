@@ -2,6 +2,8 @@
 
 from rollout_lib.config.errors import ConfigError
 from rollout_lib.config.loading import apply_overrides, load_config, settings_hash, training_hash, validate_config
+from rollout_lib.config.rl import RlConfig
 from rollout_lib.config.rm import RmConfig
+from rollout_lib.config.sft import SftConfig
 
-__all__ = ["ConfigError", "RmConfig", "apply_overrides", "load_config", "settings_hash", "training_hash", "validate_config"]
+__all__ = ["ConfigError", "RlConfig", "RmConfig", "SftConfig", "apply_overrides", "load_config", "settings_hash", "training_hash", "validate_config"]

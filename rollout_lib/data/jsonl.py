@@ -49,3 +49,25 @@ def optional_number(obj: dict, key: str, where: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise DataError(f"{where}: field {key!r} must be a finite number, got {value!r}")
     return float(value)
+
+
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+
+
+def require_messages(obj: dict, key: str, where: str) -> list[dict[str, str]]:
+    """A non-empty list of {"role", "content"} objects (exactly those keys, a known role, string content)."""
+    messages = obj.get(key)
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: {key!r} must be a non-empty list of {{role, content}} objects")
+    out = []
+    for index, message in enumerate(messages):
+        at = f"{where}: {key}[{index}]"
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise DataError(f"{at}: must be an object with exactly 'role' and 'content'")
+        role, content = message["role"], message["content"]
+        if role not in MESSAGE_ROLES:
+            raise DataError(f"{at}: role must be one of {list(MESSAGE_ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise DataError(f"{at}: content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out

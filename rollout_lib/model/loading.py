@@ -84,7 +84,7 @@ def resolve_model(ref: ModelRef | str) -> ResolvedModel:
         if ref.gguf_file and not (path / ref.gguf_file).is_file():
             raise ModelLoadError(f"model reference {uri!r}: no GGUF file {ref.gguf_file!r} in it")
         return ResolvedModel(str(path.resolve()), gguf_file=ref.gguf_file, revision=ref.revision)
-    if uri.startswith((".", "/", "~")) or path.suffix or uri.count("/") > 1:
+    if uri.startswith((".", "/", "~")) or uri.count("/") > 1:
         raise ModelLoadError(f"model reference {uri!r}: no such local directory")
     return ResolvedModel(uri, gguf_file=ref.gguf_file, revision=ref.revision)
 

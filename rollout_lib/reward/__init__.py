@@ -1,35 +1,12 @@
-"""The reward loop: per-rollout async scoring with user reward functions (see loop.py)."""
+"""The reward loop: per-rollout async scoring with user reward functions.
 
-from rollout_lib.reward.functions import (
-    BUILTIN_REWARD_FUNCTIONS,
-    RewardInput,
-    resolve_reward_function,
-)
-from rollout_lib.reward.loop import (
-    AllRewardsFailedError,
-    RewardLoop,
-    RewardResult,
-    apply_rewards,
-    is_async_callable,
-    raise_if_all_missing,
-    reward_metrics,
-    score_rollouts,
-    score_rollouts_sync,
-)
-from rollout_lib.reward.tables import reward_inputs
+- `functions`: RewardInput, the built-ins, resolve_reward_function
+- `loop`: RewardLoop, score_rollouts(_sync), is_async_callable (and the results helpers below, re-exported)
+- `pool`: the killable worker processes for sync functions
+- `results`: RewardResult, reward_metrics, raise_if_all_missing
+- `tables`: reward_inputs / apply_rewards between the loop and the ROLLOUTS wire
+- `examples`: importable example functions
 
-__all__ = [
-    "BUILTIN_REWARD_FUNCTIONS",
-    "AllRewardsFailedError",
-    "RewardInput",
-    "RewardLoop",
-    "RewardResult",
-    "apply_rewards",
-    "is_async_callable",
-    "raise_if_all_missing",
-    "resolve_reward_function",
-    "reward_inputs",
-    "reward_metrics",
-    "score_rollouts",
-    "score_rollouts_sync",
-]
+Deliberately no re-exports here: every sync worker process imports this package, and should pay only for
+`pool` and the user's functions, not for pyarrow.
+"""

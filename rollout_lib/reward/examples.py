@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import time
 
 from rollout_lib.reward.functions import RewardInput
@@ -43,3 +44,9 @@ def completion_length(inp: RewardInput) -> float:
 def worker_pid(inp: RewardInput) -> float:
     """Which process ran the call (sync functions run in worker processes, never in the caller)."""
     return float(os.getpid())
+
+
+def command_succeeds(inp: RewardInput) -> float:
+    """Sandbox-style: 1.0 when the argv in info["command"] exits 0, else 0.0. On timeout the whole worker
+    process group is killed, so the command dies with it."""
+    return float(subprocess.run(inp.info["command"], stdin=subprocess.DEVNULL).returncode == 0)

@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -39,7 +40,7 @@ def as_score(value: Any) -> float:
         if "score" not in value:
             raise ValueError(f"reward dict has no 'score' key (keys: {sorted(value)})")
         value = value["score"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real: numpy scalars too
         # bool is an int subclass; a True that slips through is almost always a missing float() somewhere.
         raise TypeError(f"reward must be a float or {{'score': float}}, got {type(value).__name__}: {value!r}")
     score = float(value)

@@ -3,7 +3,7 @@
 Modelled on verl's reward loop (seed 004): each sample is scored on its own coroutine, so latency-bound
 rewards (an LLM judge, a sandbox) overlap instead of queueing. Unlike verl, sync functions do not go to a
 thread executor: a hung thread cannot be stopped. They run in `pool.SyncWorkerPool`, whose worker processes
-are killed on timeout. Async functions are cancelled on timeout.
+(with anything they started) are killed on timeout. Async functions are cancelled on timeout.
 
 Limits of "a timeout that really stops the work":
 - an async function that blocks the event loop (time.sleep inside `async def`) stalls everything and cannot be
@@ -95,7 +95,6 @@ class RewardLoop:
         timeout_s: float = 10.0,
         kill_grace_s: float = DEFAULT_KILL_GRACE_S,
         sync_workers: int | None = None,
-        start_method: str | None = None,
     ) -> None:
         if not functions:
             raise ValueError("RewardLoop needs at least one (function, weight)")
@@ -127,9 +126,7 @@ class RewardLoop:
             # Sync reward functions are usually CPU-bound (parsing, verifying): more workers than cores
             # would not go faster. Latency-bound ones should be async, or raise sync_workers.
             size = sync_workers or min(concurrency, os.cpu_count() or 1)
-            self._pool = SyncWorkerPool(
-                sync_functions, size=size, kill_grace_s=kill_grace_s, start_method=start_method
-            )
+            self._pool = SyncWorkerPool(sync_functions, size=size, kill_grace_s=kill_grace_s)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 

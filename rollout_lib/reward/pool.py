@@ -1,103 +1,59 @@
 """A pool of worker processes for sync reward functions, where a call that overruns its timeout is killed.
 
 Why not threads or `concurrent.futures.ProcessPoolExecutor`: a hung thread cannot be stopped, and killing one
-executor worker breaks the whole executor. Here each worker is a plain `multiprocessing.Process` talking over
-its own pipe, so a timed-out worker is terminated (SIGTERM, then SIGKILL after a grace period), reaped, and
-its slot refilled by a fresh process on next use; the other workers never notice.
+executor worker breaks the whole executor. Here each worker (`worker.py`) is its own process, in its own
+process group, talking over its own socket. A timed-out worker's group gets SIGTERM, then SIGKILL after
+`kill_grace_s` (so subprocesses the reward function started die too); it is reaped, and its slot gets a
+fresh process on next use. The other workers never notice.
 
-Protocol: the worker unpickles the reward functions once at start-up (so importing heavy user modules does
-not count against the first call's timeout), reports ("ready", pid), then answers each (function_index,
-RewardInput) with ("ok", value) or ("err", "Type: message"). One call per worker at a time.
+Workers start lazily, one call at a time each. Sync functions are pickled once here (a non-picklable one is
+refused at construction) and unpickled by reference in the worker, so they must be importable there: defined
+at module level of a module on sys.path, not in `__main__` or a closure.
 
-POSIX only: waiting uses `loop.add_reader` on the pipe and on the process sentinel. Calls from one event loop
-at a time (`RewardLoop.score` runs a fresh loop per call, which is fine: the pool rebinds to it).
+POSIX only (process groups, `loop.add_reader` on sockets). Calls from one event loop at a time
+(`RewardLoop.score` runs a fresh loop per call, which is fine: the pool rebinds to it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
+import json
 import os
 import pickle
 import signal
-import threading
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-# Generous: a cold worker imports torch-sized user modules before it is ready.
+# Generous: a cold worker may import torch-sized user modules before it is ready.
 STARTUP_TIMEOUT_S = 120.0
 
-
-class RewardWorkerError(RuntimeError):
-    """The worker failed (did not start, crashed mid-call); the message says how."""
+_BOOT = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
+    "from rollout_lib.reward.worker import main; main(int(sys.argv[1]))"
+)
 
 
 class RewardTimeout(TimeoutError):
     """A reward call overran its timeout and was stopped (distinct from a TimeoutError the function raises)."""
 
 
+class RewardWorkerError(RuntimeError):
+    """The worker failed (did not start, died mid-call); the message says how."""
+
+
 class WorkerFunctionError(Exception):
     """The reward function itself raised inside the worker; the message is "Type: message" from there."""
 
 
-def default_start_method() -> str:
-    # forkserver: no fork of a parent that holds threads / CUDA state, and cheaper than spawn to replace
-    # killed workers. Both re-import the function's module in the child, which is why functions must be
-    # importable (module-level), not closures.
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-
-
-# --- the worker process --------------------------------------------------------------------------------------
-
-
-def _exit_when_orphaned() -> None:
-    # If the parent dies hard (SIGKILL, OOM), a worker stuck in a hung function would live forever; the parent
-    # pid changing (re-parenting) is the portable signal.
-    parent = os.getppid()
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(1)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _worker_main(conn: Connection, functions_blob: bytes) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts us down
-    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
-    try:
-        functions = pickle.loads(functions_blob)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the calls loudly
-        conn.send(("startup_error", _describe(exc)))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            index, item = conn.recv()
-        except EOFError:  # parent closed the pipe: shutdown
-            return
-        try:
-            reply = ("ok", functions[index](item))
-        except BaseException as exc:  # noqa: BLE001 - SystemExit from user code must not kill the worker
-            reply = ("err", _describe(exc))
-        try:
-            conn.send(reply)  # pickles fully before writing, so a failure here leaves the pipe clean
-        except Exception as exc:  # noqa: BLE001
-            conn.send(("err", f"TypeError: reward value could not be sent back: {_describe(exc)}"))
-
-
-# --- the parent side -----------------------------------------------------------------------------------------
-
-
 @dataclass
 class _Worker:
-    process: multiprocessing.process.BaseProcess
+    process: subprocess.Popen
     conn: Connection
-    ready: bool = False
 
 
 async def _wait_readable(fd: int) -> None:
@@ -115,17 +71,23 @@ async def _wait_readable(fd: int) -> None:
         loop.remove_reader(fd)
 
 
-class SyncWorkerPool:
-    """`size` worker processes, started lazily, each running the given functions by index."""
+def _importable_paths() -> list[str]:
+    # The worker imports what the parent can: same sys.path, including the script dir and cwd entries.
+    return [os.path.abspath(p) if p else os.getcwd() for p in sys.path if isinstance(p, str)]
 
-    def __init__(
-        self,
-        functions: list[Callable[..., Any]],
-        *,
-        size: int,
-        kill_grace_s: float,
-        start_method: str | None = None,
-    ) -> None:
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    if process.poll() is None:  # not reaped, so its pid (= its group id) cannot have been reused
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class SyncWorkerPool:
+    """`size` worker processes running `functions[index](item)`."""
+
+    def __init__(self, functions: list[Callable[..., Any]], *, size: int, kill_grace_s: float) -> None:
         if size < 1:
             raise ValueError(f"sync worker pool size must be >= 1, got {size}")
         try:
@@ -134,9 +96,8 @@ class SyncWorkerPool:
             raise TypeError(
                 "sync reward functions run in worker processes and must be picklable: define them at module "
                 "level of an importable module (functools.partial of one is fine), or make them async. "
-                f"Pickling failed with {_describe(exc)}"
+                f"Pickling failed with {type(exc).__name__}: {exc}"
             ) from exc
-        self._context = multiprocessing.get_context(start_method or default_start_method())
         self._kill_grace_s = kill_grace_s
         self._slots: list[_Worker | None] = [None] * size
         self._idle: asyncio.Queue[int] | None = None
@@ -154,17 +115,21 @@ class SyncWorkerPool:
         idle = self._idle_queue()
         slot = await idle.get()
         try:
-            worker = await self._ready_worker(slot)
+            worker = self._slots[slot]
+            if worker is None or worker.process.poll() is not None:  # never started, or died while idle
+                if worker is not None:
+                    self._discard_now(slot, worker)
+                worker = await self._start(slot)
             return await self._call_on(slot, worker, index, item, timeout_s)
         finally:
             idle.put_nowait(slot)
 
     def pids(self) -> list[int]:
-        """Pids of the live workers (started lazily, so empty before the first sync call)."""
-        return [w.process.pid for w in self._slots if w is not None and w.process.is_alive()]
+        """Pids of the live workers (none before the first sync call)."""
+        return [w.process.pid for w in self._slots if w is not None and w.process.poll() is None]
 
     def close(self) -> None:
-        """Stop every worker: closing its pipe lets an idle one exit; anything still running is killed."""
+        """Stop every worker: closing its socket lets an idle one exit; anything still running is killed."""
         self._closed = True
         workers = [w for w in self._slots if w is not None]
         self._slots = [None] * len(self._slots)
@@ -172,11 +137,11 @@ class SyncWorkerPool:
             worker.conn.close()
         deadline = time.monotonic() + self._kill_grace_s
         for worker in workers:
-            worker.process.join(max(0.0, deadline - time.monotonic()))
-        for worker in workers:
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(worker.process, signal.SIGKILL)
+                worker.process.wait()
 
     # -- internals --------------------------------------------------------------------------------------------
 
@@ -191,38 +156,37 @@ class SyncWorkerPool:
         assert self._idle is not None
         return self._idle
 
-    async def _ready_worker(self, slot: int) -> _Worker:
+    async def _start(self, slot: int) -> _Worker:
         if self._startup_error is not None:
-            # One failed start means the functions cannot be imported in a child; retrying per call would
-            # only repeat that slowly.
+            # One failed start means the functions cannot be loaded in a child; retrying per call would only
+            # repeat that slowly.
             raise RewardWorkerError(self._startup_error)
-        worker = self._slots[slot]
-        if worker is not None and worker.process.is_alive():
-            return worker
-        parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(
-            target=_worker_main, args=(child_conn, self._functions_blob), daemon=True, name=f"reward-worker-{slot}"
-        )
-        process.start()
-        child_conn.close()  # the child holds its own copy; ours would keep EOF from ever arriving
-        worker = _Worker(process, parent_conn)
+        ours, theirs = socket.socketpair()
+        with theirs:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(_importable_paths())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: killable as a unit, deaf to the terminal's Ctrl-C
+            )
+        worker = _Worker(process, Connection(ours.detach()))
         self._slots[slot] = worker
         try:
-            await asyncio.wait_for(_wait_readable(parent_conn.fileno()), STARTUP_TIMEOUT_S)
-            kind, payload = parent_conn.recv()
+            worker.conn.send_bytes(self._functions_blob)
+            await asyncio.wait_for(_wait_readable(worker.conn.fileno()), STARTUP_TIMEOUT_S)
+            kind, payload = worker.conn.recv()
         except (asyncio.TimeoutError, EOFError, OSError) as exc:
             await self._discard(slot, worker)
-            detail = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"exited ({process.exitcode})"
-            self._startup_error = f"reward worker failed to start: {detail}"
+            how = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"exited ({worker.process.returncode})"
+            self._startup_error = f"reward worker failed to start: {how}; see its stderr"
             raise RewardWorkerError(self._startup_error) from None
         except BaseException:
             self._discard_now(slot, worker)
             raise
         if kind != "ready":
             await self._discard(slot, worker)
-            self._startup_error = f"reward worker failed to load the reward functions: {payload}"
+            self._startup_error = f"reward worker could not load the reward functions: {payload}"
             raise RewardWorkerError(self._startup_error)
-        worker.ready = True
         return worker
 
     async def _call_on(self, slot: int, worker: _Worker, index: int, item: Any, timeout_s: float) -> Any:
@@ -235,9 +199,9 @@ class SyncWorkerPool:
             raise RewardTimeout from None
         except (EOFError, OSError):
             await self._discard(slot, worker)
-            raise RewardWorkerError(f"reward worker died mid-call (exit code {worker.process.exitcode})") from None
+            raise RewardWorkerError(f"reward worker died mid-call (exit code {worker.process.returncode})") from None
         except BaseException:
-            # Cancelled mid-call (caller gave up, Ctrl-C): the worker's reply would desync the pipe; end it.
+            # Cancelled mid-call (the caller gave up, Ctrl-C): the late reply would desync the socket; end it.
             self._discard_now(slot, worker)
             raise
         if kind == "ok":
@@ -245,24 +209,21 @@ class SyncWorkerPool:
         raise WorkerFunctionError(payload)
 
     async def _discard(self, slot: int, worker: _Worker) -> None:
-        """Terminate, wait up to the grace period without blocking the loop, then kill; always reap."""
+        """SIGTERM the group, wait up to the grace period without blocking the loop, SIGKILL; always reap."""
         if self._slots[slot] is worker:
             self._slots[slot] = None
         worker.conn.close()
-        process = worker.process
-        if process.is_alive():
-            process.terminate()
-            try:
-                await asyncio.wait_for(_wait_readable(process.sentinel), self._kill_grace_s)
-            except asyncio.TimeoutError:
-                process.kill()
-        process.join()  # reap, so the pid is really gone (a zombie still answers os.kill(pid, 0))
+        _signal_group(worker.process, signal.SIGTERM)
+        deadline = time.monotonic() + self._kill_grace_s
+        while worker.process.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        _signal_group(worker.process, signal.SIGKILL)
+        worker.process.wait()  # reap, so the pid is really gone (a zombie still answers os.kill(pid, 0))
 
     def _discard_now(self, slot: int, worker: _Worker) -> None:
         # Blocking variant for cancellation paths, where awaiting is not an option.
         if self._slots[slot] is worker:
             self._slots[slot] = None
         worker.conn.close()
-        if worker.process.is_alive():
-            worker.process.kill()
-        worker.process.join()
+        _signal_group(worker.process, signal.SIGKILL)
+        worker.process.wait()

@@ -22,7 +22,9 @@ def reward_inputs(rollouts: pa.Table, prompts: pa.Table | None = None) -> list[R
             prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()
         ):
             messages_by_example[example_id] = messages
-    columns = {name: rollouts.column(name).to_pylist() for name in ("example_id", "env", "completion_text", "answer", "info")}
+    columns = {
+        name: rollouts.column(name).to_pylist() for name in ("example_id", "env", "completion_text", "answer", "info")
+    }
     inputs = []
     for row, example_id in enumerate(columns["example_id"]):
         if prompts is not None and example_id not in messages_by_example:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import blake3
+import numpy as np
+import pyarrow as pa
 import torch
+
+from rollout_lib import wire
 
 
 def use_deterministic_torch() -> None:
@@ -13,3 +17,19 @@ def use_deterministic_torch() -> None:
 def seed_for_step(seed: int, step: int) -> int:
     """A per-step RNG seed derived from (run seed, step): replaying step k needs no stored RNG state."""
     return int.from_bytes(blake3.blake3(f"{seed}:{step}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def plan_batches(num_rows: int, minibatch_size: int, max_steps: int, seed: int) -> pa.Table:
+    """Row indices of every step's minibatch (wire.BATCH_PLAN): a fresh seeded permutation per epoch, consumed
+    in order, so the data order is a function of the seed and any step's rows are known without replaying."""
+    needed = minibatch_size * max_steps
+    order: list[int] = []
+    epoch = 0
+    while len(order) < needed:
+        order.extend(np.random.default_rng([seed, epoch]).permutation(num_rows).tolist())
+        epoch += 1
+    return pa.Table.from_pydict(
+        {"step": list(range(1, max_steps + 1)),
+         "row_indices": [order[i * minibatch_size:(i + 1) * minibatch_size] for i in range(max_steps)]},
+        schema=wire.BATCH_PLAN,
+    )

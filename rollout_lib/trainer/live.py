@@ -9,12 +9,14 @@ the steps since, which is at most the work since the last snapshot.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Callable, Protocol
 
 from rollout_lib.store import ObjectStore
 
 PENDING_KIND = "rollout.pending_state/v1"
+logger = logging.getLogger(__name__)
 
 
 class Trainer(Protocol):
@@ -51,6 +53,21 @@ def snapshot(store: ObjectStore, state_id: str, metrics: dict, *,
     return checkpoint_id
 
 
+def hold(store: ObjectStore, state_id: str, open_checkpoint: Callable[[str], Trainer]) -> Trainer:
+    """The trainer at `state_id` without advancing it (e.g. to sample from the policy): the live one, or one
+    materialised from the store and kept live, so the step that follows does not materialise it again."""
+    trainer = _LIVE.get(state_id)
+    if trainer is None:
+        trainer = materialise(store, state_id, open_checkpoint)
+        _keep(state_id, trainer)
+    return trainer
+
+
+def adopt(state_id: str, trainer: Trainer) -> None:
+    """Keep a trainer that is already at `state_id` (e.g. just built and snapshotted) for the next step."""
+    _keep(state_id, trainer)
+
+
 def _take(store: ObjectStore, state_id: str, open_checkpoint: Callable[[str], Trainer]) -> Trainer:
     # Popped: a step that fails midway never leaves a half-updated trainer behind for the next attempt.
     trainer = _LIVE.pop(state_id, None)
@@ -66,6 +83,8 @@ def materialise(store: ObjectStore, state_id: str, open_checkpoint: Callable[[st
     record = store.get_json(state_id)
     if record.get("kind") == PENDING_KIND:
         trainer = open_checkpoint(record["base"])
+        logger.info("no live state in this process: replaying steps %d..%d from checkpoint %s",
+                    trainer.step + 1, record["step"], record["base"])
         for replay_step in range(trainer.step + 1, record["step"] + 1):
             trainer.train_step(replay_step)
         return trainer

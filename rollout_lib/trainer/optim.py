@@ -45,6 +45,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def clip_gradients(parameters, max_grad_norm: float | None) -> torch.Tensor:
+    """Total gradient norm (before clipping) over the parameters that have a gradient; with `max_grad_norm`,
+    the gradients are scaled in place so that their total norm is at most that."""
+    params = [p for p in parameters if p.grad is not None]
+    if max_grad_norm is not None:
+        return torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Flatten optimizer state to named tensors plus JSON metadata, for safetensors (never pickle)."""
     state = optimizer.state_dict()

@@ -1,0 +1,116 @@
+"""train-rl: on-policy RL, as the procedure you would write by hand.
+
+load prompts per env -> init policy ->
+    [sample -> score -> assign advantages -> pack -> train step -> (snapshot every N steps)] per step
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from flows.common import Progress, artifact_key, bind, load_run_config
+from rollout_lib import rl
+from rollout_lib.config import RlConfig
+from tasks.common import open_store
+from tasks.rl import (
+    advantages_task,
+    init_policy_task,
+    load_prompts_task,
+    pack_task,
+    sample_task,
+    score_task,
+    snapshot_task,
+    train_step_task,
+)
+
+# Metrics shown per step in the UI table (and their column order); absent ones are left blank.
+METRIC_COLUMNS = (
+    "step", "reward_mean", "reward_std", "missing_rewards", "advantage_mean", "advantage_std",
+    "zero_advantage_fraction", "trainable_samples", "loss", "loss/rl", "loss/ce", "loss/ref_kl", "rl/mismatch_kl",
+    "rl/masked_fraction", "grad_norm", "lr", "tokens", "completion_len_mean", "sample_s", "score_s",
+    "advantages_s", "pack_s", "train_s",
+)
+STAGE_TIMES = ("sample_s", "score_s", "advantages_s", "pack_s", "train_s")
+
+
+@flow(name="train-rl", log_prints=True)
+def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[str, Any] | None = None,
+             max_steps: int | None = None) -> dict:
+    """On-policy RL of a causal LM. `overrides`: ["key.path=value", ...] or {"key.path": value}; `max_steps` is a
+    shortcut for algorithm.rl.budget.max_steps."""
+    logger = get_run_logger()
+    cfg = load_run_config(RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
+    settings = cfg.settings
+    for locator, message in cfg.plan_warnings():
+        logger.warning("%s: %s", locator, message)
+    t = lambda task: bind(task, cfg)  # noqa: E731 - every task stores its result beside the store
+
+    prompts = {env.name: t(load_prompts_task)(cfg, env.name)["prompts"] for env in settings.envs}
+    state = t(init_policy_task)(cfg, prompts)["checkpoint"]
+
+    total = settings.budget.max_steps
+    progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rl {cfg.run.name}: steps done")
+    history: list[dict] = []
+    started = time.perf_counter()
+    try:
+        for step in range(1, total + 1):
+            sampled = t(sample_task)(cfg, prompts, state, step)
+            scored = t(score_task)(cfg, prompts, sampled["rollouts"], step)
+            samples = t(advantages_task)(cfg, scored["rollouts"], step)
+            packed = t(pack_task)(cfg, samples["samples"], step)
+            trained = t(train_step_task)(cfg, prompts, state, packed["micro_batches"], step)
+            state = trained["state"]
+            metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"],
+                       **trained["metrics"], "step": step}
+            history.append(metrics)
+            logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s", step, metrics["reward_mean"],
+                        metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
+                        " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics))
+            if step % settings.checkpoint_interval == 0 or step == total:
+                state = t(snapshot_task)(cfg, prompts, state, step, metrics)["checkpoint"]
+                logger.info("step %d: checkpoint %s", step, state)
+                _metrics_artifact(cfg, history)
+            progress.update(step)
+    finally:
+        rl.close_reward_loops()
+
+    checkpoint = state
+    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
+    create_markdown_artifact(_summary(cfg, checkpoint, history), key=artifact_key(cfg.run.name, "summary"),
+                             description="train-rl summary")
+    logger.info("final checkpoint %s", checkpoint)
+    rewards = [m["reward_mean"] for m in history]
+    return {"checkpoint": checkpoint, "steps": total, "reward_curve": rewards,
+            "last_metrics": history[-1], "train_seconds": time.perf_counter() - started}
+
+
+def _metrics_artifact(cfg: RlConfig, history: list[dict]) -> None:
+    def cell(value):
+        return round(value, 6) if isinstance(value, float) else ("" if value is None else value)
+
+    create_table_artifact([{name: cell(m.get(name)) for name in METRIC_COLUMNS} for m in history],
+                          key=artifact_key(cfg.run.name, "metrics"), description="train-rl metrics per step")
+
+
+def _summary(cfg: RlConfig, checkpoint: str, history: list[dict]) -> str:
+    settings = cfg.settings
+    first, last = history[0], history[-1]
+    window = max(1, min(5, len(history) // 2))
+    head = sum(m["reward_mean"] for m in history[:window]) / window
+    tail = sum(m["reward_mean"] for m in history[-window:]) / window
+    envs = ", ".join(f"`{env.name}` ({env.algo.type}, {env.source.type}, group {env.sampling.group_size})"
+                     for env in settings.envs)
+    return "\n".join([
+        f"# train-rl `{cfg.run.name}`",
+        "",
+        f"- final checkpoint: `{checkpoint}`",
+        f"- store: `{cfg.run.store}`",
+        f"- policy: `{settings.base_model.uri}`, steps: {settings.budget.max_steps}",
+        f"- envs: {envs}",
+        f"- mean reward: step 1 {first['reward_mean']:.3f} -> step {last['step']} {last['reward_mean']:.3f} "
+        f"(first {window} steps {head:.3f}, last {window} steps {tail:.3f})",
+    ])

@@ -1,0 +1,124 @@
+"""train-sft: supervised fine-tuning, as the procedure you would write by hand.
+
+load examples -> tokenize (chat template, loss masks) -> plan batches -> pack micro-batches -> init model
+-> [train step -> (snapshot every N steps)] -> evaluate
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from flows.common import Progress, artifact_key, bind, load_run_config, train_steps
+from rollout_lib.config import SftConfig
+from tasks.common import open_store
+from tasks.sft import (
+    evaluate_task,
+    init_model_task,
+    load_examples_task,
+    pack_micro_batches_task,
+    plan_batches_task,
+    snapshot_task,
+    tokenize_examples_task,
+    train_step_task,
+)
+
+# Metrics shown per step in the UI table (and their column order).
+METRIC_COLUMNS = ("step", "loss", "tokens/ce", "lr", "grad_norm", "micro_batches", "nonpad_fraction", "tokens_per_s")
+
+
+@flow(name="train-sft", log_prints=True)
+def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict[str, Any] | None = None,
+              max_steps: int | None = None) -> dict:
+    """Fine-tune a causal LM on conversations. `overrides`: ["key.path=value", ...] or {"key.path": value};
+    `max_steps` is a shortcut for algorithm.sft.budget.max_steps."""
+    logger = get_run_logger()
+    cfg = load_run_config(SftConfig, config, overrides, max_steps, "algorithm.sft.budget.max_steps")
+    settings = cfg.settings
+    t = lambda task: bind(task, cfg)  # noqa: E731 - every task stores its result beside the store
+
+    train = t(load_examples_task)(cfg, "train")
+    tokenized = t(tokenize_examples_task)(cfg, train["examples"], "train")
+    _report_tokenized(logger, cfg, tokenized, "train")
+    plan = t(plan_batches_task)(cfg, tokenized["samples"], tokenized["kept"])["plan"]
+    packed = t(pack_micro_batches_task)(cfg, tokenized["samples"], plan)
+    stats = packed["stats"]
+    logger.info("%d micro-batches over %d steps (packing %s): %d tokens, %.1f%% of processed positions real",
+                stats["micro_batches"], settings.budget.max_steps, settings.packing.kind, stats["tokens"],
+                100 * stats["nonpad_fraction"])
+    held_out = None
+    if settings.eval_dataset is not None:
+        eval_examples = t(load_examples_task)(cfg, "eval")
+        eval_tokenized = t(tokenize_examples_task)(cfg, eval_examples["examples"], "eval")
+        _report_tokenized(logger, cfg, eval_tokenized, "eval")
+        held_out = eval_tokenized["samples"]
+
+    data = (packed["micro_batches"], packed["plan"])
+    state = t(init_model_task)(cfg, *data)["checkpoint"]
+    before = t(evaluate_task)(cfg, state, held_out, "step-0") if held_out else None
+    if before:
+        logger.info("held-out before training: loss %.4f over %d tokens", before["loss"], before["tokens"])
+
+    total = settings.budget.max_steps
+    progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-sft {cfg.run.name}: steps done")
+    history, checkpoint = [], state
+    for step, metrics, snapshot in train_steps(t, train_step_task, snapshot_task, cfg, data, state, total=total,
+                                               checkpoint_interval=settings.checkpoint_interval, progress=progress):
+        history.append(metrics)
+        if snapshot:
+            checkpoint = snapshot
+            logger.info("step %d: loss %.4f over %d tokens -> checkpoint %s", step, metrics["loss"],
+                        metrics["tokens/ce"], checkpoint)
+
+    after = t(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}") if held_out else None
+    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
+
+    create_table_artifact(
+        [{k: round(m[k], 6) if isinstance(m[k], float) else m[k] for k in METRIC_COLUMNS} for m in history],
+        key=artifact_key(cfg.run.name, "metrics"), description="train-sft metrics per step",
+    )
+    create_markdown_artifact(_summary(cfg, checkpoint, tokenized, packed, before, after),
+                             key=artifact_key(cfg.run.name, "summary"), description="train-sft summary")
+    logger.info("final checkpoint %s", checkpoint)
+    return {"checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
+            "last_metrics": history[-1], "data": {"tokenized": tokenized, "packed": packed}}
+
+
+def _report_tokenized(logger, cfg: SftConfig, tokenized: dict, split: str) -> None:
+    empty = tokenized["empty_mask_lines"]
+    if empty:
+        shown = ", ".join(map(str, empty[:10])) + (", ..." if len(empty) > 10 else "")
+        logger.warning("%s: %d of %d rows have nothing to train on (loss_on=%s, max_seq_len=%d) and are left out: "
+                       "lines %s", split, len(empty), tokenized["rows"], cfg.settings.loss_on.kind,
+                       cfg.settings.packing.max_seq_len, shown)
+    if tokenized["truncated"]:
+        logger.info("%s: %d rows truncated to %d tokens", split, tokenized["truncated"],
+                    cfg.settings.packing.max_seq_len)
+
+
+def _summary(cfg: SftConfig, checkpoint: str, tokenized: dict, packed: dict, before: dict | None,
+             after: dict | None) -> str:
+    settings = cfg.settings
+    lines = [
+        f"# train-sft `{cfg.run.name}`",
+        "",
+        f"- final checkpoint: `{checkpoint}`",
+        f"- store: `{cfg.run.store}`",
+        f"- base model: `{settings.base_model.uri}`, steps: {settings.budget.max_steps}, "
+        f"loss on: {settings.loss_on.kind}",
+        f"- data: {tokenized['kept']} of {tokenized['rows']} rows trained ({len(tokenized['empty_mask_lines'])} "
+        f"with an empty mask), {tokenized['truncated']} truncated",
+        f"- packing {settings.packing.kind}: {packed['stats']['micro_batches']} micro-batches, "
+        f"{100 * packed['stats']['nonpad_fraction']:.1f}% of processed positions real",
+    ]
+    if before and after:
+        lines += [
+            "",
+            "| held-out | loss per token | perplexity | tokens |",
+            "|---|---|---|---|",
+            f"| before | {before['loss']:.4f} | {before['perplexity']:.2f} | {before['tokens']} |",
+            f"| after | {after['loss']:.4f} | {after['perplexity']:.2f} | {after['tokens']} |",
+        ]
+    return "\n".join(lines)

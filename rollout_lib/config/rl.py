@@ -1,0 +1,171 @@
+"""`rollout train rl` settings: the policy, the trainer, and one or more environments, each with its own
+prompt source, reward functions, sampling settings and algorithm (per env, as in prime-rl's seed 002).
+
+    [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval
+    [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .sampler / .reward_loop
+    [[algorithm.rl.envs]]     name, prompts_per_step, system_prompt
+      source   = { type = "jsonl_path", path = "..." } | { type = "reasoning_gym", dataset = "...", size, seed }
+      sampling = { group_size, temperature, top_p, max_tokens }
+      algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
+      [[algorithm.rl.envs.rewards]]  function = "number_match" | "pkg.module:attr", weight, kwargs
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, model_validator
+
+from rollout_lib.algo import ALGORITHMS, algo_settings_types
+from rollout_lib.config.common import (
+    BudgetSettings,
+    JsonlDataset,
+    ModelRef,
+    OptimizerSettings,
+    RunSettings,
+    StrictModel,
+)
+from rollout_lib.losses import DEFAULT_EPS_HIGH, DEFAULT_EPS_LOW, DEFAULT_KL_COEF
+from rollout_lib.sampling import SamplingParams, sampler_settings_types
+
+
+def _tagged_union(types: tuple[type, ...]) -> Any:
+    # A discriminated union names the allowed `type` values in its error; one member needs no union.
+    return types[0] if len(types) == 1 else Annotated[Union[types], Field(discriminator="type")]  # noqa: UP007
+
+
+AlgoSettings = _tagged_union(algo_settings_types())
+SamplerSettings = _tagged_union(sampler_settings_types())
+
+
+class ReasoningGymSource(StrictModel):
+    """A generated set from reasoning-gym: `size` items of `dataset`, seeded; scored with its score_answer."""
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    dataset: str = Field(min_length=1)  # e.g. "basic_arithmetic", "chain_sum", "gsm_symbolic"
+    size: int = Field(ge=1)
+    seed: int = 0
+    config: dict[str, Any] = Field(default_factory=dict)  # further dataset kwargs (difficulty knobs)
+
+
+PromptSource = Annotated[Union[JsonlDataset, ReasoningGymSource], Field(discriminator="type")]  # noqa: UP007
+
+
+class RewardFunctionSettings(StrictModel):
+    function: str = Field(min_length=1)  # a built-in name or an import path "package.module:attr"
+    weight: float = 1.0
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvSettings(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    source: PromptSource
+    system_prompt: str | None = None  # prepended as a system message to every prompt of this env
+    prompts_per_step: int = Field(ge=1)  # distinct prompts drawn per step (each sampled group_size times)
+    rewards: list[RewardFunctionSettings] = Field(min_length=1)
+    sampling: SamplingParams = SamplingParams()
+    algo: AlgoSettings = Field(default_factory=lambda: ALGORITHMS["grpo"].settings_class())
+
+
+class RlLossSettings(StrictModel):
+    """The rl component's knobs (losses.rl_loss_terms): DPPO trust region in probability space and k2 KL."""
+
+    eps_low: float = Field(DEFAULT_EPS_LOW, gt=0, le=1)
+    eps_high: float = Field(DEFAULT_EPS_HIGH, gt=0, le=1)
+    kl_coef: float = Field(DEFAULT_KL_COEF, ge=0)
+
+
+class RewardLoopSettings(StrictModel):
+    concurrency: int = Field(32, ge=1)  # reward calls in flight
+    timeout_s: float = Field(30.0, gt=0)  # per call; the call is stopped (worker killed / task cancelled)
+    sync_workers: int | None = Field(None, ge=1)  # worker processes for sync functions (default: min(cores, ...))
+
+
+class RlSettings(StrictModel):
+    base_model: ModelRef  # the policy at step 0
+    max_seq_len: int = Field(512, ge=8)  # prompt + completion tokens per training sample
+    packing: bool = True
+    micro_batch_tokens: int | None = Field(None, ge=8)  # tokens per packed micro-batch (default max_seq_len)
+    sequences_per_micro_batch: int = Field(8, ge=1)  # packing off: samples per padded micro-batch
+    checkpoint_interval: int = Field(10, ge=1)  # a snapshot every N steps (and at the last step)
+    optimizer: OptimizerSettings
+    budget: BudgetSettings
+    loss: RlLossSettings = RlLossSettings()
+    sampler: SamplerSettings = Field(default_factory=lambda: sampler_settings_types()[0]())
+    reward_loop: RewardLoopSettings = RewardLoopSettings()
+    envs: list[EnvSettings] = Field(min_length=1)
+
+
+class RlAlgorithm(StrictModel):
+    kind: Literal["rl"] = "rl"
+    rl: RlSettings
+
+
+class RlConfig(StrictModel):
+    run: RunSettings = RunSettings()
+    algorithm: RlAlgorithm
+
+    @property
+    def settings(self) -> RlSettings:
+        return self.algorithm.rl
+
+    @property
+    def packed_tokens(self) -> int:
+        return self.settings.micro_batch_tokens or self.settings.max_seq_len
+
+    @model_validator(mode="after")
+    def _warn(self) -> "RlConfig":
+        for locator, message in self.plan_warnings():
+            warnings.warn(f"{locator}: {message}", UserWarning, stacklevel=2)
+        return self
+
+    def plan_warnings(self) -> list[tuple[str, str]]:
+        """Settings that run but are probably not what was meant."""
+        found = []
+        for index, env in enumerate(self.settings.envs):
+            where = f"algorithm.rl.envs[{index}]"
+            if type(env.algo).group_relative and env.sampling.group_size == 1:
+                found.append((f"{where}.sampling.group_size",
+                              f"{env.algo.type} is group-relative: with group_size = 1 every advantage is 0 and "
+                              "the env never trains"))
+            if env.sampling.temperature != 1.0 or env.sampling.top_p != 1.0:
+                found.append((f"{where}.sampling",
+                              "temperature/top_p != 1: sampling logprobs are those of the processed distribution, "
+                              "the trainer's are not, so importance ratios are off-policy by construction"))
+        return found
+
+    def plan_problems(self) -> list[tuple[str, str]]:
+        """Problems found at plan time, before any model loads: names and kwargs that cannot resolve."""
+        from rollout_lib.reward.functions import resolve_reward_function
+
+        settings = self.settings
+        problems = []
+        names = [env.name for env in settings.envs]
+        for index, env in enumerate(settings.envs):
+            where = f"algorithm.rl.envs[{index}]"
+            if names.count(env.name) > 1:
+                problems.append((f"{where}.name", f"env name {env.name!r} is used more than once"))
+            for r_index, reward in enumerate(env.rewards):
+                try:
+                    resolve_reward_function(reward.function, reward.kwargs)
+                except ValueError as exc:
+                    problems.append((f"{where}.rewards[{r_index}].function", str(exc)))
+            if isinstance(env.source, ReasoningGymSource):
+                known = _reasoning_gym_datasets()
+                if env.source.dataset not in known:
+                    problems.append((f"{where}.source.dataset",
+                                     f"no reasoning-gym dataset {env.source.dataset!r} (e.g. "
+                                     f"{', '.join(d for d in ('basic_arithmetic', 'chain_sum', 'gsm_symbolic') if d in known)})"))
+            if env.sampling.max_tokens >= settings.max_seq_len:
+                problems.append((f"{where}.sampling.max_tokens",
+                                 f"must be < algorithm.rl.max_seq_len ({settings.max_seq_len}) to leave room for the prompt"))
+        if settings.micro_batch_tokens is not None and settings.micro_batch_tokens < settings.max_seq_len:
+            problems.append(("algorithm.rl.micro_batch_tokens", f"must be >= max_seq_len ({settings.max_seq_len})"))
+        return problems
+
+
+def _reasoning_gym_datasets() -> set[str]:
+    from reasoning_gym.factory import DATASETS
+
+    return set(DATASETS)

@@ -1,0 +1,95 @@
+"""`rollout train sft` settings, in the SFT seed's TOML shape (`[algorithm.sft]`, `.base_model`, `.dataset`,
+`.optimizer`, `.budget`, `.packing`; `loss_on = { kind = ... }`).
+
+Batching: `minibatch_size` examples make one optimizer step. With packing off they are split into
+`gradient_accumulation` micro-batches of `minibatch_size / gradient_accumulation` sequences, padded at collate
+time; with packing on they are packed into micro-batches of at most `packing.max_seq_len` tokens without padding
+(the packer decides how many). Rows longer than `packing.max_seq_len` are truncated in both modes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rollout_lib.config.common import (
+    BudgetSettings,
+    JsonlDataset,
+    ModelRef,
+    OptimizerSettings,
+    RunSettings,
+    StrictModel,
+)
+
+
+class LossOn(StrictModel):
+    """Which tokens the loss trains on: `assistant_only` (every assistant turn, including its end-of-turn
+    token; the vetted default) or `all` (every token after the first)."""
+
+    kind: Literal["assistant_only", "all"] = "assistant_only"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        # `loss_on = "all"` reads as naturally as the seed's `loss_on = { kind = "all" }`.
+        return {"kind": value} if isinstance(value, str) else value
+
+
+class PackingSettings(StrictModel):
+    kind: Literal["off", "on"] = "off"
+    max_seq_len: int = Field(2048, ge=2)  # truncation length; with packing on also the micro-batch capacity
+
+
+class SftSettings(StrictModel):
+    base_model: ModelRef
+    minibatch_size: int = Field(ge=1)  # examples per optimizer step
+    gradient_accumulation: int = Field(1, ge=1)  # micro-batches per step (packing off)
+    loss_on: LossOn = LossOn()
+    packing: PackingSettings = PackingSettings()
+    checkpoint_interval: int = Field(50, ge=1)  # a snapshot every N steps (and at the last step)
+    optimizer: OptimizerSettings
+    budget: BudgetSettings
+    dataset: JsonlDataset
+    eval_dataset: JsonlDataset | None = None  # held-out examples: loss per trained token before and after
+
+    @property
+    def packed(self) -> bool:
+        return self.packing.kind == "on"
+
+    @property
+    def sequences_per_micro_batch(self) -> int:
+        """Packing off: how many sequences one padded micro-batch holds."""
+        return self.minibatch_size // self.gradient_accumulation
+
+
+class SftAlgorithm(StrictModel):
+    kind: Literal["sft"] = "sft"
+    sft: SftSettings
+
+
+class SftConfig(StrictModel):
+    run: RunSettings = RunSettings()
+    algorithm: SftAlgorithm
+
+    @property
+    def settings(self) -> SftSettings:
+        return self.algorithm.sft
+
+    def plan_problems(self) -> list[tuple[str, str]]:
+        """The seed's validate_plan: problems found at plan time, before any model loads."""
+        settings = self.settings
+        problems = []
+        if settings.packed and settings.gradient_accumulation != 1:
+            problems.append((
+                "algorithm.sft.gradient_accumulation",
+                "must be 1 with packing on: the packer forms the micro-batches (at most packing.max_seq_len tokens "
+                f"each) from the step's {settings.minibatch_size} examples",
+            ))
+        elif settings.minibatch_size % settings.gradient_accumulation:
+            problems.append((
+                "algorithm.sft.gradient_accumulation",
+                f"must divide minibatch_size ({settings.minibatch_size}) so that every micro-batch holds as many "
+                f"examples (got {settings.gradient_accumulation})",
+            ))
+        return problems

@@ -1,0 +1,55 @@
+"""SFT examples JSONL -> Arrow (wire.EXAMPLES), in either of the seed's two row shapes:
+
+    {"prompt": "Q", "completion": "A"}                          -> [user: Q, assistant: A]
+    {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}, ...]}
+
+Beyond the seed: a conversation may hold several assistant turns (each one is trained) and a leading system
+message. An optional "id" is carried through nowhere but allowed, so datasets can name their rows. Blank lines
+are skipped; a malformed row (neither shape, no assistant turn, bad JSON) is an error `path:lineno: reason`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from rollout_lib import wire
+from rollout_lib.data.jsonl import DataError, iter_jsonl_objects, require_messages, require_string
+
+_KNOWN_KEYS = {"prompt", "completion", "messages", "id"}
+
+
+def load_examples(path: str | Path) -> pa.Table:
+    rows: dict[str, list] = {name: [] for name in wire.EXAMPLES.names}
+    for lineno, obj in iter_jsonl_objects(path):
+        where = f"{path}:{lineno}"
+        rows["messages"].append(example_messages(obj, where))
+        rows["source_line"].append(lineno)
+    if not rows["messages"]:
+        raise DataError(f"{path}: no examples (the file is empty)")
+    return pa.Table.from_pydict(rows, schema=wire.EXAMPLES)
+
+
+def example_messages(obj: dict, where: str) -> list[dict[str, str]]:
+    """The conversation of one row, validated; `where` (`path:lineno`) prefixes every error."""
+    unknown = sorted(set(obj) - _KNOWN_KEYS)
+    if unknown:
+        raise DataError(f"{where}: unknown field(s) {unknown}; an SFT row has {sorted(_KNOWN_KEYS)}")
+    chat, completion = "messages" in obj, "prompt" in obj or "completion" in obj
+    if chat == completion:
+        raise DataError(
+            f"{where}: " + ("give either 'messages' or 'prompt'/'completion', not both" if chat else
+                            "neither shape: expected 'messages' (a chat) or 'prompt' and 'completion' (strings)")
+        )
+    if completion:
+        return [{"role": "user", "content": require_string(obj, "prompt", where)},
+                {"role": "assistant", "content": require_string(obj, "completion", where)}]
+
+    messages = require_messages(obj, "messages", where)
+    for index, message in enumerate(messages[1:], start=1):
+        if message["role"] == "system":
+            raise DataError(f"{where}: messages[{index}]: a system message may only come first")
+    if not any(message["role"] == "assistant" for message in messages):
+        raise DataError(f"{where}: 'messages' has no assistant turn to train on")
+    return messages

@@ -1,0 +1,120 @@
+"""The embedded sampler: transformers `generate` on the live policy, in the training process.
+
+Each completion token's sampling logprob is read from the scores `generate` sampled from: the logits after its
+temperature and top_p processing (`output_scores=True`), so `sampling_logprobs[t] = log softmax(processed
+logits)[token]` is exactly the distribution the token was drawn from. Nothing else processes the logits: the
+model's own generation defaults (top_k = 50 globally, repetition penalties some checkpoints ship) are replaced
+by a clean config for the call, and top_k is off.
+
+Seeding: the global torch RNG is forked and seeded per generate call from (seed, chunk index), so a rerun with
+the same seed samples the same tokens on CPU and leaves the caller's RNG state untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import blake3
+import pyarrow as pa
+import torch
+from pydantic import Field
+
+from rollout_lib.sampling.base import (
+    Sampler,
+    SamplerSettings,
+    SamplingParams,
+    encode_prompt,
+    prompt_messages,
+    rollouts_table,
+)
+
+
+class HfSamplerSettings(SamplerSettings):
+    type: Literal["hf"] = "hf"
+    batch_size: int = Field(64, ge=1)  # sequences per generate call (memory bound)
+
+
+def chunk_seed(seed: int, chunk_index: int) -> int:
+    return int.from_bytes(blake3.blake3(f"hf-sampler:{seed}:{chunk_index}".encode()).digest()[:8], "little") & (
+        (1 << 63) - 1
+    )
+
+
+class HfSampler(Sampler):
+    type_name = "hf"
+    settings_class = HfSamplerSettings
+
+    def __init__(self, settings: HfSamplerSettings, model, tokenizer):
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def sample(self, prompts: pa.Table, params: SamplingParams, seed: int) -> pa.Table:
+        prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
+        # Prompt-major: the group of prompt 0, then of prompt 1, ...
+        sequences = [ids for ids in prompt_ids for _ in range(params.group_size)]
+        completions: list[tuple[list[int], list[float], str]] = []
+        size = self.settings.batch_size
+        for chunk_index, start in enumerate(range(0, len(sequences), size)):
+            completions.extend(self._generate(sequences[start:start + size], params, chunk_seed(seed, chunk_index)))
+        return rollouts_table(prompts, params.group_size, prompt_ids, completions)
+
+    @torch.no_grad()
+    def _generate(self, sequences: list[list[int]], params: SamplingParams,
+                  seed: int) -> list[tuple[list[int], list[float], str]]:
+        from transformers import GenerationConfig
+
+        tokenizer, model = self.tokenizer, self.model
+        stop_ids = _stop_token_ids(tokenizer, model)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+        device = next(model.parameters()).device
+        width = max(len(ids) for ids in sequences)
+        # Left padding: every row's last prompt token sits at the same position, where generation starts.
+        input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, ids in enumerate(sequences):
+            input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+
+        config = GenerationConfig(
+            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+            max_new_tokens=params.max_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+            output_scores=True, return_dict_in_generate=True,
+        )
+        model_defaults, was_training = model.generation_config, model.training
+        model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_id)
+        model.eval()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                        generation_config=config)
+        finally:
+            model.generation_config = model_defaults
+            model.train(was_training)
+
+        new_tokens = output.sequences[:, width:].cpu()
+        scores = torch.stack(output.scores, dim=1).float().cpu()  # [B, new, vocab], as processed for sampling
+        logprobs = torch.gather(torch.log_softmax(scores, dim=-1), -1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        stops = set(stop_ids)
+        completions = []
+        for row in range(len(sequences)):
+            tokens = new_tokens[row].tolist()
+            # Up to and including the first stop token; after it `generate` only pads.
+            length = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
+            ids = tokens[:length]
+            completions.append((ids, logprobs[row, :length].tolist(),
+                                tokenizer.decode(ids, skip_special_tokens=True)))
+        return completions
+
+
+def _stop_token_ids(tokenizer, model) -> list[int]:
+    """Where a completion ends: the tokenizer's eos (end of turn for chat models) and the model's own eos ids."""
+    ids: list[int] = []
+    for candidate in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        for token in candidate if isinstance(candidate, (list, tuple)) else [candidate]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise ValueError("the tokenizer and model declare no eos token: a completion could never end")
+    return ids

@@ -1,0 +1,110 @@
+"""The algorithm-blind causal-LM optimizer step, shared by SFT and RL.
+
+One call is one optimizer step over the micro-batches of that step (wire.MICRO_BATCHES rows):
+
+    N_c   = tokens with non-zero weight in component c over EVERY micro-batch of the step
+    loss  = Σ_micro-batches Σ_c numerator_c(micro-batch) / N_c          (losses.component_loss)
+
+Each micro-batch is collated (packed: one [1, T] row with per-sequence position ids; padded: [B, Tmax]), run
+forward for per-token logprobs, and backpropagated on its own (gradient accumulation); because the
+denominators are step-global, the accumulated gradient is the gradient of the mean over all loss tokens of
+the step, not an average of micro-batch means. Then gradients are clipped and the optimizer steps once.
+
+The step knows no algorithm: the per-token weight streams decide which tokens train which component (SFT ships
+ce_weights, RL algorithms rl_weights / ref_kl_weights). A NaN/inf loss or gradient norm raises before the
+optimizer steps, so the weights are untouched; a micro-batch with no token in any component is a no-op (its
+gradient would be exactly zero, so it is not run), and a step with none at all does not move the optimizer.
+The caller sets the learning rate and seeds the RNG (dropout) before calling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import torch
+
+from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens
+from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
+from rollout_lib.trainer.base import NonFiniteLossError
+from rollout_lib.trainer.optim import clip_gradients
+
+# Metrics that measure the machine, not the training: they differ run to run, so manifests leave them out.
+TIMING_METRICS = frozenset({"tokens_per_s"})
+
+
+def train_on_micro_batches(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: pa.Table,
+    *,
+    packed: bool,
+    pad_token_id: int,
+    max_grad_norm: float | None,
+    rl_kwargs: dict | None = None,
+) -> dict[str, float]:
+    """One optimizer step over `micro_batches`; returns its metrics.
+
+    Metrics: `loss` (the step's total) and `loss/<c>` per component, `tokens/<c>` (N_c), token-weighted
+    component diagnostics (`rl/masked_fraction`, `ref_kl/kl`, ...), `grad_norm` (before clipping), `tokens`
+    (real tokens run through the model), `positions` (including padding), `nonpad_fraction`, `micro_batches`
+    (run) and `tokens_per_s` (real tokens per second of forward, backward and optimizer step).
+    """
+    started = time.perf_counter()
+    check_micro_batches(micro_batches)
+    if micro_batches.num_rows == 0:
+        raise ValueError("an optimizer step needs at least one micro-batch")
+    batches = [collate_micro_batch(row, packed=packed, pad_token_id=pad_token_id)
+               for row in micro_batches.to_pylist()]
+    local_counts = [count_component_tokens(batch) for batch in batches]
+    counts = {c: sum(local[c] for local in local_counts) for c in COMPONENTS}
+
+    metrics: dict[str, float] = {"loss": 0.0, **{f"loss/{c}": 0.0 for c in COMPONENTS},
+                                 **{f"tokens/{c}": counts[c] for c in COMPONENTS}}
+    weighted: dict[str, float] = {}  # component diagnostics, summed with their micro-batch's token count
+    tokens = positions = ran = 0
+    grad_norm = 0.0
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        for index, (batch, local) in enumerate(zip(batches, local_counts)):
+            if not any(local.values()):
+                continue
+            logprobs = token_logprobs(model, batch)
+            loss, parts = component_loss(logprobs, batch, counts, **(rl_kwargs or {}))
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(f"micro-batch {index}: loss is {loss.item()} (non-finite); "
+                                         "weights not updated")
+            loss.backward()
+            ran += 1
+            tokens += int(batch["sequence_lengths"].sum())
+            positions += int(batch["input_ids"].numel())
+            metrics["loss"] += parts.pop("loss/total")
+            for name, value in parts.items():
+                component, _, what = name.partition("/")
+                if component == "loss":
+                    metrics[name] += value
+                elif what != "tokens":
+                    weighted[name] = weighted.get(name, 0.0) + value * local[component]
+        if ran:
+            grad_norm = clip_gradients(model.parameters(), max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; weights not updated")
+            grad_norm = grad_norm.item()
+            optimizer.step()
+    finally:
+        # On success the gradients are spent; on failure none may leak into the next attempt.
+        optimizer.zero_grad(set_to_none=True)
+
+    elapsed = time.perf_counter() - started
+    for name, total in weighted.items():
+        metrics[name] = total / counts[name.partition("/")[0]]
+    metrics.update({
+        "grad_norm": grad_norm,
+        "tokens": tokens,
+        "positions": positions,
+        "nonpad_fraction": tokens / positions if positions else 0.0,
+        "micro_batches": ran,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+    })
+    return metrics

@@ -1,0 +1,110 @@
+"""Prefect tasks of the train-sft flow: thin wrappers that read ids from the store, call rollout_lib, return ids."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from rollout_lib import wire
+from rollout_lib.config import SftConfig
+from rollout_lib.config.loading import training_hash
+from rollout_lib.data import load_examples
+from rollout_lib.model.loading import resolve_model
+from rollout_lib.sft import (
+    SftRun,
+    SftTrainer,
+    evaluate_nll,
+    micro_batches_of,
+    padding_stats,
+    plan_micro_batches,
+    sft_tokenizer,
+    tokenize_examples,
+)
+from rollout_lib.trainer import live
+from rollout_lib.trainer.determinism import plan_batches
+from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
+
+
+def _dataset_path(config: SftConfig, split: str) -> str:
+    dataset = config.settings.dataset if split == "train" else config.settings.eval_dataset
+    return dataset.path
+
+
+def _run(config: SftConfig, micro_batches_id: str, plan_id: str) -> SftRun:
+    return SftRun(open_store(config), config, training_hash(config), micro_batches_id, plan_id)
+
+
+def _opener(run: SftRun):
+    return lambda checkpoint_id: SftTrainer.from_checkpoint(run, checkpoint_id)
+
+
+@task(name="load-examples", task_run_name="load-examples-{split}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=lambda p: {"file": file_digest(_dataset_path(p["config"], p["split"]))}))
+def load_examples_task(config: SftConfig, split: str) -> dict:
+    table = load_examples(_dataset_path(config, split))
+    return {"examples": open_store(config).put_table(table), "rows": table.num_rows}
+
+
+@task(name="tokenize-examples", task_run_name="tokenize-examples-{split}", **TASK_OPTIONS,
+      cache_key_fn=content_key())
+def tokenize_examples_task(config: SftConfig, examples_id: str, split: str) -> dict:
+    """Returns the samples id and a report: rows kept, rows truncated, lines left out with an empty mask."""
+    store = open_store(config)
+    settings = config.settings
+    tokenized = tokenize_examples(
+        store.get_table(examples_id, wire.EXAMPLES), sft_tokenizer(resolve_model(settings.base_model)),
+        loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len, source=_dataset_path(config, split),
+    )
+    return {"samples": store.put_table(tokenized.samples), **tokenized.report()}
+
+
+@task(name="plan-batches", **TASK_OPTIONS, cache_key_fn=content_key())
+def plan_batches_task(config: SftConfig, samples_id: str, rows: int) -> dict:
+    settings = config.settings
+    plan = plan_batches(rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
+    return {"plan": open_store(config).put_table(plan), "steps": plan.num_rows}
+
+
+@task(name="pack-micro-batches", **TASK_OPTIONS, cache_key_fn=content_key())
+def pack_micro_batches_task(config: SftConfig, samples_id: str, plan_id: str) -> dict:
+    """Every step's micro-batches (packed or padded), checked for alignment; returns ids and padding stats."""
+    store = open_store(config)
+    micro_batches, plan = plan_micro_batches(store.get_table(samples_id, wire.TRAINING_SAMPLES),
+                                             store.get_table(plan_id, wire.BATCH_PLAN), config.settings)
+    return {"micro_batches": store.put_table(micro_batches), "plan": store.put_table(plan),
+            "stats": padding_stats(micro_batches, packed=config.settings.packed)}
+
+
+@task(name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
+def init_model_task(config: SftConfig, micro_batches_id: str, plan_id: str) -> dict:
+    trainer = SftTrainer.initial(_run(config, micro_batches_id, plan_id))
+    live.adopt(trainer.checkpoint_id, trainer)  # step 1 (and the step-0 evaluation) reuse it in this process
+    return {"checkpoint": trainer.checkpoint_id}
+
+
+@task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
+def train_step_task(config: SftConfig, micro_batches_id: str, plan_id: str, state_id: str, step: int) -> dict:
+    run = _run(config, micro_batches_id, plan_id)
+    state, metrics = live.advance(
+        run.store, state_id, step, open_checkpoint=_opener(run),
+        identity={"settings_hash": run.settings_hash, "micro_batches": micro_batches_id, "plan": plan_id},
+    )
+    return {"state": state, "metrics": metrics}
+
+
+@task(name="snapshot", task_run_name="snapshot-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(ignore=("metrics",)))
+def snapshot_task(config: SftConfig, micro_batches_id: str, plan_id: str, state_id: str, step: int,
+                  metrics: dict) -> dict:
+    run = _run(config, micro_batches_id, plan_id)
+    return {"checkpoint": live.snapshot(run.store, state_id, metrics, open_checkpoint=_opener(run))}
+
+
+@task(name="evaluate", task_run_name="evaluate-{label}", **TASK_OPTIONS, cache_key_fn=content_key())
+def evaluate_task(config: SftConfig, checkpoint_id: str, samples_id: str, label: str) -> dict:
+    """Held-out loss per trained token of the checkpoint, over the eval samples micro-batched as in training."""
+    run = _run(config, micro_batches_id="", plan_id="")
+    trainer = live.live_trainer(checkpoint_id) or SftTrainer.from_checkpoint(run, checkpoint_id)
+    settings = config.settings
+    micro_batches = micro_batches_of(run.store.get_table(samples_id, wire.TRAINING_SAMPLES), settings)
+    return evaluate_nll(trainer.model, micro_batches, packed=settings.packed,
+                        pad_token_id=trainer.tokenizer.pad_token_id)

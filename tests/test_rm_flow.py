@@ -1,0 +1,130 @@
+"""train-rm end to end through the CLI and a real Prefect server: training, scoring, resume after SIGKILL, and
+bad input that fails with one line naming its place while losing nothing already stored."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from clirun import ROOT, cli_env, final_result, rollout_command, run_rollout
+from rollout_lib.store import ObjectStore
+
+pytestmark = pytest.mark.slow
+
+RESUME_STEPS = ["--set", "algorithm.rm.budget.max_steps=24", "--set", "algorithm.rm.checkpoint_interval=8"]
+
+
+def task_run_states(flow_run_id: str) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run.state.name for run in runs}
+
+
+def store_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in (root / "objects").rglob("*") if p.is_file()}
+
+
+def test_train_rm_tiny_then_score_and_export(prefect_server, tmp_path):
+    store = tmp_path / "store"
+    done = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={store}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = final_result(done)
+    checkpoint = result["checkpoint"]
+    assert f"final checkpoint: {checkpoint}" in done.stdout
+    assert ObjectStore(str(store)).get_ref("runs/rm-tiny/latest") == checkpoint
+
+    states = task_run_states(result["flow_run_id"])
+    assert {"load-pairs-train", "tokenize-pairs-train", "plan-batches", "init-model", "train-step-1",
+            "train-step-2", "snapshot-step-2"} <= set(states)
+    assert set(states.values()) == {"Completed"}
+
+    data = tmp_path / "responses.jsonl"
+    data.write_text('{"prompt": "What is 2+2?", "response": "4"}\n{"prompt": "What is 2+2?", "response": "5"}\n')
+    scored = run_rollout("score", "--checkpoint", checkpoint, "--data", str(data), "--store", str(store),
+                         "--max-seq-len", "64")
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    lines = [line for line in scored.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2 and all('"reward": ' in line for line in lines)
+
+    exported = run_rollout("export", "--checkpoint", "runs/rm-tiny/latest", "--out", str(tmp_path / "hf"),
+                           "--store", str(store))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_server, tmp_path):
+    reference = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", *RESUME_STEPS,
+                            "--set", f"run.store={tmp_path / 'uninterrupted'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = final_result(reference)["checkpoint"]
+
+    store = tmp_path / "interrupted"
+    args = ["train", "rm", "--config", "configs/rm-tiny.toml", *RESUME_STEPS, "--set", f"run.store={store}"]
+    log_path = tmp_path / "killed.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=cli_env(), stdout=log,
+                                   stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        # Kill after the snapshot at step 8 and a few more steps, mid-way to the next snapshot.
+        while "train-step-12' - Finished" not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    killed_log = log_path.read_text()
+    assert "snapshot-step-8' - Finished" in killed_log and "snapshot-step-24" not in killed_log
+
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    result = final_result(rerun)
+    assert result["checkpoint"] == expected  # byte-identical final checkpoint
+
+    states = task_run_states(result["flow_run_id"])
+    for name in ["load-pairs-train", "tokenize-pairs-train", "plan-batches", "init-model", "snapshot-step-8",
+                 *[f"train-step-{s}" for s in range(1, 13)]]:
+        assert states[name] == "Cached", (name, states[name])
+    executed = [name for name, state in states.items() if name.startswith("train-step-") and state != "Cached"]
+    assert min(int(name.rsplit("-", 1)[1]) for name in executed) >= 12  # nothing before the kill point re-ran
+    # The work since the last snapshot (steps 9..12) was replayed in-process, not re-run as task runs.
+    assert "replaying steps 9..12 from checkpoint" in rerun.stdout + rerun.stderr
+
+
+def test_bad_inputs_fail_with_one_line_naming_the_place(prefect_server, tmp_path):
+    store = tmp_path / "store"
+    ok = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={store}")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    checkpoint = final_result(ok)["checkpoint"]
+    before = store_files(store)
+
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    cases = {
+        "data": (["--set", f"algorithm.rm.dataset.path={bad_data}"], f"{bad_data}:2: missing field 'rejected'"),
+        "config": (["--set", "algorithm.rm.optimizer.lrr=0.1"], "algorithm.rm.optimizer.lrr: unknown key"),
+        "model": (["--set", "algorithm.rm.base_model=./models/nope"], "'./models/nope': no such local directory"),
+    }
+    for name, (extra, expected) in cases.items():
+        failed = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={store}", *extra)
+        assert failed.returncode != 0, name
+        error_lines = [line for line in failed.stderr.splitlines() if line.startswith("rollout: error:")]
+        assert len(error_lines) == 1 and expected in error_lines[0], (name, failed.stderr[-2000:])
+        assert "Traceback" not in failed.stderr, name
+
+    # A corrupted object: the weights of the final checkpoint.
+    weights = ObjectStore(str(store)).get_json(checkpoint)["weights"]
+    weights_path = store / "objects" / weights[:2] / weights
+    weights_path.write_bytes(weights_path.read_bytes()[:-8] + b"garbage!")
+    scored = run_rollout("export", "--checkpoint", checkpoint, "--out", str(tmp_path / "x"), "--store", str(store))
+    assert scored.returncode != 0
+    assert f"object {weights} in {store} is corrupted" in scored.stderr.strip().splitlines()[-1]
+
+    after = store_files(store)
+    assert set(before) <= set(after)  # nothing already stored was lost
+    assert all(after[name] == data for name, data in before.items() if not name.endswith(weights))

@@ -1,0 +1,111 @@
+"""The RM trainer without Prefect: deterministic replay from snapshots, NaN detection, reusable checkpoints."""
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rollout_lib import wire
+from rollout_lib.config import RmConfig, load_config, training_hash
+from rollout_lib.data import load_pairs
+from rollout_lib.model.loading import load_tokenizer, resolve_model
+from rollout_lib.rm import NonFiniteLossError, RewardModelTrainer, RmRun, plan_batches, tokenize_pairs
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer import live
+from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_run(tiny_model_dir, overrides=()) -> RmRun:
+    config = load_config(RmConfig, ROOT / "configs/rm-tiny.toml", [
+        f"run.store=memory://rm-{uuid.uuid4().hex}", f"algorithm.rm.base_model={tiny_model_dir}",
+        "algorithm.rm.budget.max_steps=6", "algorithm.rm.optimizer.kind=adamw", "algorithm.rm.optimizer.lr=1e-2",
+        *overrides])
+    store = ObjectStore(config.run.store)
+    tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
+    tokenized = tokenize_pairs(load_pairs(ROOT / "data/rm-tiny.jsonl"), tokenizer, config.settings.max_seq_len)
+    plan = plan_batches(tokenized.num_rows, config.settings.minibatch_size, 6, config.run.seed)
+    return RmRun(store, config, training_hash(config), store.put_table(tokenized), store.put_table(plan))
+
+
+def test_plan_is_seeded_and_covers_every_row_each_epoch():
+    plan = plan_batches(5, 2, 5, seed=7).column("row_indices").to_pylist()
+    assert plan == plan_batches(5, 2, 5, seed=7).column("row_indices").to_pylist()
+    flat = [i for batch in plan for i in batch]
+    assert sorted(flat[:5]) == [0, 1, 2, 3, 4] and sorted(flat[5:10]) == [0, 1, 2, 3, 4]
+    assert plan != plan_batches(5, 2, 5, seed=8).column("row_indices").to_pylist()
+
+
+def test_resume_from_snapshot_replays_to_identical_weights(tiny_model_dir):
+    run = make_run(tiny_model_dir)
+    start = RewardModelTrainer.initial_checkpoint(run)
+    uninterrupted = RewardModelTrainer.from_checkpoint(run, start)
+    for step in range(1, 7):
+        metrics = uninterrupted.train_step(step)
+    final_a = uninterrupted.snapshot(metrics)
+
+    # Interrupted: snapshot at 3, lose the process state, resume from the store alone.
+    first = RewardModelTrainer.from_checkpoint(run, start)
+    for step in range(1, 4):
+        metrics = first.train_step(step)
+    middle = first.snapshot(metrics)
+    del first
+    resumed = RewardModelTrainer.from_checkpoint(run, middle)
+    assert resumed.step == 3
+    for step in range(4, 7):
+        metrics = resumed.train_step(step)
+    # Parents differ (A has no snapshot at 3), so compare weights and optimizer state objects, not manifests.
+    manifest_a, manifest_b = read_manifest(run.store, final_a), read_manifest(run.store, resumed.snapshot(metrics))
+    assert manifest_a["weights"] == manifest_b["weights"]
+    assert manifest_a["optimizer"] == manifest_b["optimizer"]
+    assert manifest_b["parent"] == middle
+
+
+def test_pending_state_replays_from_the_last_snapshot(tiny_model_dir):
+    run = make_run(tiny_model_dir)
+    opener = lambda cid: RewardModelTrainer.from_checkpoint(run, cid)  # noqa: E731
+    identity = {"settings_hash": run.settings_hash}
+    state = RewardModelTrainer.initial_checkpoint(run)
+    for step in (1, 2):
+        state, metrics = live.advance(run.store, state, step, open_checkpoint=opener, identity=identity)
+    checkpoint = live.snapshot(run.store, state, metrics, open_checkpoint=opener)
+    state, _ = live.advance(run.store, checkpoint, 3, open_checkpoint=opener, identity=identity)
+    state, metrics = live.advance(run.store, state, 4, open_checkpoint=opener, identity=identity)
+    expected = live.snapshot(run.store, state, metrics, open_checkpoint=opener)
+
+    live.forget_live()  # as after a crash: only the store is left
+    replayed = live.snapshot(run.store, state, metrics, open_checkpoint=opener)
+    assert replayed == expected
+
+
+def test_non_finite_loss_fails_the_step_and_leaves_weights_untouched(tiny_model_dir):
+    run = make_run(tiny_model_dir)
+    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial_checkpoint(run))
+    with torch.no_grad():
+        trainer.model.score.weight.fill_(float("nan"))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items() if "score" not in k}
+    with pytest.raises(NonFiniteLossError, match="train step 1: loss is nan"):
+        trainer.train_step(1)
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_checkpoint_exports_as_a_loadable_hf_directory(tiny_model_dir, tmp_path):
+    run = make_run(tiny_model_dir)
+    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial_checkpoint(run))
+    metrics = trainer.train_step(1)
+    checkpoint = trainer.snapshot(metrics)
+    manifest = read_manifest(run.store, checkpoint)
+    assert manifest["step"] == 1 and manifest["metrics"]["loss"] == metrics["loss"]
+    assert "pairs_per_s" not in manifest["metrics"]  # timings would make ids differ run to run
+    directory = export_hf_directory(run.store, checkpoint, tmp_path / "export")
+    assert not list(directory.glob("*.bin")) and not list(directory.glob("*.pkl"))
+    reloaded = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    trainer.model.eval()
+    ids = torch.tensor([run.store.get_table(run.tokenized_id, wire.TOKENIZED_PAIRS)
+                        .column("chosen_input_ids")[0].as_py()])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-6)
