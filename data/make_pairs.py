@@ -35,8 +35,9 @@ HERE = Path(__file__).resolve().parent
 SEED = 20250601
 N_TRAIN = 3000
 N_HELDOUT = 400
-# Keep prompt + response short enough that a 128-token cross-encoder never truncates the response.
-CHAR_BUDGET = 430
+# Keep prompt + response short (<= ~64 BERT tokens): a 128-token cross-encoder never truncates, and a
+# reward-model step stays cheap on a 2-core CPU.
+CHAR_BUDGET = 210
 
 # --------------------------------------------------------------------------------------------
 # reasoning-gym tasks
@@ -51,19 +52,19 @@ RG_TASKS = [
     ("chain_sum", dict(min_terms=2, max_terms=5, max_digits=3), None),
     ("spell_backward", dict(min_word_len=3, max_word_len=10), None),
     ("gsm_symbolic", dict(), None),
-    ("letter_counting", dict(min_words=4, max_words=9), None),
-    ("word_sorting", dict(min_words=3, max_words=6, max_word_length=10), "list"),
+    ("letter_counting", dict(min_words=3, max_words=6), None),
+    ("word_sorting", dict(min_words=3, max_words=5, max_word_length=9), "list"),
     ("gcd", dict(), "strict"),
     ("lcm", dict(), None),
-    ("caesar_cipher", dict(min_words=3, max_words=7), "strict"),
-    ("word_sequence_reversal", dict(min_words=3, max_words=6), "list"),
-    ("leg_counting", dict(min_animals=2, max_animals=4, max_instances=12), None),
+    ("caesar_cipher", dict(min_words=2, max_words=5), "strict"),
+    ("word_sequence_reversal", dict(min_words=3, max_words=5), "list"),
+    ("leg_counting", dict(min_animals=2, max_animals=3, max_instances=12), None),
     ("fraction_simplification", dict(styles=("plain",)), "strict"),
     ("simple_equations", dict(), None),
     ("prime_factorization", dict(), "pattern"),
-    ("calendar_arithmetic", dict(tasks=["weekday_of_date", "is_leap_year", "weekday_offset", "count_days"]), "strict"),
+    ("calendar_arithmetic", dict(tasks=["weekday_of_date", "is_leap_year", "weekday_offset"]), "strict"),
     ("count_bits", dict(max_n=100000), None),
-    ("family_relationships", dict(min_family_size=4, max_family_size=5), "strict"),
+    ("family_relationships", dict(min_family_size=4, max_family_size=4), "strict"),
     ("time_intervals", dict(task_types=["time", "time_seconds"]), "pattern"),
     ("coin_flip", dict(min_trials=3, max_trials=8), None),
     ("base_conversion", dict(max_value=500), None),
@@ -126,8 +127,32 @@ def _chain_steps(expr):
         return None, None
 
 
+def shorten(name, q, m):
+    """Condense reasoning-gym's boilerplate preambles; the task and the requested format stay the same."""
+    if name == "word_sorting":
+        words = ", ".join(_lit(m["original_words"]))
+        return f"Sort these words in {m['direction']} ASCII/Unicode order and return them as a comma-separated list: {words}"
+    if name == "word_sequence_reversal":
+        return f"Reverse this list of words and answer as a comma-separated list: {', '.join(_lit(m['words']))}"
+    if name == "leg_counting":
+        return q[q.index("how many legs"):].strip().capitalize()
+    if name == "base_conversion":
+        q = q.split("Now, ")[-1].strip()
+        q = q[0].upper() + q[1:] + "."
+        if "base-1" in q.split(" to ")[-1] or "hexadecimal" in q.split(" to ")[-1]:
+            q += " Use lowercase letters for digits above 9."
+        return q
+    if name == "prime_factorization":
+        return q.replace("Write the factors separated by × (Example: for 12 the answer would be: 2 × 2 × 3)",
+                         "Write the factors separated by ×, e.g. 2 × 2 × 3.")
+    if name == "gsm_symbolic":
+        return q.replace(" Give the result as your final answer. Do not include units.", "")
+    return q
+
+
 def rg_item(name, fmt, it):
     q, a, m = it["question"], str(it["answer"]), it["metadata"]
+    q = shorten(name, q, m)
     if name in ("basic_arithmetic", "chain_sum"):
         expr = m["expression"]
         worked = []
@@ -146,7 +171,7 @@ def rg_item(name, fmt, it):
     if name == "gsm_symbolic":
         cot = m.get("answer_cot", "")
         cot = re.sub(r"\n?#### .*$", "", cot).strip()
-        worked = [cot + f"\nThe final answer is {a}."] if cot and len(cot) < 260 else []
+        worked = [cot + f"\nThe final answer is {a}."] if cot and len(cot) < 120 else []
         return _item(name, q, a, fmt, [f"The final answer is {a}.", f"{a}"], worked, restates=False)
     if name == "letter_counting":
         letter = m["target_letter"]
@@ -202,18 +227,18 @@ def rg_item(name, fmt, it):
 def rg_pool(seed_base, per_task, exclude):
     items = []
     for ti, (name, cfg, fmt) in enumerate(RG_TASKS):
-        ds = rg.create_dataset(name, seed=seed_base + ti, size=per_task * 4, **cfg)
+        ds = rg.create_dataset(name, seed=seed_base + ti, size=per_task * 10, **cfg)
         got = 0
         seen = []
         for i in range(len(ds)):
             if got >= per_task:
                 break
-            it = ds[i]
-            q = it["question"].strip()
-            if q in exclude or q in seen or len(q) > 300:
+            item = rg_item(name, fmt, ds[i])
+            q = item["base"]
+            if q in exclude or q in seen or len(q) > 150:
                 continue
             seen.append(q)
-            items.append(rg_item(name, fmt, it))
+            items.append(item)
             got += 1
     return items
 
@@ -610,6 +635,10 @@ REFUSALS = [
     "I prefer not to get into {topic}.",
     "Let's talk about something else instead.",
     "I cannot assist with this request.",
+    "Pass.",
+    "Nope.",
+    "Can't say.",
+    "Not today.",
 ]
 RUDE = [
     "Figure it out yourself.",
@@ -626,6 +655,10 @@ RUDE = [
     "Go bother someone else with your {topic} nonsense.",
     "Do I look like I care? Figure it out.",
     "This is beneath me. Next.",
+    "Figure it out.",
+    "Meh.",
+    "idk, who cares",
+    "Nah.",
 ]
 RUDE_WITH_ANSWER = [
     "It's {a}. Obviously.",
@@ -786,25 +819,33 @@ def rejected_text(rng, it, fkey, prompt, pool):
 
 
 def make_rows(items, n, seed):
+    """One pair per item. Candidates are re-drawn so that the chosen side is the longer one in about half of
+    the pairs: response length alone must not separate chosen from rejected."""
     rng = random.Random(seed)
     rng.shuffle(items)
     items = items[:n]
     rows = []
+    n_longer = 0
     for it in items:
-        best = None
-        for _ in range(8):
+        want_longer = n_longer < 0.5 * (len(rows) + 1)
+        fallback = None
+        pick = None
+        for _ in range(16):
             prompt, fkey = choose_prompt(rng, it)
             ch = chosen_text(rng, it, fkey)
             mode, rej = rejected_text(rng, it, fkey, prompt, items)
-            if rej.strip() == ch.strip():
+            if rej.strip() == ch.strip() or len(ch) == len(rej):
                 continue
             cand = (prompt, ch, rej, mode)
-            if len(prompt) + max(len(ch), len(rej)) <= CHAR_BUDGET:
-                best = cand
+            if len(prompt) + max(len(ch), len(rej)) > CHAR_BUDGET:
+                continue
+            if fallback is None:
+                fallback = cand
+            if (len(ch) > len(rej)) == want_longer:
+                pick = cand
                 break
-            if best is None or len(prompt) + max(len(ch), len(rej)) < len(best[0]) + max(len(best[1]), len(best[2])):
-                best = cand
-        prompt, ch, rej, mode = best
+        prompt, ch, rej, mode = pick or fallback
+        n_longer += len(ch) > len(rej)
         rows.append(dict(prompt=prompt, chosen=ch, rejected=rej, mode=mode, kind=it["kind"]))
     return rows
 

@@ -90,7 +90,10 @@ def start(port: int | None = None, schedules: bool = True, log=print) -> dict:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     worker = record.get("worker")
-    if worker and _is_prefect_process(worker["pid"]) and record.get("api_url") == server["api_url"]:
+    if worker and _is_prefect_process(worker["pid"]) and record.get("api_url") != server["api_url"]:
+        stop_process_group(worker["pid"], timeout_s=5)  # it polls a server this stack no longer uses
+        log(f"stopped the previous worker (pid {worker['pid']}) of {record.get('api_url')}")
+    if worker and _is_prefect_process(worker["pid"]):
         log(f"worker already running (pid {worker['pid']})")
         new_record["worker"] = worker
     else:
@@ -215,9 +218,7 @@ def stop(log=print) -> dict:
     """Stop the worker, then the server if the stack owns it, by recorded PIDs. Safe to run twice."""
     record = read_record()
     stopped = {"worker": False, "server": False}
-    if record is None:
-        log("no stack recorded; nothing to stop")
-    else:
+    if record is not None:
         worker = record.get("worker") or {}
         if worker.get("pid") and _is_prefect_process(worker["pid"]):
             # Flow runs are the worker's children in sessions of their own: SIGTERM them first, so that each
@@ -226,7 +227,7 @@ def stop(log=print) -> dict:
             for pid in runs:
                 stop_process_group(pid, timeout_s=30)
             # The worker turns SIGTERM into a graceful shutdown that can hang; SIGKILL follows after a grace.
-            stop_process_group(worker["pid"], timeout_s=8)
+            stop_process_group(worker["pid"], timeout_s=5)
             stopped["worker"] = True
             log(f"worker stopped (pid {worker['pid']})" + (f", with {len(runs)} running flow run(s)" if runs else ""))
         server = record.get("server") or {}
@@ -235,8 +236,15 @@ def stop(log=print) -> dict:
             stopped["server"] = True
             log(f"Prefect server stopped (pid {server['pid']})")
         record_path().unlink(missing_ok=True)
-    if local_server.read_record() is None:
-        local_server.record_path().unlink(missing_ok=True)  # its PID is gone: the record is stale
+    # The project-local server may also have been started by `rollout train` alone, without a stack.
+    local = local_server.read_record()
+    if local is not None and _is_prefect_process(local["pid"]):
+        stop_process_group(local["pid"])
+        stopped["server"] = True
+        log(f"Prefect server stopped (pid {local['pid']})")
+    local_server.record_path().unlink(missing_ok=True)
+    if not any(stopped.values()):
+        log("nothing running; nothing to stop")
     return stopped
 
 

@@ -188,7 +188,7 @@ def pack(config: RlConfig, samples: pa.Table) -> tuple[pa.Table, dict]:
         micro_batches = pack_samples(samples, config.packed_tokens)
     else:
         micro_batches = batch_unpacked(samples, settings.sequences_per_micro_batch, max_seq_len=settings.max_seq_len)
-    return micro_batches, {"micro_batches": micro_batches.num_rows}
+    return micro_batches, {"packed_micro_batches": micro_batches.num_rows}
 
 
 # --- the policy's training state -------------------------------------------------------------------------------
@@ -246,6 +246,13 @@ class PolicyTrainer(CheckpointedTrainer):
         self.step = step
         elapsed = time.perf_counter() - started
         return {"step": step, **metrics, "lr": lr, "train_s": elapsed}
+
+
+def initial_policy(run: RlRun) -> str:
+    """Step 0 snapshotted (the base model, a fresh optimizer), and kept live for the first sample stage."""
+    trainer = PolicyTrainer.initial(run)
+    live.hold(run.store, trainer.checkpoint_id, lambda checkpoint_id: trainer)
+    return trainer.checkpoint_id
 
 
 def replay_batches(store: ObjectStore, state_id: str) -> dict[int, str]:

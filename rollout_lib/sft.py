@@ -23,6 +23,7 @@ import math
 import re
 from dataclasses import dataclass
 
+import jinja2
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
@@ -76,6 +77,9 @@ def assistant_mask_from_prefixes(tokenizer, messages: list[dict]) -> tuple[list[
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        if index == 0:
+            raise ValueError("the conversation opens with an assistant turn: with no message before it, its span "
+                             "cannot be located by rendering prefixes (start with a system or user message)")
         before = _render(tokenizer, messages[:index], add_generation_prompt=True)
         through = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
         if not (through.startswith(before) and full.startswith(through)):
@@ -88,7 +92,10 @@ def assistant_mask_from_prefixes(tokenizer, messages: list[dict]) -> tuple[list[
 
 
 def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as exc:  # e.g. a template that reads messages[0] of an empty prefix
+        raise ValueError(f"the chat template cannot render the first {len(messages)} message(s): {exc}") from None
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], loss_on: str) -> tuple[list[int], list[bool]]:
@@ -133,7 +140,7 @@ def tokenize_examples(examples: pa.Table, tokenizer, *, loss_on: str, max_seq_le
     for messages, line in zip(examples["messages"].to_pylist(), examples["source_line"].to_pylist()):
         try:
             ids, mask = tokenize_conversation(tokenizer, messages, loss_on)
-        except ValueError as exc:
+        except (ValueError, jinja2.TemplateError) as exc:
             raise DataError(f"{source}:{line}: {exc}") from None
         if len(ids) > max_seq_len:
             truncated.append(line)
@@ -176,7 +183,8 @@ def plan_micro_batches(samples: pa.Table, plan: pa.Table, settings: SftSettings)
             for index, sample_id in enumerate(ids):
                 seen[sample_id] = seen.get(sample_id, 0) + 1
                 ids[index] = sample_id if seen[sample_id] == 1 else f"{sample_id}#{seen[sample_id]}"
-            step_samples = step_samples.set_column(0, "sample_id", pa.array(ids, pa.string()))
+            column = step_samples.schema.get_field_index("sample_id")
+            step_samples = step_samples.set_column(column, "sample_id", pa.array(ids, pa.string()))
         table = micro_batches_of(step_samples, settings)
         tables.append(table)
         plan_rows.append({"step": step, "row_indices": list(range(offset, offset + table.num_rows))})

@@ -52,7 +52,7 @@ def load_prompts_task(config: RlConfig, env: str) -> dict:
 
 @task(name="init-policy", task_run_name="init-policy", **TASK_OPTIONS, cache_key_fn=content_key())
 def init_policy_task(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
-    return {"checkpoint": rl.PolicyTrainer.initial_checkpoint(_run(config, prompts_ids))}
+    return {"checkpoint": rl.initial_policy(_run(config, prompts_ids))}
 
 
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())

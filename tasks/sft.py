@@ -57,14 +57,14 @@ def tokenize_examples_task(config: SftConfig, examples_id: str, split: str) -> d
     return {"samples": store.put_table(tokenized.samples), **tokenized.report()}
 
 
-@task(name="plan-batches", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="plan-batches", task_run_name="plan-batches", **TASK_OPTIONS, cache_key_fn=content_key())
 def plan_batches_task(config: SftConfig, samples_id: str, rows: int) -> dict:
     settings = config.settings
     plan = plan_batches(rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
     return {"plan": open_store(config).put_table(plan), "steps": plan.num_rows}
 
 
-@task(name="pack-micro-batches", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="pack-micro-batches", task_run_name="pack-micro-batches", **TASK_OPTIONS, cache_key_fn=content_key())
 def pack_micro_batches_task(config: SftConfig, samples_id: str, plan_id: str) -> dict:
     """Every step's micro-batches (packed or padded), checked for alignment; returns ids and padding stats."""
     store = open_store(config)
@@ -74,7 +74,7 @@ def pack_micro_batches_task(config: SftConfig, samples_id: str, plan_id: str) ->
             "stats": padding_stats(micro_batches, packed=config.settings.packed)}
 
 
-@task(name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="init-model", task_run_name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
 def init_model_task(config: SftConfig, micro_batches_id: str, plan_id: str) -> dict:
     trainer = SftTrainer.initial(_run(config, micro_batches_id, plan_id))
     live.adopt(trainer.checkpoint_id, trainer)  # step 1 (and the step-0 evaluation) reuse it in this process

@@ -68,6 +68,10 @@ def store_root(tmp_path) -> str:
 
 # --- deployments: the session's server + `rollout stack start` (work pool, `prefect deploy --all`, a worker) ----
 
+# The session's server inherits this when `prefect_server` starts it: the schedule test sees the nightly runs
+# created within seconds instead of a minute.
+os.environ.setdefault("PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS", "2")
+
 TINY_PAIRS = [
     {"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}.", "rejected": f"Maybe {a + b + 3}? No idea."}
     for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (9, 9)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
 from rollout_lib.config.common import (
@@ -30,13 +30,25 @@ from rollout_lib.losses import DEFAULT_EPS_HIGH, DEFAULT_EPS_LOW, DEFAULT_KL_COE
 from rollout_lib.sampling import SamplingParams, sampler_settings_types
 
 
-def _tagged_union(types: tuple[type, ...]) -> Any:
-    # A discriminated union names the allowed `type` values in its error; one member needs no union.
-    return types[0] if len(types) == 1 else Annotated[Union[types], Field(discriminator="type")]  # noqa: UP007
+def _tagged_union(types: tuple[type, ...], what: str) -> Any:
+    """A union of settings classes chosen by their `type`; an unknown type names the ones that exist.
+
+    Tags are spelt `what(type)`: pydantic puts the tag into error locations, and the config's error locator
+    leaves such parts out, so errors read `algorithm.rl.envs[0].algo.std_eps`, not `...algo.grpo.std_eps`."""
+    names = {cls.model_fields["type"].default: cls for cls in types}
+
+    def tag_of(value: Any) -> str | None:
+        name = value.get("type", value.get("kind")) if isinstance(value, dict) else getattr(value, "type", None)
+        return f"{what}({name})" if name in names else None
+
+    members = tuple(Annotated[cls, Tag(f"{what}({name})")] for name, cls in names.items())
+    return Annotated[Union[members], Discriminator(  # noqa: UP007
+        tag_of, custom_error_type=f"unknown_{what}",
+        custom_error_message=f"`type` must be one of: {', '.join(sorted(names))}")]
 
 
-AlgoSettings = _tagged_union(algo_settings_types())
-SamplerSettings = _tagged_union(sampler_settings_types())
+AlgoSettings = _tagged_union(algo_settings_types(), "algo")
+SamplerSettings = _tagged_union(sampler_settings_types(), "sampler")
 
 
 class ReasoningGymSource(StrictModel):
@@ -49,7 +61,7 @@ class ReasoningGymSource(StrictModel):
     config: dict[str, Any] = Field(default_factory=dict)  # further dataset kwargs (difficulty knobs)
 
 
-PromptSource = Annotated[Union[JsonlDataset, ReasoningGymSource], Field(discriminator="type")]  # noqa: UP007
+PromptSource = _tagged_union((JsonlDataset, ReasoningGymSource), "source")
 
 
 class RewardFunctionSettings(StrictModel):

@@ -4,8 +4,9 @@
     {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}, ...]}
 
 Beyond the seed: a conversation may hold several assistant turns (each one is trained) and a leading system
-message. An optional "id" is carried through nowhere but allowed, so datasets can name their rows. Blank lines
-are skipped; a malformed row (neither shape, no assistant turn, bad JSON) is an error `path:lineno: reason`.
+message. An optional "id" is allowed (and not used), so datasets can name their rows. Other keys are errors.
+Blank lines are skipped; a malformed row (neither shape, no assistant turn, bad JSON) is an error
+`path:lineno: reason`.
 """
 
 from __future__ import annotations

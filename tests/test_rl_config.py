@@ -1,0 +1,113 @@
+"""train-rl settings: the shipped configs, per-env algorithms by type, dotted-locator errors, plan-time checks,
+the group_size = 1 warning, and the dry-run plan."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from rollout_lib.algo.grpo import GrpoSettings
+from rollout_lib.algo.max_rl import MaxRlSettings
+from rollout_lib.config import ConfigError, RlConfig, load_config, settings_hash, training_hash, validate_config
+from rollout_lib.config.loading import read_toml
+from rollout_lib.plan import describe_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def raw_config(**env_overrides) -> dict:
+    raw = read_toml(ROOT / "configs/rl-tiny.toml")
+    raw["algorithm"]["rl"]["envs"][0].update(env_overrides)
+    return raw
+
+
+def error_of(raw) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(RlConfig, raw)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", ["rl-tiny.toml", "rl-smollm2.toml"])
+def test_shipped_rl_configs_validate_without_warnings(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = load_config(RlConfig, ROOT / "configs" / name)
+    assert config.settings.envs and config.settings.budget.max_steps >= 1
+    assert config.settings.envs[0].algo.type == "grpo"
+
+
+def test_algo_defaults_to_grpo_and_is_chosen_per_env_by_type():
+    raw = raw_config()
+    del raw["algorithm"]["rl"]["envs"][0]["algo"]
+    second = {**raw["algorithm"]["rl"]["envs"][0], "name": "other", "algo": {"type": "max_rl"}}
+    raw["algorithm"]["rl"]["envs"].append(second)
+    config = validate_config(RlConfig, raw)
+    assert config.settings.envs[0].algo == GrpoSettings()
+    assert isinstance(config.settings.envs[1].algo, MaxRlSettings)
+    dumped = config.model_dump(mode="json")["algorithm"]["rl"]["envs"]
+    assert dumped[0]["algo"] == {"type": "grpo", "std_normalize": False, "std_eps": 1e-4}
+    assert dumped[1]["algo"] == {"type": "max_rl"}
+
+
+def test_unknown_algorithm_names_the_ones_that_exist():
+    assert "algorithm.rl.envs[0].algo: `type` must be one of: grpo, max_rl" in error_of(raw_config(algo={"type": "ppo"}))
+    assert "algorithm.rl.envs[0].source: `type` must be one of: jsonl_path, reasoning_gym" in error_of(
+        raw_config(source={"type": "jsonl", "path": "x.jsonl"}))
+
+
+def test_algorithm_knobs_are_checked_with_locators():
+    assert "algorithm.rl.envs[0].algo.std_eps: must be > 0" in error_of(raw_config(algo={"type": "grpo", "std_eps": 0}))
+    assert "algorithm.rl.envs[0].algo.std_normalise: unknown key" in error_of(
+        raw_config(algo={"type": "grpo", "std_normalise": True}))
+    assert "algorithm.rl.envs[0].algo.std_normalize: unknown key" in error_of(
+        raw_config(algo={"type": "max_rl", "std_normalize": True}))
+
+
+def test_sampling_and_source_errors_name_their_place():
+    assert "algorithm.rl.envs[0].sampling.top_p: must be <= 1" in error_of(
+        raw_config(sampling={"group_size": 8, "top_p": 1.5}))
+    assert "algorithm.rl.envs[0].sampling.temperature: must be > 0" in error_of(
+        raw_config(sampling={"temperature": 0}))
+    assert "algorithm.rl.envs[0].source.size: must be >= 1" in error_of(
+        raw_config(source={"type": "reasoning_gym", "dataset": "basic_arithmetic", "size": 0}))
+    assert "algorithm.rl.envs[0].source.dataset: no reasoning-gym dataset 'basic_arithmetc'" in error_of(
+        raw_config(source={"type": "reasoning_gym", "dataset": "basic_arithmetc", "size": 4}))
+    assert "algorithm.rl.envs[0].sampling.max_tokens: must be < algorithm.rl.max_seq_len (128)" in error_of(
+        raw_config(sampling={"max_tokens": 128}))
+
+
+def test_reward_functions_are_resolved_at_plan_time():
+    message = error_of(raw_config(rewards=[{"function": "target_length", "kwargs": {"targt": 3}},
+                                           {"function": "no_such_reward"}]))
+    assert "algorithm.rl.envs[0].rewards[0].function: reward function 'target_length': bad kwargs" in message
+    assert "algorithm.rl.envs[0].rewards[1].function: unknown built-in reward function 'no_such_reward'" in message
+    assert "rewards: List should have at least 1 item" in error_of(raw_config(rewards=[]))
+
+
+def test_env_names_are_unique():
+    raw = raw_config()
+    raw["algorithm"]["rl"]["envs"].append(dict(raw["algorithm"]["rl"]["envs"][0]))
+    assert "algorithm.rl.envs[1].name: env name 'words' is used more than once" in error_of(raw)
+
+
+def test_group_relative_advantage_with_group_size_one_warns():
+    with pytest.warns(UserWarning, match=r"envs\[0\].sampling.group_size: grpo is group-relative"):
+        config = validate_config(RlConfig, raw_config(sampling={"group_size": 1, "max_tokens": 16}))
+    assert [loc for loc, _ in config.plan_warnings()] == ["algorithm.rl.envs[0].sampling.group_size"]
+
+
+def test_hashes_change_with_the_algorithm_but_not_the_store(tmp_path):
+    base = validate_config(RlConfig, raw_config())
+    moved = validate_config(RlConfig, {**raw_config(), "run": {"name": "rl-tiny", "seed": 1, "store": str(tmp_path)}})
+    other = validate_config(RlConfig, raw_config(algo={"type": "max_rl"}))
+    assert training_hash(base) == training_hash(moved) and settings_hash(base) != settings_hash(moved)
+    assert training_hash(base) != training_hash(other)
+
+
+def test_dry_run_plan_parses_every_prompt_and_loads_no_model():
+    plan = describe_plan(load_config(RlConfig, ROOT / "configs/rl-tiny.toml"))
+    assert plan["entry_point"] == "train-rl"
+    assert plan["envs"][0]["prompts"] == 8 and plan["envs"][0]["rollouts_per_step"] == 32
+    assert plan["snapshots_at"] == [5, 10, 15, 20] and plan["warnings"] == []

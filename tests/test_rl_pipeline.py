@@ -1,0 +1,146 @@
+"""The RL step in-process (no Prefect): two envs with different sources, rewards and algorithms in one run,
+missing rewards, a step where every reward fails, and replay of the policy state from its last snapshot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollout_lib import rl, wire
+from rollout_lib.config import RlConfig, validate_config
+from rollout_lib.config.loading import training_hash
+from rollout_lib.reward.results import AllRewardsFailedError
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer import live
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state():
+    live.forget_live()
+    yield
+    live.forget_live()
+    rl.close_reward_loops()
+
+
+def config(tmp_path, tiny_model_dir, words_reward=None, only_words=False, **settings) -> RlConfig:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(row) for row in [
+        {"prompt": "Say a few words.", "answer": "3"},
+        {"prompt": "Count to three."},  # no answer: number_match cannot score it -> missing reward
+        {"prompt": "Hello there.", "answer": "7"},
+    ]) + "\n")
+    raw = {
+        "run": {"name": "pipeline", "seed": 3, "store": "memory://unused"},
+        "algorithm": {"rl": {
+            "base_model": str(tiny_model_dir), "max_seq_len": 96, "checkpoint_interval": 1,
+            "optimizer": {"lr": 1e-2}, "budget": {"max_steps": 2},
+            "reward_loop": {"concurrency": 8, "timeout_s": 60},
+            "envs": [
+                {"name": "words", "source": {"type": "jsonl_path", "path": str(prompts)}, "prompts_per_step": 3,
+                 "sampling": {"group_size": 3, "max_tokens": 8}, "algo": {"type": "grpo"},
+                 "rewards": words_reward or [{"function": "target_length", "kwargs": {"target": 4}},
+                                             {"function": "number_match", "weight": 0.5}]},
+                {"name": "sums", "source": {"type": "reasoning_gym", "dataset": "chain_sum", "size": 6, "seed": 1},
+                 "prompts_per_step": 2, "sampling": {"group_size": 2, "max_tokens": 6}, "algo": {"type": "max_rl"},
+                 "rewards": [{"function": "reasoning_gym"}]},
+            ],
+            **settings,
+        }},
+    }
+    if only_words:
+        del raw["algorithm"]["rl"]["envs"][1]
+    return validate_config(RlConfig, raw)
+
+
+def run_for(cfg: RlConfig, store: ObjectStore) -> tuple[rl.RlRun, dict]:
+    prompts = {env.name: rl.load_prompts(env) for env in cfg.settings.envs}
+    rl.check_distinct_examples(prompts)
+    ids = {name: store.put_table(table) for name, table in prompts.items()}
+    return rl.RlRun(store, cfg, training_hash(cfg), ids), prompts
+
+
+def one_step(cfg, run, prompts, state, step):
+    policy = rl.policy_at(run, state)
+    rollouts, sample_metrics = rl.sample_rollouts(cfg, rl.build_sampler(cfg, policy.model, policy.tokenizer),
+                                                  prompts, step)
+    scored, reward_metrics = rl.score_rollouts(cfg, rollouts, prompts)
+    samples, advantage_metrics = rl.training_samples(cfg, scored)
+    micro_batches, _ = rl.pack(cfg, samples)
+    state, train_metrics = rl.advance(run, state, step, run.store.put_table(micro_batches))
+    return state, {**sample_metrics, **reward_metrics, **advantage_metrics, **train_metrics,
+                   "rollouts_table": rollouts, "scored_table": scored, "samples_table": samples,
+                   "micro_batches_table": micro_batches}
+
+
+def test_two_envs_two_algorithms_one_step_with_missing_rewards(tmp_path, tiny_model_dir):
+    cfg = config(tmp_path, tiny_model_dir)
+    run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-a"))
+    state = rl.initial_policy(run)
+    state, out = one_step(cfg, run, prompts, state, 1)
+
+    scored = out["scored_table"]
+    assert scored.schema == wire.ROLLOUTS and scored.num_rows == 3 * 3 + 2 * 2
+    assert scored.column("env").to_pylist() == ["words"] * 9 + ["sums"] * 4
+    # The prompt without an answer: its 3 samples have a missing reward with number_match's error.
+    missing = [r for r in scored.to_pylist() if r["reward"] is None]
+    assert len(missing) == 3 and out["missing_rewards"] == 3
+    assert all("number_match needs an answer" in r["reward_error"] for r in missing)
+    assert out["missing_rewards/words"] == 3 and out["missing_rewards/sums"] == 0
+
+    samples = {row["sample_id"]: row for row in out["samples_table"].to_pylist()}
+    for row in missing:
+        assert not any(samples[row["sample_id"]]["rl_weights"])  # ships, trains nothing
+    assert out["trainable_samples"] == 13 - 3
+    # Both envs in one micro-batch: 13 short samples fit in 96 tokens? At least one bin mixes them.
+    envs_by_id = dict(zip(scored.column("sample_id").to_pylist(), scored.column("env").to_pylist()))
+    mixed = [ids for ids in out["micro_batches_table"].column("sample_ids").to_pylist()
+             if len({envs_by_id[i] for i in ids}) == 2]
+    assert mixed
+    assert out["tokens/rl"] == out["rl_tokens"] > 0 and out["grad_norm"] > 0
+    assert out["rl/mismatch_kl"] == pytest.approx(0.0, abs=1e-5)  # sampler and trainer agree on-policy
+
+
+def test_a_step_where_every_reward_fails_fails_loudly(tmp_path, tiny_model_dir):
+    cfg = config(tmp_path, tiny_model_dir, words_reward=[{"function": "rollout_lib.reward.examples:always_fails"}],
+                 only_words=True)
+    run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-b"))
+    policy = rl.policy_at(run, rl.initial_policy(run))
+    rollouts, _ = rl.sample_rollouts(cfg, rl.build_sampler(cfg, policy.model, policy.tokenizer), prompts, 1)
+    with pytest.raises(AllRewardsFailedError, match="all 9 rewards failed"):
+        rl.score_rollouts(cfg, rollouts, prompts)
+
+
+def test_replay_from_the_last_snapshot_reaches_the_same_weights(tmp_path, tiny_model_dir):
+    cfg = config(tmp_path, tiny_model_dir, words_reward=[{"function": "target_length", "kwargs": {"target": 4}}],
+                 only_words=True)
+    run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-c"))
+    state = rl.initial_policy(run)
+    history = []
+    for step in (1, 2):
+        state, out = one_step(cfg, run, prompts, state, step)
+        history.append(out)
+    live_weights = {k: v.clone() for k, v in rl.policy_at(run, state).model.state_dict().items()}
+    # The pending records chain back to the step-0 snapshot and name each step's micro-batches.
+    assert sorted(rl.replay_batches(run.store, state)) == [1, 2]
+
+    live.forget_live()  # a new process: nothing in memory
+    replayed = rl.policy_at(run, state)
+    assert replayed.step == 2
+    for name, tensor in replayed.model.state_dict().items():
+        assert torch.equal(tensor, live_weights[name]), name
+    # ... and it samples step 3 exactly as the live policy would have.
+    sampler = rl.build_sampler(cfg, replayed.model, replayed.tokenizer)
+    again, _ = rl.sample_rollouts(cfg, sampler, prompts, 3)
+    assert again.column("completion_ids").to_pylist() == rl.sample_rollouts(cfg, sampler, prompts, 3)[0].column(
+        "completion_ids").to_pylist()
+
+    # Snapshot, then a checkpoint id that does not depend on the store it was written to.
+    checkpoint = rl.snapshot(run, state, {"step": 2})
+    other_run, _ = run_for(cfg, ObjectStore("memory://rl-pipeline-d"))
+    live.forget_live()
+    other_state = rl.initial_policy(other_run)
+    for step, out in zip((1, 2), history):
+        other_state, _ = rl.advance(other_run, other_state, step, other_run.store.put_table(out["micro_batches_table"]))
+    assert rl.snapshot(other_run, other_state, {"step": 2}) == checkpoint

@@ -1,0 +1,125 @@
+"""train-sft end to end through the CLI and a real Prefect server: training with packing and a held-out set,
+export to a `from_pretrained` directory that generates, and the resume proof: SIGKILL mid-training, rerun, the
+same final checkpoint id as an uninterrupted run, with the completed tasks back from cache."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from clirun import ROOT, cli_env, final_result, rollout_command, run_rollout
+from rollout_lib.store import ObjectStore
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    {"prompt": "What is 12 + 30?", "completion": "The answer is 42."},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
+                  {"role": "assistant", "content": "Hello there, friend!"}]},
+    {"messages": [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"},
+                  {"role": "user", "content": "And 2+2?"}, {"role": "assistant", "content": "4, since 2 + 2 = 4."}]},
+    {"prompt": "Please write a short poem about the sea.", "completion": "The sea and the sky, blue and wide."},
+    {"prompt": "She has 7 apples and gives away 2. How many are left?", "completion": "She has 5 apples left."},
+    {"messages": [{"role": "user", "content": "Hello!"},
+                  {"role": "assistant", "content": "Hello! How can I help you today?"}]},
+]
+
+
+def task_run_states(flow_run_id: str) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run.state.name for run in runs}
+
+
+@pytest.fixture
+def chat_data(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in CHATS))
+    return path
+
+
+def test_train_sft_tiny_packed_with_eval_then_export_and_generate(prefect_server, tmp_path, chat_data):
+    store = tmp_path / "store"
+    done = run_rollout("train", "sft", "--config", "configs/sft-tiny.toml", "--set", f"run.store={store}",
+                       "--set", f"algorithm.sft.dataset.path={chat_data}",
+                       "--set", f"algorithm.sft.eval_dataset.path={chat_data}",
+                       "--set", "algorithm.sft.packing.kind=on", "--set", "algorithm.sft.packing.max_seq_len=128",
+                       "--set", "algorithm.sft.budget.max_steps=4", "--set", "algorithm.sft.optimizer.lr=0.05")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = final_result(done)
+    checkpoint = result["checkpoint"]
+    assert ObjectStore(str(store)).get_ref("runs/sft-tiny/latest") == checkpoint
+    assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
+    assert "100.0% of processed positions real" in done.stdout + done.stderr  # packing: no padding at all
+
+    states = task_run_states(result["flow_run_id"])
+    assert {"load-examples-train", "tokenize-examples-train", "plan-batches", "pack-micro-batches", "init-model",
+            "train-step-1", "train-step-4",
+            "snapshot-step-4", "evaluate-step-0", "evaluate-step-4"} <= set(states)
+    assert set(states.values()) == {"Completed"}
+
+    out = tmp_path / "hf"
+    exported = run_rollout("export", "--checkpoint", "runs/sft-tiny/latest", "--out", str(out), "--store", str(store))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    generate = (
+        "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1]); tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "ids = tok.apply_chat_template([{'role': 'user', 'content': 'What is 12 + 30?'}], add_generation_prompt=True,"
+        " return_tensors='pt', return_dict=True)\n"
+        "out = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)\n"
+        "print('GENERATED', out.shape[1] - ids['input_ids'].shape[1])\n"
+    )
+    generated = subprocess.run([*rollout_command()[:1], "-c", generate, str(out)], cwd=ROOT, env=cli_env(),
+                               capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    assert int(generated.stdout.split("GENERATED")[1]) > 0
+
+
+def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_server, tmp_path, chat_data):
+    steps = ["--set", f"algorithm.sft.dataset.path={chat_data}", "--set", "algorithm.sft.budget.max_steps=24",
+             "--set", "algorithm.sft.checkpoint_interval=8", "--set", "algorithm.sft.optimizer.kind=adamw",
+             "--set", "algorithm.sft.optimizer.lr=1e-2"]
+    reference = run_rollout("train", "sft", "--config", "configs/sft-tiny.toml", *steps,
+                            "--set", f"run.store={tmp_path / 'uninterrupted'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = final_result(reference)["checkpoint"]
+
+    store = tmp_path / "interrupted"
+    args = ["train", "sft", "--config", "configs/sft-tiny.toml", *steps, "--set", f"run.store={store}"]
+    log_path = tmp_path / "killed.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=cli_env(), stdout=log,
+                                   stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        # Kill after the second snapshot (step 16) and a few more steps, mid-way to the last snapshot.
+        while "train-step-19' - Finished" not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    killed_log = log_path.read_text()
+    assert process.returncode == -signal.SIGKILL
+    assert "snapshot-step-16' - Finished" in killed_log and "snapshot-step-24" not in killed_log
+    assert ObjectStore(str(store)).get_ref("runs/sft-tiny/latest") is None
+
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    result = final_result(rerun)
+    assert result["checkpoint"] == expected  # the same final checkpoint id, byte for byte
+
+    states = task_run_states(result["flow_run_id"])
+    for name in ["load-examples-train", "tokenize-examples-train", "plan-batches", "pack-micro-batches",
+                 "init-model", "snapshot-step-8", "snapshot-step-16", *[f"train-step-{s}" for s in range(1, 20)]]:
+        assert states[name] == "Cached", (name, states)
+    executed = sorted(int(name.rsplit("-", 1)[1]) for name, state in states.items()
+                      if name.startswith("train-step-") and state != "Cached")
+    assert executed == list(range(20, 25))  # only the steps the killed run never finished
+    # The work since the last snapshot (steps 17..19) was replayed in-process, not re-run as task runs.
+    assert "replaying steps 17..19 from checkpoint" in rerun.stdout + rerun.stderr
