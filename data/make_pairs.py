@@ -119,6 +119,8 @@ def _chain_steps(expr):
         steps = []
         for i in range(1, len(toks), 2):
             op, v = toks[i], int(toks[i + 1])
+            if op not in ("+", "-"):
+                return None, None
             new = acc + v if op == "+" else acc - v
             steps.append(f"{acc} {op} {v} = {new}")
             acc = new
@@ -175,9 +177,11 @@ def rg_item(name, fmt, it):
         return _item(name, q, a, fmt, [f"The final answer is {a}.", f"{a}"], worked, restates=False)
     if name == "letter_counting":
         letter = m["target_letter"]
-        return _item(name, q, a, fmt, [f'The letter "{letter}" appears {a} times in that text.',
-                                       f'There are {a} occurrences of "{letter}".',
-                                       f'"{letter}" shows up {a} times.'])
+        times = "time" if a == "1" else "times"
+        occ = "occurrence" if a == "1" else "occurrences"
+        return _item(name, q, a, fmt, [f'The letter "{letter}" appears {a} {times} in that text.',
+                                       f'There {"is" if a == "1" else "are"} {a} {occ} of "{letter}".',
+                                       f'"{letter}" shows up {a} {times}.'])
     if name == "word_sorting":
         orig = _lit(m["original_words"])
         return _item(name, q, a, fmt, [a], copy=", ".join(orig), family="wordlist")
@@ -683,6 +687,14 @@ RAMBLES = [
     "First, let's carefully restate the problem. Then we'll think about which method applies. There are several candidate methods, each with pros and cons, and choosing among them requires",
     "...",
     "Well,",
+    "Good question, let me think about it for a bit.",
+    "I think it might be... actually, let me reconsider.",
+    "Hmm, not sure. It could be a few things.",
+    "This one is tricky. There are a couple of ways to approach it.",
+    "Let's see. First we need to understand the question, and then",
+    "It depends on how you look at it, really.",
+    "Interesting question about {topic}!",
+    "Hmm.",
 ]
 UNRELATED = [
     "Octopuses have three hearts and blue blood.",

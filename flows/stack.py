@@ -74,6 +74,10 @@ def start(port: int | None = None, schedules: bool = True, log=print) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
 
     ensure_work_pool(env, log)
+    if server["owned"]:
+        for name in crash_orphaned_runs(server["api_url"]):
+            log(f"flow run {name!r} was left running with no process (stack stopped or machine restarted): "
+                "marked Crashed; rerun it to resume from cache")
     deploy(env, logs / "deploy.log", log)
     if not schedules:
         set_schedules_active(server["api_url"], False)
@@ -203,12 +207,43 @@ def worker_online(api_url: str, name: str) -> bool:
 
 
 def set_schedules_active(api_url: str, active: bool) -> None:
-    """Pause (or resume) every schedule of every deployment on the work pool; paused schedules create no runs."""
+    """Pause (or resume) every schedule of every deployment on the work pool. Pausing also deletes the runs the
+    schedules had already created (deploying creates the next ones at once)."""
     deployments = _post(api_url, "/deployments/filter", {"work_pools": {"name": {"any_": [WORK_POOL]}}}) or []
     for deployment in deployments:
         for schedule in deployment.get("schedules", []):
             _request(api_url, f"/deployments/{deployment['id']}/schedules/{schedule['id']}", {"active": active},
                      method="PATCH")
+    if not active and deployments:
+        scheduled = _post(api_url, "/flow_runs/filter", {"flow_runs": {
+            "deployment_id": {"any_": [d["id"] for d in deployments]}, "state": {"type": {"any_": ["SCHEDULED"]}}}})
+        for flow_run in scheduled or []:
+            if flow_run.get("auto_scheduled"):
+                _request(api_url, f"/flow_runs/{flow_run['id']}", None, method="DELETE")
+
+
+def crash_orphaned_runs(api_url: str, pending_grace_s: float = 120.0) -> list[str]:
+    """Mark Crashed the runs of this pool that the server thinks are running but no process executes.
+
+    Such a run holds its deployment's concurrency slot; the server keeps slot leases in memory, so after a server
+    restart nothing ever frees it, and with `collision_strategy: ENQUEUE` every later run of the deployment
+    (nightly ones included) would wait forever. Linux only (/proc); elsewhere nothing is touched."""
+    if not Path("/proc/self/environ").exists():
+        return []
+    live = {run_id for pid in _all_pids() if (run_id := _flow_run_id(pid))}
+    flow_runs = _post(api_url, "/flow_runs/filter", {
+        "flow_runs": {"state": {"type": {"any_": ["RUNNING", "PENDING", "CANCELLING"]}}},
+        "work_pools": {"name": {"any_": [WORK_POOL]}},
+    }) or []
+    crashed = []
+    for flow_run in flow_runs:
+        if flow_run["id"] in live:
+            continue
+        if flow_run["state"]["type"] == "PENDING" and _age_s(flow_run["state"]["timestamp"]) < pending_grace_s:
+            continue  # a worker may be starting its process right now
+        _mark_crashed(api_url, flow_run["id"], "no process was executing this run when the stack started")
+        crashed.append(flow_run["name"])
+    return crashed
 
 
 # --- stop / status --------------------------------------------------------------------------------------------
@@ -221,11 +256,14 @@ def stop(log=print) -> dict:
     if record is not None:
         worker = record.get("worker") or {}
         if worker.get("pid") and _is_prefect_process(worker["pid"]):
-            # Flow runs are the worker's children in sessions of their own: SIGTERM them first, so that each
-            # reports itself Crashed while the server is still up (a rerun resumes from cache).
-            runs = _children(worker["pid"])
+            # Flow runs are the worker's children, in sessions of their own: stop them first, then mark their runs
+            # Crashed while the server is still up (a terminated engine logs "Crash detected!" but does not
+            # always get its Crashed state to the server). A rerun resumes from cache.
+            runs = {pid: _flow_run_id(pid) for pid in _children(worker["pid"])}
             for pid in runs:
-                stop_process_group(pid, timeout_s=30)
+                stop_process_group(pid, timeout_s=10)
+            for flow_run_id in filter(None, runs.values()):
+                _mark_crashed(record["api_url"], flow_run_id, "the flow run process was stopped by `rollout stack stop`")
             # The worker turns SIGTERM into a graceful shutdown that can hang; SIGKILL follows after a grace.
             stop_process_group(worker["pid"], timeout_s=5)
             stopped["worker"] = True
@@ -311,6 +349,38 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:  # fields after "(comm)": state, ppid, ...
             children.append(int(stat.parent.name))
     return children
+
+
+def _all_pids() -> list[int]:
+    return [int(path.name) for path in Path("/proc").iterdir() if path.name.isdigit()]
+
+
+def _age_s(timestamp: str) -> float:
+    from datetime import datetime, timezone
+
+    return (datetime.now(timezone.utc) - datetime.fromisoformat(timestamp.replace("Z", "+00:00"))).total_seconds()
+
+
+def _flow_run_id(pid: int) -> str | None:
+    """The flow run a worker's child process executes (the worker puts it in the child's environment)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"PREFECT__FLOW_RUN_ID="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
+
+
+def _mark_crashed(api_url: str, flow_run_id: str, message: str) -> None:
+    try:
+        flow_run = _request(api_url, f"/flow_runs/{flow_run_id}", None, method="GET")
+        if flow_run and flow_run["state"]["type"] in ("RUNNING", "PENDING", "CANCELLING"):
+            _post(api_url, f"/flow_runs/{flow_run_id}/set_state",
+                  {"state": {"type": "CRASHED", "name": "Crashed", "message": message}, "force": True})
+    except StackError:
+        pass  # the server is gone: nothing left to tell
 
 
 def _request(api_url: str, path: str, body: dict | None, method: str = "POST"):

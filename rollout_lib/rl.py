@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ from rollout_lib.store import ObjectStore, canonical_json
 from rollout_lib.trainer import live
 from rollout_lib.trainer.base import CheckpointedTrainer
 from rollout_lib.trainer.causal import TIMING_METRICS, train_on_micro_batches
-from rollout_lib.trainer.determinism import seed_for_step, use_deterministic_torch
+from rollout_lib.trainer.determinism import derived_seed, seed_for_step, use_deterministic_torch
 from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
 
 # --- prompts ---------------------------------------------------------------------------------------------------
@@ -69,11 +68,6 @@ def check_distinct_examples(prompt_tables: dict[str, pa.Table]) -> None:
                 raise DataError(f"example id {example_id!r} is in envs {owner[example_id]!r} and {env!r}; "
                                 "give the JSONL rows distinct ids")
             owner[example_id] = env
-
-
-def derived_seed(*parts: object) -> int:
-    """A 63-bit seed from (run seed, stage, step, env ...): replaying any stage needs no stored RNG state."""
-    return int.from_bytes(blake3.blake3(":".join(map(str, parts)).encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 def select_prompts(prompts: pa.Table, count: int, *, seed: int, step: int, env_index: int) -> pa.Table:
@@ -297,10 +291,3 @@ def snapshot(run: RlRun, state_id: str, metrics: dict) -> str:
     return live.snapshot(run.store, state_id, metrics,
                          open_checkpoint=lambda checkpoint_id: PolicyTrainer.from_checkpoint(run, checkpoint_id))
 
-
-def describe_rollouts(rollouts: pa.Table, limit: int = 3) -> list[dict]:
-    """A few rollouts as readable rows, for logs and artifacts."""
-    rows = rollouts.slice(0, limit).to_pylist()
-    return [{"example_id": r["example_id"], "completion": r["completion_text"], "reward": r["reward"],
-             "answer": r["answer"], "info": json.loads(r["info"]).get("rg_dataset") if r["info"] else None}
-            for r in rows]

@@ -74,12 +74,6 @@ class RewardModelTrainer(CheckpointedTrainer):
     kind_of_model = "reward_model"
     timing_metrics = frozenset({"pairs_per_s"})
 
-    def __init__(self, run: RmRun, model, tokenizer, optimizer, step: int, checkpoint_id: str | None,
-                 model_files: dict):
-        super().__init__(run, model, tokenizer, optimizer, step, checkpoint_id, model_files)
-        self._tokenized: pa.Table | None = None
-        self._plan: pa.Table | None = None
-
     @classmethod
     def build(cls, run: RmRun):
         use_deterministic_torch()
@@ -98,15 +92,11 @@ class RewardModelTrainer(CheckpointedTrainer):
 
     @property
     def tokenized(self) -> pa.Table:
-        if self._tokenized is None:
-            self._tokenized = self.run.store.get_table(self.run.tokenized_id, wire.TOKENIZED_PAIRS)
-        return self._tokenized
+        return self.table(self.run.tokenized_id, wire.TOKENIZED_PAIRS)
 
     @property
     def plan(self) -> pa.Table:
-        if self._plan is None:
-            self._plan = self.run.store.get_table(self.run.plan_id, wire.BATCH_PLAN)
-        return self._plan
+        return self.table(self.run.plan_id, wire.BATCH_PLAN)
 
     def train_step(self, step: int) -> dict[str, float]:
         if step != self.step + 1:

@@ -94,7 +94,7 @@ def assistant_mask_from_prefixes(tokenizer, messages: list[dict]) -> tuple[list[
 def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except jinja2.TemplateError as exc:  # e.g. a template that reads messages[0] of an empty prefix
+    except jinja2.TemplateError as exc:  # e.g. a template that raise_exception()s on a prefix it does not expect
         raise ValueError(f"the chat template cannot render the first {len(messages)} message(s): {exc}") from None
 
 
@@ -219,12 +219,6 @@ class SftTrainer(CheckpointedTrainer):
     kind_of_model = "causal_lm"
     timing_metrics = TIMING_METRICS
 
-    def __init__(self, run: SftRun, model, tokenizer, optimizer, step: int, checkpoint_id: str | None,
-                 model_files: dict):
-        super().__init__(run, model, tokenizer, optimizer, step, checkpoint_id, model_files)
-        self._micro_batches: pa.Table | None = None
-        self._plan: pa.Table | None = None
-
     @classmethod
     def build(cls, run: SftRun):
         use_deterministic_torch()
@@ -240,15 +234,11 @@ class SftTrainer(CheckpointedTrainer):
 
     @property
     def micro_batches(self) -> pa.Table:
-        if self._micro_batches is None:
-            self._micro_batches = self.run.store.get_table(self.run.micro_batches_id, wire.MICRO_BATCHES)
-        return self._micro_batches
+        return self.table(self.run.micro_batches_id, wire.MICRO_BATCHES)
 
     @property
     def plan(self) -> pa.Table:
-        if self._plan is None:
-            self._plan = self.run.store.get_table(self.run.plan_id, wire.BATCH_PLAN)
-        return self._plan
+        return self.table(self.run.plan_id, wire.BATCH_PLAN)
 
     def train_step(self, step: int) -> dict[str, float]:
         if step != self.step + 1:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,3 +31,31 @@ def final_result(completed: subprocess.CompletedProcess) -> dict:
     out = completed.stdout
     start = out.index("{\n")
     return json.loads(out[start:out.index("\n}", start) + 2])
+
+
+def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: float = 600) -> str:
+    """Start the CLI with `args`, SIGKILL it as soon as `marker` shows in its output; return that output.
+
+    Fails if the process exits on its own first (the kill would prove nothing) or the marker never comes."""
+    with log_path.open("w") as log:
+        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=cli_env(), stdout=log,
+                                   stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while marker not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{marker!r} never appeared"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    return log_path.read_text()
+
+
+def task_run_states(flow_run_id: str) -> dict[str, str]:
+    """Task run name -> state name (Completed, Cached, ...) of one flow run, from the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run.state.name for run in runs}

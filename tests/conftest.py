@@ -108,17 +108,27 @@ class DeploymentStack:
     def run(self, deployment: str = "train-rm/default", timeout: float = 600, **params) -> dict:
         """`prefect deployment run <deployment> --param k=<json> ... --watch`; returns the finished flow run, with
         the command's exit code and output under "cli"."""
+        done, flow_run_id = self._deployment_run(deployment, params, watch=timeout)
+        flow_run = self.wait(flow_run_id, timeout=60)
+        return {**flow_run, "cli": {"returncode": done.returncode, "output": done.stdout + done.stderr}}
+
+    def submit(self, deployment: str = "train-rm/default", **params) -> str:
+        """`prefect deployment run` without waiting; returns the flow run id."""
+        return self._deployment_run(deployment, params, watch=None)[1]
+
+    def _deployment_run(self, deployment: str, params: dict, watch: float | None):
         import json
         import re
 
-        args = ["deployment", "run", deployment, "--watch", "--watch-timeout", str(int(timeout))]
+        args = ["deployment", "run", deployment]
+        if watch is not None:
+            args += ["--watch", "--watch-timeout", str(int(watch))]
         for key, value in params.items():
             args += ["--param", f"{key}={json.dumps(value)}"]
-        done = self.prefect(*args, timeout=timeout + 60)
+        done = self.prefect(*args, timeout=(watch or 0) + 120)
         match = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)
         assert match, f"no flow run created:\n{done.stdout}\n{done.stderr}"
-        flow_run = self.wait(match.group(1), timeout=60)
-        return {**flow_run, "cli": {"returncode": done.returncode, "output": done.stdout + done.stderr}}
+        return done, match.group(1)
 
     def wait(self, flow_run_id: str, timeout: float = 300, states: tuple[str, ...] = terminal) -> dict:
         deadline = time.monotonic() + timeout
@@ -140,15 +150,24 @@ class DeploymentStack:
                                                   "sort": "TIMESTAMP_ASC"})
         return "\n".join(entry["message"] for entry in logs)
 
-    def api(self, method: str, path: str, body: dict | None = None):
+    def api(self, method: str, path: str, body: dict | None = None, attempts: int = 5):
+        """One REST call; retried when the server is briefly overloaded (503: SQLite busy on a loaded machine),
+        as Prefect's own client does."""
         import json
+        import urllib.error
         import urllib.request
 
-        request = urllib.request.Request(f"{self.api_url}{path}", method=method,
-                                         data=json.dumps(body).encode() if body is not None else None,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read() or b"null")
+        for attempt in range(attempts):
+            request = urllib.request.Request(f"{self.api_url}{path}", method=method,
+                                             data=json.dumps(body).encode() if body is not None else None,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return json.loads(response.read() or b"null")
+            except urllib.error.HTTPError as exc:
+                if exc.code not in (429, 503) or attempt == attempts - 1:
+                    raise
+            time.sleep(1 + 2 * attempt)
 
 
 @pytest.fixture(scope="session")

@@ -47,8 +47,8 @@ def _tagged_union(types: tuple[type, ...], what: str) -> Any:
         custom_error_message=f"`type` must be one of: {', '.join(sorted(names))}")]
 
 
-AlgoSettings = _tagged_union(algo_settings_types(), "algo")
-SamplerSettings = _tagged_union(sampler_settings_types(), "sampler")
+AlgoChoice = _tagged_union(algo_settings_types(), "algo")
+SamplerChoice = _tagged_union(sampler_settings_types(), "sampler")
 
 
 class ReasoningGymSource(StrictModel):
@@ -77,7 +77,7 @@ class EnvSettings(StrictModel):
     prompts_per_step: int = Field(ge=1)  # distinct prompts drawn per step (each sampled group_size times)
     rewards: list[RewardFunctionSettings] = Field(min_length=1)
     sampling: SamplingParams = SamplingParams()
-    algo: AlgoSettings = Field(default_factory=lambda: ALGORITHMS["grpo"].settings_class())
+    algo: AlgoChoice = Field(default_factory=lambda: ALGORITHMS["grpo"].settings_class())
 
 
 class RlLossSettings(StrictModel):
@@ -104,7 +104,7 @@ class RlSettings(StrictModel):
     optimizer: OptimizerSettings
     budget: BudgetSettings
     loss: RlLossSettings = RlLossSettings()
-    sampler: SamplerSettings = Field(default_factory=lambda: sampler_settings_types()[0]())
+    sampler: SamplerChoice = Field(default_factory=lambda: sampler_settings_types()[0]())
     reward_loop: RewardLoopSettings = RewardLoopSettings()
     envs: list[EnvSettings] = Field(min_length=1)
 

@@ -16,7 +16,6 @@ What every sampler must guarantee:
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -47,8 +46,17 @@ class SamplerSettings(BaseModel):
 
 
 class Sampler(ABC):
+    """A backend is built once per sample stage as `cls(settings, model, tokenizer)`: the live policy's model
+    (which a remote backend ignores, or pushes to its engine) and the tokenizer that turns chat messages into
+    the prompt ids it reports."""
+
     type_name: ClassVar[str]
     settings_class: ClassVar[type[SamplerSettings]]
+
+    def __init__(self, settings: SamplerSettings, model, tokenizer):
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -118,6 +126,3 @@ def prompt_messages(prompts: pa.Table) -> list[list[dict]]:
     return [[{"role": m["role"], "content": m["content"]} for m in messages]
             for messages in prompts.column("messages").to_pylist()]
 
-
-def info_of(info_text: str | None) -> dict:
-    return json.loads(info_text) if info_text else {}

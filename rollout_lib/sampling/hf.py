@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import blake3
 import pyarrow as pa
 import torch
 from pydantic import Field
@@ -27,6 +26,7 @@ from rollout_lib.sampling.base import (
     prompt_messages,
     rollouts_table,
 )
+from rollout_lib.trainer.determinism import derived_seed
 
 
 class HfSamplerSettings(SamplerSettings):
@@ -34,20 +34,9 @@ class HfSamplerSettings(SamplerSettings):
     batch_size: int = Field(64, ge=1)  # sequences per generate call (memory bound)
 
 
-def chunk_seed(seed: int, chunk_index: int) -> int:
-    return int.from_bytes(blake3.blake3(f"hf-sampler:{seed}:{chunk_index}".encode()).digest()[:8], "little") & (
-        (1 << 63) - 1
-    )
-
-
 class HfSampler(Sampler):
     type_name = "hf"
     settings_class = HfSamplerSettings
-
-    def __init__(self, settings: HfSamplerSettings, model, tokenizer):
-        self.settings = settings
-        self.model = model
-        self.tokenizer = tokenizer
 
     def sample(self, prompts: pa.Table, params: SamplingParams, seed: int) -> pa.Table:
         prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
@@ -56,7 +45,7 @@ class HfSampler(Sampler):
         completions: list[tuple[list[int], list[float], str]] = []
         size = self.settings.batch_size
         for chunk_index, start in enumerate(range(0, len(sequences), size)):
-            completions.extend(self._generate(sequences[start:start + size], params, chunk_seed(seed, chunk_index)))
+            completions.extend(self._generate(sequences[start:start + size], params, derived_seed("hf-sampler", seed, chunk_index)))
         return rollouts_table(prompts, params.group_size, prompt_ids, completions)
 
     @torch.no_grad()

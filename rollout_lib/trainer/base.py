@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import pyarrow as pa
+
 from rollout_lib.trainer.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
 
 
@@ -30,6 +32,7 @@ class CheckpointedTrainer:
         self.step = step
         self.checkpoint_id = checkpoint_id  # the last snapshot this state descends from
         self.model_files = model_files
+        self._tables: dict[str, pa.Table] = {}
 
     # --- what a subclass provides -------------------------------------------------------------------------
 
@@ -44,6 +47,12 @@ class CheckpointedTrainer:
 
     def train_step(self, step: int) -> dict:
         raise NotImplementedError
+
+    def table(self, object_id: str, schema: pa.Schema) -> pa.Table:
+        """A table the steps read (tokenized data, a plan), fetched from the store once per trainer."""
+        if object_id not in self._tables:
+            self._tables[object_id] = self.run.store.get_table(object_id, schema)
+        return self._tables[object_id]
 
     # --- the checkpoint round trip ------------------------------------------------------------------------
 

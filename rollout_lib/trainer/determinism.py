@@ -14,9 +14,14 @@ def use_deterministic_torch() -> None:
     torch.use_deterministic_algorithms(True, warn_only=False)
 
 
+def derived_seed(*parts: object) -> int:
+    """A 63-bit RNG seed derived from its parts (run seed, stage name, step, ...), joined with ':'."""
+    return int.from_bytes(blake3.blake3(":".join(map(str, parts)).encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
 def seed_for_step(seed: int, step: int) -> int:
     """A per-step RNG seed derived from (run seed, step): replaying step k needs no stored RNG state."""
-    return int.from_bytes(blake3.blake3(f"{seed}:{step}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    return derived_seed(seed, step)
 
 
 def plan_batches(num_rows: int, minibatch_size: int, max_steps: int, seed: int) -> pa.Table:
