@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -256,14 +257,14 @@ def stop(log=print) -> dict:
     if record is not None:
         worker = record.get("worker") or {}
         if worker.get("pid") and _is_prefect_process(worker["pid"]):
-            # Flow runs are the worker's children, in sessions of their own: stop them first, then mark their runs
-            # Crashed while the server is still up (a terminated engine logs "Crash detected!" but does not
-            # always get its Crashed state to the server). A rerun resumes from cache.
+            # Flow runs are the worker's children, in sessions of their own. They are killed outright and their
+            # runs marked Crashed while the server is still up: under SIGTERM, Prefect 3.8.8's engine reports a
+            # misleading Failed ("Task run is not set") or nothing at all. A rerun resumes from cache.
             runs = {pid: _flow_run_id(pid) for pid in _children(worker["pid"])}
             for pid in runs:
-                stop_process_group(pid, timeout_s=10)
+                _kill_group(pid)
             for flow_run_id in filter(None, runs.values()):
-                _mark_crashed(record["api_url"], flow_run_id, "the flow run process was stopped by `rollout stack stop`")
+                _mark_crashed(record["api_url"], flow_run_id, "the flow run process was killed by `rollout stack stop`")
             # The worker turns SIGTERM into a graceful shutdown that can hang; SIGKILL follows after a grace.
             stop_process_group(worker["pid"], timeout_s=5)
             stopped["worker"] = True
@@ -349,6 +350,16 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:  # fields after "(comm)": state, ppid, ...
             children.append(int(stat.parent.name))
     return children
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and pid_alive(pid):
+        time.sleep(0.1)  # the worker reaps it; until then it is a zombie that pid_alive still sees
 
 
 def _all_pids() -> list[int]:

@@ -62,7 +62,8 @@ def sample_task(config: RlConfig, prompts_ids: dict[str, str], state_id: str, st
     policy = rl.policy_at(run, state_id)
     sampler = rl.build_sampler(config, policy.model, policy.tokenizer)
     rollouts, metrics = rl.sample_rollouts(config, sampler, _prompt_tables(run), step)
-    return {"rollouts": run.store.put_table(rollouts), "metrics": {**metrics, "sample_s": time.perf_counter() - started}}
+    return {"rollouts": run.store.put_table(rollouts),
+            "metrics": {**metrics, "sample_s": time.perf_counter() - started}}
 
 
 @task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
@@ -71,7 +72,8 @@ def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, 
     run = _run(config, prompts_ids)
     rollouts = run.store.get_table(rollouts_id, wire.ROLLOUTS)
     scored, metrics = rl.score_rollouts(config, rollouts, _prompt_tables(run))
-    return {"rollouts": run.store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
+    return {"rollouts": run.store.put_table(scored),
+            "metrics": {**metrics, "score_s": time.perf_counter() - started}}
 
 
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())

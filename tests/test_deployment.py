@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SESSION_DIR, TINY_PAIRS, write_pairs
+from conftest import ROOT, SESSION_DIR, TINY_PAIRS, write_pairs
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +97,16 @@ def test_deployment_run_completes_with_tasks_artifacts_and_checkpoint(worker_sta
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert checkpoint in artifacts[f"{RUN_NAME}-summary"]["data"]
     assert f"final checkpoint {checkpoint}" in worker_stack.logs(flow_run["id"])
+
+
+def test_stack_status_reports_server_worker_and_deployments(worker_stack):
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "status"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["running"] and report["worker"]["online"] and report["server"]["healthy"]
+    assert report["server"]["owned"] is False  # the session's server: `rollout stack stop` leaves it alone
+    assert "train-rm/default" in report["deployments"]
 
 
 def test_nightly_schedule_creates_runs_and_one_run_at_a_time(worker_stack):

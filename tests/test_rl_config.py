@@ -52,7 +52,8 @@ def test_algo_defaults_to_grpo_and_is_chosen_per_env_by_type():
 
 
 def test_unknown_algorithm_names_the_ones_that_exist():
-    assert "algorithm.rl.envs[0].algo: `type` must be one of: grpo, max_rl" in error_of(raw_config(algo={"type": "ppo"}))
+    assert "algorithm.rl.envs[0].algo: `type` must be one of: grpo, max_rl" in error_of(
+        raw_config(algo={"type": "ppo"}))
     assert "algorithm.rl.envs[0].source: `type` must be one of: jsonl_path, reasoning_gym" in error_of(
         raw_config(source={"type": "jsonl", "path": "x.jsonl"}))
 

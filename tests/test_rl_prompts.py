@@ -82,10 +82,12 @@ def test_example_ids_must_be_distinct_across_envs(tmp_path):
 
 
 def test_reasoning_gym_sets_are_seeded_and_scored_by_their_own_score_answer():
-    table = generate_reasoning_gym_prompts("chain_sum", 5, 3, "sums", system_prompt="Use <answer> tags.")
+    def generate(seed):
+        return generate_reasoning_gym_prompts("chain_sum", 5, seed, "sums", system_prompt="Use <answer> tags.")
+
+    table = generate(3)
     assert table.schema == wire.PROMPTS and table.num_rows == 5
-    assert table.equals(generate_reasoning_gym_prompts("chain_sum", 5, 3, "sums", system_prompt="Use <answer> tags."))
-    assert not table.equals(generate_reasoning_gym_prompts("chain_sum", 5, 4, "sums", system_prompt="Use <answer> tags."))
+    assert table.equals(generate(3)) and not table.equals(generate(4))
     row = table.to_pylist()[0]
     assert row["example_id"] == "sums/0" and row["messages"][0]["role"] == "system"
     info = json.loads(row["info"])

@@ -78,7 +78,8 @@ class Algorithm:
 
     def __init__(self, settings: AlgoSettings):
         if not isinstance(settings, self.settings_class):
-            raise TypeError(f"{type(self).__name__} takes {self.settings_class.__name__}, got {type(settings).__name__}")
+            raise TypeError(f"{type(self).__name__} takes {self.settings_class.__name__}, "
+                            f"got {type(settings).__name__}")
         self.settings = settings
 
     def __init_subclass__(cls, **kwargs) -> None:

@@ -90,7 +90,8 @@ def stamp_training_samples(
             "ref_logprobs": None,
             "inference_logprobs": ([0.0] * n_prompt + [float(x) for x in logprobs])[:keep],
         }
-        record[f"{algorithm.action_loss}_weights"] = ([0.0] * n_prompt + [1.0 if trainable else 0.0] * n_completion)[:keep]
+        weight = 1.0 if trainable else 0.0
+        record[f"{algorithm.action_loss}_weights"] = ([0.0] * n_prompt + [weight] * n_completion)[:keep]
         records.append(record)
     return pa.Table.from_pylist(records, schema=wire.TRAINING_SAMPLES)
 

@@ -166,12 +166,12 @@ class RlConfig(StrictModel):
             if isinstance(env.source, ReasoningGymSource):
                 known = _reasoning_gym_datasets()
                 if env.source.dataset not in known:
+                    examples = ", ".join(d for d in ("basic_arithmetic", "chain_sum", "gsm_symbolic") if d in known)
                     problems.append((f"{where}.source.dataset",
-                                     f"no reasoning-gym dataset {env.source.dataset!r} (e.g. "
-                                     f"{', '.join(d for d in ('basic_arithmetic', 'chain_sum', 'gsm_symbolic') if d in known)})"))
+                                     f"no reasoning-gym dataset {env.source.dataset!r} (e.g. {examples})"))
             if env.sampling.max_tokens >= settings.max_seq_len:
-                problems.append((f"{where}.sampling.max_tokens",
-                                 f"must be < algorithm.rl.max_seq_len ({settings.max_seq_len}) to leave room for the prompt"))
+                problems.append((f"{where}.sampling.max_tokens", f"must be < algorithm.rl.max_seq_len "
+                                 f"({settings.max_seq_len}) to leave room for the prompt"))
         if settings.micro_batch_tokens is not None and settings.micro_batch_tokens < settings.max_seq_len:
             problems.append(("algorithm.rl.micro_batch_tokens", f"must be >= max_seq_len ({settings.max_seq_len})"))
         return problems

@@ -45,7 +45,8 @@ class HfSampler(Sampler):
         completions: list[tuple[list[int], list[float], str]] = []
         size = self.settings.batch_size
         for chunk_index, start in enumerate(range(0, len(sequences), size)):
-            completions.extend(self._generate(sequences[start:start + size], params, derived_seed("hf-sampler", seed, chunk_index)))
+            chunk_seed = derived_seed("hf-sampler", seed, chunk_index)
+            completions.extend(self._generate(sequences[start:start + size], params, chunk_seed))
         return rollouts_table(prompts, params.group_size, prompt_ids, completions)
 
     @torch.no_grad()
@@ -74,7 +75,7 @@ class HfSampler(Sampler):
         model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_id)
         model.eval()
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                         generation_config=config)
