@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from rollout_lib.config import SftConfig, validate_config  # noqa: E402
 from rollout_lib.data import load_examples  # noqa: E402
 from rollout_lib.model.loading import load_causal_lm, resolve_model  # noqa: E402
+from rollout_lib.model.packed_attention import use_packed_attention  # noqa: E402
 from rollout_lib.sft import micro_batches_of, padding_stats, sft_tokenizer, tokenize_examples  # noqa: E402
 from rollout_lib.trainer.causal import train_on_micro_batches  # noqa: E402
 from rollout_lib.trainer.determinism import plan_batches  # noqa: E402
@@ -77,6 +78,8 @@ def main() -> None:
     state = {}
     for mode, settings in modes.items():
         model = copy.deepcopy(base)
+        if settings.packed:
+            use_packed_attention(model)  # as SftTrainer does
         state[mode] = {"model": model, "optimizer": build_optimizer(model.parameters(), settings.optimizer),
                        "tokens": 0, "positions": 0, "seconds": 0.0, "micro_batches": 0, "capacity": 0, "loss": []}
     for index, step_samples in enumerate(steps):

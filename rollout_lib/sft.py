@@ -33,6 +33,7 @@ from rollout_lib.config.sft import SftConfig, SftSettings
 from rollout_lib.data.jsonl import DataError
 from rollout_lib.losses import masked_nll_sum
 from rollout_lib.model.loading import ModelLoadError, ResolvedModel, load_causal_lm, load_tokenizer, resolve_model
+from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import batch_unpacked, collate_micro_batch, pack_samples, token_logprobs
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import CheckpointedTrainer
@@ -226,6 +227,8 @@ class SftTrainer(CheckpointedTrainer):
         tokenizer = sft_tokenizer(resolved)
         torch.manual_seed(run.config.run.seed)
         model = load_causal_lm(resolved)
+        if run.config.settings.packed:
+            use_packed_attention(model)  # attention per packed sequence, without the masked-out blocks
         optimizer = build_optimizer(model.parameters(), run.config.settings.optimizer)
         return model, tokenizer, optimizer
 

@@ -6,7 +6,6 @@ flow run id, so rerunning a flow (CLI rerun, Retry in the UI) returns completed 
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,21 +13,12 @@ import blake3
 
 from rollout_lib.config.loading import settings_hash
 from rollout_lib.store import ObjectStore, canonical_json
+from tasks.code_version import code_version
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # Task results are small JSON (ids and numbers): they persist, and come back `Cached` on a rerun.
 TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
-
-
-@functools.cache
-def code_version() -> str:
-    """Hash of the library and task sources: results computed by other code are never reused."""
-    digest = blake3.blake3()
-    for package in ("rollout_lib", "tasks"):
-        for path in sorted((PROJECT_ROOT / package).rglob("*.py")):
-            digest.update(str(path.relative_to(PROJECT_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
 
 
 def open_store(config) -> ObjectStore:
@@ -47,7 +37,8 @@ def content_key(*, ignore: tuple[str, ...] = (), extra: Callable[[dict], dict] |
             inputs[name] = settings_hash(value) if name == "config" else value
         if extra is not None:
             inputs.update(extra(parameters))
-        material = {"task": context.task.name, "code": code_version(), "inputs": inputs}
+        material = {"task": context.task.name, "code": code_version(context.task.fn.__module__),
+                    "inputs": inputs}
         return blake3.blake3(canonical_json(material)).hexdigest()
 
     return key_fn

@@ -17,7 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollout_lib import wire
 from rollout_lib.config import SftConfig, load_config, training_hash
 from rollout_lib.data import load_examples
+from rollout_lib.model import packed_attention
 from rollout_lib.model.loading import ResolvedModel, load_tokenizer
+from rollout_lib.model.packed_attention import PACKED_SDPA, use_packed_attention
 from rollout_lib.packing import batch_unpacked, collate_micro_batch, pack_samples, token_logprobs
 from rollout_lib.sft import SftRun, SftTrainer, evaluate_nll, plan_micro_batches, tokenize_examples
 from rollout_lib.store import ObjectStore
@@ -95,20 +97,46 @@ def test_packed_per_token_loss_equals_one_by_one(model, samples, tokenizer):
     assert (reference > 0).sum() == sum(sum(m) for m in samples["loss_mask"].to_pylist())
 
 
-def test_packed_attention_is_isolated_on_llama_too(samples, tokenizer):
-    """SmolLM2 is a Llama: the same packed-sequence detection must hold for that architecture."""
+def tiny_llama(tokenizer):
+    """SmolLM2's architecture (Llama) at test size, random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        llama = LlamaForCausalLM(config).eval()
+        return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_SDPA])
+def test_packed_attention_is_isolated_per_sequence(model, samples, tokenizer, architecture, attention, monkeypatch):
+    """Both ways of attending over a packed row (transformers' block-diagonal sdpa mask, and our per-sequence
+    SDPA) give the one-by-one per-token loss, on Qwen2 and on Llama (SmolLM2's architecture)."""
+    net = model.eval() if architecture == "qwen2" else tiny_llama(tokenizer)
+    calls = []
+    if attention == PACKED_SDPA:
+        use_packed_attention(net)
+        real_sdpa = packed_attention.sdpa_attention_forward
+        monkeypatch.setattr(packed_attention, "sdpa_attention_forward",
+                            lambda *args, **kwargs: calls.append(args[1].shape[2]) or real_sdpa(*args, **kwargs))
     [row] = pack_samples(samples, max_seq_len=total_tokens(samples)).to_pylist()
     with torch.no_grad():
         batch = collate_micro_batch(row, packed=True, pad_token_id=tokenizer.pad_token_id)
-        per_token = -token_logprobs(llama, batch) * batch["ce_weights"]
-        torch.testing.assert_close(per_token, one_by_one_nll(llama, samples, row["sample_ids"]), atol=1e-5, rtol=0)
+        per_token = -token_logprobs(net, batch) * batch["ce_weights"]
+        packed_calls = list(calls)
+        torch.testing.assert_close(per_token, one_by_one_nll(net, samples, row["sample_ids"]), atol=1e-5, rtol=0)
+    if attention == PACKED_SDPA:  # one SDPA call per sequence and layer, each as long as its sequence
+        assert packed_calls == row["sequence_lengths"] * net.config.num_hidden_layers
+
+
+def test_packed_attention_leaves_padded_batches_to_sdpa(model, samples, tokenizer):
+    [row] = batch_unpacked(samples, samples.num_rows).to_pylist()
+    batch = collate_micro_batch(row, packed=False, pad_token_id=tokenizer.pad_token_id)
+    varlen = copy.deepcopy(model).eval()
+    use_packed_attention(varlen)
+    with torch.no_grad():
+        assert torch.equal(token_logprobs(varlen, batch), token_logprobs(model.eval(), batch))
 
 
 def test_assistant_only_mask_survives_packing(samples, tokenizer):
@@ -174,8 +202,11 @@ def assert_same_weights(a, b, atol=1e-6):
         torch.testing.assert_close(x, y, atol=atol, rtol=1e-5, msg=name)
 
 
-def test_every_layout_gives_the_one_big_batch_update(model, samples, tokenizer):
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_SDPA])
+def test_every_layout_gives_the_one_big_batch_update(model, samples, tokenizer, attention):
     expected, expected_loss = reference_update(model, samples, lr=0.5)
+    if attention == PACKED_SDPA:
+        use_packed_attention(model)
     longest = max(len(ids) for ids in samples["input_ids"].to_pylist())
     layouts = {
         "packed, one micro-batch": (pack_samples(samples, total_tokens(samples)), True),
