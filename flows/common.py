@@ -66,12 +66,13 @@ def train_steps(t: Callable[[Task], Task], train_step_task: Task, snapshot_task:
     """Steps 1..total, each `train_step_task(cfg, *data_ids, state, step)`, and `snapshot_task(cfg, *data_ids,
     state, step, metrics)` every `checkpoint_interval` steps and at the last one. Yields (step, metrics, the
     snapshot's checkpoint id or None); the last step always yields the final checkpoint."""
+    step_task, snapshot = t(train_step_task), t(snapshot_task)  # bound once: this loop is the hot path
     for step in range(1, total + 1):
-        result = t(train_step_task)(cfg, *data_ids, state, step)
+        result = step_task(cfg, *data_ids, state, step)
         state, metrics = result["state"], result["metrics"]
         checkpoint = None
         if step % checkpoint_interval == 0 or step == total:
-            state = checkpoint = t(snapshot_task)(cfg, *data_ids, state, step, metrics)["checkpoint"]
+            state = checkpoint = snapshot(cfg, *data_ids, state, step, metrics)["checkpoint"]
         if step % 10 == 0 or step == total:
             progress.update(step)
         yield step, metrics, checkpoint

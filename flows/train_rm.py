@@ -11,7 +11,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from flows.common import Progress, artifact_key, bind, load_run_config
+from flows.common import Progress, artifact_key, bind, load_run_config, train_steps
 from rollout_lib.config import RmConfig
 from tasks.common import open_store
 from tasks.rm import (
@@ -53,20 +53,17 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
 
     total = settings.budget.max_steps
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rm {cfg.run.name}: steps done")
-    history = []
+    history, checkpoint = [], state
     train_started = time.perf_counter()
-    for step in range(1, total + 1):
-        result = t(train_step_task)(cfg, tokenized, plan, state, step)
-        state, metrics = result["state"], result["metrics"]
+    for step, metrics, snapshot in train_steps(t, train_step_task, snapshot_task, cfg, (tokenized, plan), state,
+                                               total=total, checkpoint_interval=settings.checkpoint_interval,
+                                               progress=progress):
         history.append(metrics)
-        if step % settings.checkpoint_interval == 0 or step == total:
-            state = t(snapshot_task)(cfg, tokenized, plan, state, step, metrics)["checkpoint"]
+        if snapshot:
+            checkpoint = snapshot
             logger.info("step %d: loss %.4f accuracy %.2f -> checkpoint %s", step, metrics["loss"],
-                        metrics["accuracy"], state)
-        if step % 10 == 0 or step == total:
-            progress.update(step)
+                        metrics["accuracy"], checkpoint)
 
-    checkpoint = state
     train_seconds = time.perf_counter() - train_started
     after = t(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}") if held_out else None
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)

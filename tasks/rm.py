@@ -50,7 +50,9 @@ def plan_batches_task(config: RmConfig, tokenized_id: str, rows: int) -> dict:
 
 @task(name="init-model", task_run_name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
 def init_model_task(config: RmConfig, tokenized_id: str, plan_id: str) -> dict:
-    return {"checkpoint": RewardModelTrainer.initial_checkpoint(_run(config, tokenized_id, plan_id))}
+    trainer = RewardModelTrainer.initial(_run(config, tokenized_id, plan_id))
+    live.adopt(trainer.checkpoint_id, trainer)  # step 1 (and the step-0 evaluation) reuse it in this process
+    return {"checkpoint": trainer.checkpoint_id}
 
 
 @task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
