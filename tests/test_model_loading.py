@@ -64,7 +64,7 @@ def test_encoder_reward_uses_the_pooled_logits():
     ids = encode_prompt_response(tokenizer, "What is 2+2?", "4", 32)
     assert ids[0] == tokenizer.cls_token_id and ids.count(tokenizer.sep_token_id) == 2
     with torch.no_grad():
-        padded = reward_scores(model, *pad_right([ids, ids + [0] * 0, [tokenizer.cls_token_id] * 20],
+        padded = reward_scores(model, *pad_right([ids, [tokenizer.cls_token_id] * 20],
                                                  tokenizer.pad_token_id))
         alone = reward_scores(model, *pad_right([ids], tokenizer.pad_token_id))
     assert padded[0].item() == pytest.approx(alone[0].item(), abs=1e-5)
