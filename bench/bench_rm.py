@@ -6,13 +6,20 @@ pending records, the snapshots every `checkpoint_interval` steps and the progres
 forward, Bradley-Terry loss, backward, clip, step, nothing else, plus one final save. Prints pairs/s of each and
 the ratio (target: flow >= 0.9x bare).
 
-    .venv/bin/python bench/bench_rm.py [--config configs/rm-default.toml] [--steps 60]
+Each measurement runs in a fresh process (model loading and the flow's data tasks are not timed), and the two
+kinds alternate `--repeats` times, bare first: on a shared 2-core machine a single pair of runs swings by +-8%
+with the neighbours' load, so the figure to read is the median of the per-pair ratios.
+
+    .venv/bin/python bench/bench_rm.py [--config configs/rm-default.toml] [--steps 60] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,40 +76,74 @@ def bare_loop(config, steps: int) -> float:
     return time.perf_counter() - started
 
 
+def flow_loop(config_path: str, overrides: list[str]) -> float:
+    """The train-rm flow against the project's Prefect server; returns its training-loop seconds."""
+    from flows.local_server import use_prefect_api
+
+    use_prefect_api()
+    from flows.train_rm import train_rm
+
+    return train_rm(config=config_path, overrides=overrides)["train_seconds"]
+
+
+def measure(kind: str, config_path: str, steps: int, checkpoint_interval: int | None) -> float:
+    """One measurement, in this process, in a store of its own (so nothing comes back from cache)."""
+    from rollout_lib.config import RmConfig, load_config
+
+    with tempfile.TemporaryDirectory() as store:
+        overrides = [f"algorithm.rm.budget.max_steps={steps}", f"run.store={store}", "run.name=bench-rm"]
+        if checkpoint_interval:
+            overrides.append(f"algorithm.rm.checkpoint_interval={checkpoint_interval}")
+        if kind == "bare":
+            return bare_loop(load_config(RmConfig, config_path, overrides), steps)
+        return flow_loop(config_path, overrides)
+
+
+def measure_in_subprocess(kind: str, args) -> float:
+    command = [sys.executable, __file__, "--measure", kind, "--config", args.config, "--steps", str(args.steps)]
+    if args.checkpoint_interval:
+        command += ["--checkpoint-interval", str(args.checkpoint_interval)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"bench: the {kind} measurement failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/rm-default.toml")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3, help="bare/flow pairs, alternating")
     parser.add_argument("--checkpoint-interval", type=int, default=None,
                         help="snapshot interval for the flow (default: the config's)")
+    parser.add_argument("--measure", choices=("bare", "flow"), help=argparse.SUPPRESS)  # one child measurement
     args = parser.parse_args()
     os.chdir(ROOT)
+    if args.measure:
+        print(json.dumps({"seconds": measure(args.measure, args.config, args.steps, args.checkpoint_interval)}))
+        return
 
+    from flows.local_server import use_prefect_api
     from rollout_lib.config import RmConfig, load_config
 
-    with tempfile.TemporaryDirectory() as store:
-        overrides = [f"algorithm.rm.budget.max_steps={args.steps}", f"run.store={store}", "run.name=bench-rm"]
-        if args.checkpoint_interval:
-            overrides.append(f"algorithm.rm.checkpoint_interval={args.checkpoint_interval}")
-        config = load_config(RmConfig, args.config, overrides)
-        pairs = args.steps * config.settings.minibatch_size
-
-        bare_seconds = bare_loop(config, args.steps)
-
-        from flows.local_server import use_prefect_api
-
-        use_prefect_api()
-        from flows.train_rm import train_rm
-
-        result = train_rm(config=args.config, overrides=overrides)
-        flow_seconds = result["train_seconds"]
-
-    bare_rate, flow_rate = pairs / bare_seconds, pairs / flow_seconds
-    print(f"model {config.settings.base_model.uri}, {args.steps} steps x {config.settings.minibatch_size} pairs, "
-          f"snapshot every {config.settings.checkpoint_interval} steps")
-    print(f"  bare torch loop : {bare_rate:8.1f} pairs/s ({bare_seconds:.1f} s)")
-    print(f"  train-rm flow   : {flow_rate:8.1f} pairs/s ({flow_seconds:.1f} s)")
-    print(f"  ratio flow/bare : {flow_rate / bare_rate:8.3f}  (target >= 0.9)")
+    config = load_config(RmConfig, args.config, [f"algorithm.rm.budget.max_steps={args.steps}"])
+    settings = config.settings
+    pairs = args.steps * settings.minibatch_size
+    use_prefect_api()  # started once here, so no flow measurement includes a server start
+    print(f"model {settings.base_model.uri}, {args.steps} steps x {settings.minibatch_size} pairs, snapshot every "
+          f"{args.checkpoint_interval or settings.checkpoint_interval} steps, {args.repeats} alternating pairs",
+          flush=True)
+    ratios, rates = [], {"bare": [], "flow": []}
+    for repeat in range(1, args.repeats + 1):
+        seconds = {kind: measure_in_subprocess(kind, args) for kind in ("bare", "flow")}
+        for kind in rates:
+            rates[kind].append(pairs / seconds[kind])
+        ratios.append(rates["flow"][-1] / rates["bare"][-1])
+        print(f"  pair {repeat}: bare {rates['bare'][-1]:6.1f} pairs/s ({seconds['bare']:.1f} s), "
+              f"flow {rates['flow'][-1]:6.1f} pairs/s ({seconds['flow']:.1f} s), ratio {ratios[-1]:.3f}", flush=True)
+    print(f"  bare torch loop : {statistics.median(rates['bare']):8.1f} pairs/s (median)")
+    print(f"  train-rm flow   : {statistics.median(rates['flow']):8.1f} pairs/s (median)")
+    print(f"  ratio flow/bare : {statistics.median(ratios):8.3f}  (median of pairs; target >= 0.9)")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def rollout_command(*args: str) -> list[str]:
@@ -51,11 +53,29 @@ def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: f
     return log_path.read_text()
 
 
+def settled(read: Callable[[], T], timeout: float = 30.0) -> T:
+    """`read()` once the server's view has stopped changing: the server writes task runs in batches (at most
+    TASK_RUN_FLUSH_S late), so a read right after a run ends can miss its last task runs."""
+    from flows.local_server import TASK_RUN_FLUSH_S
+
+    deadline = time.monotonic() + timeout
+    previous = read()
+    while True:
+        time.sleep(1.5 * TASK_RUN_FLUSH_S)
+        current = read()
+        if current == previous or time.monotonic() > deadline:
+            return current
+        previous = current
+
+
 def task_run_states(flow_run_id: str) -> dict[str, str]:
     """Task run name -> state name (Completed, Cached, ...) of one flow run, from the Prefect API."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {run.name: run.state.name for run in runs}
+    def read() -> dict[str, str]:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        return {run.name: run.state.name for run in runs}
+
+    return settled(read)

@@ -27,7 +27,7 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 sys.path.insert(0, str(ROOT))
 
-from flows.local_server import free_port, is_healthy, stop_process_group  # noqa: E402
+from flows.local_server import SERVER_ENV, free_port, is_healthy, stop_process_group  # noqa: E402
 
 _PORT = free_port()
 os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_PORT}/api"
@@ -42,6 +42,7 @@ def prefect_server():
     process = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(_PORT)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**SERVER_ENV, **os.environ},  # the settings users' servers get (flows/local_server.py)
     )
     try:
         deadline = time.monotonic() + 120
@@ -139,8 +140,11 @@ class DeploymentStack:
             time.sleep(0.5)
 
     def task_runs(self, flow_run_id: str) -> list[dict]:
-        return self.api("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}},
-                                                        "sort": "EXPECTED_START_TIME_ASC"})
+        """The task runs of a finished flow run, once the server has recorded them all."""
+        from clirun import settled
+
+        return settled(lambda: self.api("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}},
+                                                                        "sort": "EXPECTED_START_TIME_ASC"}))
 
     def artifacts(self, flow_run_id: str) -> list[dict]:
         return self.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})

@@ -56,6 +56,20 @@ def final_checkpoint(store: Path) -> str:
     return ObjectStore(str(store)).get_ref(f"runs/{RUN_NAME}/latest")
 
 
+def stored_checkpoint_steps(store: Path) -> set[int]:
+    """Steps of the checkpoints (JSON manifests) the store holds so far."""
+    steps = set()
+    for path in (store / "objects").rglob("*") if (store / "objects").is_dir() else ():
+        try:
+            if path.is_file() and path.stat().st_size < 65536:
+                record = json.loads(path.read_bytes())
+                if isinstance(record, dict) and record.get("kind") == "rollout.checkpoint/v1":
+                    steps.add(record["step"])
+        except (OSError, ValueError):
+            continue  # not JSON (a small tensor file), or being written
+    return steps
+
+
 def expected_task_names(steps: int) -> set[str]:
     names = {"load-pairs-train", "tokenize-pairs-train", "plan-batches", "load-pairs-eval", "tokenize-pairs-eval",
              "init-model", "evaluate-step-0", f"evaluate-step-{steps}"}
@@ -222,8 +236,8 @@ def test_sigkilled_flow_run_is_crashed_and_the_next_run_resumes(worker_stack, re
     deadline = time.monotonic() + 300
     killed = None
     while killed is None and time.monotonic() < deadline:
-        names = {t["name"]: (t["state"] or {}).get("type") for t in worker_stack.task_runs(flow_run["id"])}
-        if names.get("snapshot-step-3") == "COMPLETED":
+        # The store, not the API: the server records task runs in batches, up to a second late.
+        if 3 in stored_checkpoint_steps(store):
             pid = _flow_run_process(flow_run["id"], worker_stack.worker["pid"])
             assert pid is not None, "flow run process not found among the worker's children"
             os.kill(pid, signal.SIGKILL)
@@ -234,7 +248,8 @@ def test_sigkilled_flow_run_is_crashed_and_the_next_run_resumes(worker_stack, re
     assert crashed["state"]["type"] == "CRASHED", crashed["state"]
     done_before = {name for name, t in by_name(worker_stack.task_runs(flow_run["id"])).items()
                    if (t["state"] or {}).get("type") == "COMPLETED"}
-    assert {"train-step-1", "snapshot-step-3"} <= done_before and "evaluate-step-8" not in done_before
+    # Killed mid-training: the snapshot-step-3 task itself may or may not have reported before the kill.
+    assert "train-step-1" in done_before and "evaluate-step-8" not in done_before
 
     rerun = worker_stack.run(**params(store))  # same command again; the crashed run released its slot
     assert rerun["state"]["type"] == "COMPLETED", rerun["cli"]["output"]

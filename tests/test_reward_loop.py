@@ -136,9 +136,6 @@ def test_timeout_also_kills_what_the_sync_function_started(tmp_path):
         assert loop.score([_item(command=["true"])])[0].reward == 1.0
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: on a quiet machine the next call can still be sent to the "
-                   "killed worker and comes back as a missing reward ('died mid-call') instead of being rescored "
-                   "on a fresh worker; the reward is recorded as missing, never crashes the step")
 def test_a_worker_that_died_while_idle_is_replaced():
     with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
         loop.score([_item(sleep_s=0)])

@@ -10,9 +10,9 @@ import time
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from clirun import ROOT, cli_env, final_result, rollout_command, run_rollout
+from clirun import ROOT, cli_env, final_result, rollout_command, run_rollout, task_run_states
 from rollout_lib.store import ObjectStore
 
 pytestmark = pytest.mark.slow
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.slow
 CONFIG = ["train", "rl", "--config", "configs/rl-tiny.toml"]
 STAGES = ("sample", "score", "advantages", "pack", "train")
 
-
-def task_run_states(flow_run_id: str) -> dict[str, str]:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {run.name: run.state.name for run in runs}
 
 
 def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(prefect_server, tmp_path):

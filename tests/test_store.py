@@ -293,3 +293,16 @@ def test_local_writes_leave_no_temporaries(tmp_path):
         list(pool.map(lambda i: store.put_bytes(b"%d" % (i % 3)), range(12)))
     store.set_ref("runs/r/latest", content_id(b"0"))
     assert os.listdir(tmp_path / "tmp") == []
+
+def test_a_header_rewritten_to_sorted_order_equals_one_safetensors_wrote_sorted(store):
+    """Already-sorted headers are stored as safetensors wrote them (no copy); unsorted ones are rewritten. Both
+    paths must give the same bytes, or ids would depend on the hash order after all."""
+    from safetensors.torch import save
+
+    tensors = {"w": torch.arange(4, dtype=torch.float32)}
+    metadata = {"a": "1", "b": "2"}
+    outputs = {save(tensors, metadata=metadata) for _ in range(50)}
+    sorted_raw = [data for data in outputs if data.index(b'"a"') < data.index(b'"b"')]
+    unsorted_raw = [data for data in outputs if data.index(b'"a"') > data.index(b'"b"')]
+    assert sorted_raw and unsorted_raw  # 50 tries see both orders
+    assert {store.put_tensors(tensors, metadata=metadata) for _ in range(20)} == {content_id(sorted_raw[0])}

@@ -46,6 +46,10 @@ class RewardWorkerError(RuntimeError):
     """The worker failed (did not start, died mid-call); the message says how."""
 
 
+class _DiedBeforeTheCall(Exception):
+    """The worker's socket closed before it acknowledged the call: the function never ran."""
+
+
 class WorkerFunctionError(Exception):
     """The reward function itself raised inside the worker; the message is "Type: message" from there."""
 
@@ -115,12 +119,20 @@ class SyncWorkerPool:
         idle = self._idle_queue()
         slot = await idle.get()
         try:
-            worker = self._slots[slot]
-            if worker is None or worker.process.poll() is not None:  # never started, or died while idle
-                if worker is not None:
-                    self._discard_now(slot, worker)
-                worker = await self._start(slot)
-            return await self._call_on(slot, worker, index, item, timeout_s)
+            for attempt in (1, 2):
+                worker = self._slots[slot]
+                if worker is None or worker.process.poll() is not None:  # never started, or died while idle
+                    if worker is not None:
+                        self._discard_now(slot, worker)
+                    worker = await self._start(slot)
+                try:
+                    return await self._call_on(slot, worker, index, item, timeout_s)
+                except _DiedBeforeTheCall:
+                    # Killed while idle (the OOM killer, say) but not reapable yet, so it looked alive: the call
+                    # never began, so it is safe to give it to a fresh worker, once.
+                    if attempt == 2:
+                        raise RewardWorkerError("reward worker died before the call, twice in a row") from None
+            raise AssertionError("unreachable")
         finally:
             idle.put_nowait(slot)
 
@@ -190,15 +202,23 @@ class SyncWorkerPool:
         return worker
 
     async def _call_on(self, slot: int, worker: _Worker, index: int, item: Any, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        started = False
         try:
             worker.conn.send((index, item))
-            await asyncio.wait_for(_wait_readable(worker.conn.fileno()), timeout_s)
-            kind, payload = worker.conn.recv()
+            while True:
+                await asyncio.wait_for(_wait_readable(worker.conn.fileno()), max(0.0, deadline - time.monotonic()))
+                kind, payload = worker.conn.recv()
+                if kind != "started":
+                    break
+                started = True
         except asyncio.TimeoutError:
             await self._discard(slot, worker)  # the only way to stop a sync function: end its process
             raise RewardTimeout from None
         except (EOFError, OSError):
             await self._discard(slot, worker)
+            if not started:
+                raise _DiedBeforeTheCall from None
             raise RewardWorkerError(f"reward worker died mid-call (exit code {worker.process.returncode})") from None
         except BaseException:
             # Cancelled mid-call (the caller gave up, Ctrl-C): the late reply would desync the socket; end it.

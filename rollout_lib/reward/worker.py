@@ -5,8 +5,8 @@ the parent's `__main__` in every child (a CLI that imports Prefect costs seconds
 worker should cost one cheap restart. Imports stay light for the same reason.
 
 Protocol over one socket: the parent sends the pickled function list; the worker answers ("ready", pid) or
-("startup_error", "Type: message"), then answers each (function_index, RewardInput) with ("ok", value) or
-("err", "Type: message"). An EOF on the socket means shut down.
+("startup_error", "Type: message"), then answers each (function_index, RewardInput) with ("started", None) as soon
+as it has it, then ("ok", value) or ("err", "Type: message"). An EOF on the socket means shut down.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main(fd: int) -> None:
             index, item = conn.recv()
         except EOFError:  # the parent closed the socket: shutdown
             return
+        conn.send(("started", None))  # lets the parent tell "died before the call" (safe to retry) from "during"
         try:
             reply = ("ok", functions[index](item))
         except BaseException as exc:  # noqa: BLE001 - SystemExit from user code must not end the worker
