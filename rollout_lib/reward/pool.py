@@ -4,7 +4,9 @@ Why not threads or `concurrent.futures.ProcessPoolExecutor`: a hung thread canno
 executor worker breaks the whole executor. Here each worker (`worker.py`) is its own process, in its own
 process group, talking over its own socket. A timed-out worker's group gets SIGTERM, then SIGKILL after
 `kill_grace_s` (so subprocesses the reward function started die too); it is reaped, and its slot gets a
-fresh process on next use. The other workers never notice.
+fresh process on next use. The other workers never notice. Each worker acknowledges a call before running
+it, so a worker that died while idle (the OOM killer, say) but still looked alive is told apart from one that
+died in the function: the first kind of call is given to a fresh worker once, the second is a missing reward.
 
 Workers start lazily, one call at a time each. Sync functions are pickled once here (a non-picklable one is
 refused at construction) and unpickled by reference in the worker, so they must be importable there: defined
