@@ -49,3 +49,16 @@ def file_digest(path: str | Path) -> str:
         return blake3.blake3(Path(path).read_bytes()).hexdigest()
     except FileNotFoundError:
         return "missing"  # the task itself reports the missing file with its path
+
+
+def module_digest(module: str) -> str:
+    """The blake3 of a module's source file, found without importing it ("missing" when it cannot be found)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return "missing"  # the task itself reports the unimportable module
+    return file_digest(spec.origin)

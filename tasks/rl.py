@@ -21,7 +21,7 @@ from prefect import task
 from rollout_lib import rl, wire
 from rollout_lib.config import RlConfig
 from rollout_lib.config.loading import training_hash
-from tasks.common import content_key, file_digest, open_store
+from tasks.common import content_key, file_digest, module_digest, open_store
 
 TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
 
@@ -37,6 +37,14 @@ def _env(config: RlConfig, name: str):
 def _source_digest(parameters: dict) -> dict:
     source = _env(parameters["config"], parameters["env"]).source
     return {"file": file_digest(source.path)} if source.type == "jsonl_path" else {}
+
+
+def _reward_sources(parameters: dict) -> dict:
+    """User reward functions ("pkg.module:attr") are outside the project's code version: the source file of each
+    one's module enters the score key, so editing a reward function re-scores on the next run instead of returning
+    the old scores from cache. (Only that file: helpers it imports from elsewhere are not followed.)"""
+    specs = {reward.function for env in parameters["config"].settings.envs for reward in env.rewards}
+    return {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
 
 
 def _prompt_tables(run: rl.RlRun) -> dict:
@@ -66,7 +74,7 @@ def sample_task(config: RlConfig, prompts_ids: dict[str, str], state_id: str, st
             "metrics": {**metrics, "sample_s": time.perf_counter() - started}}
 
 
-@task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_reward_sources))
 def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int) -> dict:
     started = time.perf_counter()
     run = _run(config, prompts_ids)

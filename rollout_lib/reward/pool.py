@@ -31,12 +31,16 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from rollout_lib.reward import worker as worker_module
+
 # Generous: a cold worker may import torch-sized user modules before it is ready.
 STARTUP_TIMEOUT_S = 120.0
 
+# Named through the module object (not only in a string), so the worker's source is in the code version of
+# whatever imports the pool (tasks/code_version.py follows imports).
 _BOOT = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
-    "from rollout_lib.reward.worker import main; main(int(sys.argv[1]))"
+    f"from {worker_module.__name__} import main; main(int(sys.argv[1]))"
 )
 
 
