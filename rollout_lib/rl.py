@@ -44,8 +44,8 @@ from rollout_lib.store import ObjectStore, canonical_json
 from rollout_lib.trainer import live
 from rollout_lib.trainer.base import CheckpointedTrainer
 from rollout_lib.trainer.causal import TIMING_METRICS, train_on_micro_batches
-from rollout_lib.trainer.determinism import derived_seed, seed_for_step, use_deterministic_torch
-from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
+from rollout_lib.trainer.determinism import derived_seed, use_deterministic_torch
+from rollout_lib.trainer.optim import build_optimizer
 
 # --- prompts ---------------------------------------------------------------------------------------------------
 
@@ -220,26 +220,19 @@ class PolicyTrainer(CheckpointedTrainer):
     def data_ids(self) -> dict[str, str]:
         return {f"prompts/{env}": prompts_id for env, prompts_id in sorted(self.run.prompts_ids.items())}
 
-    def train_step(self, step: int) -> dict:
-        if step != self.step + 1:
-            raise RuntimeError(f"policy is at step {self.step}; cannot run step {step}")
+    def run_step(self, step: int) -> dict:
         if step not in self.run.step_batches:
             raise RuntimeError(f"no micro-batches recorded for step {step}")
         settings = self.run.config.settings
         started = time.perf_counter()
         micro_batches = self.run.store.get_table(self.run.step_batches[step], wire.MICRO_BATCHES)
-        lr = lr_at(step, settings.optimizer, settings.budget.max_steps)
-        set_lr(self.optimizer, lr)
-        torch.manual_seed(seed_for_step(self.run.config.run.seed, step))  # dropout masks, replayable
         self.model.train()
         metrics = train_on_micro_batches(
             self.model, self.optimizer, micro_batches, packed=settings.packing,
             pad_token_id=self.tokenizer.pad_token_id, max_grad_norm=settings.optimizer.max_grad_norm,
             rl_kwargs=settings.loss.model_dump(),
         )
-        self.step = step
-        elapsed = time.perf_counter() - started
-        return {"step": step, **metrics, "lr": lr, "train_s": elapsed}
+        return {**metrics, "train_s": time.perf_counter() - started}
 
 
 def initial_policy(run: RlRun) -> str:

@@ -21,7 +21,7 @@ from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_s
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError
 from rollout_lib.trainer.determinism import plan_batches, seed_for_step, use_deterministic_torch  # noqa: F401
-from rollout_lib.trainer.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 
 
 def tokenize_pairs(pairs: pa.Table, tokenizer, max_seq_len: int) -> pa.Table:
@@ -98,16 +98,11 @@ class RewardModelTrainer(CheckpointedTrainer):
     def plan(self) -> pa.Table:
         return self.table(self.run.plan_id, wire.BATCH_PLAN)
 
-    def train_step(self, step: int) -> dict[str, float]:
-        if step != self.step + 1:
-            raise RuntimeError(f"trainer is at step {self.step}; cannot run step {step}")
+    def run_step(self, step: int) -> dict[str, float]:
         settings = self.run.config.settings
         started = time.perf_counter()
         rows = self.plan.column("row_indices")[step - 1].as_py()
         batch = collate_pairs(self.tokenized, rows, self.tokenizer.pad_token_id)
-        lr = lr_at(step, settings.optimizer, settings.budget.max_steps)
-        set_lr(self.optimizer, lr)
-        torch.manual_seed(seed_for_step(self.run.config.run.seed, step))  # dropout masks, replayable
         self.model.train()
         r_chosen, r_rejected = forward_pairs(self.model, batch)
         loss = bradley_terry_batch_mean(r_chosen, r_rejected, batch.margin, settings.center_rewards_coefficient)
@@ -119,13 +114,10 @@ class RewardModelTrainer(CheckpointedTrainer):
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"train step {step}: gradient norm is {grad_norm.item()}; weights not updated")
         self.optimizer.step()
-        self.step = step
         elapsed = time.perf_counter() - started
         return {
-            "step": step,
             "loss": loss.item(),
-            **{k: v for k, v in pair_metrics(r_chosen.detach(), r_rejected.detach()).items()},
-            "lr": lr,
+            **pair_metrics(r_chosen.detach(), r_rejected.detach()),
             "grad_norm": grad_norm.item(),
             "pairs_per_s": batch.size / elapsed,
         }

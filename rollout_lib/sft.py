@@ -38,8 +38,8 @@ from rollout_lib.packing import batch_unpacked, collate_micro_batch, pack_sample
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import CheckpointedTrainer
 from rollout_lib.trainer.causal import TIMING_METRICS, train_on_micro_batches
-from rollout_lib.trainer.determinism import seed_for_step, use_deterministic_torch
-from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
+from rollout_lib.trainer.determinism import use_deterministic_torch
+from rollout_lib.trainer.optim import build_optimizer
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -243,20 +243,13 @@ class SftTrainer(CheckpointedTrainer):
     def plan(self) -> pa.Table:
         return self.table(self.run.plan_id, wire.BATCH_PLAN)
 
-    def train_step(self, step: int) -> dict[str, float]:
-        if step != self.step + 1:
-            raise RuntimeError(f"trainer is at step {self.step}; cannot run step {step}")
+    def run_step(self, step: int) -> dict[str, float]:
         settings = self.run.config.settings
         rows = self.plan.column("row_indices")[step - 1].as_py()
-        lr = lr_at(step, settings.optimizer, settings.budget.max_steps)
-        set_lr(self.optimizer, lr)
-        torch.manual_seed(seed_for_step(self.run.config.run.seed, step))  # dropout masks, replayable
-        metrics = train_on_micro_batches(
+        return train_on_micro_batches(
             self.model, self.optimizer, self.micro_batches.take(rows), packed=settings.packed,
             pad_token_id=self.tokenizer.pad_token_id, max_grad_norm=settings.optimizer.max_grad_norm,
         )
-        self.step = step
-        return {"step": step, "lr": lr, **metrics}
 
 
 @torch.no_grad()

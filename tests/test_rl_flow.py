@@ -4,15 +4,12 @@ and a step where every reward fails fails the run with one line."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import time
 
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from clirun import ROOT, cli_env, final_result, rollout_command, run_rollout, task_run_states
+from clirun import ROOT, final_result, run_rollout, run_until_then_kill, task_run_states
 from rollout_lib.store import ObjectStore
 
 pytestmark = pytest.mark.slow
@@ -51,17 +48,7 @@ def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(pre
     store = tmp_path / "interrupted"
     args = [*CONFIG, "--set", f"run.store={store}"]
     log_path = tmp_path / "killed.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=cli_env(), stdout=log,
-                                   stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while "train-step-8' - Finished" not in log_path.read_text():
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    killed_log = log_path.read_text()
+    killed_log = run_until_then_kill(args, "train-step-8' - Finished", log_path)
     assert "snapshot-step-5' - Finished" in killed_log and "snapshot-step-10" not in killed_log
 
     rerun = run_rollout(*args)

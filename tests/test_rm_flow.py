@@ -3,14 +3,11 @@ bad input that fails with one line naming its place while losing nothing already
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from clirun import ROOT, cli_env, final_result, rollout_command, run_rollout, task_run_states
+from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
 from rollout_lib.store import ObjectStore
 
 pytestmark = pytest.mark.slow
@@ -60,18 +57,8 @@ def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_serve
     store = tmp_path / "interrupted"
     args = ["train", "rm", "--config", "configs/rm-tiny.toml", *RESUME_STEPS, "--set", f"run.store={store}"]
     log_path = tmp_path / "killed.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=cli_env(), stdout=log,
-                                   stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        # Kill after the snapshot at step 8 and a few more steps, mid-way to the next snapshot.
-        while "train-step-12' - Finished" not in log_path.read_text():
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    killed_log = log_path.read_text()
+    # Kill after the snapshot at step 8 and a few more steps, mid-way to the next snapshot.
+    killed_log = run_until_then_kill(args, "train-step-12' - Finished", log_path)
     assert "snapshot-step-8' - Finished" in killed_log and "snapshot-step-24" not in killed_log
 
     rerun = run_rollout(*args)

@@ -93,6 +93,16 @@ def test_non_finite_loss_fails_the_step_and_leaves_weights_untouched(tiny_model_
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_steps_run_strictly_in_order(tiny_model_dir):
+    run = make_run(tiny_model_dir)
+    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial_checkpoint(run))
+    with pytest.raises(RuntimeError, match="reward_model trainer is at step 0; cannot run step 2"):
+        trainer.train_step(2)
+    assert trainer.train_step(1)["step"] == 1 and trainer.step == 1
+    with pytest.raises(RuntimeError, match="is at step 1; cannot run step 1"):
+        trainer.train_step(1)  # a step never runs twice on the same state
+
+
 def test_checkpoint_exports_as_a_loadable_hf_directory(tiny_model_dir, tmp_path):
     run = make_run(tiny_model_dir)
     trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial_checkpoint(run))

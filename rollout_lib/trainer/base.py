@@ -1,7 +1,8 @@
 """What every checkpointed trainer shares: build for a run, snapshot to the store, reopen from a snapshot.
 
 A subclass says how to build (model, tokenizer, optimizer) for its run (`build`), which content ids its
-training reads (`data_ids`) and how to train one step (`train_step`); this class owns the checkpoint round trip
+training reads (`data_ids`) and how to train one step (`run_step`); this class owns the step order, the
+learning-rate schedule and per-step seeding (`train_step`) and the checkpoint round trip
 that `rollout_lib.trainer.live` relies on. A run object carries `store`, `config` (with `.settings.base_model`
 and `.run.seed`) and `settings_hash`.
 """
@@ -12,7 +13,11 @@ from typing import Any, ClassVar
 
 import pyarrow as pa
 
+import torch
+
 from rollout_lib.trainer.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
+from rollout_lib.trainer.determinism import seed_for_step
+from rollout_lib.trainer.optim import lr_at, set_lr
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -45,8 +50,24 @@ class CheckpointedTrainer:
         """Content ids of the tables this trainer's steps read; recorded in every checkpoint."""
         raise NotImplementedError
 
-    def train_step(self, step: int) -> dict:
+    def run_step(self, step: int) -> dict:
+        """Forward, backward and optimizer step for `step` (learning rate and seed already set); its metrics."""
         raise NotImplementedError
+
+    # --- what this class provides -------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step. Steps run strictly in order, each with its scheduled learning rate and its own seed
+        (dropout masks), so replaying steps after a crash retraces exactly the same updates."""
+        if step != self.step + 1:
+            raise RuntimeError(f"{self.kind_of_model} trainer is at step {self.step}; cannot run step {step}")
+        settings = self.run.config.settings
+        lr = lr_at(step, settings.optimizer, settings.budget.max_steps)
+        set_lr(self.optimizer, lr)
+        torch.manual_seed(seed_for_step(self.run.config.run.seed, step))
+        metrics = self.run_step(step)
+        self.step = step
+        return {"step": step, "lr": lr, **metrics}
 
     def table(self, object_id: str, schema: pa.Schema) -> pa.Table:
         """A table the steps read (tokenized data, a plan), fetched from the store once per trainer."""
