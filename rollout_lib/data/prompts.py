@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from rollout_lib import wire
-from rollout_lib.data.jsonl import DataError, iter_jsonl_objects, require_string
+from rollout_lib.data.jsonl import DataError, iter_jsonl_objects, require_messages, require_string
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 _KNOWN_KEYS = {"prompt", "messages", "answer", "info", "id"}
@@ -96,20 +96,7 @@ def _messages(obj: dict, where: str) -> list[dict]:
         if not text.strip():
             raise DataError(f"{where}: 'prompt' is empty")
         return [{"role": "user", "content": text}]
-    messages = obj["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    out = []
-    for index, message in enumerate(messages):
-        at = f"{where}: messages[{index}]"
-        if not isinstance(message, dict) or set(message) - {"role", "content"}:
-            raise DataError(f"{at}: must be an object with exactly 'role' and 'content'")
-        role, content = message.get("role"), message.get("content")
-        if role not in MESSAGE_ROLES:
-            raise DataError(f"{at}: role must be one of {list(MESSAGE_ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise DataError(f"{at}: content must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+    out = require_messages(obj, "messages", where)
     if out[-1]["role"] == "assistant":
         raise DataError(f"{where}: the last message is the assistant's; an RL prompt ends before the completion")
     return out
