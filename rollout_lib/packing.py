@@ -262,7 +262,8 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     """log p(input_ids[t] | earlier tokens of the same sequence) per real token, [T], in packed order.
 
     Works on either layout from `collate_micro_batch` and gives the same values for both. The first token of
-    each sequence gets FIRST_TOKEN_LOGPROB (0.0). Differentiable: use it inside the training step.
+    each sequence gets FIRST_TOKEN_LOGPROB (0.0). Differentiable: use it inside the training step. With a
+    `temperatures` stream, each token's logprob is of the distribution softmax(logits / its temperature).
     """
     padded = "attention_mask" in batch
     input_ids = batch["input_ids"]
@@ -281,6 +282,12 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
         outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
 
     logits = outputs.logits[:, :-1].float()
+    temperatures = batch.get("temperatures")
+    if temperatures is not None and bool((temperatures != 1.0).any()):
+        # Token t is predicted by the logits at t - 1: scale those by the temperature token t was sampled at.
+        scale = torch.ones(input_ids.shape, dtype=logits.dtype)
+        scale[real] = temperatures.to(logits.dtype)
+        logits = logits / scale[:, 1:].unsqueeze(-1)
     targets = input_ids[:, 1:].unsqueeze(-1)
     # gather - logsumexp avoids materialising a second [B, T, V] tensor for log_softmax.
     predicted = torch.gather(logits, -1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)

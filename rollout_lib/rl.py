@@ -171,7 +171,8 @@ def training_samples(config: RlConfig, scored: pa.Table) -> tuple[pa.Table, dict
     """TRAINING_SAMPLES from scored rollouts: group-time advantages, stamping, then ship-time scoring."""
     algorithms = env_algorithms(config)
     advantages = assign_advantages(scored, algorithms)
-    samples = stamp_training_samples(scored, advantages, algorithms, config.settings.max_seq_len)
+    temperatures = {env.name: env.sampling.temperature for env in config.settings.envs}
+    samples = stamp_training_samples(scored, advantages, algorithms, config.settings.max_seq_len, temperatures)
     samples = asyncio.run(score_for_shipping(samples, algorithms))
     return samples, advantage_metrics(samples)
 

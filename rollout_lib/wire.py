@@ -99,6 +99,7 @@ TOKEN_FLOAT_COLUMNS = (
     "ref_kl_weights",
     "ref_logprobs",
     "inference_logprobs",
+    "temperatures",
 )
 PER_TOKEN_COLUMNS = ("input_ids", "loss_mask", *TOKEN_FLOAT_COLUMNS)
 
@@ -115,6 +116,9 @@ TRAINING_SAMPLES = pa.schema(
         pa.field("ref_kl_weights", pa.list_(pa.float32()), nullable=True),
         pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),
         pa.field("inference_logprobs", pa.list_(pa.float32()), nullable=True),
+        # The temperature each token was sampled at: the trainer divides that token's logits by it, so its
+        # logprobs are those of the distribution the sampler drew from (importance ratio 1 on-policy).
+        pa.field("temperatures", pa.list_(pa.float32()), nullable=True),
     ]
 )
 
@@ -128,6 +132,7 @@ TRAINING_SAMPLE_DEFAULTS = {
     "ref_kl_weights": 0.0,
     "ref_logprobs": 0.0,
     "inference_logprobs": 0.0,
+    "temperatures": 1.0,  # unscaled logits (SFT, and RL sampled at temperature 1)
 }
 
 # One row per micro-batch: the concatenation of its samples, with per-sequence position ids restarting at 0.

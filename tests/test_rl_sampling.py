@@ -90,21 +90,32 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(policy, temperature
         assert torch.allclose(torch.tensor(row["sampling_logprobs"]), expected, atol=1e-4)
 
 
-def test_at_temperature_one_the_sampler_and_the_trainer_agree(policy):
-    """On-policy identity: the trainer's logprob of a sampled token equals the sampler's (importance ratio 1)."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.4])
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_sampler_and_the_trainer_agree_at_the_sampling_temperature(policy, temperature, packed):
+    """On-policy identity: the trainer's logprob of a sampled token equals the sampler's (importance ratio 1),
+    through the real stamping, packing and collation, at any temperature (top_p = 1)."""
+    from rollout_lib.algo import build_algorithm
+    from rollout_lib.algo.grpo import GrpoSettings
+    from rollout_lib.algo.stamping import stamp_training_samples
+
     model, tokenizer = policy
     table = HfSampler(HfSamplerSettings(), model, tokenizer).sample(
-        prompts(), SamplingParams(group_size=2, max_tokens=6), seed=3)
-    samples = pa.Table.from_pylist([
-        {"sample_id": row["sample_id"], "env": "e", "input_ids": row["prompt_ids"] + row["completion_ids"],
-         "loss_mask": [False] * len(row["prompt_ids"]) + [True] * len(row["completion_ids"]),
-         "inference_logprobs": [0.0] * len(row["prompt_ids"]) + row["sampling_logprobs"]}
-        for row in table.to_pylist()], schema=wire.TRAINING_SAMPLES)
-    batch = collate_micro_batch(pack_samples(samples, 256).to_pylist()[0], packed=True, pad_token_id=0)
+        prompts(), SamplingParams(group_size=2, max_tokens=6, temperature=temperature), seed=3)
+    rollouts = table.set_column(table.schema.get_field_index("reward"), wire.ROLLOUTS.field("reward"),
+                                pa.array([1.0] * table.num_rows, pa.float64()))
+    advantages = [[0.5] * len(ids) for ids in table.column("completion_ids").to_pylist()]
+    env = table.column("env")[0].as_py()
+    samples = stamp_training_samples(rollouts, advantages, {env: build_algorithm(GrpoSettings())}, 256,
+                                     temperatures={env: temperature})
+    batch = collate_micro_batch(pack_samples(samples, 256).to_pylist()[0], packed=packed, pad_token_id=0)
     with torch.no_grad():
         trainer_logprobs = token_logprobs(model, batch)
     mask = batch["loss_mask"]
     assert torch.allclose(trainer_logprobs[mask], batch["inference_logprobs"][mask], atol=1e-4)
+    if temperature != 1.0:  # and the scaling is what makes them agree
+        unscaled = token_logprobs(model, {**batch, "temperatures": torch.ones_like(batch["temperatures"])})
+        assert not torch.allclose(unscaled[mask], batch["inference_logprobs"][mask], atol=1e-2)
 
 
 def test_a_completion_ends_with_its_stop_token(policy):

@@ -56,9 +56,13 @@ def assign_advantages(rollouts: pa.Table, algorithms: Mapping[str, Algorithm]) -
 
 
 def stamp_training_samples(
-    rollouts: pa.Table, advantages: list[list[float]], algorithms: Mapping[str, Algorithm], max_seq_len: int
+    rollouts: pa.Table, advantages: list[list[float]], algorithms: Mapping[str, Algorithm], max_seq_len: int,
+    temperatures: Mapping[str, float] | None = None,
 ) -> pa.Table:
-    """TRAINING_SAMPLES rows, one per rollout row, truncated on the right to max_seq_len tokens."""
+    """TRAINING_SAMPLES rows, one per rollout row, truncated on the right to max_seq_len tokens.
+
+    `temperatures`: env -> the temperature its completions were sampled at (1.0 when absent), stamped on the
+    completion tokens so the trainer scores them under the same distribution."""
     columns = {name: rollouts.column(name).to_pylist() for name in
                ("sample_id", "env", "prompt_ids", "completion_ids", "sampling_logprobs", "reward")}
     records = []
@@ -89,7 +93,11 @@ def stamp_training_samples(
             "ref_kl_weights": None,
             "ref_logprobs": None,
             "inference_logprobs": ([0.0] * n_prompt + [float(x) for x in logprobs])[:keep],
+            "temperatures": None,
         }
+        temperature = (temperatures or {}).get(columns["env"][row], 1.0)
+        if temperature != 1.0:
+            record["temperatures"] = ([1.0] * n_prompt + [temperature] * n_completion)[:keep]
         weight = 1.0 if trainable else 0.0
         record[f"{algorithm.action_loss}_weights"] = ([0.0] * n_prompt + [weight] * n_completion)[:keep]
         records.append(record)

@@ -141,10 +141,11 @@ class RlConfig(StrictModel):
                 found.append((f"{where}.sampling.group_size",
                               f"{env.algo.type} is group-relative: with group_size = 1 every advantage is 0 and "
                               "the env never trains"))
-            if env.sampling.temperature != 1.0 or env.sampling.top_p != 1.0:
-                found.append((f"{where}.sampling",
-                              "temperature/top_p != 1: sampling logprobs are those of the processed distribution, "
-                              "the trainer's are not, so importance ratios are off-policy by construction"))
+            if env.sampling.top_p != 1.0:
+                # Temperature is matched (the trainer scales each token's logits by it); the nucleus is not.
+                found.append((f"{where}.sampling.top_p",
+                              "top_p != 1: sampling logprobs are those of the truncated distribution, the "
+                              "trainer's are not, so importance ratios are off-policy by construction"))
         return found
 
     def plan_problems(self) -> list[tuple[str, str]]:
