@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import pyarrow as pa
-
 import torch
 
 from rollout_lib.trainer.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
