@@ -52,7 +52,8 @@ def file_digest(path: str | Path) -> str:
 
 
 def module_digest(module: str) -> str:
-    """The blake3 of a module's source file, found without importing it ("missing" when it cannot be found)."""
+    """The blake3 of a module's source file, found without running it (its parent packages are imported, as
+    find_spec does); "missing" when it cannot be found."""
     import importlib.util
 
     try:
