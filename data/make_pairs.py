@@ -31,6 +31,8 @@ from pathlib import Path
 
 import reasoning_gym as rg
 
+from rg_helpers import chain_steps, literal  # data/ is sys.path[0] when run as a script
+
 HERE = Path(__file__).resolve().parent
 SEED = 20250601
 N_TRAIN = 3000
@@ -85,17 +87,6 @@ TOPIC = {
 }
 
 
-def _lit(s):
-    """Metadata values are sometimes stringified Python literals."""
-    if isinstance(s, str):
-        try:
-            import ast
-
-            return ast.literal_eval(s)
-        except (ValueError, SyntaxError):
-            return s
-    return s
-
 
 def _item(kind, prompt, answer, fmt, sentences, worked=(), copy=None, wrong=None, restates=True, family=None):
     return dict(
@@ -112,30 +103,14 @@ def _item(kind, prompt, answer, fmt, sentences, worked=(), copy=None, wrong=None
     )
 
 
-def _chain_steps(expr):
-    toks = expr.split()
-    try:
-        acc = int(toks[0])
-        steps = []
-        for i in range(1, len(toks), 2):
-            op, v = toks[i], int(toks[i + 1])
-            if op not in ("+", "-"):
-                return None, None
-            new = acc + v if op == "+" else acc - v
-            steps.append(f"{acc} {op} {v} = {new}")
-            acc = new
-        return steps, acc
-    except (ValueError, IndexError):
-        return None, None
-
 
 def shorten(name, q, m):
     """Condense reasoning-gym's boilerplate preambles; the task and the requested format stay the same."""
     if name == "word_sorting":
-        words = ", ".join(_lit(m["original_words"]))
+        words = ", ".join(literal(m["original_words"]))
         return f"Sort these words in {m['direction']} ASCII/Unicode order and return them as a comma-separated list: {words}"
     if name == "word_sequence_reversal":
-        return f"Reverse this list of words and answer as a comma-separated list: {', '.join(_lit(m['words']))}"
+        return f"Reverse this list of words and answer as a comma-separated list: {', '.join(literal(m['words']))}"
     if name == "leg_counting":
         return q[q.index("how many legs"):].strip().capitalize()
     if name == "base_conversion":
@@ -158,7 +133,7 @@ def rg_item(name, fmt, it):
     if name in ("basic_arithmetic", "chain_sum"):
         expr = m["expression"]
         worked = []
-        steps, val = _chain_steps(expr)
+        steps, val = chain_steps(expr)
         if steps and len(steps) > 1 and str(val) == a:
             worked.append("Working left to right: " + ", then ".join(steps) + f". So the answer is {a}.")
         worked.append(f"Following the usual order of operations, {expr} evaluates to {a}.")
@@ -183,22 +158,22 @@ def rg_item(name, fmt, it):
                                        f'There {"is" if a == "1" else "are"} {a} {occ} of "{letter}".',
                                        f'"{letter}" shows up {a} {times}.'])
     if name == "word_sorting":
-        orig = _lit(m["original_words"])
+        orig = literal(m["original_words"])
         return _item(name, q, a, fmt, [a], copy=", ".join(orig), family="wordlist")
     if name == "gcd":
-        nums = ", ".join(str(x) for x in _lit(m["numbers"]))
+        nums = ", ".join(str(x) for x in literal(m["numbers"]))
         return _item(name, q, a, fmt, [f"The greatest common divisor of {nums} is {a}."], family="gcdlcm")
     if name == "lcm":
-        nums = " and ".join(str(x) for x in _lit(m["numbers"]))
+        nums = " and ".join(str(x) for x in literal(m["numbers"]))
         return _item(name, q, a, fmt, [f"The least common multiple of {nums} is {a}.", f"LCM({nums.replace(' and', ',')}) = {a}",
                                        f"The smallest number divisible by both {nums} is {a}."], family="gcdlcm")
     if name == "caesar_cipher":
         return _item(name, q, a, fmt, [f'The decrypted message reads: "{a}".'], copy=m["cipher_text"])
     if name == "word_sequence_reversal":
-        words = _lit(m["words"])
+        words = literal(m["words"])
         return _item(name, q, a, fmt, [a], copy=", ".join(words), family="wordlist")
     if name == "leg_counting":
-        animals = _lit(m["animals"])
+        animals = literal(m["animals"])
         desc = ", ".join(f"{n} {k}s" for k, n in animals.items())
         return _item(name, q, a, fmt, [f"There are {a} legs in total.", f"All together, {desc} have {a} legs.",
                                        f"The total number of legs is {a}."])

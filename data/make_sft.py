@@ -21,6 +21,8 @@ from pathlib import Path
 
 import reasoning_gym as rg
 
+from rg_helpers import chain_steps, literal  # data/ is sys.path[0] when run as a script
+
 HERE = Path(__file__).resolve().parent
 SEED = 20250602
 N_TRAIN = 800
@@ -48,32 +50,6 @@ YOURE_WELCOME = ["You're welcome!", "Happy to help!", "Anytime. Let me know if y
                  "Glad I could help."]
 
 
-def _lit(s):
-    if isinstance(s, str):
-        import ast
-
-        try:
-            return ast.literal_eval(s)
-        except (ValueError, SyntaxError):
-            return s
-    return s
-
-
-def _chain(expr):
-    toks = expr.split()
-    try:
-        acc = int(toks[0])
-        steps = []
-        for i in range(1, len(toks), 2):
-            op, v = toks[i], int(toks[i + 1])
-            if op not in ("+", "-"):
-                return None, None
-            new = acc + v if op == "+" else acc - v
-            steps.append(f"{acc} {op} {v} = {new}")
-            acc = new
-        return steps, acc
-    except (ValueError, IndexError):
-        return None, None
 
 
 def answers(name, it):
@@ -81,7 +57,7 @@ def answers(name, it):
     a, m = str(it["answer"]), it["metadata"]
     if name in ("basic_arithmetic", "chain_sum"):
         expr = m["expression"]
-        steps, val = _chain(expr)
+        steps, val = chain_steps(expr)
         if steps and len(steps) > 1 and str(val) == a:
             worked = "Let's go left to right:\n" + "\n".join(f"- {s}" for s in steps) + f"\n\nThe answer is {a}."
         else:
@@ -95,12 +71,12 @@ def answers(name, it):
         return a, f'"{w}" spelled backward is "{a}".', worked
     if name == "letter_counting":
         letter = m["target_letter"]
-        words = _lit(m["span"])
+        words = literal(m["span"])
         hits = [f'"{w}" ({w.lower().count(letter)})' for w in words if letter in w.lower()]
         worked = (f'Go through the words and count "{letter}": ' + ", ".join(hits) + f".\n\nIn total, \"{letter}\" appears {a} times.")
         return a, f'The letter "{letter}" appears {a} times.', worked
     if name == "word_sequence_reversal":
-        words = _lit(m["words"])
+        words = literal(m["words"])
         worked = (f"The list has {len(words)} words. Taking them from last to first:\n"
                   + "\n".join(f"{i + 1}. {w}" for i, w in enumerate(reversed(words))) + f"\n\nAnswer: {a}")
         return a, a, worked
@@ -133,7 +109,7 @@ def followup(rng, name, it):
     if name == "letter_counting":
         return "Is that an even number?", "Yes." if int(a) % 2 == 0 else "No, it's odd."
     if name == "word_sequence_reversal":
-        words = _lit(m["words"])
+        words = literal(m["words"])
         return "Which word ends up first?", f'"{words[-1]}" comes first after reversing.'
     return None
 
