@@ -231,7 +231,7 @@ class ObjectStore:
 
     def _put_tensors_via_file(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> str:
         """Local stores: safetensors writes straight from tensor memory into the staging file, which is hashed
-        where it lies. A checkpoint never exists as one more in-memory copy (3x faster on a 270 MB snapshot)."""
+        where it lies. A checkpoint never exists as one more in-memory copy (270 MB: 0.43-0.8 s -> 0.18 s)."""
         tmp = self._local_tmp_path()
         try:
             _st_save_file(tensors, tmp, metadata=metadata)

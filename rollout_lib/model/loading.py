@@ -14,6 +14,7 @@ for SmolLM2-135M on 2 cores), and every task process of a run would pay that aga
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -83,12 +84,9 @@ def resolve_model(ref: ModelRef | str) -> ResolvedModel:
 
 def _converted_gguf(resolved: ResolvedModel) -> ResolvedModel:
     """The GGUF file as a Hugging Face directory (fp32 safetensors, config, tokenizer), converted on first use."""
-    import blake3
-
     gguf = Path(resolved.source) / resolved.gguf_file
-    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    digest.update_mmap(gguf)
-    target = rollout_cache_dir() / "gguf" / digest.hexdigest()
+    stat = gguf.stat()
+    target = rollout_cache_dir() / "gguf" / _file_digest(str(gguf), stat.st_size, stat.st_mtime_ns)
     if not (target / "config.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
@@ -105,6 +103,16 @@ def _converted_gguf(resolved: ResolvedModel) -> ResolvedModel:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return ResolvedModel(str(target))
+
+
+@functools.cache
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """blake3 of a file, once per process and file version (size and mtime are part of the key)."""
+    import blake3
+
+    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    digest.update_mmap(path)
+    return digest.hexdigest()
 
 
 def _save_dequantised(model, directory: Path) -> None:

@@ -125,20 +125,15 @@ class SyncWorkerPool:
         idle = self._idle_queue()
         slot = await idle.get()
         try:
-            for attempt in (1, 2):
-                worker = self._slots[slot]
-                if worker is None or worker.process.poll() is not None:  # never started, or died while idle
-                    if worker is not None:
-                        self._discard_now(slot, worker)
-                    worker = await self._start(slot)
+            try:
+                return await self._call_on(slot, await self._live_worker(slot), index, item, timeout_s)
+            except _DiedBeforeTheCall:
+                # Killed while idle (the OOM killer, say) but not reapable yet, so it looked alive: the call never
+                # began, so it is safe to give it to a fresh worker, once.
                 try:
-                    return await self._call_on(slot, worker, index, item, timeout_s)
+                    return await self._call_on(slot, await self._live_worker(slot), index, item, timeout_s)
                 except _DiedBeforeTheCall:
-                    # Killed while idle (the OOM killer, say) but not reapable yet, so it looked alive: the call
-                    # never began, so it is safe to give it to a fresh worker, once.
-                    if attempt == 2:
-                        raise RewardWorkerError("reward worker died before the call, twice in a row") from None
-            raise AssertionError("unreachable")
+                    raise RewardWorkerError("reward worker died before the call, twice in a row") from None
         finally:
             idle.put_nowait(slot)
 
@@ -173,6 +168,14 @@ class SyncWorkerPool:
             self._idle_loop = loop
         assert self._idle is not None
         return self._idle
+
+    async def _live_worker(self, slot: int) -> _Worker:
+        worker = self._slots[slot]
+        if worker is None or worker.process.poll() is not None:  # never started, or died while idle
+            if worker is not None:
+                self._discard_now(slot, worker)
+            worker = await self._start(slot)
+        return worker
 
     async def _start(self, slot: int) -> _Worker:
         if self._startup_error is not None:
