@@ -21,9 +21,7 @@ from prefect import task
 from rollout_lib import rl, wire
 from rollout_lib.config import RlConfig
 from rollout_lib.config.loading import training_hash
-from tasks.common import content_key, file_digest, module_digest, open_store
-
-TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
+from tasks.common import TASK_OPTIONS, content_key, file_digest, module_digest, open_store
 
 
 def _run(config: RlConfig, prompts_ids: dict[str, str]) -> rl.RlRun:
