@@ -35,12 +35,13 @@ def final_result(completed: subprocess.CompletedProcess) -> dict:
     return json.loads(out[start:out.index("\n}", start) + 2])
 
 
-def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: float = 600) -> str:
+def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: float = 600,
+                        env: dict | None = None) -> str:
     """Start the CLI with `args`, SIGKILL it as soon as `marker` shows in its output; return that output.
 
     Fails if the process exits on its own first (the kill would prove nothing) or the marker never comes."""
     with log_path.open("w") as log:
-        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=cli_env(), stdout=log,
+        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=env or cli_env(), stdout=log,
                                    stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while marker not in log_path.read_text():
