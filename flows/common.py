@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prefect import Task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from rollout_lib.config.loading import load_config
 
@@ -47,6 +47,15 @@ def artifact_key(*parts: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
     text = "-".join(parts).lower()
     return "".join(c if c.isalnum() else "-" for c in text).strip("-")
+
+
+def metrics_table(cfg, flow_name: str, history: list[dict], columns: tuple[str, ...]) -> None:
+    """The per-step metrics table artifact (floats rounded; a metric a step lacks is an empty cell)."""
+    def cell(value):
+        return round(value, 6) if isinstance(value, float) else ("" if value is None else value)
+
+    create_table_artifact([{name: cell(m.get(name)) for name in columns} for m in history],
+                          key=artifact_key(cfg.run.name, "metrics"), description=f"{flow_name} metrics per step")
 
 
 class Progress:

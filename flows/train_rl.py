@@ -10,9 +10,9 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 
-from flows.common import Progress, artifact_key, bind, load_run_config
+from flows.common import Progress, artifact_key, bind, load_run_config, metrics_table
 from rollout_lib import rl
 from rollout_lib.config import RlConfig
 from tasks.common import open_store
@@ -73,7 +73,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
             if step % settings.checkpoint_interval == 0 or step == total:
                 state = t(snapshot_task)(cfg, prompts, state, step, metrics)["checkpoint"]
                 logger.info("step %d: checkpoint %s", step, state)
-                _metrics_artifact(cfg, history)
+                metrics_table(cfg, "train-rl", history, METRIC_COLUMNS)
             progress.update(step)
     finally:
         rl.close_reward_loops()
@@ -86,14 +86,6 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     rewards = [m["reward_mean"] for m in history]
     return {"checkpoint": checkpoint, "steps": total, "reward_curve": rewards,
             "last_metrics": history[-1], "train_seconds": time.perf_counter() - started}
-
-
-def _metrics_artifact(cfg: RlConfig, history: list[dict]) -> None:
-    def cell(value):
-        return round(value, 6) if isinstance(value, float) else ("" if value is None else value)
-
-    create_table_artifact([{name: cell(m.get(name)) for name in METRIC_COLUMNS} for m in history],
-                          key=artifact_key(cfg.run.name, "metrics"), description="train-rl metrics per step")
 
 
 def _summary(cfg: RlConfig, checkpoint: str, history: list[dict]) -> str:

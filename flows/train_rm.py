@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 
-from flows.common import Progress, artifact_key, bind, load_run_config, train_steps
+from flows.common import Progress, artifact_key, bind, load_run_config, metrics_table, train_steps
 from rollout_lib.config import RmConfig
 from tasks.common import open_store
 from tasks.rm import (
@@ -68,10 +68,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     after = t(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}") if held_out else None
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
-    create_table_artifact(
-        [{k: round(m[k], 6) if isinstance(m[k], float) else m[k] for k in METRIC_COLUMNS} for m in history],
-        key=artifact_key(cfg.run.name, "metrics"), description="train-rm metrics per step",
-    )
+    metrics_table(cfg, "train-rm", history, METRIC_COLUMNS)
     create_markdown_artifact(_summary(cfg, checkpoint, before, after), key=artifact_key(cfg.run.name, "summary"),
                              description="train-rm summary")
     logger.info("final checkpoint %s", checkpoint)
