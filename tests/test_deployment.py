@@ -109,6 +109,8 @@ def test_deployment_run_completes_with_tasks_artifacts_and_checkpoint(worker_sta
     metrics = artifacts[f"{RUN_NAME}-metrics"]["data"]
     rows = json.loads(metrics) if isinstance(metrics, str) else metrics
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert set(rows[0]) == {"step", "loss", "accuracy", "mean_margin", "lr", "grad_norm", "pairs_per_s"}
+    assert all(isinstance(row["loss"], float) and row["pairs_per_s"] > 0 for row in rows)
     assert checkpoint in artifacts[f"{RUN_NAME}-summary"]["data"]
     assert f"final checkpoint {checkpoint}" in worker_stack.logs(flow_run["id"])
 
