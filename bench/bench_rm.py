@@ -1,8 +1,8 @@
 """Reward-model training throughput: the train-rm flow against a bare hand-written torch loop, side by side.
 
 Both train the same model from the same initial weights on the same batches with the same optimizer and
-learning-rate schedule. The flow's time covers its whole training loop (every Prefect task run, the per-step
-pending records, the snapshots every `checkpoint_interval` steps and the progress artifact); the bare loop is
+learning-rate schedule. The flow's time covers its whole training loop (a Prefect task run per segment of
+`checkpoint_interval` steps, each ending with a snapshot, and the progress artifact); the bare loop is
 forward, Bradley-Terry loss, backward, clip, step, nothing else, plus one final save. Prints pairs/s of each and
 the ratio (target: flow >= 0.9x bare).
 
@@ -43,9 +43,11 @@ def bare_loop(config, steps: int) -> float:
     from rollout_lib.data import load_pairs
     from rollout_lib.losses import bradley_terry_batch_mean
     from rollout_lib.model.loading import load_tokenizer, resolve_model
-    from rollout_lib.rm import RewardModelTrainer, RmRun, collate_pairs, forward_pairs, plan_batches, tokenize_pairs
+    from rollout_lib.rm.pairs import collate_pairs, forward_pairs, tokenize_pairs
+    from rollout_lib.rm.trainer import RewardModelTrainer
     from rollout_lib.store import ObjectStore
-    from rollout_lib.trainer.determinism import seed_for_step
+    from rollout_lib.trainer.base import TrainingInputs
+    from rollout_lib.trainer.determinism import plan_batches, seed_for_step
     from rollout_lib.trainer.optim import lr_at, set_lr
 
     settings = config.settings
@@ -54,8 +56,9 @@ def bare_loop(config, steps: int) -> float:
     plan = plan_batches(tokenized.num_rows, settings.minibatch_size, steps, config.run.seed)
     # Same initial weights as the flow's init-model task: base model + the seeded head.
     store = ObjectStore("memory://bench-bare")
-    run = RmRun(store, config, training_hash(config), store.put_table(tokenized), store.put_table(plan))
-    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial_checkpoint(run))
+    inputs = TrainingInputs(store, config, training_hash(config),
+                            {"tokenized": store.put_table(tokenized), "plan": store.put_table(plan)})
+    trainer = RewardModelTrainer.from_checkpoint(inputs, RewardModelTrainer.initial(inputs).checkpoint_id)
     model, optimizer = trainer.model, trainer.optimizer
     batches = [collate_pairs(tokenized, plan.column("row_indices")[i].as_py(), tokenizer.pad_token_id)
                for i in range(steps)]

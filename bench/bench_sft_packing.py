@@ -34,7 +34,8 @@ from rollout_lib.config import SftConfig, validate_config  # noqa: E402
 from rollout_lib.data import load_examples  # noqa: E402
 from rollout_lib.model.loading import load_causal_lm, resolve_model  # noqa: E402
 from rollout_lib.model.packed_attention import use_packed_attention  # noqa: E402
-from rollout_lib.sft import micro_batches_of, padding_stats, sft_tokenizer, tokenize_examples  # noqa: E402
+from rollout_lib.sft.batches import micro_batches_of, padding_stats  # noqa: E402
+from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples  # noqa: E402
 from rollout_lib.trainer.causal import train_on_micro_batches  # noqa: E402
 from rollout_lib.trainer.determinism import plan_batches  # noqa: E402
 from rollout_lib.trainer.optim import build_optimizer  # noqa: E402
@@ -85,7 +86,7 @@ def main() -> None:
     for mode, settings in modes.items():
         model = copy.deepcopy(base)
         if settings.packed:
-            use_packed_attention(model)  # as SftTrainer does
+            use_packed_attention(model)  # as CausalLmTrainer does
         state[mode] = {"model": model, "optimizer": build_optimizer(model.parameters(), settings.optimizer),
                        "tokens": 0, "positions": 0, "seconds": 0.0, "micro_batches": 0, "capacity": 0, "loss": []}
     for index, step_samples in enumerate(steps):

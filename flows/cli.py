@@ -118,7 +118,7 @@ def _one_line(exc) -> str:
 
 def _score(args) -> int:
     from rollout_lib.data import load_responses
-    from rollout_lib.scoring import score_with_checkpoint
+    from rollout_lib.rm.checkpoints import score_with_checkpoint
     from rollout_lib.store import ObjectStore
 
     store = ObjectStore(args.store)
@@ -129,7 +129,7 @@ def _score(args) -> int:
 
 
 def _export(args) -> int:
-    from rollout_lib.scoring import resolve_checkpoint
+    from rollout_lib.trainer.checkpoint import resolve_checkpoint
     from rollout_lib.store import ObjectStore
     from rollout_lib.trainer.checkpoint import export_hf_directory
 

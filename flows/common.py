@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -11,10 +11,12 @@ from prefect import Task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from rollout_lib.config.loading import load_config
+from rollout_lib.trainer.segment import Segment, plan_segments
 
 # rollout_lib logs through the standard library (it never imports Prefect); PREFECT_LOGGING_EXTRA_LOGGERS=rollout_lib
-# (set by the CLI and the deployments) routes these records into the flow run's logs.
-logging.getLogger("rollout_lib").setLevel(logging.INFO)
+# (set by the CLI and the deployments) routes these records into the flow run's logs. INFO by default: a line per
+# segment, not per step (each line is a row in the server's database); ROLLOUT_LOG_LEVEL=DEBUG adds one per step.
+logging.getLogger("rollout_lib").setLevel(os.environ.get("ROLLOUT_LOG_LEVEL", "INFO").upper())
 
 
 def load_run_config(config_cls, config_path: str, overrides: list[str] | dict[str, Any] | None,
@@ -35,12 +37,20 @@ def _as_pairs(overrides):
     return [(".".join(path), value) for path, value in map(parse_override, overrides)]
 
 
-def bind(task: Task, config) -> Task:
-    """Task results live beside the store they describe (for local stores), so wiping a store also wipes the
-    cache entries that point into it."""
-    if "://" in config.run.store:
-        return task
-    return task.with_options(result_storage=Path(config.run.store) / "prefect-results")
+class RunTasks:
+    """The run's tasks with their results stored beside the run's store (for local stores), so wiping a store also
+    wipes the cache entries that point into it: `tasks = RunTasks(cfg); tasks(load_pairs_task)(cfg, "train")`."""
+
+    def __init__(self, config):
+        self.result_storage = None if "://" in config.run.store else Path(config.run.store) / "prefect-results"
+        self._bound: dict[str, Task] = {}
+
+    def __call__(self, task: Task) -> Task:
+        if self.result_storage is None:
+            return task
+        if task.name not in self._bound:  # with_options copies the task: once per task, not once per call
+            self._bound[task.name] = task.with_options(result_storage=self.result_storage)
+        return self._bound[task.name]
 
 
 def artifact_key(*parts: str) -> str:
@@ -69,19 +79,17 @@ class Progress:
         update_progress_artifact(self.artifact_id, progress=100.0 * done / self.total)
 
 
-def train_steps(t: Callable[[Task], Task], train_step_task: Task, snapshot_task: Task, cfg, data_ids: tuple[str, ...],
-                state: str, *, total: int, checkpoint_interval: int,
-                progress: Progress) -> Iterator[tuple[int, dict, str | None]]:
-    """Steps 1..total, each `train_step_task(cfg, *data_ids, state, step)`, and `snapshot_task(cfg, *data_ids,
-    state, step, metrics)` every `checkpoint_interval` steps and at the last one. Yields (step, metrics, the
-    snapshot's checkpoint id or None); the last step always yields the final checkpoint."""
-    step_task, snapshot = t(train_step_task), t(snapshot_task)  # bound once: this loop is the hot path
-    for step in range(1, total + 1):
-        result = step_task(cfg, *data_ids, state, step)
-        state, metrics = result["state"], result["metrics"]
-        checkpoint = None
-        if step % checkpoint_interval == 0 or step == total:
-            state = checkpoint = snapshot(cfg, *data_ids, state, step, metrics)["checkpoint"]
-        if step % 10 == 0 or step == total:
-            progress.update(step)
-        yield step, metrics, checkpoint
+def train_in_segments(segment_task: Task, cfg, data_ids: tuple[str, ...], checkpoint: str, *, total: int,
+                      checkpoint_interval: int, progress: Progress, resident,
+                      on_segment: Callable[[Segment, str, list[dict]], None]) -> tuple[str, list[dict]]:
+    """Steps 1..total as one task per segment (`segment_task(cfg, *data_ids, checkpoint, first, last, resident)`,
+    from one snapshot to the next). Calls `on_segment(segment, its checkpoint, its step metrics)` after each;
+    returns (the final checkpoint id, every step's metrics)."""
+    history: list[dict] = []
+    for segment in plan_segments(total, checkpoint_interval):
+        result = segment_task(cfg, *data_ids, checkpoint, segment.first, segment.last, resident)
+        checkpoint = result["checkpoint"]
+        history.extend(result["metrics"])
+        progress.update(segment.last)
+        on_segment(segment, checkpoint, result["metrics"])
+    return checkpoint, history

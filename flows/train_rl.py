@@ -1,7 +1,10 @@
 """train-rl: on-policy RL, as the procedure you would write by hand.
 
 load prompts per env -> init policy ->
-    [sample -> score -> assign advantages -> pack -> train step -> (snapshot every N steps)] per step
+    [sample -> score -> assign advantages -> pack -> train step (a snapshot every N steps)] per step
+
+Unlike train-rm and train-sft, a task covers one step's stage: each step samples from the weights the step before
+produced, and sampling and scoring are heavy enough that a task per stage costs little (bench/bench_rl_stages.py).
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import Progress, artifact_key, bind, load_run_config, metrics_table
-from rollout_lib import rl
+from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table
 from rollout_lib.config import RlConfig
+from rollout_lib.rl.score import RewardLoops
+from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rl import (
     advantages_task,
@@ -23,7 +27,6 @@ from tasks.rl import (
     pack_task,
     sample_task,
     score_task,
-    snapshot_task,
     train_step_task,
 )
 
@@ -47,39 +50,38 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     settings = cfg.settings
     for locator, message in cfg.plan_warnings():
         logger.warning("%s: %s", locator, message)
-    t = lambda task: bind(task, cfg)  # noqa: E731 - every task stores its result beside the store
-
-    prompts = {env.name: t(load_prompts_task)(cfg, env.name)["prompts"] for env in settings.envs}
-    state = t(init_policy_task)(cfg, prompts)["checkpoint"]
+    run_task = RunTasks(cfg)
+    sample, score, advantages = run_task(sample_task), run_task(score_task), run_task(advantages_task)
+    pack, train_step = run_task(pack_task), run_task(train_step_task)
 
     total = settings.budget.max_steps
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rl {cfg.run.name}: steps done")
     history: list[dict] = []
     started = time.perf_counter()
-    try:
+    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops:
+        prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in settings.envs}
+        state = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
         for step in range(1, total + 1):
-            sampled = t(sample_task)(cfg, prompts, state, step)
-            scored = t(score_task)(cfg, prompts, sampled["rollouts"], step)
-            samples = t(advantages_task)(cfg, scored["rollouts"], step)
-            packed = t(pack_task)(cfg, samples["samples"], step)
-            trained = t(train_step_task)(cfg, prompts, state, packed["micro_batches"], step)
+            sampled = sample(cfg, prompts, state, step, resident)
+            scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
+            samples = advantages(cfg, scored["rollouts"], step)
+            packed = pack(cfg, samples["samples"], step)
+            step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
+            snapshot = step % settings.checkpoint_interval == 0 or step == total
+            trained = train_step(cfg, prompts, state, packed["micro_batches"], step, snapshot, step_metrics,
+                                 resident)
             state = trained["state"]
-            metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"],
-                       **trained["metrics"], "step": step}
+            metrics = {**step_metrics, **trained["metrics"], "step": step}
             history.append(metrics)
-            logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s", step, metrics["reward_mean"],
+            logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step, metrics["reward_mean"],
                         metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
-                        " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics))
-            if step % settings.checkpoint_interval == 0 or step == total:
-                state = t(snapshot_task)(cfg, prompts, state, step, metrics)["checkpoint"]
-                logger.info("step %d: checkpoint %s", step, state)
-                metrics_table(cfg, "train-rl", history, METRIC_COLUMNS)
+                        " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
+                        f" -> checkpoint {state}" if snapshot else "")
             progress.update(step)
-    finally:
-        rl.close_reward_loops()
 
     checkpoint = state
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
+    metrics_table(cfg, "train-rl", history, METRIC_COLUMNS)
     create_markdown_artifact(_summary(cfg, checkpoint, history), key=artifact_key(cfg.run.name, "summary"),
                              description="train-rl summary")
     logger.info("final checkpoint %s", checkpoint)

@@ -1,6 +1,9 @@
 """train-rm: Bradley-Terry reward-model training, as the procedure you would write by hand.
 
-load pairs -> tokenize -> plan batches -> init model -> [train step -> (snapshot every N steps)] -> evaluate
+load pairs -> tokenize -> plan batches -> init model -> [train steps a..b, snapshot] per segment -> evaluate
+
+A segment runs from one snapshot to the next (`checkpoint_interval` steps) as one task: plain torch inside,
+one orchestration round trip per segment.
 """
 
 from __future__ import annotations
@@ -11,17 +14,17 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import Progress, artifact_key, bind, load_run_config, metrics_table, train_steps
+from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table, train_in_segments
 from rollout_lib.config import RmConfig
+from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rm import (
     evaluate_task,
     init_model_task,
     load_pairs_task,
     plan_batches_task,
-    snapshot_task,
     tokenize_pairs_task,
-    train_step_task,
+    train_segment_task,
 )
 
 # Metrics shown per step in the UI table (and their column order).
@@ -36,36 +39,37 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     logger = get_run_logger()
     cfg = load_run_config(RmConfig, config, overrides, max_steps, "algorithm.rm.budget.max_steps")
     settings = cfg.settings
-    t = lambda task: bind(task, cfg)  # noqa: E731 - every task stores its result beside the store
+    run_task = RunTasks(cfg)
+    with ResidentTrainer() as resident:
+        train = run_task(load_pairs_task)(cfg, "train")
+        tokenized = run_task(tokenize_pairs_task)(cfg, train["pairs"], "train")["tokenized"]
+        plan = run_task(plan_batches_task)(cfg, tokenized, train["rows"])["plan"]
+        held_out = None
+        if settings.eval_dataset is not None:
+            eval_pairs = run_task(load_pairs_task)(cfg, "eval")
+            held_out = run_task(tokenize_pairs_task)(cfg, eval_pairs["pairs"], "eval")["tokenized"]
 
-    train = t(load_pairs_task)(cfg, "train")
-    tokenized = t(tokenize_pairs_task)(cfg, train["pairs"], "train")["tokenized"]
-    plan = t(plan_batches_task)(cfg, tokenized, train["rows"])["plan"]
-    held_out = None
-    if settings.eval_dataset is not None:
-        eval_pairs = t(load_pairs_task)(cfg, "eval")
-        held_out = t(tokenize_pairs_task)(cfg, eval_pairs["pairs"], "eval")["tokenized"]
+        initial = run_task(init_model_task)(cfg, tokenized, plan, resident)["checkpoint"]
+        before = run_task(evaluate_task)(cfg, initial, held_out, "step-0", resident) if held_out else None
+        if before:
+            logger.info("held-out before training: accuracy %.3f over %d pairs", before["accuracy"],
+                        before["pairs"])
 
-    state = t(init_model_task)(cfg, tokenized, plan)["checkpoint"]
-    before = t(evaluate_task)(cfg, state, held_out, "step-0") if held_out else None
-    if before:
-        logger.info("held-out before training: accuracy %.3f over %d pairs", before["accuracy"], before["pairs"])
+        total = settings.budget.max_steps
+        progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rm {cfg.run.name}: steps done")
 
-    total = settings.budget.max_steps
-    progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rm {cfg.run.name}: steps done")
-    history, checkpoint = [], state
-    train_started = time.perf_counter()
-    for step, metrics, snapshot in train_steps(t, train_step_task, snapshot_task, cfg, (tokenized, plan), state,
-                                               total=total, checkpoint_interval=settings.checkpoint_interval,
-                                               progress=progress):
-        history.append(metrics)
-        if snapshot:
-            checkpoint = snapshot
-            logger.info("step %d: loss %.4f accuracy %.2f -> checkpoint %s", step, metrics["loss"],
-                        metrics["accuracy"], checkpoint)
+        def report(segment, checkpoint, metrics):
+            last = metrics[-1]
+            logger.info("steps %d-%d: loss %.4f accuracy %.2f -> checkpoint %s", segment.first, segment.last,
+                        last["loss"], last["accuracy"], checkpoint)
 
-    train_seconds = time.perf_counter() - train_started
-    after = t(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}") if held_out else None
+        train_started = time.perf_counter()
+        checkpoint, history = train_in_segments(
+            run_task(train_segment_task), cfg, (tokenized, plan), initial, total=total,
+            checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
+            on_segment=report)
+        train_seconds = time.perf_counter() - train_started
+        after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
     metrics_table(cfg, "train-rm", history, METRIC_COLUMNS)

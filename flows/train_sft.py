@@ -1,7 +1,10 @@
 """train-sft: supervised fine-tuning, as the procedure you would write by hand.
 
 load examples -> tokenize (chat template, loss masks) -> plan batches -> pack micro-batches -> init model
--> [train step -> (snapshot every N steps)] -> evaluate
+-> [train steps a..b, snapshot] per segment -> evaluate
+
+A segment runs from one snapshot to the next (`checkpoint_interval` steps) as one task: plain torch inside,
+one orchestration round trip per segment.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import Progress, artifact_key, bind, load_run_config, metrics_table, train_steps
+from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table, train_in_segments
 from rollout_lib.config import SftConfig
+from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.sft import (
     evaluate_task,
@@ -20,9 +24,8 @@ from tasks.sft import (
     load_examples_task,
     pack_micro_batches_task,
     plan_batches_task,
-    snapshot_task,
     tokenize_examples_task,
-    train_step_task,
+    train_segment_task,
 )
 
 # Metrics shown per step in the UI table (and their column order).
@@ -37,42 +40,42 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
     logger = get_run_logger()
     cfg = load_run_config(SftConfig, config, overrides, max_steps, "algorithm.sft.budget.max_steps")
     settings = cfg.settings
-    t = lambda task: bind(task, cfg)  # noqa: E731 - every task stores its result beside the store
+    run_task = RunTasks(cfg)
+    with ResidentTrainer() as resident:
+        train = run_task(load_examples_task)(cfg, "train")
+        tokenized = run_task(tokenize_examples_task)(cfg, train["examples"], "train")
+        _report_tokenized(logger, cfg, tokenized, "train")
+        plan = run_task(plan_batches_task)(cfg, tokenized["samples"], tokenized["kept"])["plan"]
+        packed = run_task(pack_micro_batches_task)(cfg, tokenized["samples"], plan)
+        stats = packed["stats"]
+        logger.info("%d micro-batches over %d steps (packing %s): %d tokens, %.1f%% of processed positions real",
+                    stats["micro_batches"], settings.budget.max_steps, settings.packing.kind, stats["tokens"],
+                    100 * stats["nonpad_fraction"])
+        held_out = None
+        if settings.eval_dataset is not None:
+            eval_examples = run_task(load_examples_task)(cfg, "eval")
+            eval_tokenized = run_task(tokenize_examples_task)(cfg, eval_examples["examples"], "eval")
+            _report_tokenized(logger, cfg, eval_tokenized, "eval")
+            held_out = eval_tokenized["samples"]
 
-    train = t(load_examples_task)(cfg, "train")
-    tokenized = t(tokenize_examples_task)(cfg, train["examples"], "train")
-    _report_tokenized(logger, cfg, tokenized, "train")
-    plan = t(plan_batches_task)(cfg, tokenized["samples"], tokenized["kept"])["plan"]
-    packed = t(pack_micro_batches_task)(cfg, tokenized["samples"], plan)
-    stats = packed["stats"]
-    logger.info("%d micro-batches over %d steps (packing %s): %d tokens, %.1f%% of processed positions real",
-                stats["micro_batches"], settings.budget.max_steps, settings.packing.kind, stats["tokens"],
-                100 * stats["nonpad_fraction"])
-    held_out = None
-    if settings.eval_dataset is not None:
-        eval_examples = t(load_examples_task)(cfg, "eval")
-        eval_tokenized = t(tokenize_examples_task)(cfg, eval_examples["examples"], "eval")
-        _report_tokenized(logger, cfg, eval_tokenized, "eval")
-        held_out = eval_tokenized["samples"]
+        data = (packed["micro_batches"], packed["plan"])
+        initial = run_task(init_model_task)(cfg, *data, resident)["checkpoint"]
+        before = run_task(evaluate_task)(cfg, initial, held_out, "step-0", resident) if held_out else None
+        if before:
+            logger.info("held-out before training: loss %.4f over %d tokens", before["loss"], before["tokens"])
 
-    data = (packed["micro_batches"], packed["plan"])
-    state = t(init_model_task)(cfg, *data)["checkpoint"]
-    before = t(evaluate_task)(cfg, state, held_out, "step-0") if held_out else None
-    if before:
-        logger.info("held-out before training: loss %.4f over %d tokens", before["loss"], before["tokens"])
+        total = settings.budget.max_steps
+        progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-sft {cfg.run.name}: steps done")
 
-    total = settings.budget.max_steps
-    progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-sft {cfg.run.name}: steps done")
-    history, checkpoint = [], state
-    for step, metrics, snapshot in train_steps(t, train_step_task, snapshot_task, cfg, data, state, total=total,
-                                               checkpoint_interval=settings.checkpoint_interval, progress=progress):
-        history.append(metrics)
-        if snapshot:
-            checkpoint = snapshot
-            logger.info("step %d: loss %.4f over %d tokens -> checkpoint %s", step, metrics["loss"],
-                        metrics["tokens/ce"], checkpoint)
+        def report(segment, checkpoint, metrics):
+            logger.info("steps %d-%d: loss %.4f over %d tokens -> checkpoint %s", segment.first, segment.last,
+                        metrics[-1]["loss"], metrics[-1]["tokens/ce"], checkpoint)
 
-    after = t(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}") if held_out else None
+        checkpoint, history = train_in_segments(
+            run_task(train_segment_task), cfg, data, initial, total=total,
+            checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
+            on_segment=report)
+        after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
     metrics_table(cfg, "train-sft", history, METRIC_COLUMNS)

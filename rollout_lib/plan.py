@@ -71,7 +71,7 @@ def _sft_plan(config: SftConfig) -> dict:
 
 
 def _rl_plan(config: RlConfig) -> dict:
-    from rollout_lib.rl import check_distinct_examples, load_prompts
+    from rollout_lib.rl.prompts import check_distinct_examples, load_prompts
 
     settings = config.settings
     prompts = {env.name: load_prompts(env) for env in settings.envs}  # parses or generates every prompt

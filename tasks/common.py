@@ -1,7 +1,10 @@
-"""What every task shares: the store, config (de)serialisation, and cache keys built from content ids.
+"""What every task shares: the store, and cache keys built from content ids.
 
 A task's cache key is blake3(task name, code version, settings hash, content ids of its inputs), never the
 flow run id, so rerunning a flow (CLI rerun, Retry in the UI) returns completed work from cache.
+
+Some task parameters are not inputs but resources the flow owns for the run (the resident trainer, the reward
+loops): they never enter a key (RESOURCE_PARAMETERS).
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import blake3
 
 from rollout_lib.config.loading import settings_hash
 from rollout_lib.store import ObjectStore, canonical_json
-from tasks.code_version import code_version
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from rollout_lib.code_version import code_version
 
 # Task results are small JSON (ids and numbers): they persist, and come back `Cached` on a rerun.
 TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
+
+# Objects a flow creates, hands to its tasks and closes: they change how fast a task runs, never its result.
+RESOURCE_PARAMETERS = frozenset({"resident", "reward_loops"})
 
 
 def open_store(config) -> ObjectStore:
@@ -32,7 +36,7 @@ def content_key(*, ignore: tuple[str, ...] = (), extra: Callable[[dict], dict] |
     def key_fn(context, parameters: dict[str, Any]) -> str:
         inputs = {}
         for name, value in parameters.items():
-            if name in ignore:
+            if name in ignore or name in RESOURCE_PARAMETERS:
                 continue
             inputs[name] = settings_hash(value) if name == "config" else value
         if extra is not None:

@@ -1,12 +1,12 @@
 """Prefect tasks of the train-rl flow, one per stage of a step: thin wrappers that read ids from the store, call
 rollout_lib.rl, write the result and return its id (plus JSON metrics).
 
-    sample-step-k      policy state k-1, prompts      -> rollouts           (live in-memory policy, seeded)
+    sample-step-k      policy state k-1, prompts      -> rollouts           (the resident policy, seeded)
     score-step-k       rollouts                       -> scored rollouts    (the reward loop)
     advantages-step-k  scored rollouts                -> training samples   (per-env algorithms, stamping)
     pack-step-k        training samples               -> micro-batches
-    train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step)
-    snapshot-step-k    policy state k                 -> checkpoint
+    train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step; a snapshot
+                                                                            every checkpoint_interval steps)
 
 Cache keys come from those content ids and the settings hash, never from the run id, so a rerun returns every
 completed stage from cache and resumes where the last run stopped.
@@ -18,14 +18,16 @@ import time
 
 from prefect import task
 
-from rollout_lib import rl, wire
+from rollout_lib import wire
 from rollout_lib.config import RlConfig
-from rollout_lib.config.loading import training_hash
+from rollout_lib.rl.advantages import training_samples
+from rollout_lib.rl.pack import pack
+from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
+from rollout_lib.rl.prompts import load_prompts
+from rollout_lib.rl.sample import build_sampler, sample_rollouts
+from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import TASK_OPTIONS, content_key, file_digest, module_digest, open_store
-
-
-def _run(config: RlConfig, prompts_ids: dict[str, str]) -> rl.RlRun:
-    return rl.RlRun(open_store(config), config, training_hash(config), dict(prompts_ids))
 
 
 def _env(config: RlConfig, name: str):
@@ -45,48 +47,49 @@ def _reward_sources(parameters: dict) -> dict:
     return {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
 
 
-def _prompt_tables(run: rl.RlRun) -> dict:
-    return {env: run.store.get_table(prompts_id, wire.PROMPTS) for env, prompts_id in run.prompts_ids.items()}
+def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
+    store = open_store(config)
+    return {env: store.get_table(prompts_id, wire.PROMPTS) for env, prompts_id in prompts_ids.items()}
 
 
 @task(name="load-prompts", task_run_name="load-prompts-{env}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_source_digest))
 def load_prompts_task(config: RlConfig, env: str) -> dict:
-    table = rl.load_prompts(_env(config, env))
+    table = load_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="init-policy", task_run_name="init-policy", **TASK_OPTIONS, cache_key_fn=content_key())
-def init_policy_task(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
-    return {"checkpoint": rl.initial_policy(_run(config, prompts_ids))}
+def init_policy_task(config: RlConfig, prompts_ids: dict[str, str], resident: ResidentTrainer) -> dict:
+    return {"checkpoint": initial_policy(policy_inputs(open_store(config), config, prompts_ids), resident)}
 
 
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
-def sample_task(config: RlConfig, prompts_ids: dict[str, str], state_id: str, step: int) -> dict:
+def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
+                resident: ResidentTrainer) -> dict:
     started = time.perf_counter()
-    run = _run(config, prompts_ids)
-    policy = rl.policy_at(run, state_id)
-    sampler = rl.build_sampler(config, policy.model, policy.tokenizer)
-    rollouts, metrics = rl.sample_rollouts(config, sampler, _prompt_tables(run), step)
-    return {"rollouts": run.store.put_table(rollouts),
+    policy = policy_at(policy_inputs(open_store(config), config, prompts_ids), policy_state, resident)
+    sampler = build_sampler(config, policy.model, policy.tokenizer)
+    rollouts, metrics = sample_rollouts(config, sampler, _prompt_tables(config, prompts_ids), step)
+    return {"rollouts": open_store(config).put_table(rollouts),
             "metrics": {**metrics, "sample_s": time.perf_counter() - started}}
 
 
 @task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_reward_sources))
-def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int) -> dict:
+def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int,
+               reward_loops: RewardLoops) -> dict:
     started = time.perf_counter()
-    run = _run(config, prompts_ids)
-    rollouts = run.store.get_table(rollouts_id, wire.ROLLOUTS)
-    scored, metrics = rl.score_rollouts(config, rollouts, _prompt_tables(run))
-    return {"rollouts": run.store.put_table(scored),
-            "metrics": {**metrics, "score_s": time.perf_counter() - started}}
+    store = open_store(config)
+    rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
+    scored, metrics = score_rollouts(config, rollouts, _prompt_tables(config, prompts_ids), reward_loops)
+    return {"rollouts": store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
 
 
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
 def advantages_task(config: RlConfig, scored_id: str, step: int) -> dict:
     started = time.perf_counter()
     store = open_store(config)
-    samples, metrics = rl.training_samples(config, store.get_table(scored_id, wire.ROLLOUTS))
+    samples, metrics = training_samples(config, store.get_table(scored_id, wire.ROLLOUTS))
     return {"samples": store.put_table(samples), "metrics": {**metrics, "advantages_s": time.perf_counter() - started}}
 
 
@@ -94,19 +97,20 @@ def advantages_task(config: RlConfig, scored_id: str, step: int) -> dict:
 def pack_task(config: RlConfig, samples_id: str, step: int) -> dict:
     started = time.perf_counter()
     store = open_store(config)
-    micro_batches, metrics = rl.pack(config, store.get_table(samples_id, wire.TRAINING_SAMPLES))
+    micro_batches, metrics = pack(config, store.get_table(samples_id, wire.TRAINING_SAMPLES))
     return {"micro_batches": store.put_table(micro_batches),
             "metrics": {**metrics, "pack_s": time.perf_counter() - started}}
 
 
-@task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
-def train_step_task(config: RlConfig, prompts_ids: dict[str, str], state_id: str, micro_batches_id: str,
-                    step: int) -> dict:
-    state, metrics = rl.advance(_run(config, prompts_ids), state_id, step, micro_batches_id)
-    return {"state": state, "metrics": metrics}
-
-
-@task(name="snapshot", task_run_name="snapshot-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(ignore=("metrics",)))
-def snapshot_task(config: RlConfig, prompts_ids: dict[str, str], state_id: str, step: int, metrics: dict) -> dict:
-    return {"checkpoint": rl.snapshot(_run(config, prompts_ids), state_id, metrics)}
+@task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(ignore=("step_metrics",)))
+def train_step_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, micro_batches_id: str,
+                    step: int, snapshot: bool, step_metrics: dict, resident: ResidentTrainer) -> dict:
+    """One optimizer step; with `snapshot`, the new state is a checkpoint whose manifest keeps `step_metrics`
+    (the sample/score/advantages/pack metrics of the step: consequences of the other inputs, so not keyed)."""
+    started = time.perf_counter()
+    inputs = policy_inputs(open_store(config), config, prompts_ids)
+    state, metrics = train_policy_step(inputs, policy_state, step, micro_batches_id, resident, snapshot=snapshot,
+                                       snapshot_metrics=step_metrics)
+    return {"state": state, "checkpoint": state if snapshot else None,
+            "metrics": {**metrics, "train_s": time.perf_counter() - started}}

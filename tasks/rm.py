@@ -12,8 +12,13 @@ from rollout_lib.config import RmConfig
 from rollout_lib.config.loading import training_hash
 from rollout_lib.data import load_pairs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
-from rollout_lib.rm import RewardModelTrainer, RmRun, evaluate_pairs, plan_batches, tokenize_pairs
-from rollout_lib.trainer import live
+from rollout_lib.rm.evaluate import evaluate_pairs
+from rollout_lib.rm.pairs import tokenize_pairs
+from rollout_lib.rm.trainer import RewardModelTrainer
+from rollout_lib.trainer.base import TrainingInputs
+from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.trainer.resident import ResidentTrainer
+from rollout_lib.trainer.segment import Segment, train_segment
 from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
 
 
@@ -22,8 +27,9 @@ def _dataset_path(config: RmConfig, split: str) -> str:
     return dataset.path
 
 
-def _run(config: RmConfig, tokenized_id: str, plan_id: str) -> RmRun:
-    return RmRun(open_store(config), config, training_hash(config), tokenized_id, plan_id)
+def _inputs(config: RmConfig, tokenized_id: str, plan_id: str) -> TrainingInputs:
+    return TrainingInputs(open_store(config), config, training_hash(config),
+                          {"tokenized": tokenized_id, "plan": plan_id})
 
 
 @task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS,
@@ -49,39 +55,28 @@ def plan_batches_task(config: RmConfig, tokenized_id: str, rows: int) -> dict:
 
 
 @task(name="init-model", task_run_name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
-def init_model_task(config: RmConfig, tokenized_id: str, plan_id: str) -> dict:
-    trainer = RewardModelTrainer.initial(_run(config, tokenized_id, plan_id))
-    live.adopt(trainer.checkpoint_id, trainer)  # step 1 (and the step-0 evaluation) reuse it in this process
+def init_model_task(config: RmConfig, tokenized_id: str, plan_id: str, resident: ResidentTrainer) -> dict:
+    trainer = RewardModelTrainer.initial(_inputs(config, tokenized_id, plan_id))
+    resident.put(trainer.checkpoint_id, trainer)  # the first segment (and the step-0 evaluation) reuse it
     return {"checkpoint": trainer.checkpoint_id}
 
 
-@task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
-def train_step_task(config: RmConfig, tokenized_id: str, plan_id: str, state_id: str, step: int) -> dict:
-    run = _run(config, tokenized_id, plan_id)
-    state, metrics = live.advance(
-        run.store, state_id, step,
-        open_checkpoint=lambda checkpoint_id: RewardModelTrainer.from_checkpoint(run, checkpoint_id),
-        identity={"settings_hash": run.settings_hash, "tokenized": tokenized_id, "plan": plan_id},
-    )
-    return {"state": state, "metrics": metrics}
-
-
-@task(name="snapshot", task_run_name="snapshot-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(ignore=("metrics",)))
-def snapshot_task(config: RmConfig, tokenized_id: str, plan_id: str, state_id: str, step: int,
-                  metrics: dict) -> dict:
-    run = _run(config, tokenized_id, plan_id)
-    checkpoint = live.snapshot(
-        run.store, state_id, metrics,
-        open_checkpoint=lambda checkpoint_id: RewardModelTrainer.from_checkpoint(run, checkpoint_id),
-    )
-    return {"checkpoint": checkpoint}
+@task(name="train-steps", task_run_name="train-steps-{first}-{last}", **TASK_OPTIONS, cache_key_fn=content_key())
+def train_segment_task(config: RmConfig, tokenized_id: str, plan_id: str, checkpoint_id: str, first: int, last: int,
+                       resident: ResidentTrainer) -> dict:
+    """Steps first..last from `checkpoint_id`, then a snapshot: {"checkpoint", "metrics": one dict per step}."""
+    inputs = _inputs(config, tokenized_id, plan_id)
+    trainer = resident.pop(checkpoint_id) or RewardModelTrainer.from_checkpoint(inputs, checkpoint_id)
+    checkpoint, metrics = train_segment(trainer, Segment(first, last))
+    resident.put(checkpoint, trainer)
+    return {"checkpoint": checkpoint, "metrics": metrics}
 
 
 @task(name="evaluate", task_run_name="evaluate-{label}", **TASK_OPTIONS, cache_key_fn=content_key())
-def evaluate_task(config: RmConfig, checkpoint_id: str, tokenized_id: str, label: str) -> dict:
-    run = _run(config, tokenized_id, plan_id="")
-    store = run.store
-    trainer = live.live_trainer(checkpoint_id) or RewardModelTrainer.from_checkpoint(run, checkpoint_id)
-    table = store.get_table(tokenized_id, wire.TOKENIZED_PAIRS)
+def evaluate_task(config: RmConfig, checkpoint_id: str, tokenized_id: str, label: str,
+                  resident: ResidentTrainer) -> dict:
+    # Without a resident trainer at the checkpoint, one is rebuilt only to run its model (no data ids needed).
+    trainer = resident.get(checkpoint_id) or RewardModelTrainer.from_checkpoint(_inputs(config, "", ""),
+                                                                                checkpoint_id)
+    table = open_store(config).get_table(tokenized_id, wire.TOKENIZED_PAIRS)
     return evaluate_pairs(trainer.model, table, trainer.tokenizer.pad_token_id, config.settings.eval_batch_size)

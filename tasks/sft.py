@@ -9,18 +9,14 @@ from rollout_lib.config import SftConfig
 from rollout_lib.config.loading import training_hash
 from rollout_lib.data import load_examples
 from rollout_lib.model.loading import resolve_model
-from rollout_lib.sft import (
-    SftRun,
-    SftTrainer,
-    evaluate_nll,
-    micro_batches_of,
-    padding_stats,
-    plan_micro_batches,
-    sft_tokenizer,
-    tokenize_examples,
-)
-from rollout_lib.trainer import live
+from rollout_lib.sft.batches import micro_batches_of, padding_stats, plan_micro_batches
+from rollout_lib.sft.evaluate import evaluate_nll
+from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
+from rollout_lib.trainer.base import TrainingInputs
+from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
 from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.trainer.resident import ResidentTrainer
+from rollout_lib.trainer.segment import Segment, train_segment
 from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
 
 
@@ -29,12 +25,13 @@ def _dataset_path(config: SftConfig, split: str) -> str:
     return dataset.path
 
 
-def _run(config: SftConfig, micro_batches_id: str, plan_id: str) -> SftRun:
-    return SftRun(open_store(config), config, training_hash(config), micro_batches_id, plan_id)
+def _inputs(config: SftConfig, micro_batches_id: str, plan_id: str) -> TrainingInputs:
+    return TrainingInputs(open_store(config), config, training_hash(config),
+                          {"micro_batches": micro_batches_id, "plan": plan_id})
 
 
-def _opener(run: SftRun):
-    return lambda checkpoint_id: SftTrainer.from_checkpoint(run, checkpoint_id)
+def _batches(inputs: TrainingInputs) -> PlannedBatches:
+    return PlannedBatches(inputs.store, inputs.data_ids["micro_batches"], inputs.data_ids["plan"])
 
 
 @task(name="load-examples", task_run_name="load-examples-{split}", **TASK_OPTIONS,
@@ -75,36 +72,32 @@ def pack_micro_batches_task(config: SftConfig, samples_id: str, plan_id: str) ->
 
 
 @task(name="init-model", task_run_name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
-def init_model_task(config: SftConfig, micro_batches_id: str, plan_id: str) -> dict:
-    trainer = SftTrainer.initial(_run(config, micro_batches_id, plan_id))
-    live.adopt(trainer.checkpoint_id, trainer)  # step 1 (and the step-0 evaluation) reuse it in this process
+def init_model_task(config: SftConfig, micro_batches_id: str, plan_id: str, resident: ResidentTrainer) -> dict:
+    inputs = _inputs(config, micro_batches_id, plan_id)
+    trainer = CausalLmTrainer.initial(inputs, batches=_batches(inputs))
+    resident.put(trainer.checkpoint_id, trainer)  # the first segment (and the step-0 evaluation) reuse it
     return {"checkpoint": trainer.checkpoint_id}
 
 
-@task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
-def train_step_task(config: SftConfig, micro_batches_id: str, plan_id: str, state_id: str, step: int) -> dict:
-    run = _run(config, micro_batches_id, plan_id)
-    state, metrics = live.advance(
-        run.store, state_id, step, open_checkpoint=_opener(run),
-        identity={"settings_hash": run.settings_hash, "micro_batches": micro_batches_id, "plan": plan_id},
-    )
-    return {"state": state, "metrics": metrics}
-
-
-@task(name="snapshot", task_run_name="snapshot-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(ignore=("metrics",)))
-def snapshot_task(config: SftConfig, micro_batches_id: str, plan_id: str, state_id: str, step: int,
-                  metrics: dict) -> dict:
-    run = _run(config, micro_batches_id, plan_id)
-    return {"checkpoint": live.snapshot(run.store, state_id, metrics, open_checkpoint=_opener(run))}
+@task(name="train-steps", task_run_name="train-steps-{first}-{last}", **TASK_OPTIONS, cache_key_fn=content_key())
+def train_segment_task(config: SftConfig, micro_batches_id: str, plan_id: str, checkpoint_id: str, first: int,
+                       last: int, resident: ResidentTrainer) -> dict:
+    """Steps first..last from `checkpoint_id`, then a snapshot: {"checkpoint", "metrics": one dict per step}."""
+    inputs = _inputs(config, micro_batches_id, plan_id)
+    trainer = resident.pop(checkpoint_id) or CausalLmTrainer.from_checkpoint(inputs, checkpoint_id,
+                                                                             batches=_batches(inputs))
+    checkpoint, metrics = train_segment(trainer, Segment(first, last))
+    resident.put(checkpoint, trainer)
+    return {"checkpoint": checkpoint, "metrics": metrics}
 
 
 @task(name="evaluate", task_run_name="evaluate-{label}", **TASK_OPTIONS, cache_key_fn=content_key())
-def evaluate_task(config: SftConfig, checkpoint_id: str, samples_id: str, label: str) -> dict:
+def evaluate_task(config: SftConfig, checkpoint_id: str, samples_id: str, label: str,
+                  resident: ResidentTrainer) -> dict:
     """Held-out loss per trained token of the checkpoint, over the eval samples micro-batched as in training."""
-    run = _run(config, micro_batches_id="", plan_id="")
-    trainer = live.live_trainer(checkpoint_id) or SftTrainer.from_checkpoint(run, checkpoint_id)
+    # Without a resident trainer at the checkpoint, one is rebuilt only to run its model (no data ids needed).
+    trainer = resident.get(checkpoint_id) or CausalLmTrainer.from_checkpoint(_inputs(config, "", ""), checkpoint_id)
     settings = config.settings
-    micro_batches = micro_batches_of(run.store.get_table(samples_id, wire.TRAINING_SAMPLES), settings)
+    micro_batches = micro_batches_of(trainer.inputs.store.get_table(samples_id, wire.TRAINING_SAMPLES), settings)
     return evaluate_nll(trainer.model, micro_batches, packed=settings.packed,
                         pad_token_id=trainer.tokenizer.pad_token_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from tasks.code_version import PROJECT_ROOT, import_closure
+from rollout_lib.code_version import PROJECT_ROOT, import_closure
 
 
 def closure(module: str) -> set[str]:
@@ -15,8 +15,8 @@ def closure(module: str) -> set[str]:
 def test_a_reexporting_package_leads_only_to_the_modules_whose_names_are_used():
     rm = closure("tasks.rm")
     # `from rollout_lib.config import RmConfig` reaches config/rm.py through the package's __init__ ...
-    assert {"rollout_lib/config/__init__.py", "rollout_lib/config/rm.py", "rollout_lib/rm.py",
-            "rollout_lib/store.py", "rollout_lib/trainer/live.py"} <= rm
+    assert {"rollout_lib/config/__init__.py", "rollout_lib/config/rm.py", "rollout_lib/rm/trainer.py",
+            "rollout_lib/store.py", "rollout_lib/trainer/segment.py"} <= rm
     # ... but not the RL and SFT settings that __init__ also imports, nor any RL code.
     assert not {path for path in rm if path.startswith(("rollout_lib/config/rl", "rollout_lib/config/sft",
                                                         "rollout_lib/rl", "rollout_lib/sft", "rollout_lib/algo",
@@ -29,8 +29,8 @@ def test_the_rl_closure_has_the_reward_worker_that_the_pool_starts_by_name():
 
 
 def test_a_name_defined_in_a_package_init_brings_in_everything_that_init_imports(tmp_path, monkeypatch):
-    monkeypatch.setattr("tasks.code_version.PROJECT_ROOT", tmp_path)
-    monkeypatch.setattr("tasks.code_version.PROJECT_PACKAGES", ("probe_pkg", "probe_user"))
+    monkeypatch.setattr("rollout_lib.code_version.PROJECT_ROOT", tmp_path)
+    monkeypatch.setattr("rollout_lib.code_version.PROJECT_PACKAGES", ("probe_pkg", "probe_user"))
     package = tmp_path / "probe_pkg"
     package.mkdir()
     (package / "sub.py").write_text("X = 1\n")

@@ -249,7 +249,7 @@ def test_a_micro_batch_where_every_reward_failed_is_a_zero_gradient_no_op(tiny_m
 
 def test_rl_cache_keys_cover_every_registered_algorithm_and_sampler_module():
     """The registries import their modules at run time; editing one must still invalidate cached RL stages."""
-    from tasks.code_version import import_closure
+    from rollout_lib.code_version import import_closure
 
     closure = {path.as_posix().split("rollout_lib/", 1)[-1] for path in import_closure("tasks.rl")}
     assert {"algo/grpo.py", "algo/max_rl.py", "algo/stamping.py", "sampling/hf.py"} <= closure

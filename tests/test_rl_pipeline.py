@@ -8,20 +8,36 @@ import json
 import pytest
 import torch
 
-from rollout_lib import rl, wire
+from rollout_lib import wire
 from rollout_lib.config import RlConfig, validate_config
-from rollout_lib.config.loading import training_hash
 from rollout_lib.reward.results import AllRewardsFailedError
+from rollout_lib.rl.advantages import training_samples
+from rollout_lib.rl.pack import pack
+from rollout_lib.rl.policy import initial_policy, pending_steps, policy_at, policy_inputs, train_policy_step
+from rollout_lib.rl.prompts import check_distinct_examples, load_prompts
+from rollout_lib.rl.sample import build_sampler, sample_rollouts
+from rollout_lib.rl.score import RewardLoops, score_rollouts
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer import live
+from rollout_lib.trainer.base import TrainingInputs
+from rollout_lib.trainer.resident import ResidentTrainer
 
 
-@pytest.fixture(autouse=True)
-def fresh_process_state():
-    live.forget_live()
-    yield
-    live.forget_live()
-    rl.close_reward_loops()
+@pytest.fixture
+def resident():
+    with ResidentTrainer() as trainer:
+        yield trainer
+
+
+@pytest.fixture
+def reward_loops(tmp_path, tiny_model_dir):
+    loops = {}
+
+    def for_config(cfg: RlConfig) -> RewardLoops:
+        return loops.setdefault(id(cfg), RewardLoops(cfg))
+
+    yield for_config
+    for loop in loops.values():
+        loop.close()
 
 
 def config(tmp_path, tiny_model_dir, words_reward=None, only_words=False, **settings) -> RlConfig:
@@ -54,31 +70,31 @@ def config(tmp_path, tiny_model_dir, words_reward=None, only_words=False, **sett
     return validate_config(RlConfig, raw)
 
 
-def run_for(cfg: RlConfig, store: ObjectStore) -> tuple[rl.RlRun, dict]:
-    prompts = {env.name: rl.load_prompts(env) for env in cfg.settings.envs}
-    rl.check_distinct_examples(prompts)
+def run_for(cfg: RlConfig, store: ObjectStore) -> tuple[TrainingInputs, dict]:
+    prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
+    check_distinct_examples(prompts)
     ids = {name: store.put_table(table) for name, table in prompts.items()}
-    return rl.RlRun(store, cfg, training_hash(cfg), ids), prompts
+    return policy_inputs(store, cfg, ids), prompts
 
 
-def one_step(cfg, run, prompts, state, step):
-    policy = rl.policy_at(run, state)
-    rollouts, sample_metrics = rl.sample_rollouts(cfg, rl.build_sampler(cfg, policy.model, policy.tokenizer),
-                                                  prompts, step)
-    scored, reward_metrics = rl.score_rollouts(cfg, rollouts, prompts)
-    samples, advantage_metrics = rl.training_samples(cfg, scored)
-    micro_batches, _ = rl.pack(cfg, samples)
-    state, train_metrics = rl.advance(run, state, step, run.store.put_table(micro_batches))
+def one_step(cfg, run, prompts, state, step, resident, loops, *, snapshot=False):
+    policy = policy_at(run, state, resident)
+    rollouts, sample_metrics = sample_rollouts(cfg, build_sampler(cfg, policy.model, policy.tokenizer), prompts, step)
+    scored, reward_metrics = score_rollouts(cfg, rollouts, prompts, loops)
+    samples, advantage_metrics = training_samples(cfg, scored)
+    micro_batches, _ = pack(cfg, samples)
+    state, train_metrics = train_policy_step(run, state, step, run.store.put_table(micro_batches), resident,
+                                             snapshot=snapshot)
     return state, {**sample_metrics, **reward_metrics, **advantage_metrics, **train_metrics,
                    "rollouts_table": rollouts, "scored_table": scored, "samples_table": samples,
                    "micro_batches_table": micro_batches}
 
 
-def test_two_envs_two_algorithms_one_step_with_missing_rewards(tmp_path, tiny_model_dir):
+def test_two_envs_two_algorithms_one_step_with_missing_rewards(tmp_path, tiny_model_dir, resident, reward_loops):
     cfg = config(tmp_path, tiny_model_dir)
     run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-a"))
-    state = rl.initial_policy(run)
-    state, out = one_step(cfg, run, prompts, state, 1)
+    state = initial_policy(run, resident)
+    state, out = one_step(cfg, run, prompts, state, 1, resident, reward_loops(cfg))
 
     scored = out["scored_table"]
     assert scored.schema == wire.ROLLOUTS and scored.num_rows == 3 * 3 + 2 * 2
@@ -102,45 +118,50 @@ def test_two_envs_two_algorithms_one_step_with_missing_rewards(tmp_path, tiny_mo
     assert out["rl/mismatch_kl"] == pytest.approx(0.0, abs=1e-5)  # sampler and trainer agree on-policy
 
 
-def test_a_step_where_every_reward_fails_fails_loudly(tmp_path, tiny_model_dir):
+def test_a_step_where_every_reward_fails_fails_loudly(tmp_path, tiny_model_dir, resident, reward_loops):
     cfg = config(tmp_path, tiny_model_dir, words_reward=[{"function": "rollout_lib.reward.examples:always_fails"}],
                  only_words=True)
     run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-b"))
-    policy = rl.policy_at(run, rl.initial_policy(run))
-    rollouts, _ = rl.sample_rollouts(cfg, rl.build_sampler(cfg, policy.model, policy.tokenizer), prompts, 1)
+    policy = policy_at(run, initial_policy(run, resident), resident)
+    rollouts, _ = sample_rollouts(cfg, build_sampler(cfg, policy.model, policy.tokenizer), prompts, 1)
     with pytest.raises(AllRewardsFailedError, match="all 9 rewards failed"):
-        rl.score_rollouts(cfg, rollouts, prompts)
+        score_rollouts(cfg, rollouts, prompts, reward_loops(cfg))
 
 
-def test_replay_from_the_last_snapshot_reaches_the_same_weights(tmp_path, tiny_model_dir):
+def test_replay_from_the_last_snapshot_reaches_the_same_weights(tmp_path, tiny_model_dir, resident, reward_loops):
     cfg = config(tmp_path, tiny_model_dir, words_reward=[{"function": "target_length", "kwargs": {"target": 4}}],
                  only_words=True)
     run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-c"))
-    state = rl.initial_policy(run)
+    start = state = initial_policy(run, resident)
     history = []
     for step in (1, 2):
-        state, out = one_step(cfg, run, prompts, state, step)
+        state, out = one_step(cfg, run, prompts, state, step, resident, reward_loops(cfg))
         history.append(out)
-    live_weights = {k: v.clone() for k, v in rl.policy_at(run, state).model.state_dict().items()}
-    # The pending records chain back to the step-0 snapshot and name each step's micro-batches.
-    assert sorted(rl.replay_batches(run.store, state)) == [1, 2]
+    live_weights = {k: v.clone() for k, v in policy_at(run, state, resident).model.state_dict().items()}
+    # The pending-step records chain back to the step-0 snapshot and name each step's micro-batches.
+    base, batches = pending_steps(run.store, state)
+    assert base == start and sorted(batches) == [1, 2]
 
-    live.forget_live()  # a new process: nothing in memory
-    replayed = rl.policy_at(run, state)
+    resident.close()  # a new process: nothing in memory
+    replayed = policy_at(run, state, resident)
     assert replayed.step == 2
     for name, tensor in replayed.model.state_dict().items():
         assert torch.equal(tensor, live_weights[name]), name
     # ... and it samples step 3 exactly as the live policy would have.
-    sampler = rl.build_sampler(cfg, replayed.model, replayed.tokenizer)
-    again, _ = rl.sample_rollouts(cfg, sampler, prompts, 3)
-    assert again.column("completion_ids").to_pylist() == rl.sample_rollouts(cfg, sampler, prompts, 3)[0].column(
+    sampler = build_sampler(cfg, replayed.model, replayed.tokenizer)
+    again, _ = sample_rollouts(cfg, sampler, prompts, 3)
+    assert again.column("completion_ids").to_pylist() == sample_rollouts(cfg, sampler, prompts, 3)[0].column(
         "completion_ids").to_pylist()
 
-    # Snapshot, then a checkpoint id that does not depend on the store it was written to.
-    checkpoint = rl.snapshot(run, state, {"step": 2})
+    # A snapshot at step 3, then a checkpoint id that does not depend on the store it was written to.
+    checkpoint, out = one_step(cfg, run, prompts, state, 3, resident, reward_loops(cfg), snapshot=True)
+    history.append(out)
+    assert pending_steps(run.store, checkpoint) == (checkpoint, {})
     other_run, _ = run_for(cfg, ObjectStore("memory://rl-pipeline-d"))
-    live.forget_live()
-    other_state = rl.initial_policy(other_run)
-    for step, out in zip((1, 2), history):
-        other_state, _ = rl.advance(other_run, other_state, step, other_run.store.put_table(out["micro_batches_table"]))
-    assert rl.snapshot(other_run, other_state, {"step": 2}) == checkpoint
+    with ResidentTrainer() as other_resident:
+        other_state = initial_policy(other_run, other_resident)
+        for step, out in zip((1, 2, 3), history):
+            other_state, _ = train_policy_step(other_run, other_state, step,
+                                               other_run.store.put_table(out["micro_batches_table"]),
+                                               other_resident, snapshot=step == 3)
+    assert other_state == checkpoint

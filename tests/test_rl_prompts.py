@@ -13,7 +13,7 @@ from rollout_lib.data import DataError, generate_reasoning_gym_prompts, load_jso
 from rollout_lib.reward.functions import resolve_reward_function
 from rollout_lib.reward.loop import score_rollouts_sync
 from rollout_lib.reward.tables import reward_inputs
-from rollout_lib.rl import check_distinct_examples, select_prompts
+from rollout_lib.rl.prompts import check_distinct_examples, select_prompts
 
 
 def write(tmp_path, *lines: str):

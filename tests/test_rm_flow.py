@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
+from clirun import cli_env, final_result, run_rollout, run_until_then_kill, task_run_states
 from rollout_lib.store import ObjectStore
 
 pytestmark = pytest.mark.slow
 
 RESUME_STEPS = ["--set", "algorithm.rm.budget.max_steps=24", "--set", "algorithm.rm.checkpoint_interval=8"]
-
 
 
 def store_files(root: Path) -> dict[str, bytes]:
@@ -30,8 +29,9 @@ def test_train_rm_tiny_then_score_and_export(prefect_server, tmp_path):
     assert ObjectStore(str(store)).get_ref("runs/rm-tiny/latest") == checkpoint
 
     states = task_run_states(result["flow_run_id"])
-    assert {"load-pairs-train", "tokenize-pairs-train", "plan-batches", "init-model", "train-step-1",
-            "train-step-2", "snapshot-step-2"} <= set(states)
+    # rm-tiny snapshots every step: one segment per step.
+    assert {"load-pairs-train", "tokenize-pairs-train", "plan-batches", "init-model", "train-steps-1-1",
+            "train-steps-2-2"} <= set(states)
     assert set(states.values()) == {"Completed"}
 
     data = tmp_path / "responses.jsonl"
@@ -57,9 +57,9 @@ def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_serve
     store = tmp_path / "interrupted"
     args = ["train", "rm", "--config", "configs/rm-tiny.toml", *RESUME_STEPS, "--set", f"run.store={store}"]
     log_path = tmp_path / "killed.log"
-    # Kill after the snapshot at step 8 and a few more steps, mid-way to the next snapshot.
-    killed_log = run_until_then_kill(args, "train-step-12' - Finished", log_path)
-    assert "snapshot-step-8' - Finished" in killed_log and "snapshot-step-24" not in killed_log
+    # Kill inside the second segment (steps 9-16), after its step 12 (ROLLOUT_LOG_LEVEL=DEBUG logs every step).
+    killed_log = run_until_then_kill(args, "step 12: ", log_path, env=cli_env(ROLLOUT_LOG_LEVEL="DEBUG"))
+    assert "train-steps-1-8' - Finished" in killed_log and "train-steps-9-16' - Finished" not in killed_log
 
     rerun = run_rollout(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -67,15 +67,10 @@ def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_serve
     assert result["checkpoint"] == expected  # byte-identical final checkpoint
 
     states = task_run_states(result["flow_run_id"])
-    for name in ["load-pairs-train", "tokenize-pairs-train", "plan-batches", "init-model", "snapshot-step-8",
-                 *[f"train-step-{s}" for s in range(1, 13)]]:
+    for name in ["load-pairs-train", "tokenize-pairs-train", "plan-batches", "init-model", "train-steps-1-8"]:
         assert states[name] == "Cached", (name, states[name])
-    executed = [name for name, state in states.items() if name.startswith("train-step-") and state != "Cached"]
-    first_executed = min(int(name.rsplit("-", 1)[1]) for name in executed)
-    assert first_executed > 12  # nothing before the kill point re-ran
-    # The work since the last snapshot (steps 9..12, or a step or two more if the kill landed a little after the
-    # log line it waited for) was replayed in-process, not re-run as task runs.
-    assert f"replaying steps 9..{first_executed - 1} from checkpoint" in rerun.stdout + rerun.stderr
+    # Only the interrupted segment and the ones after it ran again, the interrupted one from its checkpoint.
+    assert states["train-steps-9-16"] == "Completed" and states["train-steps-17-24"] == "Completed"
 
 
 def test_bad_inputs_fail_with_one_line_naming_the_place(prefect_server, tmp_path):

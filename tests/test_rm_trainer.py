@@ -1,4 +1,5 @@
-"""The RM trainer without Prefect: deterministic replay from snapshots, NaN detection, reusable checkpoints."""
+"""The RM trainer without Prefect: deterministic replay from snapshots, segments, NaN detection, reusable
+checkpoints."""
 
 import uuid
 from pathlib import Path
@@ -11,15 +12,18 @@ from rollout_lib import wire
 from rollout_lib.config import RmConfig, load_config, training_hash
 from rollout_lib.data import load_pairs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
-from rollout_lib.rm import NonFiniteLossError, RewardModelTrainer, RmRun, plan_batches, tokenize_pairs
+from rollout_lib.rm.pairs import tokenize_pairs
+from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer import live
+from rollout_lib.trainer.base import NonFiniteLossError, TrainingInputs
 from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
+from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.trainer.segment import Segment, TrainStepError, plan_segments, train_segment
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_run(tiny_model_dir, overrides=()) -> RmRun:
+def make_run(tiny_model_dir, overrides=()) -> TrainingInputs:
     config = load_config(RmConfig, ROOT / "configs/rm-tiny.toml", [
         f"run.store=memory://rm-{uuid.uuid4().hex}", f"algorithm.rm.base_model={tiny_model_dir}",
         "algorithm.rm.budget.max_steps=6", "algorithm.rm.optimizer.kind=adamw", "algorithm.rm.optimizer.lr=1e-2",
@@ -28,7 +32,8 @@ def make_run(tiny_model_dir, overrides=()) -> RmRun:
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
     tokenized = tokenize_pairs(load_pairs(ROOT / "data/rm-tiny.jsonl"), tokenizer, config.settings.max_seq_len)
     plan = plan_batches(tokenized.num_rows, config.settings.minibatch_size, 6, config.run.seed)
-    return RmRun(store, config, training_hash(config), store.put_table(tokenized), store.put_table(plan))
+    return TrainingInputs(store, config, training_hash(config),
+                          {"tokenized": store.put_table(tokenized), "plan": store.put_table(plan)})
 
 
 def test_plan_is_seeded_and_covers_every_row_each_epoch():
@@ -41,7 +46,7 @@ def test_plan_is_seeded_and_covers_every_row_each_epoch():
 
 def test_resume_from_snapshot_replays_to_identical_weights(tiny_model_dir):
     run = make_run(tiny_model_dir)
-    start = RewardModelTrainer.initial_checkpoint(run)
+    start = RewardModelTrainer.initial(run).checkpoint_id
     uninterrupted = RewardModelTrainer.from_checkpoint(run, start)
     for step in range(1, 7):
         metrics = uninterrupted.train_step(step)
@@ -64,30 +69,47 @@ def test_resume_from_snapshot_replays_to_identical_weights(tiny_model_dir):
     assert manifest_b["parent"] == middle
 
 
-def test_pending_state_replays_from_the_last_snapshot(tiny_model_dir):
-    run = make_run(tiny_model_dir)
-    opener = lambda cid: RewardModelTrainer.from_checkpoint(run, cid)  # noqa: E731
-    identity = {"settings_hash": run.settings_hash}
-    state = RewardModelTrainer.initial_checkpoint(run)
-    for step in (1, 2):
-        state, metrics = live.advance(run.store, state, step, open_checkpoint=opener, identity=identity)
-    checkpoint = live.snapshot(run.store, state, metrics, open_checkpoint=opener)
-    state, _ = live.advance(run.store, checkpoint, 3, open_checkpoint=opener, identity=identity)
-    state, metrics = live.advance(run.store, state, 4, open_checkpoint=opener, identity=identity)
-    expected = live.snapshot(run.store, state, metrics, open_checkpoint=opener)
+def test_segments_end_at_every_snapshot_and_at_the_last_step():
+    assert plan_segments(7, 3) == [Segment(1, 3), Segment(4, 6), Segment(7, 7)]
+    assert plan_segments(6, 3) == [Segment(1, 3), Segment(4, 6)]
+    assert plan_segments(2, 10) == [Segment(1, 2)]
+    assert [list(s.steps) for s in plan_segments(4, 1)] == [[1], [2], [3], [4]]
 
-    live.forget_live()  # as after a crash: only the store is left
-    replayed = live.snapshot(run.store, state, metrics, open_checkpoint=opener)
-    assert replayed == expected
+
+def test_a_segment_rerun_from_its_start_checkpoint_reaches_the_same_checkpoint(tiny_model_dir):
+    run = make_run(tiny_model_dir)
+    start = RewardModelTrainer.initial(run).checkpoint_id
+    first, _ = train_segment(RewardModelTrainer.from_checkpoint(run, start), Segment(1, 3))
+    trainer = RewardModelTrainer.from_checkpoint(run, first)
+    expected, metrics = train_segment(trainer, Segment(4, 6))
+    assert [m["step"] for m in metrics] == [4, 5, 6] and trainer.step == 6
+    # A process killed inside the second segment has only `first` in the store: the rerun starts from it.
+    assert train_segment(RewardModelTrainer.from_checkpoint(run, first), Segment(4, 6))[0] == expected
+    assert read_manifest(run.store, expected)["parent"] == first
+
+
+def test_a_segment_refuses_a_trainer_at_another_step(tiny_model_dir):
+    run = make_run(tiny_model_dir)
+    trainer = RewardModelTrainer.initial(run)
+    with pytest.raises(RuntimeError, match="the trainer is at step 0; segment 2-3 starts after step 1"):
+        train_segment(trainer, Segment(2, 3))
+
+
+def test_a_failing_step_inside_a_segment_is_named(tiny_model_dir):
+    run = make_run(tiny_model_dir, ["algorithm.rm.optimizer.lr=1e30", "algorithm.rm.optimizer.kind=sgd"])
+    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial(run).checkpoint_id)
+    with pytest.raises(TrainStepError, match=r"^train step 2: NonFiniteLossError: loss is nan") as caught:
+        train_segment(trainer, Segment(1, 3))
+    assert isinstance(caught.value.__cause__, NonFiniteLossError)
 
 
 def test_non_finite_loss_fails_the_step_and_leaves_weights_untouched(tiny_model_dir):
     run = make_run(tiny_model_dir)
-    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial_checkpoint(run))
+    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial(run).checkpoint_id)
     with torch.no_grad():
         trainer.model.score.weight.fill_(float("nan"))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items() if "score" not in k}
-    with pytest.raises(NonFiniteLossError, match="train step 1: loss is nan"):
+    with pytest.raises(NonFiniteLossError, match="^loss is nan"):
         trainer.train_step(1)
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -95,7 +117,7 @@ def test_non_finite_loss_fails_the_step_and_leaves_weights_untouched(tiny_model_
 
 def test_steps_run_strictly_in_order(tiny_model_dir):
     run = make_run(tiny_model_dir)
-    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial_checkpoint(run))
+    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial(run).checkpoint_id)
     with pytest.raises(RuntimeError, match="reward_model trainer is at step 0; cannot run step 2"):
         trainer.train_step(2)
     assert trainer.train_step(1)["step"] == 1 and trainer.step == 1
@@ -105,7 +127,7 @@ def test_steps_run_strictly_in_order(tiny_model_dir):
 
 def test_checkpoint_exports_as_a_loadable_hf_directory(tiny_model_dir, tmp_path):
     run = make_run(tiny_model_dir)
-    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial_checkpoint(run))
+    trainer = RewardModelTrainer.from_checkpoint(run, RewardModelTrainer.initial(run).checkpoint_id)
     metrics = trainer.train_step(1)
     checkpoint = trainer.snapshot(metrics)
     manifest = read_manifest(run.store, checkpoint)
@@ -115,7 +137,7 @@ def test_checkpoint_exports_as_a_loadable_hf_directory(tiny_model_dir, tmp_path)
     assert not list(directory.glob("*.bin")) and not list(directory.glob("*.pkl"))
     reloaded = AutoModelForSequenceClassification.from_pretrained(directory).eval()
     trainer.model.eval()
-    ids = torch.tensor([run.store.get_table(run.tokenized_id, wire.TOKENIZED_PAIRS)
+    ids = torch.tensor([run.store.get_table(run.data_ids["tokenized"], wire.TOKENIZED_PAIRS)
                         .column("chosen_input_ids")[0].as_py()])
     with torch.no_grad():
         assert torch.allclose(reloaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-6)

@@ -11,7 +11,7 @@ import pytest
 from rollout_lib import wire
 from rollout_lib.data import DataError
 from rollout_lib.model.loading import ResolvedModel, load_tokenizer
-from rollout_lib.sft import (
+from rollout_lib.sft.tokenize import (
     assistant_mask_from_generation_tags,
     assistant_mask_from_prefixes,
     has_generation_tags,

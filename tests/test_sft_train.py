@@ -21,13 +21,15 @@ from rollout_lib.model import packed_attention
 from rollout_lib.model.loading import ResolvedModel, load_tokenizer
 from rollout_lib.model.packed_attention import PACKED_SDPA, use_packed_attention
 from rollout_lib.packing import batch_unpacked, collate_micro_batch, pack_samples, token_logprobs
-from rollout_lib.sft import SftRun, SftTrainer, evaluate_nll, plan_micro_batches, tokenize_examples
+from rollout_lib.sft.batches import plan_micro_batches
+from rollout_lib.sft.evaluate import evaluate_nll
+from rollout_lib.sft.tokenize import tokenize_examples
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer import live
-from rollout_lib.trainer.base import NonFiniteLossError
-from rollout_lib.trainer.causal import train_on_micro_batches
+from rollout_lib.trainer.base import NonFiniteLossError, TrainingInputs
+from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches, train_on_micro_batches
 from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
 from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.trainer.segment import plan_segments, train_segment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -305,7 +307,7 @@ def chat_file(tmp_path) -> Path:
     return path
 
 
-def make_run(tmp_path, tiny_model_dir, *overrides) -> SftRun:
+def make_run(tmp_path, tiny_model_dir, *overrides) -> TrainingInputs:
     config = load_config(SftConfig, ROOT / "configs/sft-tiny.toml", [
         f"run.store=memory://sft-{uuid.uuid4().hex}", f"algorithm.sft.base_model.uri={tiny_model_dir}",
         f"algorithm.sft.dataset.path={chat_file(tmp_path)}", "algorithm.sft.budget.max_steps=6",
@@ -318,7 +320,16 @@ def make_run(tmp_path, tiny_model_dir, *overrides) -> SftRun:
                                 max_seq_len=settings.packing.max_seq_len).samples
     plan = plan_batches(samples.num_rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
     micro_batches, micro_plan = plan_micro_batches(samples, plan, settings)
-    return SftRun(store, config, training_hash(config), store.put_table(micro_batches), store.put_table(micro_plan))
+    return TrainingInputs(store, config, training_hash(config),
+                          {"micro_batches": store.put_table(micro_batches), "plan": store.put_table(micro_plan)})
+
+
+def open_trainer(run: TrainingInputs, checkpoint_id: str | None = None) -> CausalLmTrainer:
+    """The SFT trainer at `checkpoint_id` (at step 0 when None), reading the run's planned micro-batches."""
+    batches = PlannedBatches(run.store, run.data_ids["micro_batches"], run.data_ids["plan"])
+    if checkpoint_id is None:
+        return CausalLmTrainer.initial(run, batches=batches)
+    return CausalLmTrainer.from_checkpoint(run, checkpoint_id, batches=batches)
 
 
 def test_plan_micro_batches_follows_the_seeded_plan(samples):
@@ -341,43 +352,41 @@ def test_plan_micro_batches_follows_the_seeded_plan(samples):
                                                                                           "line-2"]
 
 
-def run_steps(run, state, steps, interval, *, lose_process_after=None):
-    opener = lambda checkpoint_id: SftTrainer.from_checkpoint(run, checkpoint_id)  # noqa: E731
-    for step_number in range(1, steps + 1):
-        state, metrics = live.advance(run.store, state, step_number, open_checkpoint=opener, identity={})
-        if step_number % interval == 0 or step_number == steps:
-            state = live.snapshot(run.store, state, metrics, open_checkpoint=opener)
-        if step_number == lose_process_after:
-            live.forget_live()  # as a new process: the next step replays from the last snapshot
-    return state
+def run_segments(run, checkpoint, steps, interval, *, lose_process_after_segment=None):
+    """Segments of `interval` steps from `checkpoint`; the trainer is kept between segments unless the process
+    is 'lost' after segment number `lose_process_after_segment` (then the next segment reopens its checkpoint)."""
+    trainer = open_trainer(run, checkpoint)
+    for number, segment in enumerate(plan_segments(steps, interval), start=1):
+        checkpoint, _ = train_segment(trainer, segment)
+        if number == lose_process_after_segment:
+            trainer = open_trainer(run, checkpoint)
+    return checkpoint
 
 
 @pytest.mark.parametrize("packing", ["off", "on"])
-def test_replay_from_a_snapshot_reaches_the_same_checkpoint_id(tmp_path, tiny_model_dir, packing):
+def test_resuming_from_a_snapshot_reaches_the_same_checkpoint_id(tmp_path, tiny_model_dir, packing):
     run = make_run(tmp_path, tiny_model_dir, f"algorithm.sft.packing.kind={packing}",
                    "algorithm.sft.packing.max_seq_len=96")
-    start = SftTrainer.initial_checkpoint(run)
-    live.forget_live()
-    uninterrupted = run_steps(run, start, 6, interval=2)
-    live.forget_live()
-    interrupted = run_steps(run, start, 6, interval=2, lose_process_after=3)
-    live.forget_live()
+    start = open_trainer(run).checkpoint_id
+    uninterrupted = run_segments(run, start, 6, interval=2)
+    interrupted = run_segments(run, start, 6, interval=2, lose_process_after_segment=1)
     assert interrupted == uninterrupted
     manifest = read_manifest(run.store, uninterrupted)
     assert manifest["kind_of_model"] == "causal_lm" and manifest["step"] == 6
     assert "tokens_per_s" not in manifest["metrics"] and manifest["metrics"]["tokens/ce"] > 0
-    assert manifest["data"] == {"micro_batches": run.micro_batches_id, "plan": run.plan_id, "cursor": 6}
+    assert manifest["data"] == {**run.data_ids, "cursor": 6}
 
 
 def test_training_lowers_the_loss_and_the_checkpoint_loads_and_generates(tmp_path, tiny_model_dir):
     run = make_run(tmp_path, tiny_model_dir, "algorithm.sft.packing.kind=on", "algorithm.sft.budget.max_steps=8")
-    trainer = SftTrainer.initial(run)
+    trainer = open_trainer(run)
     pad = trainer.tokenizer.pad_token_id
-    before = evaluate_nll(trainer.model, trainer.micro_batches, packed=True, pad_token_id=pad)
+    every_step = trainer.batches.micro_batches
+    before = evaluate_nll(trainer.model, every_step, packed=True, pad_token_id=pad)
     for step_number in range(1, 9):
         metrics = trainer.train_step(step_number)
     checkpoint = trainer.snapshot(metrics)
-    after = evaluate_nll(trainer.model, trainer.micro_batches, packed=True, pad_token_id=pad)
+    after = evaluate_nll(trainer.model, every_step, packed=True, pad_token_id=pad)
     assert after["loss"] < before["loss"] and after["tokens"] == before["tokens"] > 0
 
     directory = export_hf_directory(run.store, checkpoint, tmp_path / "hf")

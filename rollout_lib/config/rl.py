@@ -108,6 +108,14 @@ class RlSettings(StrictModel):
     reward_loop: RewardLoopSettings = RewardLoopSettings()
     envs: list[EnvSettings] = Field(min_length=1)
 
+    @property
+    def packed(self) -> bool:
+        return self.packing
+
+    def loss_kwargs(self) -> dict:
+        """Settings of the rl and ref_kl loss components, as `losses.component_loss` takes them."""
+        return self.loss.model_dump()
+
 
 class RlAlgorithm(StrictModel):
     kind: Literal["rl"] = "rl"

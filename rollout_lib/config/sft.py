@@ -57,6 +57,10 @@ class SftSettings(StrictModel):
     def packed(self) -> bool:
         return self.packing.kind == "on"
 
+    def loss_kwargs(self) -> dict:
+        """Settings of the rl/ref_kl loss components: SFT trains ce only."""
+        return {}
+
     @property
     def sequences_per_micro_batch(self) -> int:
         """Packing off: how many sequences one padded micro-batch holds."""

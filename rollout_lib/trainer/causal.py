@@ -1,4 +1,8 @@
-"""The algorithm-blind causal-LM optimizer step, shared by SFT and RL.
+"""The causal-LM trainer of SFT and RL: one class, and the algorithm-blind optimizer step it runs.
+
+`CausalLmTrainer` differs between SFT and RL only in where a step's micro-batches come from (`StepBatches`):
+SFT plans every step's micro-batches before training (`PlannedBatches`), RL packs them step by step from fresh
+rollouts (`RecordedBatches`).
 
 One call is one optimizer step over the micro-batches of that step (wire.MICRO_BATCHES rows):
 
@@ -20,17 +24,20 @@ The caller sets the learning rate and seeds the RNG (dropout) before calling.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import pyarrow as pa
 import torch
 
+from rollout_lib import wire
 from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens
+from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
+from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
-from rollout_lib.trainer.base import NonFiniteLossError
-from rollout_lib.trainer.optim import clip_gradients
-
-# Metrics that measure the machine, not the training: they differ run to run, so manifests leave them out.
-TIMING_METRICS = frozenset({"tokens_per_s"})
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
+from rollout_lib.trainer.determinism import use_deterministic_torch
+from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 
 
 def train_on_micro_batches(
@@ -108,3 +115,79 @@ def train_on_micro_batches(
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
     })
     return metrics
+
+
+# --- where a step's micro-batches come from ---------------------------------------------------------------------
+
+
+class StepBatches(Protocol):
+    def for_step(self, step: int) -> pa.Table:
+        """wire.MICRO_BATCHES of optimizer step `step`."""
+        ...
+
+
+class PlannedBatches:
+    """SFT: every step's micro-batches in one table, and a plan of which rows each step trains on."""
+
+    def __init__(self, store: ObjectStore, micro_batches_id: str, plan_id: str):
+        self.micro_batches = store.get_table(micro_batches_id, wire.MICRO_BATCHES)
+        self.plan = store.get_table(plan_id, wire.BATCH_PLAN)
+
+    def for_step(self, step: int) -> pa.Table:
+        return self.micro_batches.take(self.plan.column("row_indices")[step - 1].as_py())
+
+
+class RecordedBatches:
+    """RL: the micro-batches table id each step trains on, recorded as the pack stage produces them."""
+
+    def __init__(self, store: ObjectStore, by_step: dict[int, str] | None = None):
+        self.store = store
+        self.by_step = dict(by_step or {})
+
+    def record(self, step: int, micro_batches_id: str) -> None:
+        self.by_step[step] = micro_batches_id
+
+    def for_step(self, step: int) -> pa.Table:
+        if step not in self.by_step:
+            raise RuntimeError(f"no micro-batches recorded for step {step}")
+        return self.store.get_table(self.by_step[step], wire.MICRO_BATCHES)
+
+
+# --- the trainer ----------------------------------------------------------------------------------------------
+
+
+class CausalLmTrainer(CheckpointedTrainer):
+    """A causal LM trained one optimizer step at a time on `batches.for_step(step)`.
+
+    Its settings (SftSettings or RlSettings) give `base_model`, `optimizer`, `budget`, `packed` and
+    `loss_kwargs()` (the rl/ref_kl loss settings; none for SFT). Packed micro-batches run per-sequence attention
+    (`model.packed_attention`)."""
+
+    kind_of_model = "causal_lm"
+
+    def __init__(self, *args, batches: StepBatches | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = batches
+
+    @classmethod
+    def build(cls, inputs: TrainingInputs):
+        use_deterministic_torch()
+        resolved = resolve_model(inputs.settings.base_model)
+        tokenizer = load_tokenizer(resolved)
+        torch.manual_seed(inputs.config.run.seed)
+        model = load_causal_lm(resolved)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        if inputs.settings.packed:
+            use_packed_attention(model)  # attention per packed sequence, without the masked-out blocks
+        optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
+        return model, tokenizer, optimizer
+
+    def run_step(self, step: int) -> dict[str, float]:
+        if self.batches is None:
+            raise RuntimeError("this trainer was given no micro-batches to train on")
+        settings = self.inputs.settings
+        return train_on_micro_batches(
+            self.model, self.optimizer, self.batches.for_step(step), packed=settings.packed,
+            pad_token_id=self.tokenizer.pad_token_id, max_grad_norm=settings.optimizer.max_grad_norm,
+            rl_kwargs=settings.loss_kwargs(),
+        )

@@ -7,6 +7,7 @@ parent and settings produce the same id, byte for byte. Nothing is ever unpickle
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,16 @@ def export_hf_directory(store: ObjectStore, checkpoint_id: str, directory: str |
         (directory / name).write_bytes(store.get_bytes(object_id))
     save_file(store.get_tensors(manifest["weights"]), str(directory / "model.safetensors"), {"format": "pt"})
     return directory
+
+
+_HEX_ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+def resolve_checkpoint(store: ObjectStore, reference: str) -> str:
+    """A checkpoint id, or a ref name such as `runs/<name>/latest`."""
+    if _HEX_ID.match(reference):
+        return reference
+    checkpoint_id = store.get_ref(reference)
+    if checkpoint_id is None:
+        raise StoreError(f"{reference!r} is neither a checkpoint id nor a ref in {store.root}")
+    return checkpoint_id

@@ -1,27 +1,14 @@
-"""Use a trained reward-model checkpoint again: resolve it (id or ref), rebuild the model, score responses."""
+"""A finished reward-model checkpoint used again: rebuilt from the store alone (id or ref), scoring responses."""
 
 from __future__ import annotations
 
-import re
 import tempfile
 
 import pyarrow as pa
 
-from rollout_lib.rm import score_responses
+from rollout_lib.rm.evaluate import score_responses
 from rollout_lib.store import ObjectStore, StoreError
-from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
-
-_HEX_ID = re.compile(r"^[0-9a-f]{64}$")
-
-
-def resolve_checkpoint(store: ObjectStore, reference: str) -> str:
-    """A checkpoint id, or a ref name such as `runs/<name>/latest`."""
-    if _HEX_ID.match(reference):
-        return reference
-    checkpoint_id = store.get_ref(reference)
-    if checkpoint_id is None:
-        raise StoreError(f"{reference!r} is neither a checkpoint id nor a ref in {store.root}")
-    return checkpoint_id
+from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest, resolve_checkpoint
 
 
 def load_reward_checkpoint(store: ObjectStore, reference: str):

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning: conversations -> tokens with loss masks -> micro-batches per step -> the causal step.
+"""SFT data: conversations -> tokens with loss masks (wire.TRAINING_SAMPLES).
 
 Masks come from the tokenizer's chat template. A template that marks assistant output with
 `{% generation %}` says itself what the model generates; for one without (SmolLM2's ChatML), each assistant
@@ -11,35 +11,21 @@ turn is located by rendering prefixes of the conversation and diffing:
 and a token is trained when it starts inside a span. Both ways train every assistant turn of a multi-turn chat,
 end-of-turn token included (the model must learn to stop). Samples ship `ce_weights` = the mask as floats and
 no rl/ref_kl weights, so the algorithm-blind step (`rollout_lib.trainer.causal`) trains them with masked NLL.
-
-Deterministic on CPU like the RM trainer: the data order comes from the seed, packing is deterministic, each
-step seeds its RNG from (seed, step) and the learning rate is a function of the step.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import dataclass
 
 import jinja2
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from rollout_lib import wire
-from rollout_lib.config.sft import SftConfig, SftSettings
 from rollout_lib.data.jsonl import DataError
-from rollout_lib.losses import masked_nll_sum
-from rollout_lib.model.loading import ModelLoadError, ResolvedModel, load_causal_lm, load_tokenizer, resolve_model
-from rollout_lib.model.packed_attention import use_packed_attention
-from rollout_lib.packing import batch_unpacked, collate_micro_batch, pack_samples, token_logprobs
-from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.base import CheckpointedTrainer
-from rollout_lib.trainer.causal import TIMING_METRICS, train_on_micro_batches
-from rollout_lib.trainer.determinism import use_deterministic_torch
-from rollout_lib.trainer.optim import build_optimizer
+from rollout_lib.model.loading import ModelLoadError, ResolvedModel, load_tokenizer
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -158,108 +144,3 @@ def tokenize_examples(examples: pa.Table, tokenizer, *, loss_on: str, max_seq_le
         )
     return Tokenized(pa.Table.from_pylist(records, schema=wire.TRAINING_SAMPLES), examples.num_rows, truncated,
                      empty)
-
-
-# --- samples -> micro-batches --------------------------------------------------------------------------------
-
-
-def micro_batches_of(samples: pa.Table, settings: SftSettings) -> pa.Table:
-    """One step's samples as wire.MICRO_BATCHES: packed into <= max_seq_len tokens, or padded groups."""
-    if settings.packed:
-        return pack_samples(samples, settings.packing.max_seq_len)
-    return batch_unpacked(samples, settings.sequences_per_micro_batch, max_seq_len=settings.packing.max_seq_len)
-
-
-def plan_micro_batches(samples: pa.Table, plan: pa.Table, settings: SftSettings) -> tuple[pa.Table, pa.Table]:
-    """Every step's micro-batches, from a wire.BATCH_PLAN over sample rows (`determinism.plan_batches`).
-
-    Returns (MICRO_BATCHES of all steps, one after another; BATCH_PLAN whose row_indices index that table).
-    A sample drawn twice into one step (a step spanning two epochs) gets `#2` appended to its id there."""
-    tables, plan_rows, offset = [], [], 0
-    for step, rows in zip(plan["step"].to_pylist(), plan["row_indices"].to_pylist()):
-        step_samples = samples.take(rows)
-        ids = step_samples["sample_id"].to_pylist()
-        if len(set(ids)) != len(ids):
-            seen: dict[str, int] = {}
-            for index, sample_id in enumerate(ids):
-                seen[sample_id] = seen.get(sample_id, 0) + 1
-                ids[index] = sample_id if seen[sample_id] == 1 else f"{sample_id}#{seen[sample_id]}"
-            column = step_samples.schema.get_field_index("sample_id")
-            step_samples = step_samples.set_column(column, "sample_id", pa.array(ids, pa.string()))
-        table = micro_batches_of(step_samples, settings)
-        tables.append(table)
-        plan_rows.append({"step": step, "row_indices": list(range(offset, offset + table.num_rows))})
-        offset += table.num_rows
-    return (pa.concat_tables(tables).combine_chunks(), pa.Table.from_pylist(plan_rows, schema=wire.BATCH_PLAN))
-
-
-def padding_stats(micro_batches: pa.Table, *, packed: bool) -> dict:
-    """Tokens, positions a forward pass processes (padding included) and their ratio, without running a model."""
-    lengths = micro_batches["sequence_lengths"].to_pylist()
-    tokens = sum(sum(row) for row in lengths)
-    positions = tokens if packed else sum(len(row) * max(row) for row in lengths)
-    return {"micro_batches": len(lengths), "tokens": tokens, "positions": positions,
-            "nonpad_fraction": tokens / positions if positions else 0.0}
-
-
-# --- training ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SftRun:
-    """Content ids and settings that define a run; everything a trainer needs to (re)build itself."""
-
-    store: ObjectStore
-    config: SftConfig
-    settings_hash: str
-    micro_batches_id: str
-    plan_id: str
-
-
-class SftTrainer(CheckpointedTrainer):
-    kind_of_model = "causal_lm"
-    timing_metrics = TIMING_METRICS
-
-    @classmethod
-    def build(cls, run: SftRun):
-        use_deterministic_torch()
-        resolved = resolve_model(run.config.settings.base_model)
-        tokenizer = sft_tokenizer(resolved)
-        torch.manual_seed(run.config.run.seed)
-        model = load_causal_lm(resolved)
-        if run.config.settings.packed:
-            use_packed_attention(model)  # attention per packed sequence, without the masked-out blocks
-        optimizer = build_optimizer(model.parameters(), run.config.settings.optimizer)
-        return model, tokenizer, optimizer
-
-    def data_ids(self) -> dict[str, str]:
-        return {"micro_batches": self.run.micro_batches_id, "plan": self.run.plan_id}
-
-    @property
-    def micro_batches(self) -> pa.Table:
-        return self.table(self.run.micro_batches_id, wire.MICRO_BATCHES)
-
-    @property
-    def plan(self) -> pa.Table:
-        return self.table(self.run.plan_id, wire.BATCH_PLAN)
-
-    def run_step(self, step: int) -> dict[str, float]:
-        settings = self.run.config.settings
-        rows = self.plan.column("row_indices")[step - 1].as_py()
-        return train_on_micro_batches(
-            self.model, self.optimizer, self.micro_batches.take(rows), packed=settings.packed,
-            pad_token_id=self.tokenizer.pad_token_id, max_grad_norm=settings.optimizer.max_grad_norm,
-        )
-
-
-@torch.no_grad()
-def evaluate_nll(model, micro_batches: pa.Table, *, packed: bool, pad_token_id: int) -> dict[str, float]:
-    """Held-out loss: mean NLL per trained token (ce weights), its perplexity, and the token count."""
-    model.eval()
-    nll, tokens = 0.0, 0
-    for row in micro_batches.to_pylist():
-        batch = collate_micro_batch(row, packed=packed, pad_token_id=pad_token_id)
-        nll += masked_nll_sum(token_logprobs(model, batch), batch["ce_weights"]).item()
-        tokens += int((batch["ce_weights"] != 0).sum())
-    loss = nll / tokens if tokens else float("nan")
-    return {"loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"), "tokens": tokens}

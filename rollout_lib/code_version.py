@@ -16,7 +16,8 @@ from pathlib import Path
 
 import blake3
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from rollout_lib.paths import PROJECT_ROOT
+
 PROJECT_PACKAGES = ("rollout_lib", "tasks")
 
 

@@ -1,0 +1,37 @@
+"""Each env's prompts, and the ones a step draws from them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from rollout_lib.config.rl import EnvSettings
+from rollout_lib.data import DataError, load_env_prompts
+from rollout_lib.trainer.determinism import derived_seed
+
+
+def load_prompts(env: EnvSettings) -> pa.Table:
+    """The env's PROMPTS, checked against what every step draws from it."""
+    table = load_env_prompts(env)
+    if env.prompts_per_step > table.num_rows:
+        raise DataError(f"env {env.name!r}: prompts_per_step = {env.prompts_per_step} but its source has only "
+                        f"{table.num_rows} prompts")
+    return table
+
+
+def check_distinct_examples(prompt_tables: dict[str, pa.Table]) -> None:
+    """Example ids name groups and samples across envs, so two envs may not share one."""
+    owner: dict[str, str] = {}
+    for env, table in prompt_tables.items():
+        for example_id in table.column("example_id").to_pylist():
+            if example_id in owner:
+                raise DataError(f"example id {example_id!r} is in envs {owner[example_id]!r} and {env!r}; "
+                                "give the JSONL rows distinct ids")
+            owner[example_id] = env
+
+
+def select_prompts(prompts: pa.Table, count: int, *, seed: int, step: int, env_index: int) -> pa.Table:
+    """`count` distinct prompts drawn at random for this (seed, step, env): any step's prompts are known without
+    replaying the steps before it."""
+    rng = np.random.default_rng(derived_seed(seed, "prompts", step, env_index))
+    return prompts.take(rng.choice(prompts.num_rows, size=count, replace=False).tolist())

@@ -1,0 +1,74 @@
+"""The score stage: rewards for every rollout of a step, each env with its own reward functions, concurrently."""
+
+from __future__ import annotations
+
+import asyncio
+
+import blake3
+import pyarrow as pa
+
+from rollout_lib.config.rl import EnvSettings, RlConfig
+from rollout_lib.reward.functions import resolve_reward_function
+from rollout_lib.reward.loop import RewardLoop, raise_if_all_missing, reward_metrics
+from rollout_lib.reward.tables import apply_rewards, reward_inputs
+from rollout_lib.store import canonical_json
+
+
+class RewardLoops:
+    """The reward loops of a run (they own worker processes), one per distinct reward settings, created on first
+    use and reused across steps. Whoever creates it closes it (`with RewardLoops(...) as loops:`)."""
+
+    def __init__(self, config: RlConfig):
+        self.settings = config.settings.reward_loop
+        self._loops: dict[str, RewardLoop] = {}
+
+    def for_env(self, env: EnvSettings) -> RewardLoop:
+        key = blake3.blake3(canonical_json([env.model_dump(mode="json")["rewards"],
+                                            self.settings.model_dump(mode="json")])).hexdigest()
+        if key not in self._loops:
+            functions = [(resolve_reward_function(r.function, r.kwargs), r.weight) for r in env.rewards]
+            self._loops[key] = RewardLoop(functions, concurrency=self.settings.concurrency,
+                                          timeout_s=self.settings.timeout_s, sync_workers=self.settings.sync_workers)
+        return self._loops[key]
+
+    def close(self) -> None:
+        while self._loops:
+            _, loop = self._loops.popitem()
+            loop.close()
+
+    def __enter__(self) -> "RewardLoops":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str, pa.Table],
+                   loops: RewardLoops) -> tuple[pa.Table, dict]:
+    """Rewards (null + error when missing) for every rollout, each env with its own functions, all concurrently.
+
+    Raises AllRewardsFailedError when not a single rollout of the step got a reward."""
+    envs = rollouts.column("env").to_pylist()
+    rows_by_env = {env.name: [i for i, name in enumerate(envs) if name == env.name] for env in config.settings.envs}
+
+    async def score_all():
+        return await asyncio.gather(*(
+            loops.for_env(env).ascore(reward_inputs(rollouts.take(rows_by_env[env.name]), prompt_tables[env.name]))
+            for env in config.settings.envs
+        ))
+
+    results: list = [None] * rollouts.num_rows
+    metrics: dict = {}
+    for env, env_results in zip(config.settings.envs, asyncio.run(score_all())):
+        for row, result in zip(rows_by_env[env.name], env_results):
+            results[row] = result
+        if len(config.settings.envs) > 1:
+            env_metrics = reward_metrics(env_results)
+            metrics[f"reward_mean/{env.name}"] = env_metrics["reward_mean"]
+            metrics[f"missing_rewards/{env.name}"] = env_metrics["n_missing"]
+    raise_if_all_missing(results)
+    overall = reward_metrics(results)
+    errors = sorted({r.error for r in results if r.error})
+    metrics.update({"reward_mean": overall["reward_mean"], "reward_std": overall["reward_std"],
+                    "missing_rewards": overall["n_missing"], "reward_errors": errors[:3]})
+    return apply_rewards(rollouts, results), metrics

@@ -1,0 +1,37 @@
+"""A reward model measured and used: held-out pair accuracy, and rewards of (prompt, response) rows."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import torch
+
+from rollout_lib import wire
+from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
+from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_scores
+from rollout_lib.rm.pairs import collate_pairs, forward_pairs
+
+
+@torch.no_grad()
+def evaluate_pairs(model, tokenized: pa.Table, pad_token_id: int, batch_size: int) -> dict[str, float]:
+    """Held-out pair accuracy (r_chosen > r_rejected), mean reward margin and mean loss, dropout off."""
+    model.eval()
+    chosen, rejected = [], []
+    for start in range(0, tokenized.num_rows, batch_size):
+        rows = list(range(start, min(start + batch_size, tokenized.num_rows)))
+        r_c, r_r = forward_pairs(model, collate_pairs(tokenized, rows, pad_token_id))
+        chosen.append(r_c)
+        rejected.append(r_r)
+    r_c, r_r = torch.cat(chosen), torch.cat(rejected)
+    return {**pair_metrics(r_c, r_r), "loss": bradley_terry_batch_mean(r_c, r_r).item(), "pairs": tokenized.num_rows}
+
+
+@torch.no_grad()
+def score_responses(model, tokenizer, responses: pa.Table, max_seq_len: int, batch_size: int = 32) -> pa.Table:
+    model.eval()
+    rows = responses.to_pydict()
+    encoded = [encode_prompt_response(tokenizer, p, r, max_seq_len) for p, r in zip(rows["prompt"], rows["response"])]
+    rewards: list[float] = []
+    for start in range(0, len(encoded), batch_size):
+        input_ids, attention_mask = pad_right(encoded[start:start + batch_size], tokenizer.pad_token_id)
+        rewards.extend(reward_scores(model, input_ids, attention_mask).tolist())
+    return responses.append_column(wire.SCORED_RESPONSES.field("reward"), pa.array(rewards, pa.float64()))

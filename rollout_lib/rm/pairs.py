@@ -1,0 +1,47 @@
+"""Preference pairs as model inputs: tokenized once, collated per step (chosen rows first, then rejected)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from rollout_lib import wire
+from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_scores
+
+
+def tokenize_pairs(pairs: pa.Table, tokenizer, max_seq_len: int) -> pa.Table:
+    rows = pairs.to_pydict()
+    chosen = [encode_prompt_response(tokenizer, p, c, max_seq_len) for p, c in zip(rows["prompt"], rows["chosen"])]
+    rejected = [encode_prompt_response(tokenizer, p, r, max_seq_len)
+                for p, r in zip(rows["prompt"], rows["rejected"])]
+    return pa.Table.from_pydict(
+        {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "margin": rows["margin"],
+         "source_line": rows["source_line"]},
+        schema=wire.TOKENIZED_PAIRS,
+    )
+
+
+@dataclass
+class PairBatch:
+    input_ids: torch.Tensor  # [2B, T]: chosen rows first, then rejected rows
+    attention_mask: torch.Tensor
+    margin: torch.Tensor | None
+    size: int
+
+
+def collate_pairs(tokenized: pa.Table, rows: list[int], pad_token_id: int) -> PairBatch:
+    picked = tokenized.take(rows).to_pydict()
+    input_ids, attention_mask = pad_right(picked["chosen_input_ids"] + picked["rejected_input_ids"], pad_token_id)
+    margins = picked["margin"]
+    margin = None
+    if any(m is not None for m in margins):
+        margin = torch.tensor([m or 0.0 for m in margins], dtype=torch.float32)
+    return PairBatch(input_ids, attention_mask, margin, len(rows))
+
+
+def forward_pairs(model, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards of the chosen responses, rewards of the rejected ones)."""
+    rewards = reward_scores(model, batch.input_ids, batch.attention_mask)
+    return rewards[: batch.size], rewards[batch.size:]
