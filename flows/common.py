@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,13 +70,20 @@ def metrics_table(cfg, flow_name: str, history: list[dict], columns: tuple[str, 
 
 
 class Progress:
-    """A progress artifact updated while training (shown live in the UI)."""
+    """A progress artifact updated while training (shown live in the UI). An update is an API round trip (~10 ms
+    here), so updates come at most every `min_interval_s` seconds, and always at the end."""
 
-    def __init__(self, key: str, total: int, description: str):
+    def __init__(self, key: str, total: int, description: str, min_interval_s: float = 5.0):
         self.total = total
+        self.min_interval_s = min_interval_s
         self.artifact_id = create_progress_artifact(0.0, key=key, description=description)
+        self._last_update = time.monotonic()
 
     def update(self, done: int) -> None:
+        now = time.monotonic()
+        if done < self.total and now - self._last_update < self.min_interval_s:
+            return
+        self._last_update = now
         update_progress_artifact(self.artifact_id, progress=100.0 * done / self.total)
 
 

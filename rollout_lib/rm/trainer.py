@@ -7,9 +7,9 @@ run computed. Its inputs' data ids are `tokenized` (wire.TOKENIZED_PAIRS) and `p
 
 from __future__ import annotations
 
+import functools
 import time
 
-import pyarrow as pa
 import torch
 
 from rollout_lib import wire
@@ -35,19 +35,20 @@ class RewardModelTrainer(CheckpointedTrainer):
         optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
         return model, tokenizer, optimizer
 
-    @property
-    def tokenized(self) -> pa.Table:
-        return self.table(self.inputs.data_ids["tokenized"], wire.TOKENIZED_PAIRS)
+    @functools.cached_property
+    def pairs(self) -> dict[str, list]:
+        """The tokenized pairs' columns as Python lists, read once."""
+        return self.table(self.inputs.data_ids["tokenized"], wire.TOKENIZED_PAIRS).to_pydict()
 
-    @property
-    def plan(self) -> pa.Table:
-        return self.table(self.inputs.data_ids["plan"], wire.BATCH_PLAN)
+    @functools.cached_property
+    def plan(self) -> list[list[int]]:
+        """Row indices of each step's pairs (index = step - 1)."""
+        return self.table(self.inputs.data_ids["plan"], wire.BATCH_PLAN).column("row_indices").to_pylist()
 
     def run_step(self, step: int) -> dict[str, float]:
         settings = self.inputs.settings
         started = time.perf_counter()
-        rows = self.plan.column("row_indices")[step - 1].as_py()
-        batch = collate_pairs(self.tokenized, rows, self.tokenizer.pad_token_id)
+        batch = collate_pairs(self.pairs, self.plan[step - 1], self.tokenizer.pad_token_id)
         self.model.train()
         r_chosen, r_rejected = forward_pairs(self.model, batch)
         loss = bradley_terry_batch_mean(r_chosen, r_rejected, batch.margin, settings.center_rewards_coefficient)
