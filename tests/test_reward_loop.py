@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from rollout_lib import wire
-from rollout_lib.reward import examples
+from rollout_lib.reward import examples, pool
 from rollout_lib.reward.functions import RewardInput, resolve_reward_function
 from rollout_lib.reward.loop import (
     AllRewardsFailedError,
@@ -136,6 +136,45 @@ def test_timeout_also_kills_what_the_sync_function_started(tmp_path):
         assert loop.score([_item(command=["true"])])[0].reward == 1.0
 
 
+def test_timeout_also_kills_a_child_that_ignores_sigterm(tmp_path):
+    # Regression: the worker died of the group's SIGTERM and was reaped before the group's SIGKILL, which was
+    # then skipped (a reaped pid may be reused), so a child ignoring SIGTERM outlived the timeout.
+    pid_file = tmp_path / "pid"
+    command = ["sh", "-c", f"trap '' TERM; echo $$ > {pid_file}; exec sleep 1000"]
+    with RewardLoop([(examples.command_succeeds, 1.0)], concurrency=1, timeout_s=1.0, sync_workers=1) as loop:
+        (result,) = loop.score([_item(command=command)])
+        assert result.error == "TimeoutError: reward fn 'command_succeeds' exceeded 1.0s"
+        sleeper = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while _pid_running(sleeper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_running(sleeper)
+
+
+def test_closing_the_loop_kills_what_functions_left_running(tmp_path):
+    pid_file = tmp_path / "pid"
+    command = ["sh", "-c", f"sleep 1000 & echo $! > {pid_file}"]  # exits 0 at once, sleep stays in the group
+    with RewardLoop([(examples.command_succeeds, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
+        assert loop.score([_item(command=command)])[0].reward == 1.0
+        sleeper = int(pid_file.read_text())
+        assert _pid_running(sleeper)
+    deadline = time.monotonic() + 5
+    while _pid_running(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_running(sleeper)
+
+
+def test_close_is_idempotent_and_a_closed_loop_refuses_to_score():
+    loop = RewardLoop([(examples.worker_pid, 1.0)], concurrency=1, timeout_s=30, sync_workers=1)
+    with loop:
+        loop.score([_item()])
+        (pid,) = loop.sync_worker_pids()
+    assert not _pid_exists(pid)
+    loop.close()  # a no-op the second time
+    with pytest.raises(RuntimeError, match="RewardLoop is closed"):
+        loop.score([_item()])
+
+
 def test_a_worker_that_died_while_idle_is_replaced():
     with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
         loop.score([_item(sleep_s=0)])
@@ -145,6 +184,30 @@ def test_a_worker_that_died_while_idle_is_replaced():
             time.sleep(0.01)
         assert loop.score([_item(sleep_s=0)]) == [RewardResult(1.0, None, {"sleep_then_one": 1.0})]
         assert loop.sync_worker_pids() != [pid]
+
+
+def test_a_call_sent_to_a_worker_that_just_died_goes_to_a_fresh_one_once(monkeypatch):
+    # The race the "started" acknowledgement exists for: killed while idle, but its death not yet visible when
+    # the call is sent. The call never began, so it is retried on a fresh worker (a crash mid-call is not).
+    with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
+        loop.score([_item(sleep_s=0)])
+        (pid,) = loop.sync_worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        while _pid_running(pid):
+            time.sleep(0.01)
+        looked_alive = []
+        real_exited = pool._exited
+
+        def not_noticed_yet(process) -> bool:
+            if process.pid == pid and not looked_alive:
+                looked_alive.append(pid)
+                return False
+            return real_exited(process)
+
+        monkeypatch.setattr(pool, "_exited", not_noticed_yet)
+        assert loop.score([_item(sleep_s=0)]) == [RewardResult(1.0, None, {"sleep_then_one": 1.0})]
+        assert looked_alive == [pid]
+        assert len(loop.sync_worker_pids()) == 1 and loop.sync_worker_pids() != [pid]
 
 
 def test_hung_async_function_is_cancelled():

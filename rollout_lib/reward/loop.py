@@ -81,7 +81,8 @@ def _unique_names(functions: Sequence[Callable[..., Any]]) -> list[str]:
 
 
 class RewardLoop:
-    """Owns the sync worker processes across steps; use as a context manager so they are always shut down.
+    """Owns the sync worker processes across steps. Whoever creates it closes it (close() is idempotent), best
+    as a context manager; a closed loop refuses to score.
 
         with RewardLoop([(number_match, 1.0)], concurrency=32, timeout_s=10) as loop:
             results = loop.score(items)
@@ -122,6 +123,7 @@ class RewardLoop:
                 self._pool_index[i] = len(sync_functions)
                 sync_functions.append(fn)
         self._pool: SyncWorkerPool | None = None
+        self._closed = False
         if sync_functions:
             # Sync reward functions are usually CPU-bound (parsing, verifying): more workers than cores
             # would not go faster. Latency-bound ones should be async, or raise sync_workers.
@@ -137,8 +139,9 @@ class RewardLoop:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
+        if not self._closed and self._pool is not None:
             self._pool.close()
+        self._closed = True
 
     def sync_worker_pids(self) -> list[int]:
         """Pids of the live sync workers (for tests and debugging; started lazily on the first sync call)."""
@@ -152,6 +155,8 @@ class RewardLoop:
 
     async def ascore(self, items: Sequence[RewardInput]) -> list[RewardResult]:
         """One RewardResult per item, in order."""
+        if self._closed:
+            raise RuntimeError("RewardLoop is closed")
         # Bounds function calls in flight, whatever mix of items and functions they belong to.
         slots = asyncio.Semaphore(self.concurrency)
         return list(await asyncio.gather(*(self._score_item(item, slots) for item in items)))

@@ -1,12 +1,21 @@
 """A pool of worker processes for sync reward functions, where a call that overruns its timeout is killed.
 
-Why not threads or `concurrent.futures.ProcessPoolExecutor`: a hung thread cannot be stopped, and killing one
-executor worker breaks the whole executor. Here each worker (`worker.py`) is its own process, in its own
-process group, talking over its own socket. A timed-out worker's group gets SIGTERM, then SIGKILL after
-`kill_grace_s` (so subprocesses the reward function started die too); it is reaped, and its slot gets a
-fresh process on next use. The other workers never notice. Each worker acknowledges a call before running
-it, so a worker that died while idle (the OOM killer, say) but still looked alive is told apart from one that
-died in the function: the first kind of call is given to a fresh worker once, the second is a missing reward.
+Each worker (`worker.py`) is its own process, in its own process group, talking over its own socket. A
+timed-out worker's group gets SIGTERM, then SIGKILL after `kill_grace_s` (so subprocesses the reward function
+started die too); it is reaped, and its slot gets a fresh process on next use. The other workers never notice.
+Each worker acknowledges a call before running it, so a worker that died while idle (the OOM killer, say) but
+still looked alive is told apart from one that died in the function: the first kind of call is given to a
+fresh worker once, the second is a missing reward.
+
+Why not a library (checked for issue 9 against pebble 5.2.3 and Prefect 3.8.8):
+- threads cannot be stopped; `concurrent.futures.ProcessPoolExecutor` (also under Prefect's
+  ProcessPoolTaskRunner, whose task timeout only raises inside the running thread) has no per-call kill, and
+  one dead worker breaks the whole executor.
+- pebble's ProcessPool signals only the worker's pid (SIGKILL after a fixed 3 s), so what the function started
+  lives on: `os.setsid` in an initializer does not change whom pebble signals, and a SIGTERM handler that
+  kills the group never runs while the function is in C code. A worker killed while the pool is idle breaks
+  the pool for good (RuntimeError on every later call; pebble issue 70). Its workers share one locked pipe, so
+  one dying mid-message can stall the rest (pebble issue 163).
 
 Workers start lazily, one call at a time each. Sync functions are pickled once here (a non-picklable one is
 refused at construction) and unpickled by reference in the worker, so they must be importable there: defined
@@ -86,8 +95,19 @@ def _importable_paths() -> list[str]:
     return [os.path.abspath(p) if p else os.getcwd() for p in sys.path if isinstance(p, str)]
 
 
+def _exited(process: subprocess.Popen) -> bool:
+    """Whether the worker has exited, without reaping it: its zombie keeps its pid, which is its group id, from
+    being reused, so `_signal_group` can still reach what it left in its group (a child ignoring SIGTERM)."""
+    if process.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped elsewhere: poll() records that, so its pid is never signalled again
+        return process.poll() is not None
+
+
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    if process.poll() is None:  # not reaped, so its pid (= its group id) cannot have been reused
+    if process.returncode is None:  # not reaped, so its pid (= its group id) cannot have been reused
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
@@ -125,36 +145,33 @@ class SyncWorkerPool:
         idle = self._idle_queue()
         slot = await idle.get()
         try:
-            try:
-                return await self._call_on(slot, await self._live_worker(slot), index, item, timeout_s)
-            except _DiedBeforeTheCall:
-                # Killed while idle (the OOM killer, say) but not reapable yet, so it looked alive: the call never
-                # began, so it is safe to give it to a fresh worker, once.
+            for _ in range(2):
                 try:
                     return await self._call_on(slot, await self._live_worker(slot), index, item, timeout_s)
                 except _DiedBeforeTheCall:
-                    raise RewardWorkerError("reward worker died before the call, twice in a row") from None
+                    # Killed while idle (the OOM killer, say) but not reapable yet, so it looked alive: the call
+                    # never began, so it is safe to give it to a fresh worker, once.
+                    continue
+            raise RewardWorkerError("reward worker died before the call, twice in a row")
         finally:
             idle.put_nowait(slot)
 
     def pids(self) -> list[int]:
         """Pids of the live workers (none before the first sync call)."""
-        return [w.process.pid for w in self._slots if w is not None and w.process.poll() is None]
+        return [w.process.pid for w in self._slots if w is not None and not _exited(w.process)]
 
     def close(self) -> None:
-        """Stop every worker: closing its socket lets an idle one exit; anything still running is killed."""
+        """Stop every worker: closing its socket lets an idle one exit; then its group is killed (whatever is
+        still running there) and it is reaped. Idempotent."""
         self._closed = True
-        workers = [w for w in self._slots if w is not None]
-        self._slots = [None] * len(self._slots)
-        for worker in workers:
+        workers = [(slot, w) for slot, w in enumerate(self._slots) if w is not None]
+        for _, worker in workers:
             worker.conn.close()
         deadline = time.monotonic() + self._kill_grace_s
-        for worker in workers:
-            try:
-                worker.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(worker.process, signal.SIGKILL)
-                worker.process.wait()
+        for slot, worker in workers:
+            while not _exited(worker.process) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._discard_now(slot, worker)
 
     # -- internals --------------------------------------------------------------------------------------------
 
@@ -171,7 +188,7 @@ class SyncWorkerPool:
 
     async def _live_worker(self, slot: int) -> _Worker:
         worker = self._slots[slot]
-        if worker is None or worker.process.poll() is not None:  # never started, or died while idle
+        if worker is None or _exited(worker.process):  # never started, or died while idle
             if worker is not None:
                 self._discard_now(slot, worker)
             worker = await self._start(slot)
@@ -238,19 +255,18 @@ class SyncWorkerPool:
         raise WorkerFunctionError(payload)
 
     async def _discard(self, slot: int, worker: _Worker) -> None:
-        """SIGTERM the group, wait up to the grace period without blocking the loop, SIGKILL; always reap."""
-        if self._slots[slot] is worker:
-            self._slots[slot] = None
-        worker.conn.close()
+        """SIGTERM the group, give it the grace period without blocking the loop, then `_discard_now`."""
         _signal_group(worker.process, signal.SIGTERM)
-        deadline = time.monotonic() + self._kill_grace_s
-        while worker.process.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        _signal_group(worker.process, signal.SIGKILL)
-        worker.process.wait()  # reap, so the pid is really gone (a zombie still answers os.kill(pid, 0))
+        try:
+            deadline = time.monotonic() + self._kill_grace_s
+            while not _exited(worker.process) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:  # also when cancelled during the grace period
+            self._discard_now(slot, worker)
 
     def _discard_now(self, slot: int, worker: _Worker) -> None:
-        # Blocking variant for cancellation paths, where awaiting is not an option.
+        """SIGKILL the group and reap (a zombie still answers os.kill(pid, 0)); blocking, so cancellation paths,
+        where awaiting is not an option, use it directly."""
         if self._slots[slot] is worker:
             self._slots[slot] = None
         worker.conn.close()
