@@ -61,11 +61,13 @@ def artifact_key(*parts: str) -> str:
 
 
 def metrics_table(cfg, flow_name: str, history: list[dict], columns: tuple[str, ...]) -> None:
-    """The per-step metrics table artifact (floats rounded; a metric a step lacks is an empty cell)."""
+    """The per-step metrics table artifact, column by column (names once, not once per row) with floats to 6
+    significant digits: the server keeps the table twice (the artifact and its event), so it is most of what a
+    long run stores there. A metric a step lacks is an empty cell."""
     def cell(value):
-        return round(value, 6) if isinstance(value, float) else ("" if value is None else value)
+        return float(f"{value:.6g}") if isinstance(value, float) else ("" if value is None else value)
 
-    create_table_artifact([{name: cell(m.get(name)) for name in columns} for m in history],
+    create_table_artifact({name: [cell(m.get(name)) for m in history] for name in columns},
                           key=artifact_key(cfg.run.name, "metrics"), description=f"{flow_name} metrics per step")
 
 

@@ -52,20 +52,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rollout_lib.wire import LOSS_STREAMS
+
 # The components of the trainer's sum, in the order they are reported.
 COMPONENTS = ("rl", "ce", "ref_kl")
 
 # Every per-token stream `component_loss` reads: packing materialises all of them (wire.MICRO_BATCHES), so a
 # missing one is a producer bug, not a default to guess.
-STREAM_KEYS = (
-    "loss_mask",
-    "advantages",
-    "rl_weights",
-    "ce_weights",
-    "ref_kl_weights",
-    "ref_logprobs",
-    "inference_logprobs",
-)
+STREAM_KEYS = LOSS_STREAMS
 
 # prime-rl's vetted defaults (DefaultLossConfig: dppo_mask_low/high = 0.2, kl_tau = 1e-3).
 DEFAULT_EPS_LOW = 0.2

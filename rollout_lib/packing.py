@@ -38,7 +38,7 @@ import torch
 
 from rollout_lib.wire import (
     MICRO_BATCHES,
-    TOKEN_FLOAT_COLUMNS,
+    STREAM_COLUMNS,
     TRAINING_SAMPLE_DEFAULTS,
     TRAINING_SAMPLES,
     conform,
@@ -47,8 +47,6 @@ from rollout_lib.wire import (
 FIRST_TOKEN_LOGPROB = 0.0
 # Streams that say how much a token counts in a loss; all must be zero on a sequence's first token.
 WEIGHT_COLUMNS = ("loss_mask", "rl_weights", "ce_weights", "ref_kl_weights")
-# Per-token columns of a micro-batch besides input_ids, in a fixed order.
-STREAM_COLUMNS = ("loss_mask", *TOKEN_FLOAT_COLUMNS)
 
 
 # --- samples -> micro-batches --------------------------------------------------------------------------------

@@ -92,16 +92,21 @@ ROLLOUTS = pa.schema(
 # --- training samples and micro-batches (shared by SFT and RL) ----------------------------------------------
 
 TOKEN_INT_COLUMNS = ("input_ids",)
-TOKEN_FLOAT_COLUMNS = (
+# The per-token streams the loss reads (losses.component_loss), in a fixed order ...
+LOSS_STREAMS = (
+    "loss_mask",
     "advantages",
     "rl_weights",
     "ce_weights",
     "ref_kl_weights",
     "ref_logprobs",
     "inference_logprobs",
-    "temperatures",
 )
-PER_TOKEN_COLUMNS = ("input_ids", "loss_mask", *TOKEN_FLOAT_COLUMNS)
+# ... and the float ones with the stream the forward pass reads (packing.token_logprobs scales logits by it).
+TOKEN_FLOAT_COLUMNS = (*LOSS_STREAMS[1:], "temperatures")
+# Per-token columns of a micro-batch besides input_ids (and position_ids).
+STREAM_COLUMNS = ("loss_mask", *TOKEN_FLOAT_COLUMNS)
+PER_TOKEN_COLUMNS = ("input_ids", *STREAM_COLUMNS)
 
 TRAINING_SAMPLES = pa.schema(
     [

@@ -82,3 +82,19 @@ class JsonlDataset(StrictModel):
             value = {**value, "type": value["kind"]}
             del value["kind"]
         return value
+
+
+class EntryPointConfig(StrictModel):
+    """The settings of one entry point: `[run]` and `[algorithm.<kind>]`. A subclass declares `algorithm` (a model
+    with `kind` and a field of that name holding the entry point's settings)."""
+
+    run: RunSettings = RunSettings()
+
+    @property
+    def settings(self):
+        """The entry point's own settings block (`algorithm.rm`, `algorithm.sft`, `algorithm.rl`)."""
+        return getattr(self.algorithm, self.algorithm.kind)
+
+    def plan_problems(self) -> list[tuple[str, str]]:
+        """The seed's validate_plan: (dotted locator, problem) pairs found at plan time, before any model loads."""
+        return []

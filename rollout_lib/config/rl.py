@@ -20,10 +20,10 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
 from rollout_lib.config.common import (
     BudgetSettings,
+    EntryPointConfig,
     JsonlDataset,
     ModelRef,
     OptimizerSettings,
-    RunSettings,
     StrictModel,
 )
 from rollout_lib.losses import DEFAULT_EPS_HIGH, DEFAULT_EPS_LOW, DEFAULT_KL_COEF
@@ -122,13 +122,8 @@ class RlAlgorithm(StrictModel):
     rl: RlSettings
 
 
-class RlConfig(StrictModel):
-    run: RunSettings = RunSettings()
+class RlConfig(EntryPointConfig):
     algorithm: RlAlgorithm
-
-    @property
-    def settings(self) -> RlSettings:
-        return self.algorithm.rl
 
     @property
     def packed_tokens(self) -> int:

@@ -8,10 +8,10 @@ from pydantic import Field, field_validator
 
 from rollout_lib.config.common import (
     BudgetSettings,
+    EntryPointConfig,
     JsonlDataset,
     ModelRef,
     OptimizerSettings,
-    RunSettings,
     StrictModel,
 )
 
@@ -44,13 +44,8 @@ class RmAlgorithm(StrictModel):
     rm: RmSettings
 
 
-class RmConfig(StrictModel):
-    run: RunSettings = RunSettings()
+class RmConfig(EntryPointConfig):
     algorithm: RmAlgorithm
-
-    @property
-    def settings(self) -> RmSettings:
-        return self.algorithm.rm
 
     def plan_problems(self) -> list[tuple[str, str]]:
         """The seed's validate_plan: problems found at plan time, before any model loads."""

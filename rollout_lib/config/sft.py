@@ -15,10 +15,10 @@ from pydantic import Field, model_validator
 
 from rollout_lib.config.common import (
     BudgetSettings,
+    EntryPointConfig,
     JsonlDataset,
     ModelRef,
     OptimizerSettings,
-    RunSettings,
     StrictModel,
 )
 
@@ -72,13 +72,8 @@ class SftAlgorithm(StrictModel):
     sft: SftSettings
 
 
-class SftConfig(StrictModel):
-    run: RunSettings = RunSettings()
+class SftConfig(EntryPointConfig):
     algorithm: SftAlgorithm
-
-    @property
-    def settings(self) -> SftSettings:
-        return self.algorithm.sft
 
     def plan_problems(self) -> list[tuple[str, str]]:
         """The seed's validate_plan: problems found at plan time, before any model loads."""

@@ -23,7 +23,6 @@ import pyarrow as pa
 from rollout_lib import wire
 from rollout_lib.data.jsonl import DataError, iter_jsonl_objects, require_messages, require_string
 
-MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 _KNOWN_KEYS = {"prompt", "messages", "answer", "info", "id"}
 
 
