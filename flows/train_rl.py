@@ -57,10 +57,10 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     total = settings.budget.max_steps
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rl {cfg.run.name}: steps done")
     history: list[dict] = []
-    started = time.perf_counter()
     with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops:
         prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in settings.envs}
         state = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
+        started = time.perf_counter()
         for step in range(1, total + 1):
             sampled = sample(cfg, prompts, state, step, resident)
             scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
@@ -78,6 +78,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                         " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
                         f" -> checkpoint {state}" if snapshot else "")
             progress.update(step)
+        train_seconds = time.perf_counter() - started
 
     checkpoint = state
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
@@ -87,7 +88,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     logger.info("final checkpoint %s", checkpoint)
     rewards = [m["reward_mean"] for m in history]
     return {"checkpoint": checkpoint, "steps": total, "reward_curve": rewards,
-            "last_metrics": history[-1], "train_seconds": time.perf_counter() - started}
+            "last_metrics": history[-1], "train_seconds": train_seconds}
 
 
 def _summary(cfg: RlConfig, checkpoint: str, history: list[dict]) -> str:
