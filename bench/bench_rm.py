@@ -84,7 +84,7 @@ def bare_loop(config, steps: int) -> float:
 
 def flow_loop(config_path: str, overrides: list[str]) -> float:
     """The train-rm flow against the project's Prefect server; returns its training-loop seconds."""
-    from flows.local_server import use_prefect_api
+    from rollout_cli.local_server import use_prefect_api
 
     use_prefect_api()
     from flows.train_rm import train_rm
@@ -133,7 +133,7 @@ def main() -> None:
         print(json.dumps({"seconds": measure(args.measure, args.config, args.steps, args.checkpoint_interval)}))
         return
 
-    from flows.local_server import use_prefect_api
+    from rollout_cli.local_server import use_prefect_api
     from rollout_lib.config import RmConfig, load_config
 
     config = load_config(RmConfig, args.config, [f"algorithm.rm.budget.max_steps={args.steps}"])

@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 def rollout_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
+    return [sys.executable, "-m", "rollout_cli", *args]
 
 
 def cli_env(**extra: str) -> dict:
@@ -57,7 +57,7 @@ def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: f
 def settled(read: Callable[[], T], timeout: float = 30.0) -> T:
     """`read()` once the server's view has stopped changing: the server writes task runs in batches (at most
     TASK_RUN_FLUSH_S late), so a read right after a run ends can miss its last task runs."""
-    from flows.local_server import TASK_RUN_FLUSH_S
+    from rollout_cli.local_server import TASK_RUN_FLUSH_S
 
     deadline = time.monotonic() + timeout
     previous = read()

@@ -27,7 +27,8 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 sys.path.insert(0, str(ROOT))
 
-from flows.local_server import SERVER_ENV, free_port, is_healthy, stop_process_group  # noqa: E402
+from rollout_cli.local_server import SERVER_ENV, free_port, is_healthy  # noqa: E402
+from rollout_cli.processes import stop_process_group  # noqa: E402
 
 _PORT = free_port()
 os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_PORT}/api"
@@ -42,7 +43,7 @@ def prefect_server():
     process = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(_PORT)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        env={**SERVER_ENV, **os.environ},  # the settings users' servers get (flows/local_server.py)
+        env={**SERVER_ENV, **os.environ},  # the settings users' servers get (rollout_cli/local_server.py)
     )
     try:
         deadline = time.monotonic() + 120
@@ -179,11 +180,11 @@ def worker_stack(prefect_server):
     """`rollout stack start --no-schedule` against the session's server (PREFECT_API_URL): the work pool, every
     deployment of prefect.yaml, one process worker polling every second. The worker is always stopped; the
     server belongs to `prefect_server` and is left to it."""
-    from flows import stack
+    from rollout_cli import stack
 
     env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
     try:
-        started = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "start", "--no-schedule"], cwd=ROOT,
+        started = subprocess.run([sys.executable, "-m", "rollout_cli", "stack", "start", "--no-schedule"], cwd=ROOT,
                                  env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
         assert started.returncode == 0, f"rollout stack start failed:\n{started.stdout}\n{started.stderr}"
         record = stack.read_record()

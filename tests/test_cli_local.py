@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from clirun import ROOT, cli_env, run_rollout, run_until_then_kill
-from flows.local_server import is_healthy, pid_alive
+from rollout_cli.local_server import is_healthy
+from rollout_cli.processes import is_prefect_process
 
 
 def test_dry_run_parses_every_row_and_prints_the_plan(tmp_path):
@@ -64,19 +65,19 @@ def test_a_killed_run_leaves_only_the_recorded_server_and_stack_stop_stops_it(tm
             "--set", "algorithm.rm.budget.max_steps=40"]
     home = state / "prefect"
     try:
-        run_until_then_kill(args, "train-step-3' - Finished", tmp_path / "killed.log", env=env)
+        run_until_then_kill(args, "train-steps-3-3' - Finished", tmp_path / "killed.log", env=env)
         record = json.loads((home / "server.json").read_text())
-        assert pid_alive(record["pid"]) and is_healthy(record["api_url"])
+        assert is_prefect_process(record["pid"]) and is_healthy(record["api_url"])
         assert _prefect_servers_with_home(home) == [record["pid"]]  # nothing else was started
         assert not list(tmp_path.rglob("*.lock"))
 
-        rerun = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True,
+        rerun = subprocess.run([sys.executable, "-m", "rollout_cli", *args], cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=600)
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         assert json.loads((home / "server.json").read_text())["pid"] == record["pid"]  # reused, not a second one
         assert _prefect_servers_with_home(home) == [record["pid"]]
     finally:
-        stopped = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "stop"], cwd=ROOT, env=env,
+        stopped = subprocess.run([sys.executable, "-m", "rollout_cli", "stack", "stop"], cwd=ROOT, env=env,
                                  capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     assert _prefect_servers_with_home(home) == [] and not (home / "server.json").exists()

@@ -73,7 +73,8 @@ def stored_checkpoint_steps(store: Path) -> set[int]:
 def expected_task_names(steps: int) -> set[str]:
     names = {"load-pairs-train", "tokenize-pairs-train", "plan-batches", "load-pairs-eval", "tokenize-pairs-eval",
              "init-model", "evaluate-step-0", f"evaluate-step-{steps}"}
-    return names | {f"train-step-{i}" for i in range(1, steps + 1)} | {f"snapshot-step-{i}" for i in range(1, steps + 1)}
+    # The tiny config snapshots every step: a segment task per step.
+    return names | {f"train-steps-{i}-{i}" for i in range(1, steps + 1)}
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +103,13 @@ def test_deployment_run_completes_with_tasks_artifacts_and_checkpoint(worker_sta
 
     manifest = read_manifest(ObjectStore(str(store)), checkpoint)
     assert manifest["step"] == STEPS
-    assert task_runs[f"snapshot-step-{STEPS}"]["state"]["type"] == "COMPLETED"
+    assert task_runs[f"train-steps-{STEPS}-{STEPS}"]["state"]["type"] == "COMPLETED"
 
     artifacts = {a["key"]: a for a in worker_stack.artifacts(flow_run["id"]) if a["key"]}
     assert {f"{RUN_NAME}-progress", f"{RUN_NAME}-metrics", f"{RUN_NAME}-summary"} <= set(artifacts)
     metrics = artifacts[f"{RUN_NAME}-metrics"]["data"]
-    rows = json.loads(metrics) if isinstance(metrics, str) else metrics
+    columns = json.loads(metrics) if isinstance(metrics, str) else metrics  # stored column by column
+    rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert set(rows[0]) == {"step", "loss", "accuracy", "mean_margin", "lr", "grad_norm", "pairs_per_s"}
     assert all(isinstance(row["loss"], float) and row["pairs_per_s"] > 0 for row in rows)
@@ -116,7 +118,7 @@ def test_deployment_run_completes_with_tasks_artifacts_and_checkpoint(worker_sta
 
 
 def test_stack_status_reports_server_worker_and_deployments(worker_stack):
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "status"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "rollout_cli", "stack", "status"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
@@ -181,10 +183,11 @@ def test_nan_loss_fails_the_training_step(worker_stack):
     flow_run = worker_stack.run(**params(store, 3, "algorithm.rm.optimizer.lr=1e30"))
     assert flow_run["state"]["type"] == "FAILED"
     task_runs = by_name(worker_stack.task_runs(flow_run["id"]))
-    assert task_runs["train-step-1"]["state"]["type"] == "COMPLETED"
-    failed = task_runs["train-step-2"]["state"]
-    assert failed["type"] == "FAILED" and "NonFiniteLossError" in failed["message"] and "non-finite" in failed["message"]
-    assert "train-step-3" not in task_runs
+    assert task_runs["train-steps-1-1"]["state"]["type"] == "COMPLETED"
+    failed = task_runs["train-steps-2-2"]["state"]
+    assert failed["type"] == "FAILED" and "train step 2: NonFiniteLossError" in failed["message"]
+    assert "non-finite" in failed["message"]
+    assert "train-steps-3-3" not in task_runs
     assert final_checkpoint(store) is None  # nothing published
 
 
@@ -219,17 +222,10 @@ def test_retry_after_fixing_the_cause_resumes_from_cache(worker_stack, reference
 
 
 def _flow_run_process(flow_run_id: str, worker_pid: int) -> int | None:
-    """The worker's child process that executes this flow run (its environment names the flow run)."""
-    from flows.stack import _children
+    """The worker's child process that executes this flow run."""
+    from rollout_cli.processes import flow_run_processes
 
-    for pid in _children(worker_pid):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
-            return pid
-    return None
+    return next((pid for pid, run_id in flow_run_processes(worker_pid).items() if run_id == flow_run_id), None)
 
 
 def test_sigkilled_flow_run_is_crashed_and_the_next_run_resumes(worker_stack, reference_run):
@@ -245,13 +241,13 @@ def test_sigkilled_flow_run_is_crashed_and_the_next_run_resumes(worker_stack, re
             os.kill(pid, signal.SIGKILL)
             killed = pid
         time.sleep(0.05)
-    assert killed, "the run never reached snapshot-step-3"
+    assert killed, "the run never reached the snapshot of step 3"
     crashed = worker_stack.wait(flow_run["id"], timeout=120)
     assert crashed["state"]["type"] == "CRASHED", crashed["state"]
     done_before = {name for name, t in by_name(worker_stack.task_runs(flow_run["id"])).items()
                    if (t["state"] or {}).get("type") == "COMPLETED"}
-    # Killed mid-training: the snapshot-step-3 task itself may or may not have reported before the kill.
-    assert "train-step-1" in done_before and "evaluate-step-8" not in done_before
+    # Killed mid-training: the train-steps-3-3 task itself may or may not have reported before the kill.
+    assert "train-steps-1-1" in done_before and "evaluate-step-8" not in done_before
 
     rerun = worker_stack.run(**params(store))  # same command again; the crashed run released its slot
     assert rerun["state"]["type"] == "COMPLETED", rerun["cli"]["output"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
+from rollout_cli.main import main
 from rollout_lib.config import ConfigError, SftConfig, load_config, validate_config
 from rollout_lib.config.loading import read_toml
 

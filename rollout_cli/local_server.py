@@ -1,16 +1,18 @@
-"""A project-local Prefect server that the CLI starts on demand, records by PID, and reuses.
+"""The project-local Prefect server: started on demand, recorded by PID, reused, stopped by `rollout stack stop`.
 
-Without PREFECT_API_URL every Prefect process would start its own temporary server, which a hard-killed process
-leaves running. Instead the CLI uses one long-lived server under `.rollout/prefect` (its own PREFECT_HOME and
-SQLite database), started detached and recorded in `.rollout/prefect/server.json`; `rollout stack stop` stops it
-by that PID. A SIGKILLed training process therefore leaves nothing unmanaged behind.
+Without PREFECT_API_URL every Prefect process would start a temporary server of its own, which a hard-killed
+process leaves running. Instead the CLI uses one long-lived server under `.rollout/prefect` (its own PREFECT_HOME
+and SQLite database), started detached and recorded in `.rollout/prefect/server.json`, so a SIGKILLed training
+process leaves nothing unmanaged behind.
+
+This module imports no Prefect: `use_prefect_api` must set PREFECT_API_URL before Prefect is first imported, since
+Prefect reads its settings then. Its health probe is therefore a plain GET of `/health`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rollout_cli.processes import is_prefect_process, stop_process_group
 
 # Settings for every Prefect server rollout starts (the project-local one, the stack's, the tests'). The task run
 # recorder writes each task-run event in its own INSERT by default; a training step is a task run, and on a 2-core
@@ -34,6 +37,7 @@ SERVER_ENV = {
 
 
 def state_dir() -> Path:
+    """Where the CLI keeps its state: the server, the stack's record, logs, the default store."""
     return Path(os.environ.get("ROLLOUT_STATE_DIR", ".rollout")).resolve()
 
 
@@ -45,50 +49,46 @@ def record_path() -> Path:
     return prefect_home() / "server.json"
 
 
-def free_port() -> int:
+def free_port(preferred: int | None = None) -> int:
+    """`preferred` if it is free, else any free port."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        try:
+            sock.bind(("127.0.0.1", preferred or 0))
+        except OSError:
+            sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def is_healthy(api_url: str, timeout: float = 2.0) -> bool:
+def is_healthy(api_url: str, timeout_s: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as response:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout_s) as response:
             return response.status == 200
     except OSError:
         return False
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_record() -> dict | None:
+    """The recorded server, if its process still runs."""
     try:
         record = json.loads(record_path().read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    return record if pid_alive(record["pid"]) else None
+    return record if is_prefect_process(record["pid"]) else None
 
 
-def start_server(wait_s: float = 90.0, port: int | None = None) -> dict:
-    """Start `prefect server start` detached (own session, so it outlives this process) and wait for health."""
+def start_server(port: int | None = None, wait_s: float = 90.0) -> dict:
+    """Start `prefect server start` detached (its own session, so it outlives this process), wait until it answers,
+    record it."""
     home = prefect_home()
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     env = {**SERVER_ENV, **os.environ, "PREFECT_HOME": str(home)}  # what the user set wins
     env.pop("PREFECT_API_URL", None)
-    log = (home / "server.log").open("ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-    )
+    with (home / "server.log").open("ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )
     api_url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -100,47 +100,26 @@ def start_server(wait_s: float = 90.0, port: int | None = None) -> dict:
             record_path().write_text(json.dumps(record, indent=2))
             return record
         time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGTERM)
+    stop_process_group(process.pid)
     raise RuntimeError(f"prefect server did not become healthy within {wait_s:.0f}s; see {home / 'server.log'}")
 
 
-def ensure_server() -> dict:
+def stop_server() -> dict | None:
+    """Stop the recorded server; return its record, or None when none was running."""
     record = read_record()
-    if record and is_healthy(record["api_url"]):
-        return record
-    return start_server()
-
-
-def stop_server() -> bool:
-    record = read_record()
-    if record is None:
-        record_path().unlink(missing_ok=True)
-        return False
-    stop_process_group(record["pid"])
+    if record is not None:
+        stop_process_group(record["pid"])
     record_path().unlink(missing_ok=True)
-    return True
-
-
-def stop_process_group(pid: int, timeout_s: float = 15.0) -> None:
-    """SIGTERM the process group (the server's uvicorn children with it), SIGKILL what is left after a grace."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and pid_alive(pid):
-        time.sleep(0.2)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    return record
 
 
 def use_prefect_api() -> str:
     """Point this process at a Prefect API: PREFECT_API_URL if set, else the project-local server."""
     if os.environ.get("PREFECT_API_URL"):
         return os.environ["PREFECT_API_URL"]
-    record = ensure_server()
+    record = read_record()
+    if not (record and is_healthy(record["api_url"])):
+        record = start_server()
     os.environ["PREFECT_API_URL"] = record["api_url"]
     os.environ["PREFECT_HOME"] = record["prefect_home"]
     return record["api_url"]

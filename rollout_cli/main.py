@@ -1,0 +1,182 @@
+"""The `rollout` command: train (or dry-run) a flow, score with a checkpoint, export a checkpoint, and manage the
+local Prefect stack.
+
+Modules that import torch, transformers or Prefect are imported inside the commands that need them: `--help` is
+instant, and `--dry-run` loads no model. Known errors (bad settings, a bad data row, a model that does not load, a
+store problem, a stack that does not start) print one line `rollout: error: <message>` and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from rollout_cli import stack
+from rollout_cli.local_server import use_prefect_api
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time unless the user opts in
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # load reports are noise in training logs
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_lib")  # library log lines reach the flow run
+
+ENTRY_POINTS = ("rm", "sft", "rl")
+DEFAULT_STORE = ".rollout/store"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `rollout` with `argv` (default: the command line); return the exit code."""
+    try:
+        return rollout.main(args=argv, prog_name="rollout", standalone_mode=False) or 0
+    except click.ClickException as exc:  # a usage error: click's message
+        exc.show()
+        return exc.exit_code
+    except click.Abort:  # Ctrl-C
+        print("Aborted!", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if not isinstance(exc, _known_errors()):
+            raise
+        print(f"rollout: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _known_errors() -> tuple[type[Exception], ...]:
+    from rollout_lib.config import ConfigError
+    from rollout_lib.data import DataError
+    from rollout_lib.model.loading import ModelLoadError
+    from rollout_lib.store import StoreError
+
+    return ConfigError, DataError, ModelLoadError, StoreError, stack.StackError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def rollout() -> None:
+    """Post-training of language models as Prefect flows."""
+
+
+# --- train ----------------------------------------------------------------------------------------------------
+
+
+@rollout.command()
+@click.argument("entry_point", metavar="{rm|sft|rl}", type=click.Choice(ENTRY_POINTS))
+@click.option("--config", "config_path", required=True, metavar="PATH", help="TOML settings file")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+              help="override one setting (repeatable), e.g. --set algorithm.rm.optimizer.lr=1e-4")
+@click.option("--dry-run", is_flag=True,
+              help="validate settings, parse every dataset row, print the plan; load no model")
+def train(entry_point: str, config_path: str, overrides: tuple[str, ...], dry_run: bool) -> int:
+    """Run a training flow.
+
+    It runs on the Prefect server of PREFECT_API_URL if set, else on the project-local one (started on first use).
+    """
+    from rollout_lib.config import RlConfig, RmConfig, SftConfig, load_config
+    from rollout_lib.plan import describe_plan
+
+    config_class = {"rm": RmConfig, "sft": SftConfig, "rl": RlConfig}[entry_point]
+    config = load_config(config_class, config_path, list(overrides))
+    plan = describe_plan(config)  # parses every dataset row and resolves the model reference: no model loads
+    if dry_run:
+        print(json.dumps(plan, indent=2))
+        return 0
+
+    use_prefect_api()  # before the flow module imports Prefect, which reads its settings once
+    if entry_point == "sft":
+        from flows.train_sft import train_sft as train_flow
+    elif entry_point == "rl":
+        from flows.train_rl import train_rl as train_flow
+    else:
+        from flows.train_rm import train_rm as train_flow
+    state = train_flow(config=config_path, overrides=list(overrides), return_state=True)
+    if state.is_failed() or state.is_crashed():
+        print(f"rollout: error: flow run failed: {_first_line(state.result(raise_on_failure=False))}", file=sys.stderr)
+        return 1
+    result = state.result()
+    print(json.dumps({"flow_run_id": str(state.state_details.flow_run_id), "checkpoint": result["checkpoint"],
+                      **{key: result[key] for key in ("eval_before", "eval_after", "reward_curve") if key in result}},
+                     indent=2))
+    print(f"final checkpoint: {result['checkpoint']}")
+    return 0
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------
+
+
+@rollout.command()
+@click.option("--checkpoint", required=True, help="checkpoint id (or a ref such as runs/NAME/latest)")
+@click.option("--data", "data_path", required=True, metavar="PATH", help='JSONL with {"prompt", "response"} rows')
+@click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True, help="store root (fsspec URL)")
+@click.option("--max-seq-len", type=int, default=256, show_default=True)
+def score(checkpoint: str, data_path: str, store_url: str, max_seq_len: int) -> None:
+    """Score (prompt, response) rows with a reward model."""
+    from rollout_lib.data import load_responses
+    from rollout_lib.rm.checkpoints import score_with_checkpoint
+    from rollout_lib.store import ObjectStore
+
+    scored = score_with_checkpoint(ObjectStore(store_url), checkpoint, load_responses(data_path), max_seq_len)
+    for row in scored.to_pylist():
+        print(json.dumps({"prompt": row["prompt"], "response": row["response"], "reward": row["reward"]}))
+
+
+@rollout.command()
+@click.option("--checkpoint", required=True, help="checkpoint id (or a ref such as runs/NAME/latest)")
+@click.option("--out", "out_dir", required=True, metavar="DIR", help="directory to write")
+@click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True, help="store root (fsspec URL)")
+def export(checkpoint: str, out_dir: str, store_url: str) -> None:
+    """Write a checkpoint as a Hugging Face directory."""
+    from rollout_lib.store import ObjectStore
+    from rollout_lib.trainer.checkpoint import export_hf_directory, resolve_checkpoint
+
+    store = ObjectStore(store_url)
+    print(export_hf_directory(store, resolve_checkpoint(store, checkpoint), out_dir))
+
+
+# --- stack ----------------------------------------------------------------------------------------------------
+
+
+@rollout.group("stack")
+def stack_group() -> None:
+    """The local Prefect stack deployments run on (docs/deployments.md)."""
+    from rollout_cli.local_server import prefect_home
+
+    # Prefect creates its home when imported: without PREFECT_HOME that would be ~/.prefect, outside the project.
+    os.environ.setdefault("PREFECT_HOME", str(prefect_home()))
+
+
+@stack_group.command("start")
+@click.option("--port", type=int, help="server port (default 4200, else any free port)")
+@click.option("--no-schedule", is_flag=True, help="pause the nightly schedules")
+def stack_start(port: int | None, no_schedule: bool) -> None:
+    """Start server, work pool, deployments, worker."""
+    record = stack.start(port=port, schedules=not no_schedule)
+    print(f"\nstack up: UI {record['ui_url']}\n"
+          f"  eval \"$(rollout stack env)\"      # point `prefect` at it\n"
+          f"  prefect deployment run train-rm/default --watch\n"
+          f"  rollout stack stop                # stop worker and server")
+
+
+@stack_group.command("stop")
+def stack_stop() -> None:
+    """Stop what `start` started."""
+    stack.stop()
+
+
+@stack_group.command("status")
+def stack_status() -> int:
+    """Print the stack's state as JSON; exit 1 when it is not running."""
+    report = stack.status()
+    print(json.dumps(report, indent=2))
+    return 0 if report["running"] else 1
+
+
+@stack_group.command("env")
+def stack_env() -> None:
+    """Print exports for `eval`: point `prefect` at the stack."""
+    print(stack.shell_env(), end="")
