@@ -48,6 +48,12 @@ def content_key(*, ignore: tuple[str, ...] = (), extra: Callable[[dict], dict] |
     return key_fn
 
 
+def dataset_path(config, split: str) -> str:
+    """The JSONL file of a split ("train" or "eval") of an entry point with `dataset` and `eval_dataset`."""
+    dataset = config.settings.dataset if split == "train" else config.settings.eval_dataset
+    return dataset.path
+
+
 def file_digest(path: str | Path) -> str:
     try:
         return blake3.blake3(Path(path).read_bytes()).hexdigest()

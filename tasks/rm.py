@@ -19,12 +19,7 @@ from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.determinism import plan_batches
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, train_segment
-from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
-
-
-def _dataset_path(config: RmConfig, split: str) -> str:
-    dataset = config.settings.dataset if split == "train" else config.settings.eval_dataset
-    return dataset.path
+from tasks.common import TASK_OPTIONS, content_key, dataset_path, file_digest, open_store
 
 
 def _inputs(config: RmConfig, tokenized_id: str, plan_id: str) -> TrainingInputs:
@@ -33,9 +28,9 @@ def _inputs(config: RmConfig, tokenized_id: str, plan_id: str) -> TrainingInputs
 
 
 @task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=lambda p: {"file": file_digest(_dataset_path(p["config"], p["split"]))}))
+      cache_key_fn=content_key(extra=lambda p: {"file": file_digest(dataset_path(p["config"], p["split"]))}))
 def load_pairs_task(config: RmConfig, split: str) -> dict:
-    table = load_pairs(_dataset_path(config, split))
+    table = load_pairs(dataset_path(config, split))
     return {"pairs": open_store(config).put_table(table), "rows": table.num_rows}
 
 

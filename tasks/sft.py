@@ -17,12 +17,7 @@ from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
 from rollout_lib.trainer.determinism import plan_batches
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, train_segment
-from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
-
-
-def _dataset_path(config: SftConfig, split: str) -> str:
-    dataset = config.settings.dataset if split == "train" else config.settings.eval_dataset
-    return dataset.path
+from tasks.common import TASK_OPTIONS, content_key, dataset_path, file_digest, open_store
 
 
 def _inputs(config: SftConfig, micro_batches_id: str, plan_id: str) -> TrainingInputs:
@@ -35,9 +30,9 @@ def _batches(inputs: TrainingInputs) -> PlannedBatches:
 
 
 @task(name="load-examples", task_run_name="load-examples-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=lambda p: {"file": file_digest(_dataset_path(p["config"], p["split"]))}))
+      cache_key_fn=content_key(extra=lambda p: {"file": file_digest(dataset_path(p["config"], p["split"]))}))
 def load_examples_task(config: SftConfig, split: str) -> dict:
-    table = load_examples(_dataset_path(config, split))
+    table = load_examples(dataset_path(config, split))
     return {"examples": open_store(config).put_table(table), "rows": table.num_rows}
 
 
@@ -49,7 +44,7 @@ def tokenize_examples_task(config: SftConfig, examples_id: str, split: str) -> d
     settings = config.settings
     tokenized = tokenize_examples(
         store.get_table(examples_id, wire.EXAMPLES), sft_tokenizer(resolve_model(settings.base_model)),
-        loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len, source=_dataset_path(config, split),
+        loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len, source=dataset_path(config, split),
     )
     return {"samples": store.put_table(tokenized.samples), **tokenized.report()}
 
