@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
+from pathlib import Path
 
-from rollout_lib.reward.functions import RewardInput
-from rollout_lib.reward.loop import RewardLoop
-from rollout_lib.reward.examples import async_sleep_then_one, sleep_then_one
+# The latency-bound rewards live with the tests' example rewards (tests/example_rewards.py), outside the library;
+# worker processes inherit this path and import them from there.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from example_rewards import async_sleep_then_one, sleep_then_one  # noqa: E402
+
+from rollout_lib.reward.functions import RewardInput  # noqa: E402
+from rollout_lib.reward.loop import RewardLoop  # noqa: E402
 
 
 def _items(n: int, sleep_s: float) -> list[RewardInput]:

@@ -39,7 +39,7 @@ def bare_loop(config, steps: int) -> float:
     """The loop you would write by hand; returns seconds spent training (after model and data are ready)."""
     import torch
 
-    from rollout_lib.config import training_hash
+    from rollout_lib.trainer.identity import training_identity
     from rollout_lib.data import load_pairs
     from rollout_lib.losses import bradley_terry_batch_mean
     from rollout_lib.model.loading import load_tokenizer, resolve_model
@@ -56,7 +56,7 @@ def bare_loop(config, steps: int) -> float:
     plan = plan_batches(tokenized.num_rows, settings.minibatch_size, steps, config.run.seed)
     # Same initial weights as the flow's init-model task: base model + the seeded head.
     store = ObjectStore("memory://bench-bare")
-    inputs = TrainingInputs(store, config, training_hash(config),
+    inputs = TrainingInputs(store, config, training_identity(config),
                             {"tokenized": store.put_table(tokenized), "plan": store.put_table(plan)})
     trainer = RewardModelTrainer.from_checkpoint(inputs, RewardModelTrainer.initial(inputs).checkpoint_id)
     model, optimizer = trainer.model, trainer.optimizer

@@ -1,6 +1,6 @@
 """train-rm: Bradley-Terry reward-model training, as the procedure you would write by hand.
 
-load pairs -> tokenize -> plan batches -> init model -> [train steps a..b, snapshot] per segment -> evaluate
+load pairs -> tokenize -> init model -> [train steps a..b, snapshot] per segment -> evaluate
 
 A segment runs from one snapshot to the next (`checkpoint_interval` steps) as one task: plain torch inside,
 one orchestration round trip per segment.
@@ -22,7 +22,6 @@ from tasks.rm import (
     evaluate_task,
     init_model_task,
     load_pairs_task,
-    plan_batches_task,
     tokenize_pairs_task,
     train_segment_task,
 )
@@ -43,13 +42,12 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     with ResidentTrainer() as resident:
         train = run_task(load_pairs_task)(cfg, "train")
         tokenized = run_task(tokenize_pairs_task)(cfg, train["pairs"], "train")["tokenized"]
-        plan = run_task(plan_batches_task)(cfg, tokenized, train["rows"])["plan"]
         held_out = None
         if settings.eval_dataset is not None:
             eval_pairs = run_task(load_pairs_task)(cfg, "eval")
             held_out = run_task(tokenize_pairs_task)(cfg, eval_pairs["pairs"], "eval")["tokenized"]
 
-        initial = run_task(init_model_task)(cfg, tokenized, plan, resident)["checkpoint"]
+        initial = run_task(init_model_task)(cfg, tokenized, resident)["checkpoint"]
         before = run_task(evaluate_task)(cfg, initial, held_out, "step-0", resident) if held_out else None
         if before:
             logger.info("held-out before training: accuracy %.3f over %d pairs", before["accuracy"],
@@ -65,7 +63,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
 
         train_started = time.perf_counter()
         checkpoint, history = train_in_segments(
-            run_task(train_segment_task), cfg, (tokenized, plan), initial, total=total,
+            run_task(train_segment_task), cfg, (tokenized,), initial, total=total,
             checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
             on_segment=report)
         train_seconds = time.perf_counter() - train_started

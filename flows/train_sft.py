@@ -58,7 +58,7 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
             _report_tokenized(logger, cfg, eval_tokenized, "eval")
             held_out = eval_tokenized["samples"]
 
-        data = (packed["micro_batches"], packed["plan"])
+        data = (tokenized["samples"], packed["micro_batches"], packed["plan"])
         initial = run_task(init_model_task)(cfg, *data, resident)["checkpoint"]
         before = run_task(evaluate_task)(cfg, initial, held_out, "step-0", resident) if held_out else None
         if before:

@@ -4,7 +4,8 @@ It is the blake3 of every project module in the task module's import closure, fo
 imports inside functions count too). A name imported from a package that only re-exports it leads to the module
 that defines it, not to everything the package's __init__ imports. Editing the RL sampler or the RL settings then
 invalidates RL results only, never a reward model's cached steps; editing anything a task can execute always
-invalidates its results. Code outside the project (a user's reward functions) is keyed by the task that calls it
+invalidates its results, and so does upgrading a library that decides numerics (NUMERIC_LIBRARIES). Code outside
+the project (a user's reward functions) is keyed by the task that calls it
 (tasks/rl.py: the score key has each reward module's source digest).
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import blake3
 
 from rollout_lib.paths import PROJECT_ROOT
+from rollout_lib.store import canonical_json
 
 PROJECT_PACKAGES = ("rollout_lib", "tasks")
 
@@ -123,9 +125,26 @@ def import_closure(module: str) -> list[Path]:
     return sorted(set(files.values()))
 
 
+# Libraries whose numerics decide a result (kernels, tokenization, serialisation): an upgrade invalidates caches.
+NUMERIC_LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "pyarrow", "numpy")
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    return {name: installed(name) for name in NUMERIC_LIBRARIES}
+
+
 @functools.cache
 def code_version(module: str) -> str:
-    digest = blake3.blake3()
+    """blake3 of the module's import closure (paths and sources) and of the numeric libraries' versions."""
+    digest = blake3.blake3(canonical_json(library_versions()))
     for path in import_closure(module):
         digest.update(str(path.relative_to(PROJECT_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+source scripts/quiet-pip.sh  # pip(): quiet, and a failed install fails the setup
 
 # torch first and pinned: any range that admits a newer release pulls gigabytes of CUDA wheels.
 pip install torch==2.13.0

@@ -8,18 +8,21 @@ rollout_lib.rl, write the result and return its id (plus JSON metrics).
     train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step; a snapshot
                                                                             every checkpoint_interval steps)
 
-Cache keys come from those content ids and the settings hash, never from the run id, so a rerun returns every
-completed stage from cache and resumes where the last run stopped.
+Cache keys come from those content ids and the training identity (every setting that decides the policy, not the
+run's length or snapshot interval), never from the run id, so a rerun returns every completed stage from cache
+and resumes where the last run stopped, and a finished run extended by raising max_steps continues from its end.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from prefect import task
 
 from rollout_lib import wire
 from rollout_lib.config import RlConfig
+from rollout_lib.reward.locate import find_module_spec
 from rollout_lib.rl.advantages import training_samples
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
@@ -27,16 +30,18 @@ from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_sampler, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
 from rollout_lib.trainer.resident import ResidentTrainer
-from tasks.common import TASK_OPTIONS, content_key, file_digest, module_digest, open_store
+from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
 
 
 def _env(config: RlConfig, name: str):
     return next(env for env in config.settings.envs if env.name == name)
 
 
-def _source_digest(parameters: dict) -> dict:
-    source = _env(parameters["config"], parameters["env"]).source
-    return {"file": file_digest(source.path)} if source.type == "jsonl_path" else {}
+def _prompt_source(parameters: dict) -> dict:
+    """What an env's prompts are made of: its source settings (and the file's digest) and how many a step draws."""
+    env = _env(parameters["config"], parameters["env"])
+    source = {"source": env.source.model_dump(mode="json"), "prompts_per_step": env.prompts_per_step}
+    return {**source, "file": file_digest(env.source.path)} if env.source.type == "jsonl_path" else source
 
 
 def _reward_sources(parameters: dict) -> dict:
@@ -47,13 +52,22 @@ def _reward_sources(parameters: dict) -> dict:
     return {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
 
 
+def module_digest(module: str) -> str:
+    """The blake3 of a module's source file, found without running it or its parent packages; "missing" when
+    it cannot be found (the task itself then reports the unimportable module)."""
+    spec = find_module_spec(module)
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return "missing"
+    return file_digest(spec.origin)
+
+
 def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
     store = open_store(config)
     return {env: store.get_table(prompts_id, wire.PROMPTS) for env, prompts_id in prompts_ids.items()}
 
 
 @task(name="load-prompts", task_run_name="load-prompts-{env}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_source_digest))
+      cache_key_fn=content_key(reads=lambda config: None, extra=_prompt_source))
 def load_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}

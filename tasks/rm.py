@@ -1,6 +1,8 @@
 """Prefect tasks of the train-rm flow: thin wrappers that read ids from the store, call rollout_lib, return ids.
 
-Task results are small JSON (ids and numbers) so they persist and come back `Cached` on a rerun.
+Task results are small JSON (ids and numbers) so they persist and come back `Cached` on a rerun. Each key holds the
+settings its task reads (tasks.common.content_key): the training tasks the chain's identity, the data tasks only
+their own settings.
 """
 
 from __future__ import annotations
@@ -9,32 +11,37 @@ from prefect import task
 
 from rollout_lib import wire
 from rollout_lib.config import RmConfig
-from rollout_lib.config.loading import training_hash
 from rollout_lib.data import load_pairs
-from rollout_lib.model.loading import load_tokenizer, resolve_model
+from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
 from rollout_lib.rm.evaluate import evaluate_pairs
 from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
-from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
-from rollout_lib.trainer.segment import Segment, train_segment
+from rollout_lib.trainer.segment import Segment, run_segment
 from tasks.common import TASK_OPTIONS, content_key, dataset_path, file_digest, open_store
 
 
-def _inputs(config: RmConfig, tokenized_id: str, plan_id: str) -> TrainingInputs:
-    return TrainingInputs(open_store(config), config, training_hash(config),
-                          {"tokenized": tokenized_id, "plan": plan_id})
+def _inputs(config: RmConfig, tokenized_id: str) -> TrainingInputs:
+    return TrainingInputs(open_store(config), config, training_identity(config), {"tokenized": tokenized_id})
+
+
+def _reads_tokenizer(config: RmConfig) -> dict:
+    return {"tokenizer": model_content_digest(config.settings.base_model), "max_seq_len": config.settings.max_seq_len}
 
 
 @task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=lambda p: {"file": file_digest(dataset_path(p["config"], p["split"]))}))
+      cache_key_fn=content_key(reads=lambda config: None, extra=lambda p: {
+          "path": dataset_path(p["config"], p["split"]),
+          "file": file_digest(dataset_path(p["config"], p["split"]))}))
 def load_pairs_task(config: RmConfig, split: str) -> dict:
     table = load_pairs(dataset_path(config, split))
     return {"pairs": open_store(config).put_table(table), "rows": table.num_rows}
 
 
-@task(name="tokenize-pairs", task_run_name="tokenize-pairs-{split}", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="tokenize-pairs", task_run_name="tokenize-pairs-{split}", **TASK_OPTIONS,
+      cache_key_fn=content_key(reads=_reads_tokenizer, ignore=("split",)))
 def tokenize_pairs_task(config: RmConfig, pairs_id: str, split: str) -> dict:
     store = open_store(config)
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
@@ -42,36 +49,34 @@ def tokenize_pairs_task(config: RmConfig, pairs_id: str, split: str) -> dict:
     return {"tokenized": store.put_table(table)}
 
 
-@task(name="plan-batches", task_run_name="plan-batches", **TASK_OPTIONS, cache_key_fn=content_key())
-def plan_batches_task(config: RmConfig, tokenized_id: str, rows: int) -> dict:
-    settings = config.settings
-    plan = plan_batches(rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
-    return {"plan": open_store(config).put_table(plan), "steps": plan.num_rows}
-
-
 @task(name="init-model", task_run_name="init-model", **TASK_OPTIONS, cache_key_fn=content_key())
-def init_model_task(config: RmConfig, tokenized_id: str, plan_id: str, resident: ResidentTrainer) -> dict:
-    trainer = RewardModelTrainer.initial(_inputs(config, tokenized_id, plan_id))
+def init_model_task(config: RmConfig, tokenized_id: str, resident: ResidentTrainer) -> dict:
+    trainer = RewardModelTrainer.initial(_inputs(config, tokenized_id))
     resident.put(trainer.checkpoint_id, trainer)  # the first segment (and the step-0 evaluation) reuse it
     return {"checkpoint": trainer.checkpoint_id}
 
 
-@task(name="train-steps", task_run_name="train-steps-{first}-{last}", **TASK_OPTIONS, cache_key_fn=content_key())
-def train_segment_task(config: RmConfig, tokenized_id: str, plan_id: str, checkpoint_id: str, first: int, last: int,
+@task(name="train-steps", task_run_name="train-steps-{first}-{last}", **TASK_OPTIONS,
+      cache_key_fn=content_key(ignore=("checkpoint_id",)))
+def train_segment_task(config: RmConfig, tokenized_id: str, checkpoint_id: str, first: int, last: int,
                        resident: ResidentTrainer) -> dict:
-    """Steps first..last from `checkpoint_id`, then a snapshot: {"checkpoint", "metrics": one dict per step}."""
-    inputs = _inputs(config, tokenized_id, plan_id)
-    trainer = resident.pop(checkpoint_id) or RewardModelTrainer.from_checkpoint(inputs, checkpoint_id)
-    checkpoint, metrics = train_segment(trainer, Segment(first, last))
-    resident.put(checkpoint, trainer)
+    """Steps first..last from `checkpoint_id`, then a snapshot: {"checkpoint", "metrics": one dict per step}.
+    Keyed by the chain and the steps, not by the start checkpoint's id: the same training, whatever the snapshots
+    before it were."""
+    inputs = _inputs(config, tokenized_id)
+    checkpoint, metrics, trainer = run_segment(
+        inputs.store, inputs.identity, inputs.data_ids, Segment(first, last),
+        open_trainer=lambda: resident.pop(checkpoint_id) or RewardModelTrainer.from_checkpoint(inputs, checkpoint_id))
+    if trainer is not None:
+        resident.put(checkpoint, trainer)
     return {"checkpoint": checkpoint, "metrics": metrics}
 
 
-@task(name="evaluate", task_run_name="evaluate-{label}", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="evaluate", task_run_name="evaluate-{label}", **TASK_OPTIONS,
+      cache_key_fn=content_key(reads=lambda config: config.settings.eval_batch_size, ignore=("label",)))
 def evaluate_task(config: RmConfig, checkpoint_id: str, tokenized_id: str, label: str,
                   resident: ResidentTrainer) -> dict:
     # Without a resident trainer at the checkpoint, one is rebuilt only to run its model (no data ids needed).
-    trainer = resident.get(checkpoint_id) or RewardModelTrainer.from_checkpoint(_inputs(config, "", ""),
-                                                                                checkpoint_id)
+    trainer = resident.get(checkpoint_id) or RewardModelTrainer.from_checkpoint(_inputs(config, ""), checkpoint_id)
     table = open_store(config).get_table(tokenized_id, wire.TOKENIZED_PAIRS)
     return evaluate_pairs(trainer.model, table, trainer.tokenizer.pad_token_id, config.settings.eval_batch_size)

@@ -37,13 +37,13 @@ def params(store: Path, max_steps: int = STEPS, *extra: str) -> dict:
 
 
 def by_name(task_runs: list[dict], attempt: int | None = None) -> dict[str, dict]:
-    """Task runs by name (`plan-batches-3fa` style generated names folded to their task name)."""
+    """Task runs by name (`init-model-3fa` style generated names folded to their task name)."""
     named = {}
     for task_run in task_runs:
         if attempt is not None and task_run["flow_run_run_count"] != attempt:
             continue
         name = task_run["name"]
-        for fixed in ("plan-batches", "init-model"):
+        for fixed in ("init-model",):
             if name.startswith(fixed + "-"):
                 name = fixed
         named[name] = task_run
@@ -71,7 +71,7 @@ def stored_checkpoint_steps(store: Path) -> set[int]:
 
 
 def expected_task_names(steps: int) -> set[str]:
-    names = {"load-pairs-train", "tokenize-pairs-train", "plan-batches", "load-pairs-eval", "tokenize-pairs-eval",
+    names = {"load-pairs-train", "tokenize-pairs-train", "load-pairs-eval", "tokenize-pairs-eval",
              "init-model", "evaluate-step-0", f"evaluate-step-{steps}"}
     # The tiny config snapshots every step: a segment task per step.
     return names | {f"train-steps-{i}-{i}" for i in range(1, steps + 1)}

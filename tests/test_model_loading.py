@@ -77,7 +77,9 @@ def test_decoder_reward_is_read_at_the_last_real_token_even_when_pad_is_eos(tiny
     model.config.pad_token_id = tokenizer.pad_token_id
     short = encode_prompt_response(tokenizer, "hi", "yes", 64)
     long = encode_prompt_response(tokenizer, "tell me about the weather today", "sunny and warm", 64)
-    assert short[-1] == tokenizer.eos_token_id or tokenizer.eos_token_id in short
+    # The chat template ends each turn with <|im_end|>, the eos (= pad here), then a newline: eos sits inside the
+    # sequence, after the user turn and before the final token, so reading at "the first pad" would read too early.
+    assert len(short) == 17 and [i for i, t in enumerate(short) if t == tokenizer.eos_token_id] == [5, 15]
     with torch.no_grad():
         batched = reward_scores(model, *pad_right([short, long], tokenizer.pad_token_id))
         alone = reward_scores(model, *pad_right([short], tokenizer.pad_token_id))

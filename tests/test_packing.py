@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_lib.model.tiny import build_tiny_qwen2
 from rollout_lib.packing import (
-    FIRST_TOKEN_LOGPROB,
     STREAM_COLUMNS,
     batch_unpacked,
     check_micro_batches,
@@ -78,8 +77,8 @@ def test_no_bin_exceeds_max_and_no_token_is_lost():
     packed = pack_samples(of_lengths(*lengths), max_seq_len=20)
     sizes = [sum(row) for row in packed["sequence_lengths"].to_pylist()]
     assert max(sizes) <= 20
-    assert sum(sizes) == sum(lengths)
-    assert len(sizes) == -(-sum(lengths) // 20)  # this input packs perfectly: 96 tokens in 5 bins
+    assert sum(sizes) == 96  # every token of the input
+    assert len(sizes) == 5  # this input packs perfectly: 96 tokens in the fewest bins of 20
     assert sorted(i for ids in packed["sample_ids"].to_pylist() for i in ids) == sorted(
         f"s{i}" for i in range(len(lengths))
     )
@@ -112,12 +111,10 @@ def test_positions_restart_and_streams_concatenate_across_the_boundary():
     assert mb["loss_mask"] == [False, False, True, True, False, True, False]
     assert mb["advantages"] == [0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0]  # null -> 0.0
     assert mb["ce_weights"] == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-    # Nulls become wire.py's documented default, whatever it is today.
-    loss_mask_as_float = [1.0 if keep else 0.0 for keep in mb["loss_mask"]]
+    # Null streams become wire.py's documented defaults: no weight in any loss term, and temperature 1.
     for name in ("rl_weights", "ref_kl_weights", "ref_logprobs", "inference_logprobs"):
-        default = TRAINING_SAMPLE_DEFAULTS[name]
-        expected = loss_mask_as_float if default == "loss_mask" else [float(default)] * 7
-        assert mb[name] == expected, name
+        assert mb[name] == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], name
+    assert mb["temperatures"] == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def test_loss_mask_default_form_is_materialised(monkeypatch):
@@ -259,7 +256,7 @@ def _one_by_one(model, row):
         ids = torch.tensor([row["input_ids"][offset : offset + length]])
         logits = model(input_ids=ids, use_cache=False).logits[0].float()
         logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-        pieces.append(torch.cat([torch.tensor([FIRST_TOKEN_LOGPROB]), logprobs]))
+        pieces.append(torch.cat([torch.tensor([0.0]), logprobs]))  # the first token: nothing predicts it
         offset += length
     return torch.cat(pieces)
 
@@ -276,7 +273,7 @@ def test_packed_logprobs_equal_one_by_one(tiny_dir, attn_implementation):
     torch.testing.assert_close(packed, reference, atol=1e-5, rtol=0)
     torch.testing.assert_close(padded, reference, atol=1e-5, rtol=0)
     starts = [0, 9, 13]
-    assert packed[starts].tolist() == [FIRST_TOKEN_LOGPROB] * 3
+    assert packed[starts].tolist() == [0.0, 0.0, 0.0]  # a first token has no prediction: logprob 0 by convention
     assert (packed[[t for t in range(19) if t not in starts]] < 0).all()
 
 

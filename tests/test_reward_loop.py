@@ -14,8 +14,9 @@ import time
 import pyarrow as pa
 import pytest
 
+import example_rewards
 from rollout_lib import wire
-from rollout_lib.reward import examples, pool
+from rollout_lib.reward import pool
 from rollout_lib.reward.functions import RewardInput, resolve_reward_function
 from rollout_lib.reward.loop import (
     AllRewardsFailedError,
@@ -80,8 +81,8 @@ def test_is_async_callable_sees_through_partials_methods_and_call():
     assert is_async_callable(_AsyncCallable())
     assert is_async_callable(_Judge().score)
     assert not is_async_callable(_AsyncCallable)  # the class: calling it constructs
-    assert not is_async_callable(examples.sleep_then_one)
-    assert not is_async_callable(functools.partial(examples.sleep_then_one))
+    assert not is_async_callable(example_rewards.sleep_then_one)
+    assert not is_async_callable(functools.partial(example_rewards.sleep_then_one))
     assert not is_async_callable(lambda inp: 1.0)
 
 
@@ -90,11 +91,11 @@ def test_is_async_callable_sees_through_partials_methods_and_call():
 
 def test_weighted_sum_of_sync_and_async_functions():
     functions = [
-        (examples.completion_length, 2.0),  # sync: runs in a worker process
+        (example_rewards.completion_length, 2.0),  # sync: runs in a worker process
         (functools.partial(_async_scaled, scale=0.5), 1.0),
         (_AsyncCallable(), -1.0),  # dict {"score": 3.0}
         (_Judge().score, 0.25),
-        (examples.worker_pid, 0.0),
+        (example_rewards.worker_pid, 0.0),
     ]
     with RewardLoop(functions, concurrency=4, timeout_s=30) as loop:
         results = loop.score([_item("abcd"), _item("ab")])
@@ -107,7 +108,7 @@ def test_weighted_sum_of_sync_and_async_functions():
 
 
 def test_hung_sync_function_is_killed_and_the_loop_goes_on():
-    with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=2, timeout_s=0.5, sync_workers=1) as loop:
+    with RewardLoop([(example_rewards.sleep_then_one, 1.0)], concurrency=2, timeout_s=0.5, sync_workers=1) as loop:
         assert loop.score([_item(sleep_s=0)])[0].reward == 1.0  # starts the worker outside any timeout
         (hung_pid,) = loop.sync_worker_pids()
         start = time.monotonic()
@@ -125,7 +126,7 @@ def test_hung_sync_function_is_killed_and_the_loop_goes_on():
 def test_timeout_also_kills_what_the_sync_function_started(tmp_path):
     pid_file = tmp_path / "pid"
     command = ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 1000"]
-    with RewardLoop([(examples.command_succeeds, 1.0)], concurrency=1, timeout_s=1.0, sync_workers=1) as loop:
+    with RewardLoop([(example_rewards.command_succeeds, 1.0)], concurrency=1, timeout_s=1.0, sync_workers=1) as loop:
         (result,) = loop.score([_item(command=command)])
         assert result.error == "TimeoutError: reward fn 'command_succeeds' exceeded 1.0s"
         sleeper = int(pid_file.read_text())
@@ -141,7 +142,7 @@ def test_timeout_also_kills_a_child_that_ignores_sigterm(tmp_path):
     # then skipped (a reaped pid may be reused), so a child ignoring SIGTERM outlived the timeout.
     pid_file = tmp_path / "pid"
     command = ["sh", "-c", f"trap '' TERM; echo $$ > {pid_file}; exec sleep 1000"]
-    with RewardLoop([(examples.command_succeeds, 1.0)], concurrency=1, timeout_s=1.0, sync_workers=1) as loop:
+    with RewardLoop([(example_rewards.command_succeeds, 1.0)], concurrency=1, timeout_s=1.0, sync_workers=1) as loop:
         (result,) = loop.score([_item(command=command)])
         assert result.error == "TimeoutError: reward fn 'command_succeeds' exceeded 1.0s"
         sleeper = int(pid_file.read_text())
@@ -154,7 +155,7 @@ def test_timeout_also_kills_a_child_that_ignores_sigterm(tmp_path):
 def test_closing_the_loop_kills_what_functions_left_running(tmp_path):
     pid_file = tmp_path / "pid"
     command = ["sh", "-c", f"sleep 1000 & echo $! > {pid_file}"]  # exits 0 at once, sleep stays in the group
-    with RewardLoop([(examples.command_succeeds, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
+    with RewardLoop([(example_rewards.command_succeeds, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
         assert loop.score([_item(command=command)])[0].reward == 1.0
         sleeper = int(pid_file.read_text())
         assert _pid_running(sleeper)
@@ -165,7 +166,7 @@ def test_closing_the_loop_kills_what_functions_left_running(tmp_path):
 
 
 def test_close_is_idempotent_and_a_closed_loop_refuses_to_score():
-    loop = RewardLoop([(examples.worker_pid, 1.0)], concurrency=1, timeout_s=30, sync_workers=1)
+    loop = RewardLoop([(example_rewards.worker_pid, 1.0)], concurrency=1, timeout_s=30, sync_workers=1)
     with loop:
         loop.score([_item()])
         (pid,) = loop.sync_worker_pids()
@@ -176,7 +177,7 @@ def test_close_is_idempotent_and_a_closed_loop_refuses_to_score():
 
 
 def test_a_worker_that_died_while_idle_is_replaced():
-    with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
+    with RewardLoop([(example_rewards.sleep_then_one, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
         loop.score([_item(sleep_s=0)])
         (pid,) = loop.sync_worker_pids()
         os.kill(pid, signal.SIGKILL)  # OOM killer, say
@@ -189,7 +190,7 @@ def test_a_worker_that_died_while_idle_is_replaced():
 def test_a_call_sent_to_a_worker_that_just_died_goes_to_a_fresh_one_once(monkeypatch):
     # The race the "started" acknowledgement exists for: killed while idle, but its death not yet visible when
     # the call is sent. The call never began, so it is retried on a fresh worker (a crash mid-call is not).
-    with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
+    with RewardLoop([(example_rewards.sleep_then_one, 1.0)], concurrency=1, timeout_s=30, sync_workers=1) as loop:
         loop.score([_item(sleep_s=0)])
         (pid,) = loop.sync_worker_pids()
         os.kill(pid, signal.SIGKILL)
@@ -240,7 +241,7 @@ def test_exceptions_and_bad_values_become_missing_rewards_with_the_error():
     async def returns_text(inp):
         return "1.0"
 
-    with RewardLoop([(examples.always_fails, 1.0)], concurrency=2, timeout_s=30) as loop:
+    with RewardLoop([(example_rewards.always_fails, 1.0)], concurrency=2, timeout_s=30) as loop:
         (failed,) = loop.score([_item("abc")])
     assert failed.reward is None
     assert failed.error == "ValueError: reward fn 'always_fails': cannot score completion of length 3"
@@ -253,7 +254,7 @@ def test_exceptions_and_bad_values_become_missing_rewards_with_the_error():
 
 def test_a_crashing_worker_is_a_missing_reward_not_a_crashed_step():
     with RewardLoop(
-        [(examples.crash_worker, 1.0)], concurrency=1, timeout_s=30, sync_workers=1
+        [(example_rewards.crash_worker, 1.0)], concurrency=1, timeout_s=30, sync_workers=1
     ) as loop:
         results = loop.score([_item(), _item()])
     assert [r.reward for r in results] == [None, None]
@@ -370,13 +371,13 @@ def test_builtin_missing_answer_is_a_missing_reward_in_the_loop():
 
 
 def test_resolution_by_import_path_and_errors():
-    assert resolve_reward_function("rollout_lib.reward.examples:completion_length") is examples.completion_length
+    assert resolve_reward_function("example_rewards:completion_length") is example_rewards.completion_length
     with pytest.raises(ValueError, match=r"available: \['contains_answer', 'exact_match', 'number_match'"):
         resolve_reward_function("exact")
     with pytest.raises(ValueError, match="cannot import module"):
         resolve_reward_function("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="has no attribute"):
-        resolve_reward_function("rollout_lib.reward.examples:nope")
+        resolve_reward_function("example_rewards:nope")
     with pytest.raises(ValueError, match="bad kwargs"):
         resolve_reward_function("target_length", {"targte": 3})
 
@@ -401,7 +402,7 @@ def test_cancelling_the_step_kills_a_busy_worker():
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(loop.ascore([_item(sleep_s=1000)]), 0.3)
 
-    with RewardLoop([(examples.sleep_then_one, 1.0)], concurrency=1, timeout_s=100, sync_workers=1) as loop:
+    with RewardLoop([(example_rewards.sleep_then_one, 1.0)], concurrency=1, timeout_s=100, sync_workers=1) as loop:
         loop.score([_item(sleep_s=0)])
         (busy_pid,) = loop.sync_worker_pids()
         asyncio.run(give_up_early(loop))

@@ -69,9 +69,10 @@ def test_a_step_where_every_reward_fails_fails_the_run_with_one_line(prefect_ser
     config = tmp_path / "failing.toml"
     config.write_text((ROOT / "configs/rl-tiny.toml").read_text()
                       .replace('"data/rl-tiny-prompts.jsonl"', f'"{ROOT / "data/rl-tiny-prompts.jsonl"}"')
-                      .replace('function = "target_length"', 'function = "rollout_lib.reward.examples:always_fails"')
+                      .replace('function = "target_length"', 'function = "example_rewards:always_fails"')
                       .replace('kwargs = { target = 12, unit = "words" }', ""))
-    failed = run_rollout("train", "rl", "--config", str(config), "--set", f"run.store={tmp_path / 'store'}")
+    failed = run_rollout("train", "rl", "--config", str(config), "--set", f"run.store={tmp_path / 'store'}",
+                         PYTHONPATH=str(ROOT / "tests"))  # where example_rewards lives, outside the library
     assert failed.returncode == 1, failed.stdout[-2000:]
     error_lines = [line for line in failed.stderr.splitlines() if line.startswith("rollout: error:")]
     assert len(error_lines) == 1 and "all 32 rewards failed" in error_lines[0], failed.stderr[-2000:]

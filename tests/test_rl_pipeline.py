@@ -119,7 +119,7 @@ def test_two_envs_two_algorithms_one_step_with_missing_rewards(tmp_path, tiny_mo
 
 
 def test_a_step_where_every_reward_fails_fails_loudly(tmp_path, tiny_model_dir, resident, reward_loops):
-    cfg = config(tmp_path, tiny_model_dir, words_reward=[{"function": "rollout_lib.reward.examples:always_fails"}],
+    cfg = config(tmp_path, tiny_model_dir, words_reward=[{"function": "example_rewards:always_fails"}],
                  only_words=True)
     run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-b"))
     policy = policy_at(run, initial_policy(run, resident), resident)

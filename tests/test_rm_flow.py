@@ -30,7 +30,7 @@ def test_train_rm_tiny_then_score_and_export(prefect_server, tmp_path):
 
     states = task_run_states(result["flow_run_id"])
     # rm-tiny snapshots every step: one segment per step.
-    assert {"load-pairs-train", "tokenize-pairs-train", "plan-batches", "init-model", "train-steps-1-1",
+    assert {"load-pairs-train", "tokenize-pairs-train", "init-model", "train-steps-1-1",
             "train-steps-2-2"} <= set(states)
     assert set(states.values()) == {"Completed"}
 
@@ -67,7 +67,7 @@ def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_serve
     assert result["checkpoint"] == expected  # byte-identical final checkpoint
 
     states = task_run_states(result["flow_run_id"])
-    for name in ["load-pairs-train", "tokenize-pairs-train", "plan-batches", "init-model", "train-steps-1-8"]:
+    for name in ["load-pairs-train", "tokenize-pairs-train", "init-model", "train-steps-1-8"]:
         assert states[name] == "Cached", (name, states[name])
     # Only the interrupted segment and the ones after it ran again, the interrupted one from its checkpoint.
     assert states["train-steps-9-16"] == "Completed" and states["train-steps-17-24"] == "Completed"

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rollout_lib import wire
-from rollout_lib.config import RmConfig, load_config, training_hash
+from rollout_lib.config import RmConfig, load_config
 from rollout_lib.data import load_pairs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rm.pairs import tokenize_pairs
@@ -18,6 +18,7 @@ from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import NonFiniteLossError, TrainingInputs
 from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
 from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.segment import Segment, TrainStepError, plan_segments, train_segment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ def make_run(tiny_model_dir, overrides=()) -> TrainingInputs:
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
     tokenized = tokenize_pairs(load_pairs(ROOT / "data/rm-tiny.jsonl"), tokenizer, config.settings.max_seq_len)
     plan = plan_batches(tokenized.num_rows, config.settings.minibatch_size, 6, config.run.seed)
-    return TrainingInputs(store, config, training_hash(config),
+    return TrainingInputs(store, config, training_identity(config),
                           {"tokenized": store.put_table(tokenized), "plan": store.put_table(plan)})
 
 
@@ -141,3 +142,16 @@ def test_checkpoint_exports_as_a_loadable_hf_directory(tiny_model_dir, tmp_path)
                         .column("chosen_input_ids")[0].as_py()])
     with torch.no_grad():
         assert torch.allclose(reloaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-6)
+
+
+def test_a_checkpoint_id_is_stable_while_idle_and_changes_after_a_step(tiny_model_dir):
+    """Seed 000's rule: snapshotting a trainer that has not stepped gives the id it already has."""
+    run = make_run(tiny_model_dir)
+    trainer = RewardModelTrainer.initial(run)
+    first = trainer.checkpoint_id
+    assert trainer.snapshot({}) == first and trainer.snapshot({"loss": 1.0}) == first
+    reopened = RewardModelTrainer.from_checkpoint(run, first)
+    assert reopened.snapshot({}) == first
+    reopened.train_step(1)
+    after = reopened.snapshot({})
+    assert after != first and reopened.snapshot({}) == after

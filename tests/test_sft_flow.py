@@ -26,31 +26,51 @@ CHATS = [
                   {"role": "assistant", "content": "Hello! How can I help you today?"}]},
 ]
 
+# Held out: never trained on, in the same style (short answers after the same chat template), so a falling eval
+# loss shows the model learnt something that carries over rather than memorised its training rows.
+HELD_OUT = [
+    {"prompt": "What is 20 + 3?", "completion": "The answer is 23."},
+    {"messages": [{"role": "user", "content": "Hi there!"},
+                  {"role": "assistant", "content": "Hi! What can I do for you?"}]},
+    {"prompt": "He has 9 pears and eats 3. How many are left?", "completion": "He has 6 pears left."},
+]
 
-@pytest.fixture
-def chat_data(tmp_path):
-    path = tmp_path / "chats.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in CHATS))
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
-def test_train_sft_tiny_packed_with_eval_then_export_and_generate(prefect_server, tmp_path, chat_data):
+@pytest.fixture
+def chat_data(tmp_path):
+    return write_jsonl(tmp_path / "chats.jsonl", CHATS)
+
+
+@pytest.fixture
+def held_out_data(tmp_path):
+    return write_jsonl(tmp_path / "held-out.jsonl", HELD_OUT)
+
+
+def test_train_sft_tiny_packed_with_eval_then_export_and_generate(prefect_server, tmp_path, chat_data,
+                                                                  held_out_data):
     store = tmp_path / "store"
     done = run_rollout("train", "sft", "--config", "configs/sft-tiny.toml", "--set", f"run.store={store}",
                        "--set", f"algorithm.sft.dataset.path={chat_data}",
-                       "--set", f"algorithm.sft.eval_dataset.path={chat_data}",
+                       "--set", f"algorithm.sft.eval_dataset.path={held_out_data}",
                        "--set", "algorithm.sft.packing.kind=on", "--set", "algorithm.sft.packing.max_seq_len=128",
                        "--set", "algorithm.sft.budget.max_steps=4", "--set", "algorithm.sft.optimizer.lr=0.05")
     assert done.returncode == 0, done.stderr[-3000:]
     result = final_result(done)
     checkpoint = result["checkpoint"]
     assert ObjectStore(str(store)).get_ref("runs/sft-tiny/latest") == checkpoint
+    assert result["eval_before"]["tokens"] == result["eval_after"]["tokens"] == 32  # held-out's (training's: 66)
     assert result["eval_after"]["loss"] < result["eval_before"]["loss"]
     assert "100.0% of processed positions real" in done.stdout + done.stderr  # packing: no padding at all
 
     states = task_run_states(result["flow_run_id"])
-    assert {"load-examples-train", "tokenize-examples-train", "plan-batches", "pack-micro-batches", "init-model",
-            "train-steps-1-1", "train-steps-4-4", "evaluate-step-0", "evaluate-step-4"} <= set(states)
+    assert {"load-examples-train", "load-examples-eval", "tokenize-examples-train", "plan-batches",
+            "pack-micro-batches", "init-model", "train-steps-1-1", "train-steps-4-4", "evaluate-step-0",
+            "evaluate-step-4"} <= set(states)
     assert set(states.values()) == {"Completed"}
 
     out = tmp_path / "hf"

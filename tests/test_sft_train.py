@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_lib import wire
-from rollout_lib.config import SftConfig, load_config, training_hash
+from rollout_lib.config import SftConfig, load_config
 from rollout_lib.data import load_examples
 from rollout_lib.model import packed_attention
 from rollout_lib.model.loading import ResolvedModel, load_tokenizer
@@ -29,6 +29,7 @@ from rollout_lib.trainer.base import NonFiniteLossError, TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches, train_on_micro_batches
 from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
 from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.segment import plan_segments, train_segment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -320,7 +321,7 @@ def make_run(tmp_path, tiny_model_dir, *overrides) -> TrainingInputs:
                                 max_seq_len=settings.packing.max_seq_len).samples
     plan = plan_batches(samples.num_rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
     micro_batches, micro_plan = plan_micro_batches(samples, plan, settings)
-    return TrainingInputs(store, config, training_hash(config),
+    return TrainingInputs(store, config, training_identity(config),
                           {"micro_batches": store.put_table(micro_batches), "plan": store.put_table(micro_plan)})
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -17,6 +17,9 @@ class StrictModel(BaseModel):
 class RunSettings(StrictModel):
     name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     seed: int = 42
+    # CPU threads of every torch computation that decides a checkpoint. Reductions split across threads round
+    # differently, so byte-identical checkpoints across machines need the same count: pinned, not "all cores".
+    torch_threads: int = Field(2, ge=1)
     # Any fsspec URL: a local directory (default), memory://..., s3://bucket/prefix.
     store: str = ".rollout/store"
     storage_options: dict[str, Any] = Field(default_factory=dict)
@@ -53,6 +56,9 @@ class OptimizerSettings(StrictModel):
     momentum: float = Field(0.0, ge=0, lt=1)  # sgd only
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
+    # The horizon a linear/cosine decay reaches its floor at (default: the run's max_steps). Set it to extend a
+    # finished run without changing the learning rate of the steps already trained (see `schedule_horizon`).
+    decay_steps: int | None = Field(None, ge=1)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)  # floor of linear/cosine decay, as a fraction of lr
     max_grad_norm: float | None = Field(1.0, gt=0)  # gradient clipping; None disables it
 
@@ -61,6 +67,14 @@ class OptimizerSettings(StrictModel):
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must each be in [0, 1) (got {list(self.betas)})")
         return self
+
+
+    def schedule_horizon(self, max_steps: int) -> int | None:
+        """The step count the learning rate depends on, or None for a constant schedule (then raising max_steps
+        continues a finished run; with a decay and no `decay_steps`, it changes every step's rate)."""
+        if self.schedule == "constant":
+            return None
+        return self.decay_steps or max_steps
 
 
 class BudgetSettings(StrictModel):
@@ -98,3 +112,18 @@ class EntryPointConfig(StrictModel):
     def plan_problems(self) -> list[tuple[str, str]]:
         """The seed's validate_plan: (dotted locator, problem) pairs found at plan time, before any model loads."""
         return []
+
+    # Settings of the entry point that never decide the trained weights: where and how often to snapshot, what to
+    # evaluate on, the budget (the schedule's horizon enters on its own), and the dataset's location (its content
+    # enters cache keys as a content id).
+    NOT_TRAINING: ClassVar[frozenset[str]] = frozenset(
+        {"checkpoint_interval", "budget", "eval_dataset", "eval_batch_size", "dataset"})
+
+    def training_settings(self) -> dict:
+        """The settings that decide the trained weights, as JSON: everything of the entry point's block but
+        NOT_TRAINING, the learning-rate schedule's horizon, the seed and the thread count. `run.name`, `run.store`
+        and `run.storage_options` (credentials) never enter it."""
+        settings = self.settings
+        block = settings.model_dump(mode="json", exclude=set(self.NOT_TRAINING) & set(type(settings).model_fields))
+        return {**block, "schedule_horizon": settings.optimizer.schedule_horizon(settings.budget.max_steps),
+                "seed": self.run.seed, "torch_threads": self.run.torch_threads}

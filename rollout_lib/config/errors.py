@@ -15,7 +15,8 @@ class ConfigError(ValueError):
         super().__init__("\n".join(f"{prefix}{loc}: {msg}" for loc, msg in problems))
 
 
-def _locator(loc: tuple) -> str:
+def locator(loc: tuple) -> str:
+    """`("algorithm", "rl", "envs", 0, "sampling")` -> `algorithm.rl.envs[0].sampling`."""
     # pydantic puts union-member tags (e.g. "function-after[...]", "jsonl_path") into locs; keep only
     # the field names and list indices a user wrote.
     parts = []
@@ -50,4 +51,4 @@ def _message(err: dict) -> str:
 
 
 def from_validation_error(exc: ValidationError, source: str | None = None, prefix: tuple = ()) -> ConfigError:
-    return ConfigError([(_locator(prefix + tuple(e["loc"])), _message(e)) for e in exc.errors()], source)
+    return ConfigError([(locator(prefix + tuple(e["loc"])), _message(e)) for e in exc.errors()], source)

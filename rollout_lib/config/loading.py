@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -10,20 +11,27 @@ from typing import Any, TypeVar
 import blake3
 from pydantic import BaseModel, ValidationError
 
-from rollout_lib.config.errors import ConfigError, from_validation_error
+from rollout_lib.config.errors import ConfigError, from_validation_error, locator
 from rollout_lib.store import canonical_json
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
 
+# One segment of an override key: a table key, optionally followed by list indices (`envs[0]`, `grid[1][2]`).
+_SEGMENT = re.compile(r"([^.\[\]]+)((?:\[\d+\])*)")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a","b","c"], value); the value is read as a TOML value, else kept as a string."""
+    """`a.b[0].c=value` -> (["a","b[0]","c"], value); the value is read as a TOML value, else kept as a string.
+
+    Segments keep their `[index]` text, so `".".join(path)` writes the key back as the user typed it."""
     if "=" not in text:
         raise ConfigError([(text, "override must look like key.path=value")])
     key, raw = text.split("=", 1)
-    path = [part for part in key.strip().split(".")]
-    if not all(path):
-        raise ConfigError([(key, "override key must be a dotted path like algorithm.rm.optimizer.lr")])
+    path = key.strip().split(".")
+    if not all(_SEGMENT.fullmatch(part) for part in path):
+        raise ConfigError([(key, "override key must be a dotted path like algorithm.rm.optimizer.lr "
+                                 "(list items as algorithm.rl.envs[0].sampling.group_size)")])
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -31,19 +39,50 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def _steps(path: list[str]) -> list[str | int]:
+    """Key segments to the keys and list indices they walk through: ["envs[0]", "name"] -> ["envs", 0, "name"]."""
+    steps: list[str | int] = []
+    for part in path:
+        match = _SEGMENT.fullmatch(part)
+        if match is None:
+            raise ConfigError([(".".join(path), f"bad key segment {part!r}; list items are written name[0]")])
+        steps.append(match.group(1))
+        steps.extend(int(index) for index in re.findall(r"\d+", match.group(2)))
+    return steps
+
+
+def _set_value(data: dict, steps: list[str | int], value: Any) -> None:
+    node: Any = data
+    for depth, step in enumerate(steps):
+        here, parent = locator(tuple(steps[: depth + 1])), locator(tuple(steps[:depth]))
+        if isinstance(step, int):
+            if not isinstance(node, list):
+                raise ConfigError([(parent, "is not a list; [index] can only name a list item")])
+            if step >= len(node):
+                raise ConfigError([(here, f"index out of range: {parent} has {len(node)} item(s)")])
+        elif isinstance(node, list):
+            raise ConfigError([(parent, f"is a list; name an item first, e.g. {parent}[0].{step}")])
+        elif not isinstance(node, dict):
+            raise ConfigError([(parent, "is a value, not a table; cannot override inside it")])
+        if depth == len(steps) - 1:
+            node[step] = value
+        elif isinstance(step, str) and step not in node:
+            if isinstance(steps[depth + 1], int):
+                raise ConfigError([(here, "is not in the config: [index] can only reach an existing list item")])
+            node = node.setdefault(step, {})  # a missing table is created; the schema judges its keys
+        else:
+            node = node[step]
+
+
 def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any] | None) -> dict:
-    """Return a copy of `raw` with overrides applied; the schema (extra="forbid") then rejects unknown keys."""
+    """Return a copy of `raw` with overrides applied; the schema (extra="forbid") then rejects unknown keys.
+
+    Keys reach list items by index (`algorithm.rl.envs[0].sampling.group_size`), the same spelling with `--set`
+    and in a deployment's `overrides` (list of "key=value" strings, or a dict keyed by the dotted key)."""
     data = copy.deepcopy(raw)
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for path, value in items:
-        path = path.split(".") if isinstance(path, str) else path
-        node = data
-        for i, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError([(".".join(path[: i + 1]), "is a value, not a table; cannot override inside it")])
-            node = child
-        node[path[-1]] = value
+        _set_value(data, _steps(path.split(".") if isinstance(path, str) else list(path)), value)
     return data
 
 
@@ -78,9 +117,8 @@ def settings_hash(config: BaseModel) -> str:
     return blake3.blake3(canonical_json(config.model_dump(mode="json"))).hexdigest()
 
 
-def training_hash(config: BaseModel) -> str:
-    """Hash of what decides the trained weights (algorithm settings and seed), not where they are stored:
-    checkpoints carry it, so the same training in two stores produces the same checkpoint ids."""
-    dumped = config.model_dump(mode="json")
-    run = dumped.get("run", {})
-    return blake3.blake3(canonical_json({"algorithm": dumped["algorithm"], "seed": run.get("seed")})).hexdigest()
+def training_hash(config) -> str:
+    """Hash of the settings that decide the trained weights (`training_settings()`): not where they are stored,
+    not how often they are snapshotted or evaluated, no credentials. (trainer.identity adds the base model's
+    content.)"""
+    return blake3.blake3(canonical_json(config.training_settings())).hexdigest()

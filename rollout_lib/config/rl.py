@@ -153,7 +153,7 @@ class RlConfig(EntryPointConfig):
 
     def plan_problems(self) -> list[tuple[str, str]]:
         """Problems found at plan time, before any model loads: names and kwargs that cannot resolve."""
-        from rollout_lib.reward.functions import resolve_reward_function
+        from rollout_lib.reward.functions import check_reward_function
 
         settings = self.settings
         problems = []
@@ -164,7 +164,7 @@ class RlConfig(EntryPointConfig):
                 problems.append((f"{where}.name", f"env name {env.name!r} is used more than once"))
             for r_index, reward in enumerate(env.rewards):
                 try:
-                    resolve_reward_function(reward.function, reward.kwargs)
+                    check_reward_function(reward.function, reward.kwargs)
                 except ValueError as exc:
                     problems.append((f"{where}.rewards[{r_index}].function", str(exc)))
             if isinstance(env.source, ReasoningGymSource):

@@ -17,11 +17,20 @@ def iter_jsonl_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]
     """Yield (1-based line number, object) for every non-blank line; blank lines are skipped."""
     path = Path(path)
     try:
-        fh = path.open("r", encoding="utf-8")
+        fh = path.open("rb")  # bytes, decoded line by line: a bad byte is reported on its own line
     except FileNotFoundError:
         raise DataError(f"{path}: dataset file not found") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a directory; a dataset is one JSONL file") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the dataset file: {exc.strerror}") from None
     with fh:
-        for lineno, line in enumerate(fh, start=1):
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: invalid UTF-8: byte {raw[exc.start]:#04x} at byte "
+                                f"{exc.start + 1} of the line") from None
             if not line.strip():
                 continue
             try:

@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
+
 from rollout_lib.config.common import ModelRef
 
 
@@ -108,10 +110,26 @@ def _converted_gguf(resolved: ResolvedModel) -> ResolvedModel:
 @functools.cache
 def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     """blake3 of a file, once per process and file version (size and mtime are part of the key)."""
-    import blake3
-
     digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
     digest.update_mmap(path)
+    return digest.hexdigest()
+
+
+def model_content_digest(ref: ModelRef | str) -> str:
+    """The identity of a model's content, for cache keys: a local model (directory, `pkg:`, `tiny:`) is the blake3
+    of its files (the GGUF file alone when it is one), so a re-saved directory or an upgraded package never
+    returns results of the old weights. A hub id has no local content to hash: it is its name and revision."""
+    resolved = locate_model(ref)
+    if not resolved.is_local:
+        return f"hub:{resolved.source}@{resolved.revision or 'main'}"
+    root = Path(resolved.source)
+    files = [root / resolved.gguf_file] if resolved.gguf_file else sorted(
+        path for path in root.rglob("*")
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(root).parts))
+    digest = blake3.blake3()
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.relative_to(root)}\0{_file_digest(str(path), stat.st_size, stat.st_mtime_ns)}\0".encode())
     return digest.hexdigest()
 
 

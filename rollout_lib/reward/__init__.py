@@ -1,11 +1,11 @@
 """The reward loop: per-rollout async scoring with user reward functions.
 
-- `functions`: RewardInput, the built-ins, resolve_reward_function
+- `functions`: RewardInput, the built-ins, resolve_reward_function, check_reward_function (plan time)
+- `locate`: finds a user's reward function without running its module (for `--dry-run`)
 - `loop`: RewardLoop, score_rollouts(_sync), is_async_callable (and the results helpers below, re-exported)
 - `pool`: the killable worker processes for sync functions
 - `results`: RewardResult, reward_metrics, raise_if_all_missing
 - `tables`: reward_inputs / apply_rewards between the loop and the ROLLOUTS wire
-- `examples`: importable example functions
 
 Deliberately no re-exports here: every sync worker process imports this package, and should pay only for
 `pool` and the user's functions, not for pyarrow.

@@ -180,3 +180,14 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[.
         except ValueError:
             pass  # no introspectable signature (some C callables): let the call itself complain
     return functools.partial(target, **kwargs) if kwargs else target
+
+
+def check_reward_function(spec: str, kwargs: dict | None = None) -> None:
+    """What plan time checks (config validation, `--dry-run`): a built-in is resolved; a user's import path is
+    found and read without running its module (`locate.py`), which happens only when the reward loop starts."""
+    if ":" in spec:
+        from rollout_lib.reward.locate import check_reward_reference
+
+        check_reward_reference(spec, kwargs)
+    else:
+        resolve_reward_function(spec, kwargs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from rollout_lib.config.loading import training_hash
+from rollout_lib.trainer.identity import training_identity
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def policy_inputs(store: ObjectStore, config: RlConfig, prompts_ids: dict[str, str]) -> TrainingInputs:
-    return TrainingInputs(store, config, training_hash(config),
+    return TrainingInputs(store, config, training_identity(config),
                           {f"prompts/{env}": prompts_id for env, prompts_id in sorted(prompts_ids.items())})
 
 
@@ -81,6 +81,6 @@ def train_policy_step(inputs: TrainingInputs, state_id: str, step: int, micro_ba
     else:
         new_state = inputs.store.put_json({"kind": PENDING_STEP_KIND, "checkpoint": trainer.checkpoint_id,
                                            "step": step, "micro_batches": micro_batches_id, "parent": state_id,
-                                           "settings_hash": inputs.settings_hash})
+                                           "training_identity": inputs.identity})
     resident.put(new_state, trainer)
     return new_state, metrics

@@ -2,7 +2,8 @@
 
 Deterministic on CPU: the batch plan derives from the seed, each step seeds dropout from (seed, step), and the
 learning rate is a function of the step, so a run restored from a snapshot replays exactly what an uninterrupted
-run computed. Its inputs' data ids are `tokenized` (wire.TOKENIZED_PAIRS) and `plan` (wire.BATCH_PLAN).
+run computed. Its inputs' data id is `tokenized` (wire.TOKENIZED_PAIRS); each step's pairs follow from the seed
+(`determinism.step_rows`), not from the run's length.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
 from rollout_lib.model.loading import load_reward_model, load_tokenizer, resolve_model
 from rollout_lib.rm.pairs import collate_pairs, forward_pairs
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
-from rollout_lib.trainer.determinism import use_deterministic_torch
+from rollout_lib.trainer.determinism import step_rows, use_deterministic_torch
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 
 
@@ -26,7 +27,7 @@ class RewardModelTrainer(CheckpointedTrainer):
 
     @classmethod
     def build(cls, inputs: TrainingInputs):
-        use_deterministic_torch()
+        use_deterministic_torch(inputs.config.run.torch_threads)
         resolved = resolve_model(inputs.settings.base_model)
         tokenizer = load_tokenizer(resolved)
         torch.manual_seed(inputs.config.run.seed)  # the new score head is initialised from the run's seed
@@ -40,15 +41,12 @@ class RewardModelTrainer(CheckpointedTrainer):
         """The tokenized pairs' columns as Python lists, read once."""
         return self.table(self.inputs.data_ids["tokenized"], wire.TOKENIZED_PAIRS).to_pydict()
 
-    @functools.cached_property
-    def plan(self) -> list[list[int]]:
-        """Row indices of each step's pairs (index = step - 1)."""
-        return self.table(self.inputs.data_ids["plan"], wire.BATCH_PLAN).column("row_indices").to_pylist()
 
     def run_step(self, step: int) -> dict[str, float]:
         settings = self.inputs.settings
         started = time.perf_counter()
-        batch = collate_pairs(self.pairs, self.plan[step - 1], self.tokenizer.pad_token_id)
+        rows = step_rows(len(self.pairs["margin"]), settings.minibatch_size, self.inputs.config.run.seed, step)
+        batch = collate_pairs(self.pairs, rows, self.tokenizer.pad_token_id)
         self.model.train()
         r_chosen, r_rejected = forward_pairs(self.model, batch)
         loss = bradley_terry_batch_mean(r_chosen, r_rejected, batch.margin, settings.center_rewards_coefficient)

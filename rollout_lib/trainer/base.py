@@ -26,12 +26,12 @@ class NonFiniteLossError(FloatingPointError):
 @dataclass(frozen=True)
 class TrainingInputs:
     """What a trainer is built from: the store, the validated settings (an RmConfig, SftConfig or RlConfig), the
-    hash of what decides the weights (`config.loading.training_hash`), and the content ids of the tables its steps
-    read (recorded in every checkpoint)."""
+    chain's identity (`trainer.identity.training_identity`: what decides the weights), and the content ids of the
+    tables its steps read (recorded in every checkpoint)."""
 
     store: ObjectStore
     config: Any
-    settings_hash: str
+    identity: str
     data_ids: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -45,6 +45,13 @@ def is_timing_metric(name: str) -> bool:
     return name.endswith("_s")
 
 
+def deterministic_metrics(metrics: dict) -> dict:
+    """The metrics a checkpoint id may depend on: numbers that are the same in every identical run (no timings,
+    no text such as reward error messages, which can carry addresses or pids)."""
+    return {name: value for name, value in metrics.items()
+            if isinstance(value, (int, float)) and not is_timing_metric(name)}
+
+
 class CheckpointedTrainer:
     kind_of_model: ClassVar[str]
 
@@ -56,6 +63,7 @@ class CheckpointedTrainer:
         self.optimizer = optimizer
         self.step = step
         self.checkpoint_id = checkpoint_id  # the last snapshot this state descends from
+        self.snapshot_step = step if checkpoint_id else None  # the step of that snapshot
         self.model_files = model_files
         self._tables: dict[str, pa.Table] = {}
 
@@ -110,13 +118,21 @@ class CheckpointedTrainer:
         restore_checkpoint(inputs.store, manifest, model, optimizer)
         return cls(inputs, model, tokenizer, optimizer, manifest["step"], checkpoint_id, manifest["model"], **options)
 
-    def snapshot(self, metrics: dict) -> str:
-        deterministic = {k: v for k, v in metrics.items() if not is_timing_metric(k)}
+    def snapshot(self, metrics: dict, history: list[dict] | None = None) -> str:
+        """Write weights, optimizer state and a manifest; return the checkpoint id. `history`: every step's
+        metrics since the last snapshot (kept in the store, so a reused checkpoint still tells its curve).
+        A trainer that has not stepped since its last snapshot returns that snapshot's id."""
+        if self.checkpoint_id is not None and self.snapshot_step == self.step:
+            return self.checkpoint_id
+        store = self.inputs.store
+        extra = {"kind_of_model": self.kind_of_model, "base_model": self.inputs.settings.base_model.uri,
+                 "data": {**self.inputs.data_ids, "cursor": self.step},
+                 "seed": self.inputs.config.run.seed, "metrics": deterministic_metrics(metrics)}
+        if history:
+            extra["history"] = store.put_json([deterministic_metrics(m) for m in history])
         self.checkpoint_id = save_checkpoint(
-            self.inputs.store, model=self.model, optimizer=self.optimizer, model_files=self.model_files,
-            step=self.step, parent=self.checkpoint_id, settings_hash=self.inputs.settings_hash,
-            extra={"kind_of_model": self.kind_of_model, "base_model": self.inputs.settings.base_model.uri,
-                   "data": {**self.inputs.data_ids, "cursor": self.step},
-                   "seed": self.inputs.config.run.seed, "metrics": deterministic},
+            store, model=self.model, optimizer=self.optimizer, model_files=self.model_files, step=self.step,
+            parent=self.checkpoint_id, identity=self.inputs.identity, extra=extra,
         )
+        self.snapshot_step = self.step
         return self.checkpoint_id

@@ -171,7 +171,7 @@ class CausalLmTrainer(CheckpointedTrainer):
 
     @classmethod
     def build(cls, inputs: TrainingInputs):
-        use_deterministic_torch()
+        use_deterministic_torch(inputs.config.run.torch_threads)
         resolved = resolve_model(inputs.settings.base_model)
         tokenizer = load_tokenizer(resolved)
         torch.manual_seed(inputs.config.run.seed)

@@ -67,7 +67,7 @@ def save_model_files(store: ObjectStore, model, tokenizer) -> dict[str, Any]:
 
 
 def save_checkpoint(store: ObjectStore, *, model, optimizer, model_files: dict, step: int, parent: str | None,
-                    settings_hash: str, extra: dict[str, Any]) -> str:
+                    identity: str, extra: dict[str, Any]) -> str:
     weights_id = store.put_tensors(model_weights(model), {"format": "pt"})
     opt_tensors, opt_meta = optimizer_state_tensors(optimizer)
     optimizer_id = store.put_tensors(opt_tensors, opt_meta)
@@ -78,7 +78,7 @@ def save_checkpoint(store: ObjectStore, *, model, optimizer, model_files: dict, 
         "weights": weights_id,
         "optimizer": optimizer_id,
         "model": model_files,
-        "settings_hash": settings_hash,
+        "training_identity": identity,
         **extra,
     }
     return store.put_json(manifest)
@@ -98,14 +98,31 @@ def restore_checkpoint(store: ObjectStore, manifest: dict, model, optimizer=None
                              store.get_tensors_metadata(manifest["optimizer"]))
 
 
+# Written by export_hf_directory itself: a tokenizer file of the same name would replace them.
+_EXPORT_OWN_FILES = frozenset({"config.json", "model.safetensors"})
+
+
+def check_plain_file_name(name: object, checkpoint_id: str) -> str:
+    """A manifest's file name, accepted only as a plain name inside the export directory: a manifest is data
+    (anyone who can write to the store can write one), and `../x` or `/etc/x` would write outside `--out`."""
+    plain = (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+             and "\0" not in name and name not in _EXPORT_OWN_FILES)
+    if not plain:
+        raise StoreError(f"checkpoint {checkpoint_id}: tokenizer file name {name!r} is not a plain file name "
+                         f"(no path separators, '..', absolute paths, or {sorted(_EXPORT_OWN_FILES)})")
+    return name
+
+
 def export_hf_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path) -> Path:
     """Write a checkpoint as a plain Hugging Face directory that `from_pretrained` loads."""
     from safetensors.torch import save_file
 
     manifest = read_manifest(store, checkpoint_id)
+    files = manifest["model"]
+    for name in files["tokenizer_files"]:  # all checked before anything is written
+        check_plain_file_name(name, checkpoint_id)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    files = manifest["model"]
     config = store.get_json(files["config"])
     config["architectures"] = [files["architecture"]]
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

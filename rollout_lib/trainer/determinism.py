@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import blake3
 import numpy as np
 import pyarrow as pa
@@ -10,8 +12,11 @@ import torch
 from rollout_lib import wire
 
 
-def use_deterministic_torch() -> None:
+def use_deterministic_torch(threads: int) -> None:
+    """Deterministic kernels, and a pinned thread count (`run.torch_threads`): CPU reductions split across
+    threads round differently, so the same count is part of what makes checkpoints byte-identical."""
     torch.use_deterministic_algorithms(True, warn_only=False)
+    torch.set_num_threads(threads)
 
 
 def derived_seed(*parts: object) -> int:
@@ -24,17 +29,31 @@ def seed_for_step(seed: int, step: int) -> int:
     return derived_seed(seed, step)
 
 
+def step_rows(num_rows: int, minibatch_size: int, seed: int, step: int) -> list[int]:
+    """Row indices of step `step`'s minibatch: a fresh seeded permutation of the rows per epoch, consumed in order.
+
+    A function of (rows, minibatch size, seed, step) alone: any step's rows are known without replaying, and
+    they do not depend on the run's length, so extending a run keeps every earlier step's data."""
+    start = (step - 1) * minibatch_size
+    rows: list[int] = []
+    epoch = start // num_rows
+    offset = start % num_rows
+    while len(rows) < minibatch_size:
+        order = _epoch_order(num_rows, seed, epoch)
+        rows.extend(order[offset:offset + minibatch_size - len(rows)])
+        epoch, offset = epoch + 1, 0
+    return rows
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    return np.random.default_rng([seed, epoch]).permutation(num_rows).tolist()
+
+
 def plan_batches(num_rows: int, minibatch_size: int, max_steps: int, seed: int) -> pa.Table:
-    """Row indices of every step's minibatch (wire.BATCH_PLAN): a fresh seeded permutation per epoch, consumed
-    in order, so the data order is a function of the seed and any step's rows are known without replaying."""
-    needed = minibatch_size * max_steps
-    order: list[int] = []
-    epoch = 0
-    while len(order) < needed:
-        order.extend(np.random.default_rng([seed, epoch]).permutation(num_rows).tolist())
-        epoch += 1
+    """Every step's rows (`step_rows`) as a wire.BATCH_PLAN table."""
     return pa.Table.from_pydict(
         {"step": list(range(1, max_steps + 1)),
-         "row_indices": [order[i * minibatch_size:(i + 1) * minibatch_size] for i in range(max_steps)]},
+         "row_indices": [step_rows(num_rows, minibatch_size, seed, step) for step in range(1, max_steps + 1)]},
         schema=wire.BATCH_PLAN,
     )

@@ -30,7 +30,7 @@ def lr_at(step: int, settings: OptimizerSettings, max_steps: int) -> float:
         return settings.lr * step / settings.warmup_steps
     if settings.schedule == "constant":
         return settings.lr
-    decay_steps = max(1, max_steps - settings.warmup_steps)
+    decay_steps = max(1, settings.schedule_horizon(max_steps) - settings.warmup_steps)
     progress = min(1.0, (step - settings.warmup_steps) / decay_steps)
     floor = settings.min_lr_ratio
     if settings.schedule == "linear":

@@ -3,12 +3,23 @@
 A segment starts from a checkpoint, runs its steps in order and ends with a snapshot, so the orchestrator pays
 once per segment, not once per step, and a run interrupted inside a segment reruns only that segment from the
 checkpoint it started at (replaying it reaches the same weights: training is deterministic on CPU).
+
+Every snapshot is also indexed by (chain, step) in the store (`chains/<identity>-<data>/step-N` refs, the chain
+being the training identity and the data it trains on). A segment whose last step is already indexed returns that
+checkpoint without training: a run whose snapshot interval changed reuses the steps an earlier run trained.
+The index is a cache, not a root: `rollout gc` may drop entries whose objects it deletes.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
+
+import blake3
+
+from rollout_lib.store import ObjectStore, canonical_json
+from rollout_lib.trainer.checkpoint import read_manifest
 
 # One line per step at DEBUG: off by default (a flow logs once per segment); ROLLOUT_LOG_LEVEL=DEBUG turns it on.
 logger = logging.getLogger(__name__)
@@ -52,4 +63,40 @@ def train_segment(trainer, segment: Segment) -> tuple[str, list[dict]]:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d: %s", step, " ".join(f"{name} {value:.4g}" for name, value in metrics.items()
                                                        if isinstance(value, float)))
-    return trainer.snapshot(history[-1]), history
+    return trainer.snapshot(history[-1], history), history
+
+
+def chain_ref(identity: str, data_ids: dict[str, str], step: int) -> str:
+    """The index entry of a chain's checkpoint at `step`."""
+    data = blake3.blake3(canonical_json(data_ids)).hexdigest()
+    return f"chains/{identity[:32]}-{data[:32]}/step-{step:09d}"
+
+
+def history_since(store: ObjectStore, checkpoint_id: str, first: int) -> list[dict]:
+    """The per-step metrics of steps `first`.. up to the checkpoint's step, from its manifest and its parents'
+    (timings are not kept in the store, so a reused checkpoint's curve has none)."""
+    parts: list[list[dict]] = []
+    while checkpoint_id is not None:
+        manifest = read_manifest(store, checkpoint_id)
+        if manifest["step"] < first:
+            break
+        parts.append(store.get_json(manifest["history"]) if "history" in manifest else [manifest["metrics"]])
+        checkpoint_id = manifest["parent"]
+    return [m for part in reversed(parts) for m in part if m.get("step", first) >= first]
+
+
+def run_segment(store: ObjectStore, identity: str, data_ids: dict[str, str], segment: Segment,
+                open_trainer: Callable[[], object]) -> tuple[str, list[dict], object | None]:
+    """The checkpoint at the segment's last step and the segment's per-step metrics: from the chain index when
+    an earlier run already trained it, else trained now (`open_trainer()` gives the trainer at the segment's start)
+    and indexed. Returns (checkpoint id, metrics, the trainer if one was used, now at the segment's end)."""
+    ref = chain_ref(identity, data_ids, segment.last)
+    known = store.get_ref(ref)
+    if known is not None and store.has(known):
+        logger.info("steps %d-%d: checkpoint %s was already trained by an earlier run; reused", segment.first,
+                    segment.last, known)
+        return known, history_since(store, known, segment.first), None
+    trainer = open_trainer()
+    checkpoint, history = train_segment(trainer, segment)
+    store.set_ref(ref, checkpoint)
+    return checkpoint, history, trainer

@@ -1,7 +1,10 @@
-"""Example reward functions, importable so the sync ones can run in worker processes.
+"""Example reward functions for the tests and benchmarks, kept out of the library: `command_succeeds` runs a
+command taken from a dataset row, which no library path may do.
 
-They double as the fixtures of tests/test_reward_loop.py and bench/bench_reward_loop.py. A user's own module
-looks the same: module-level functions taking a RewardInput, referenced in config as "my_pkg.rewards:name".
+A user's own module looks the same: module-level functions taking a RewardInput, referenced in config as
+"my_pkg.rewards:name". Sync ones run in worker processes, which import them by name: pytest puts tests/ on
+sys.path (the workers inherit it); a CLI subprocess gets `PYTHONPATH=tests` and the reference
+"example_rewards:name"; bench/ adds tests/ itself.
 """
 
 from __future__ import annotations

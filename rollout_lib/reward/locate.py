@@ -1,0 +1,121 @@
+"""Check a user's reward function reference ("package.module:attr") without running any of the user's code.
+
+Plan time (`--dry-run`, config validation) must not execute a module's top-level code: importing it may start
+servers, load models or write files. So the module is found the way the import system finds it (the finders on
+sys.meta_path locate; only loaders execute), without importing its parent packages either, and its source is
+parsed to see that the attribute is bound at top level. The real import happens when the reward loop runs.
+
+What a static look cannot see is accepted here and checked at that import: a compiled module, a module-level
+`__getattr__`, a `from x import *`, or an attribute inside a top-level object (`pkg.mod:Class.method`).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import sys
+from pathlib import Path
+
+
+def check_reward_reference(spec: str, kwargs: dict | None = None) -> None:
+    """Raise ValueError (naming `spec`) when the module cannot be found, the attribute is not defined at its top
+    level, or kwargs name a parameter the function does not take."""
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"reward function {spec!r}: expected an import path 'package.module:attr'")
+    module_spec = find_module_spec(module_name)
+    if module_spec is None:
+        raise ValueError(f"reward function {spec!r}: cannot find module {module_name!r} on the Python path")
+    source = _python_source(module_spec)
+    if source is None:
+        return  # compiled or source-less: only importing it can tell
+    try:
+        tree = ast.parse(source.read_bytes(), filename=str(source))
+    except SyntaxError as exc:
+        raise ValueError(f"reward function {spec!r}: {source}:{exc.lineno}: syntax error: {exc.msg}") from None
+    bindings = top_level_bindings(tree)
+    if "*" in bindings or "__getattr__" in bindings:
+        return  # names bound at import time: only importing it can tell
+    first = attr_path.split(".")[0]
+    if first not in bindings:
+        raise ValueError(f"reward function {spec!r}: {module_name!r} ({source}) defines no top-level {first!r}")
+    definition = bindings[first]
+    if kwargs and "." not in attr_path and isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        _check_kwargs(spec, definition, kwargs)
+
+
+def find_module_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """Where `name` would be imported from, found without importing it or its parent packages (unlike
+    importlib.util.find_spec, which imports the parents and so runs their __init__)."""
+    spec = None
+    search_path = None
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        spec = _find(".".join(parts[:depth]), search_path)
+        if spec is None:
+            return None
+        if depth < len(parts):
+            search_path = spec.submodule_search_locations
+            if search_path is None:
+                return None  # a module, not a package: it has no submodules
+    return spec
+
+
+def _find(fullname: str, search_path) -> importlib.machinery.ModuleSpec | None:
+    module = sys.modules.get(fullname)
+    if module is not None and getattr(module, "__spec__", None) is not None:
+        return module.__spec__
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            spec = find_spec(fullname, list(search_path) if search_path is not None else None)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
+def _python_source(spec: importlib.machinery.ModuleSpec) -> Path | None:
+    origin = spec.origin
+    if origin and origin.endswith(".py") and Path(origin).is_file():
+        return Path(origin)
+    return None
+
+
+def top_level_bindings(tree: ast.Module) -> dict[str, ast.AST]:
+    """Names a module binds when it runs, with the statement that binds each ("*" for a star import). Compound
+    statements at top level (if, try, with, for) count: `try: import fast_impl as score` still binds `score`."""
+    bound: dict[str, ast.AST] = {}
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                bound[alias.asname or alias.name.split(".")[0]] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor, ast.With,
+                               ast.AsyncWith)):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            targets += [item.optional_vars for item in getattr(node, "items", [])]
+            for target in filter(None, targets):
+                bound.update((name.id, node) for name in ast.walk(target) if isinstance(name, ast.Name))
+        if isinstance(node, (ast.If, ast.Try, ast.TryStar, ast.For, ast.AsyncFor, ast.While, ast.With,
+                             ast.AsyncWith)):
+            pending += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                        *(stmt for handler in getattr(node, "handlers", []) for stmt in handler.body)]
+    return bound
+
+
+def _check_kwargs(spec: str, function: ast.FunctionDef | ast.AsyncFunctionDef, kwargs: dict) -> None:
+    arguments = function.args
+    if arguments.kwarg is not None:
+        return  # **kwargs takes anything
+    accepted = {a.arg for a in [*arguments.args, *arguments.kwonlyargs]}
+    unexpected = sorted(set(kwargs) - accepted)
+    if unexpected:
+        raise ValueError(f"reward function {spec!r}: bad kwargs {sorted(kwargs)}: "
+                         f"{function.name}() takes no parameter {unexpected[0]!r}")

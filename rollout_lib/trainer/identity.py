@@ -1,0 +1,29 @@
+"""A training chain's identity: what decides the weights at every step, and nothing else.
+
+Checkpoint manifests carry it and every training task's cache key is built from it, so two runs that would train
+the same weights share checkpoints and cache entries (extending a run, adding an eval set, changing the snapshot
+interval or the store's credentials reuses every finished step), and anything that would change the weights
+(a setting, the seed, the thread count, the base model's files) starts a new chain.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import blake3
+
+from rollout_lib.config.loading import training_hash
+from rollout_lib.model.loading import model_content_digest
+from rollout_lib.store import canonical_json
+
+
+def training_identity(config) -> str:
+    """blake3 of (the settings that decide the weights, the base model's content digest)."""
+    return _identity(training_hash(config), config.settings.base_model)
+
+
+@functools.lru_cache(maxsize=16)
+def _identity(settings_hash: str, base_model) -> str:
+    # Cached per process: hashing a model's files (once per file version, see model.loading) is not free.
+    return blake3.blake3(canonical_json({"settings": settings_hash,
+                                         "base_model": model_content_digest(base_model)})).hexdigest()
