@@ -40,6 +40,7 @@ def _rm_plan(config: RmConfig) -> dict:
         "epochs": round(steps * settings.minibatch_size / train_rows, 3),
         "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
         "optimizer": settings.optimizer.model_dump(mode="json"),
+        "extending": _extending(settings),
     }
 
 
@@ -67,6 +68,7 @@ def _sft_plan(config: SftConfig) -> dict:
         "epochs": round(steps * settings.minibatch_size / train.num_rows, 3),
         "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
         "optimizer": settings.optimizer.model_dump(mode="json"),
+        "extending": _extending(settings),
     }
 
 
@@ -97,8 +99,22 @@ def _rl_plan(config: RlConfig) -> dict:
                           else f"{settings.sequences_per_micro_batch} sequences each"),
         "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
         "optimizer": settings.optimizer.model_dump(mode="json"),
+        "extending": _extending(settings),
         "warnings": [f"{locator}: {message}" for locator, message in config.plan_warnings()],
     }
+
+
+def _extending(settings) -> str:
+    """What raising max_steps later does to this run: the learning rate of a decaying schedule depends on its
+    horizon, so whether finished steps are reused is decided here, explicitly."""
+    optimizer = settings.optimizer
+    if optimizer.schedule == "constant":
+        return "raising max_steps later continues this run from its last step"
+    if optimizer.decay_steps:
+        return (f"the {optimizer.schedule} schedule decays over decay_steps = {optimizer.decay_steps}: raising "
+                "max_steps later continues this run from its last step")
+    return (f"the {optimizer.schedule} schedule decays over max_steps: raising it later changes every step's "
+            "learning rate and trains a new run from step 0 (set optimizer.decay_steps to extend instead)")
 
 
 def _snapshot_steps(interval: int, steps: int) -> list[int]:
