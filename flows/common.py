@@ -8,10 +8,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import blake3
 from prefect import Task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.filesystems import RemoteFileSystem
 
 from rollout_lib.config.loading import load_config
+from rollout_lib.store import RESULTS_DIR
 from rollout_lib.trainer.segment import Segment, plan_segments
 
 # rollout_lib logs through the standard library (it never imports Prefect); PREFECT_LOGGING_EXTRA_LOGGERS=rollout_lib
@@ -39,19 +42,32 @@ def _as_pairs(overrides):
 
 
 class RunTasks:
-    """The run's tasks with their results stored beside the run's store (for local stores), so wiping a store also
-    wipes the cache entries that point into it: `tasks = RunTasks(cfg); tasks(load_pairs_task)(cfg, "train")`."""
+    """The run's tasks with their results stored in the run's store, under `<store>/prefect-results` (a local store's
+    directory or an s3:// store's bucket), so wiping a store also wipes the cache entries that point into it:
+    `tasks = RunTasks(cfg); tasks(load_pairs_task)(cfg, "train")`."""
 
     def __init__(self, config):
-        self.result_storage = None if "://" in config.run.store else Path(config.run.store) / "prefect-results"
+        self.result_storage = task_result_storage(config.run.store, config.run.storage_options)
         self._bound: dict[str, Task] = {}
 
     def __call__(self, task: Task) -> Task:
-        if self.result_storage is None:
-            return task
         if task.name not in self._bound:  # with_options copies the task: once per task, not once per call
             self._bound[task.name] = task.with_options(result_storage=self.result_storage)
         return self._bound[task.name]
+
+
+def task_result_storage(store: str, storage_options: dict[str, Any]) -> Path | RemoteFileSystem:
+    """`<store>/prefect-results`: a path for a local store; for an fsspec URL, a RemoteFileSystem block (Prefect
+    takes only saved blocks), one per store, saved again at each run so that it carries the run's storage_options
+    as its fsspec settings. Credentials among them are therefore kept in the Prefect server's database, as plain
+    block fields; cache keys never see them (they hash the settings without run.storage_options)."""
+    location = f"{store.rstrip('/')}/{RESULTS_DIR}"
+    if "://" not in store:
+        return Path(location)
+    block = RemoteFileSystem(basepath=location, settings=dict(storage_options))
+    # Block names allow lowercase letters, digits and dashes: one name per store URL.
+    block.save(f"rollout-results-{blake3.blake3(store.encode()).hexdigest()[:16]}", overwrite=True)
+    return block
 
 
 def artifact_key(*parts: str) -> str:

@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.score import RewardLoops
+from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rl import (
@@ -47,6 +48,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     shortcut for algorithm.rl.budget.max_steps."""
     logger = get_run_logger()
     cfg = load_run_config(RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
+    open_store(cfg).claim_run(cfg.run.name, training_identity(cfg))  # a run name holds one training, never two
     settings = cfg.settings
     for locator, message in cfg.plan_warnings():
         logger.warning("%s: %s", locator, message)

@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table, train_in_segments
 from rollout_lib.config import RmConfig
+from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rm import (
@@ -37,6 +38,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     shortcut for algorithm.rm.budget.max_steps."""
     logger = get_run_logger()
     cfg = load_run_config(RmConfig, config, overrides, max_steps, "algorithm.rm.budget.max_steps")
+    open_store(cfg).claim_run(cfg.run.name, training_identity(cfg))  # a run name holds one training, never two
     settings = cfg.settings
     run_task = RunTasks(cfg)
     with ResidentTrainer() as resident:

@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table, train_in_segments
 from rollout_lib.config import SftConfig
+from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.sft import (
@@ -39,6 +40,7 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
     `max_steps` is a shortcut for algorithm.sft.budget.max_steps."""
     logger = get_run_logger()
     cfg = load_run_config(SftConfig, config, overrides, max_steps, "algorithm.sft.budget.max_steps")
+    open_store(cfg).claim_run(cfg.run.name, training_identity(cfg))  # a run name holds one training, never two
     settings = cfg.settings
     run_task = RunTasks(cfg)
     with ResidentTrainer() as resident:

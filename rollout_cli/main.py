@@ -1,5 +1,5 @@
-"""The `rollout` command: train (or dry-run) a flow, score with a checkpoint, export a checkpoint, and manage the
-local Prefect stack.
+"""The `rollout` command: train (or dry-run) a flow, score with a checkpoint, export a checkpoint, collect a store's
+garbage, and manage the local Prefect stack.
 
 Modules that import torch, transformers or Prefect are imported inside the commands that need them: `--help` is
 instant, and `--dry-run` loads no model. Known errors (bad settings, a bad data row, a model that does not load, a
@@ -82,6 +82,7 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], dry_ru
         print(json.dumps(plan, indent=2))
         return 0
 
+    _claim_run_name(config)  # a name that holds another training fails here, in one line, before anything starts
     use_prefect_api()  # before the flow module imports Prefect, which reads its settings once
     if entry_point == "sft":
         from flows.train_sft import train_sft as train_flow
@@ -99,6 +100,14 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], dry_ru
                      indent=2))
     print(f"final checkpoint: {result['checkpoint']}")
     return 0
+
+
+def _claim_run_name(config) -> None:
+    from rollout_lib.store import ObjectStore
+    from rollout_lib.trainer.identity import training_identity
+
+    ObjectStore(config.run.store, config.run.storage_options or None).claim_run(config.run.name,
+                                                                                training_identity(config))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -136,6 +145,46 @@ def export(checkpoint: str, out_dir: str, store_url: str) -> None:
 
     store = ObjectStore(store_url)
     print(export_hf_directory(store, resolve_checkpoint(store, checkpoint), out_dir))
+
+
+# --- store ----------------------------------------------------------------------------------------------------
+
+
+@rollout.command()
+@click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True, help="store root (fsspec URL)")
+@click.option("--dry-run", is_flag=True, help="print what would be deleted and its bytes; delete nothing")
+@click.option("--grace-hours", type=click.FloatRange(min=0), default=24.0, show_default=True, metavar="N",
+              help="keep objects written in the last N hours (a running flow sets its ref only at its end)")
+def gc(store_url: str, dry_run: bool, grace_hours: float) -> None:
+    """Delete objects no ref reaches, and the cached task results that name them.
+
+    Kept: everything a ref (runs/NAME/latest, ...) reaches through checkpoint manifests and other JSON objects, and
+    everything written within the grace period. Run it between runs: a run resumed from cache entries older than
+    the grace period may lose objects no ref reached (its rerun recomputes them).
+    """
+    from rollout_lib.store import ObjectStore
+    from rollout_lib.store_gc import collect_garbage, plan_gc
+
+    store = ObjectStore(store_url)
+    plan = plan_gc(store, grace_seconds=grace_hours * 3600)
+    if dry_run:
+        for stored in plan.files:
+            print(f"would delete {stored.name} ({stored.size} bytes)")
+    else:
+        collect_garbage(store, plan)
+    print(f"{'would delete' if dry_run else 'deleted'} {len(plan.objects)} objects, {len(plan.results)} cached task "
+          f"results, {len(plan.index_refs)} chain index entries, {len(plan.staging)} staging files: {plan.bytes} bytes "
+          f"({_human_bytes(plan.bytes)}); kept "
+          f"{plan.kept_objects} objects ({plan.kept_objects - plan.kept_for_grace} reached from {plan.refs} refs, "
+          f"{plan.kept_for_grace} more written in the last {grace_hours:g} h)")
+
+
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "kB", "MB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} GB"
 
 
 # --- stack ----------------------------------------------------------------------------------------------------

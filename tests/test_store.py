@@ -21,42 +21,16 @@ from rollout_lib.store import (
     canonical_json,
     content_id,
 )
-
-BUCKET = "rollout-test"
-AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-@pytest.fixture(scope="module")
-def s3_options():
-    """A moto S3 server on a free local port, with one bucket; yields s3fs storage options for it."""
-    from moto.server import ThreadedMotoServer
-
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in AWS_ENV.items():  # nothing may fall through to real AWS credentials
-            mp.setenv(key, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "key": "testing", "secret": "testing"}
-        fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(BUCKET)
-        yield options
-        server.stop()
+from s3server import BUCKET
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
-def store_args(request, tmp_path, monkeypatch):
+def store_args(request, tmp_path):
     """(root, storage_options) of a fresh, empty store on each backend."""
     if request.param == "local":
         return str(tmp_path / "store"), None
     if request.param == "memory":
         return f"memory://store-tests/{uuid.uuid4().hex}", None
-    for key, value in AWS_ENV.items():
-        monkeypatch.setenv(key, value)
     return f"s3://{BUCKET}/{uuid.uuid4().hex}", request.getfixturevalue("s3_options")
 
 
@@ -136,10 +110,59 @@ def test_corrupted_object_is_detected(store):
     assert message == f"object {victim} in {store.root} is corrupted: content hash is {content_id(b'corrupt mE')}"
     assert "\n" not in message
     assert store.get_bytes(good) == b"keep me"  # other objects are unaffected
-    # A put of the true content never silently rewrites what is stored.
-    store.put_bytes(b"corrupt me")
-    with pytest.raises(CorruptObjectError):
-        store.get_bytes(victim)
+    # Putting the true content again repairs the stored copy.
+    assert store.put_bytes(b"corrupt me") == victim
+    assert store.get_bytes(victim) == b"corrupt me"
+
+
+@pytest.mark.parametrize("damage", ["same size", "truncated", "emptied"])
+def test_putting_the_true_content_repairs_a_corrupt_object(store, damage):
+    data = os.urandom(4096)
+    object_id = store.put_bytes(data)
+    broken = {"same size": data[:100] + bytes([data[100] ^ 1]) + data[101:], "truncated": data[:-1],
+              "emptied": b""}[damage]
+    overwrite(store, object_id, broken)
+    with pytest.raises(CorruptObjectError, match=object_id):
+        store.get_bytes(object_id)
+    assert store.put_bytes(data) == object_id
+    assert store.get_bytes(object_id) == data
+
+
+def test_putting_the_true_tensors_repairs_corrupt_weights(store):
+    tensors = {"w": torch.arange(1000, dtype=torch.float32)}
+    object_id = store.put_tensors(tensors)
+    stored = store.get_bytes(object_id)
+    overwrite(store, object_id, stored[:-4] + b"\0\0\0\0")  # same size: only a re-hash can tell
+    assert store.put_tensors(tensors) == object_id
+    assert torch.equal(store.get_tensors(object_id)["w"], tensors["w"])
+
+
+def test_a_large_remote_object_of_the_right_size_is_not_downloaded_on_put(s3_options, monkeypatch):
+    """The documented limit of repair on remote stores: above 16 MiB only the size is compared."""
+    import rollout_lib.store as store_module
+
+    monkeypatch.setattr(store_module, "_REMOTE_REVERIFY_MAX_BYTES", 1024)
+    store = ObjectStore(f"s3://{BUCKET}/{uuid.uuid4().hex}", s3_options)
+    data = os.urandom(2048)
+    object_id = store.put_bytes(data)
+    overwrite(store, object_id, data[:-1] + b"!")
+    store.put_bytes(data)
+    with pytest.raises(CorruptObjectError):  # still loud on read
+        store.get_bytes(object_id)
+    overwrite(store, object_id, data[:-1])  # a size change is still repaired
+    store.put_bytes(data)
+    assert store.get_bytes(object_id) == data
+
+
+def test_local_put_of_an_intact_object_writes_nothing(tmp_path):
+    store = ObjectStore(tmp_path)
+    object_id = store.put_bytes(b"stay")
+    path = store.object_path(object_id)
+    inode = os.stat(path).st_ino
+    os.utime(path, (1_000_000, 1_000_000))
+    store.put_bytes(b"stay")
+    assert os.stat(path).st_ino == inode  # not rewritten...
+    assert os.stat(path).st_mtime > 1_000_000  # ...but fresh again for gc's grace period
 
 
 def test_json_round_trip(store):
@@ -231,6 +254,51 @@ def test_refs(store):
         store.set_ref("runs/x/latest", "nope")
 
 
+def test_a_run_name_belongs_to_the_identity_that_claimed_it(store):
+    store.claim_run("rm-default", "identity-a")
+    store.claim_run("rm-default", "identity-a")  # the same run again (a rerun, an extension): fine
+    checkpoint = store.put_bytes(b"checkpoint of a")
+    store.set_ref("runs/rm-default/latest", checkpoint)
+    with pytest.raises(StoreError) as err:
+        store.claim_run("rm-default", "identity-b")
+    assert str(err.value) == (f"run name 'rm-default' in {store.root} already holds a run of other settings "
+                              "(identity identity-a, this run's identity-b); choose another run.name")
+    assert store.get_ref("runs/rm-default/latest") == checkpoint  # untouched, and still a checkpoint id
+    store.claim_run("rm-other", "identity-b")  # another name is free
+    assert {stored.name for stored in ObjectStore(store.root, store.storage_options).list_refs()} == {
+        "refs/runs/rm-default/identity", "refs/runs/rm-default/latest", "refs/runs/rm-other/identity"}
+    for bad_name, bad_identity in [("../x", "i"), ("a b", "i"), ("ok", ""), ("ok", None)]:
+        with pytest.raises(StoreError):
+            store.claim_run(bad_name, bad_identity)
+
+
+def test_local_first_claims_race_to_one_winner(tmp_path):
+    store = ObjectStore(tmp_path)
+
+    def claim(i):
+        try:
+            store.claim_run("raced", f"identity-{i % 2}")
+            return i % 2
+        except StoreError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        winners = {w for w in pool.map(claim, range(32)) if w is not None}
+    assert len(winners) == 1
+
+
+def test_listing(store):
+    kept = store.put_bytes(b"listed")
+    store.set_ref("runs/a/latest", kept)
+    store.set_ref("deep/er/ref", kept)
+    objects = store.list_objects()
+    assert set(objects) == {kept}
+    assert objects[kept].size == len(b"listed") and objects[kept].modified is not None
+    assert {stored.name: object_id for stored, object_id in store.list_refs().items()} == {
+        "refs/deep/er/ref": kept, "refs/runs/a/latest": kept}
+    assert store.list_files("prefect-results") == []
+
+
 def test_a_second_store_on_the_same_root_sees_everything(store_args):
     writer = ObjectStore(*store_args)
     reader = ObjectStore(writer.root, store_args[1])
@@ -285,6 +353,38 @@ def test_local_corruption_on_disk(tmp_path):
         f.write(b"X")
     with pytest.raises(CorruptObjectError, match=object_id):
         store.get_bytes(object_id)
+
+
+def test_local_renames_are_followed_by_a_directory_fsync(tmp_path, monkeypatch):
+    """After each rename into objects/ or refs/, the directory holding the new name is fsynced (a crash could
+    otherwise lose the name, hence the object or ref); so is the parent of each new directory."""
+    synced: list[tuple[str, bool]] = []  # (directory, whether the new file was already in it)
+    expected_file: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.isdir(path):
+            synced.append((path, bool(expected_file) and os.path.exists(expected_file[0])))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    store = ObjectStore(tmp_path / "store")
+    expected_file.append(store.object_path(content_id(b"durable")))
+    object_id = store.put_bytes(b"durable")
+    shard = os.path.dirname(store.object_path(object_id))
+    assert (shard, True) in synced  # the rename, after it happened
+    assert (os.path.dirname(shard), False) in synced  # the new shard directory, before the rename
+    synced.clear()
+    expected_file[0] = str(tmp_path / "store" / "refs" / "runs" / "r" / "latest")
+    store.set_ref("runs/r/latest", object_id)
+    assert (str(tmp_path / "store" / "refs" / "runs" / "r"), True) in synced
+    synced.clear()
+    tensors = {"w": torch.ones(3)}
+    weights_id = ObjectStore(f"memory://fsync-probe/{uuid.uuid4().hex}").put_tensors(tensors)
+    expected_file[0] = store.object_path(weights_id)
+    assert store.put_tensors(tensors) == weights_id  # local tensors take their own path: safetensors' save_file
+    assert (os.path.dirname(store.object_path(weights_id)), True) in synced
 
 
 def test_local_writes_leave_no_temporaries(tmp_path):

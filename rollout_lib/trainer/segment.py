@@ -18,7 +18,7 @@ from typing import Callable
 
 import blake3
 
-from rollout_lib.store import ObjectStore, canonical_json
+from rollout_lib.store import CHAIN_INDEX_REFS, ObjectStore, canonical_json
 from rollout_lib.trainer.checkpoint import read_manifest
 
 # One line per step at DEBUG: off by default (a flow logs once per segment); ROLLOUT_LOG_LEVEL=DEBUG turns it on.
@@ -69,7 +69,7 @@ def train_segment(trainer, segment: Segment) -> tuple[str, list[dict]]:
 def chain_ref(identity: str, data_ids: dict[str, str], step: int) -> str:
     """The index entry of a chain's checkpoint at `step`."""
     data = blake3.blake3(canonical_json(data_ids)).hexdigest()
-    return f"chains/{identity[:32]}-{data[:32]}/step-{step:09d}"
+    return f"{CHAIN_INDEX_REFS}{identity[:32]}-{data[:32]}/step-{step:09d}"
 
 
 def history_since(store: ObjectStore, checkpoint_id: str, first: int) -> list[dict]:
