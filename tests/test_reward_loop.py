@@ -123,25 +123,15 @@ def test_hung_sync_function_is_killed_and_the_loop_goes_on():
     assert not any(_pid_exists(pid) for pid in worker_pids)  # the context manager shut the pool down
 
 
-def test_timeout_also_kills_what_the_sync_function_started(tmp_path):
-    pid_file = tmp_path / "pid"
-    command = ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 1000"]
-    with RewardLoop([(example_rewards.command_succeeds, 1.0)], concurrency=1, timeout_s=1.0, sync_workers=1) as loop:
-        (result,) = loop.score([_item(command=command)])
-        assert result.error == "TimeoutError: reward fn 'command_succeeds' exceeded 1.0s"
-        sleeper = int(pid_file.read_text())
-        deadline = time.monotonic() + 5
-        while _pid_running(sleeper) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _pid_running(sleeper)
-        assert loop.score([_item(command=["true"])])[0].reward == 1.0
-
-
-def test_timeout_also_kills_a_child_that_ignores_sigterm(tmp_path):
+@pytest.mark.parametrize("shell_prefix", [
+    "",
     # Regression: the worker died of the group's SIGTERM and was reaped before the group's SIGKILL, which was
     # then skipped (a reaped pid may be reused), so a child ignoring SIGTERM outlived the timeout.
+    "trap '' TERM; ",
+], ids=["child", "child-ignoring-sigterm"])
+def test_timeout_also_kills_what_the_sync_function_started(tmp_path, shell_prefix):
     pid_file = tmp_path / "pid"
-    command = ["sh", "-c", f"trap '' TERM; echo $$ > {pid_file}; exec sleep 1000"]
+    command = ["sh", "-c", f"{shell_prefix}echo $$ > {pid_file}; exec sleep 1000"]
     with RewardLoop([(example_rewards.command_succeeds, 1.0)], concurrency=1, timeout_s=1.0, sync_workers=1) as loop:
         (result,) = loop.score([_item(command=command)])
         assert result.error == "TimeoutError: reward fn 'command_succeeds' exceeded 1.0s"
@@ -150,6 +140,7 @@ def test_timeout_also_kills_a_child_that_ignores_sigterm(tmp_path):
         while _pid_running(sleeper) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _pid_running(sleeper)
+        assert loop.score([_item(command=["true"])])[0].reward == 1.0  # and the loop goes on
 
 
 def test_closing_the_loop_kills_what_functions_left_running(tmp_path):
