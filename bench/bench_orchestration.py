@@ -5,6 +5,8 @@ in segments every step was a task run, and the flow ran at about 0.2x its bare l
 from one snapshot to the next. One run of this script measures, side by side on one machine:
 
     flow/bare        optimizer steps per second of the flow's training loop over the bare loop's (target >= 0.9)
+    library/bare     the same for the flow's trainer, segments and snapshots run without Prefect: what of the gap
+                     is the library's step (per-step collation, metrics, snapshots) and what is orchestration
     server CPU       CPU seconds of the Prefect server (all its processes) per 1,000 steps   (target <= 2 s)
     database growth  bytes of the server's SQLite database in use, grown per 1,000 steps     (target <= 1 MB)
     flatness         seconds per step over the first and the last 500 steps, from the segment task runs'
@@ -49,6 +51,32 @@ def measure_bare(steps: int, interval: int) -> dict:
 
     with tempfile.TemporaryDirectory() as store:
         return {"seconds": bare_loop(load_config(RmConfig, CONFIG, overrides(steps, interval, store)), steps)}
+
+
+def measure_library(steps: int, interval: int) -> dict:
+    """The flow's training without Prefect: the same trainer, segments and snapshots, in a plain loop."""
+    from rollout_lib.config import RmConfig, load_config
+    from rollout_lib.data import load_pairs
+    from rollout_lib.model.loading import load_tokenizer, resolve_model
+    from rollout_lib.rm.pairs import tokenize_pairs
+    from rollout_lib.rm.trainer import RewardModelTrainer
+    from rollout_lib.store import ObjectStore
+    from rollout_lib.trainer.base import TrainingInputs
+    from rollout_lib.trainer.identity import training_identity
+    from rollout_lib.trainer.segment import plan_segments, train_segment
+
+    with tempfile.TemporaryDirectory() as store_root:
+        config = load_config(RmConfig, CONFIG, overrides(steps, interval, store_root))
+        store = ObjectStore(store_root)
+        settings = config.settings
+        tokenizer = load_tokenizer(resolve_model(settings.base_model))
+        tokenized = tokenize_pairs(load_pairs(settings.dataset.path), tokenizer, settings.max_seq_len)
+        inputs = TrainingInputs(store, config, training_identity(config), {"tokenized": store.put_table(tokenized)})
+        trainer = RewardModelTrainer.initial(inputs)
+        started = time.perf_counter()
+        for segment in plan_segments(steps, interval):
+            train_segment(trainer, segment)
+        return {"seconds": time.perf_counter() - started}
 
 
 def measure_flow(steps: int, interval: int) -> dict:
@@ -120,11 +148,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--checkpoint-interval", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--measure", choices=("bare", "flow"), help=argparse.SUPPRESS)  # one child measurement
+    parser.add_argument("--measure", choices=("bare", "library", "flow"), help=argparse.SUPPRESS)  # one child
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.measure:
-        measure = measure_bare if args.measure == "bare" else measure_flow
+        measure = {"bare": measure_bare, "library": measure_library, "flow": measure_flow}[args.measure]
         print(json.dumps(measure(args.steps, args.checkpoint_interval)))
         return
     if args.steps % args.checkpoint_interval or args.steps < 1000 or 500 % args.checkpoint_interval:
@@ -142,9 +170,10 @@ def main() -> None:
         try:
             print(f"tiny RM, {args.steps} steps x 2 pairs, a segment (and a snapshot) every "
                   f"{args.checkpoint_interval} steps, {args.repeats} alternating bare/flow pairs", flush=True)
-            ratios, cpu, growth, flat = [], [], [], []
+            ratios, library_ratios, cpu, growth, flat = [], [], [], [], []
             for repeat in range(1, args.repeats + 1):
                 bare = in_subprocess("bare", args, env)
+                library = in_subprocess("library", args, env)
                 time.sleep(2)  # let the server's batched writes of the last run settle before the baseline
                 cpu_before, db_before = server_cpu_seconds(server["pid"]), database_bytes(home)
                 flow = in_subprocess("flow", args, env)
@@ -156,12 +185,15 @@ def main() -> None:
                 tail = seconds_per_step(ends, args.steps - 499, args.steps)
                 flat.append(tail / head)
                 ratios.append(bare["seconds"] / flow["seconds"])
+                library_ratios.append(bare["seconds"] / library["seconds"])
                 print(f"  pair {repeat}: bare {args.steps / bare['seconds']:6.1f} steps/s ({bare['seconds']:.1f} s), "
+                      f"library {args.steps / library['seconds']:6.1f} steps/s, "
                       f"flow {args.steps / flow['seconds']:6.1f} steps/s ({flow['seconds']:.1f} s), ratio "
                       f"{ratios[-1]:.3f}; server {cpu[-1]:.2f} CPU s and {growth[-1] / 1e6:.3f} MB per 1000 steps; "
                       f"per step {1000 * head:.2f} ms (first 500) vs {1000 * tail:.2f} ms (last 500)", flush=True)
         finally:
             stop_server()
+    print(f"  ratio library/bare (no Prefect) : {statistics.median(library_ratios):7.3f}  (median; the trainer's own cost)")
     print(f"  ratio flow/bare                 : {statistics.median(ratios):7.3f}  (median; target >= 0.9)")
     print(f"  server CPU s per 1000 steps     : {statistics.median(cpu):7.3f}  (median; target <= 2)")
     print(f"  server DB MB per 1000 steps     : {statistics.median(growth) / 1e6:7.3f}  (median; target <= 1)")
