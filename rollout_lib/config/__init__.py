@@ -1,9 +1,9 @@
 """Validated, hashed settings per entry point."""
 
 from rollout_lib.config.errors import ConfigError
-from rollout_lib.config.loading import apply_overrides, load_config, settings_hash, training_hash, validate_config
+from rollout_lib.config.loading import apply_overrides, load_config, training_hash, validate_config
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 
-__all__ = ["ConfigError", "RlConfig", "RmConfig", "SftConfig", "apply_overrides", "load_config", "settings_hash", "training_hash", "validate_config"]
+__all__ = ["ConfigError", "RlConfig", "RmConfig", "SftConfig", "apply_overrides", "load_config", "training_hash", "validate_config"]

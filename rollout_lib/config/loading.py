@@ -112,11 +112,6 @@ def load_config(cls: type[ConfigT], path: str | Path, overrides: list[str] | dic
     return validate_config(cls, apply_overrides(read_toml(path), overrides), source=str(path))
 
 
-def settings_hash(config: BaseModel) -> str:
-    """Stable across processes and key order: blake3 of the canonical JSON of the validated settings."""
-    return blake3.blake3(canonical_json(config.model_dump(mode="json"))).hexdigest()
-
-
 def training_hash(config) -> str:
     """Hash of the settings that decide the trained weights (`training_settings()`): not where they are stored,
     not how often they are snapshotted or evaluated, no credentials. (trainer.identity adds the base model's

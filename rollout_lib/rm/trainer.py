@@ -39,8 +39,7 @@ class RewardModelTrainer(CheckpointedTrainer):
     @functools.cached_property
     def pairs(self) -> dict[str, list]:
         """The tokenized pairs' columns as Python lists, read once."""
-        return self.table(self.inputs.data_ids["tokenized"], wire.TOKENIZED_PAIRS).to_pydict()
-
+        return self.inputs.store.get_table(self.inputs.data_ids["tokenized"], wire.TOKENIZED_PAIRS).to_pydict()
 
     def run_step(self, step: int) -> dict[str, float]:
         settings = self.inputs.settings

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import pyarrow as pa
 import torch
 
 from rollout_lib.store import ObjectStore
@@ -65,7 +64,6 @@ class CheckpointedTrainer:
         self.checkpoint_id = checkpoint_id  # the last snapshot this state descends from
         self.snapshot_step = step if checkpoint_id else None  # the step of that snapshot
         self.model_files = model_files
-        self._tables: dict[str, pa.Table] = {}
 
     # --- what a subclass provides -------------------------------------------------------------------------
 
@@ -92,12 +90,6 @@ class CheckpointedTrainer:
         metrics = self.run_step(step)
         self.step = step
         return {"step": step, "lr": lr, **metrics}
-
-    def table(self, object_id: str, schema: pa.Schema) -> pa.Table:
-        """A table the steps read (tokenized data, a plan), fetched from the store once per trainer."""
-        if object_id not in self._tables:
-            self._tables[object_id] = self.inputs.store.get_table(object_id, schema)
-        return self._tables[object_id]
 
     # --- the checkpoint round trip ------------------------------------------------------------------------
 
