@@ -1,6 +1,6 @@
 """train-rl: on-policy RL, as the procedure you would write by hand.
 
-load prompts per env -> init policy ->
+[connect frozen models] -> load prompts per env -> init policy ->
     [sample -> score -> assign advantages -> pack -> train step (a snapshot every N steps)] per step
 
 Unlike train-rm and train-sft, a task covers one step's stage: each step samples from the weights the step before
@@ -18,11 +18,13 @@ from prefect.artifacts import create_markdown_artifact
 from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.score import RewardLoops
+from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rl import (
     advantages_task,
+    connect_frozen_models_task,
     init_policy_task,
     load_prompts_task,
     pack_task,
@@ -59,12 +61,16 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     total = settings.budget.max_steps
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rl {cfg.run.name}: steps done")
     history: list[dict] = []
-    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops:
+    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops, \
+            FrozenModels(cfg.run.store) as frozen_models:
+        if cfg.frozen_models():
+            for connected in connect_frozen_models_task(cfg, frozen_models):
+                logger.info("frozen model %s", connected)
         prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in settings.envs}
         state = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
         started = time.perf_counter()
         for step in range(1, total + 1):
-            sampled = sample(cfg, prompts, state, step, resident)
+            sampled = sample(cfg, prompts, state, step, resident, frozen_models)
             scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
             samples = advantages(cfg, scored["rollouts"], step)
             packed = pack(cfg, samples["samples"], step)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import urllib.request
 from pathlib import Path
 
 from rollout_cli.processes import is_prefect_process, stop_process_group
+from rollout_lib.paths import state_dir
+from rollout_lib.processes import free_port
 
 # Settings for every Prefect server rollout starts (the project-local one, the stack's, the tests'). The task run
 # recorder writes each task-run event in its own INSERT by default; a training step is a task run, and on a 2-core
@@ -36,27 +37,12 @@ SERVER_ENV = {
 }
 
 
-def state_dir() -> Path:
-    """Where the CLI keeps its state: the server, the stack's record, logs, the default store."""
-    return Path(os.environ.get("ROLLOUT_STATE_DIR", ".rollout")).resolve()
-
-
 def prefect_home() -> Path:
     return state_dir() / "prefect"
 
 
 def record_path() -> Path:
     return prefect_home() / "server.json"
-
-
-def free_port(preferred: int | None = None) -> int:
-    """`preferred` if it is free, else any free port."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", preferred or 0))
-        except OSError:
-            sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def is_healthy(api_url: str, timeout_s: float = 2.0) -> bool:

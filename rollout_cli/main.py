@@ -1,9 +1,10 @@
 """The `rollout` command: train (or dry-run) a flow, score with a checkpoint, export a checkpoint, collect a store's
-garbage, and manage the local Prefect stack.
+garbage, manage the local Prefect stack, and serve models (vLLM).
 
 Modules that import torch, transformers or Prefect are imported inside the commands that need them: `--help` is
 instant, and `--dry-run` loads no model. Known errors (bad settings, a bad data row, a model that does not load, a
-store problem, a stack that does not start) print one line `rollout: error: <message>` and exit 2.
+store problem, a stack or a served model that does not start) print `rollout: error: <message>` and exit 2 (one
+line, followed by the end of the server's log when a served model fails to start).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def _known_errors() -> tuple[type[Exception], ...]:
     from rollout_lib.config import ConfigError
     from rollout_lib.data import DataError
     from rollout_lib.model.loading import ModelLoadError
+    from rollout_lib.serving.engine import ServingError
     from rollout_lib.store import StoreError
 
-    return ConfigError, DataError, ModelLoadError, StoreError, stack.StackError
+    return ConfigError, DataError, ModelLoadError, StoreError, ServingError, stack.StackError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -229,3 +231,65 @@ def stack_status() -> int:
 def stack_env() -> None:
     """Print exports for `eval`: point `prefect` at the stack."""
     print(stack.shell_env(), end="")
+
+
+# --- serve ----------------------------------------------------------------------------------------------------
+
+
+@rollout.group("serve")
+def serve_group() -> None:
+    """Served models: vLLM OpenAI servers on 127.0.0.1 (records and logs in .rollout/serve)."""
+
+
+@serve_group.command("start")
+@click.argument("model")
+@click.option("--name", help="served model name (default: from MODEL, e.g. tiny-qwen2)")
+@click.option("--port", type=int, help="the first replica's port (default: a free one; the others are free ones)")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True,
+              help="store root (fsspec URL) where a checkpoint MODEL is found")
+@click.option("--max-model-len", type=click.IntRange(min=1), help="default: min(max_position_embeddings, 2048)")
+@click.option("--runner", type=click.Choice(["generate", "pooling"]), default="generate", show_default=True,
+              help="pooling: a reward model (POST /classify)")
+@click.option("--ready-timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS")
+def serve_start(model: str, name: str | None, port: int | None, replicas: int, store_url: str,
+                max_model_len: int | None, runner: str, ready_timeout: float) -> None:
+    """Serve MODEL until `rollout serve stop`.
+
+    MODEL: a local directory, pkg:<package>, tiny:qwen2, a checkpoint id or a ref (runs/NAME/latest) in --store,
+    or a hub id in the Hugging Face cache. A deployment of that name already serving MODEL is reused.
+    """
+    from rollout_lib.serving import engine
+
+    deployment = engine.start_deployment(model, name=name, replicas=replicas, port=port, store_url=store_url,
+                                         max_model_len=max_model_len, runner=runner, ready_timeout_s=ready_timeout)
+    print(f"serving {deployment.name!r} ({deployment.model_dir}) on {len(deployment.replicas)} "
+          f"replica{'s' if len(deployment.replicas) > 1 else ''}:")
+    for replica in deployment.replicas:
+        print(f"  {replica.base_url}/v1    (pid {replica.pid}, log {replica.log})")
+    print(f'requests name "model": "{deployment.name}"; stop with: rollout serve stop {deployment.name}')
+
+
+@serve_group.command("status")
+def serve_status() -> int:
+    """Print the running deployments as JSON; exit 1 when none runs."""
+    from rollout_lib.serving import engine
+
+    deployments = [deployment.describe() for deployment in engine.running_deployments()]
+    print(json.dumps(deployments, indent=2))
+    return 0 if deployments else 1
+
+
+@serve_group.command("stop")
+@click.argument("name", required=False)
+def serve_stop(name: str | None) -> None:
+    """Stop deployment NAME (every one when no NAME is given)."""
+    from rollout_lib.serving import engine
+
+    stopped = [engine.stop_deployment(name)] if name else engine.stop_all()
+    stopped = [deployment for deployment in stopped if deployment is not None]
+    if name and not stopped:
+        print(f"no served model {name!r} is running")
+    for deployment in stopped:
+        print(f"stopped {deployment.name!r} ({len(deployment.replicas)} replica"
+              f"{'s' if len(deployment.replicas) > 1 else ''})")

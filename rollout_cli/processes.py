@@ -1,53 +1,21 @@
 """The processes the CLI starts and stops: Prefect servers, workers and the flow runs a worker executes.
 
 Each is addressed by a recorded PID and checked before it is signalled, since a recorded PID may by now belong to
-an unrelated process. Servers and workers are started detached, each leading a process group of its own.
+an unrelated process. Servers and workers are started detached, each leading a process group of its own; the
+group helpers live in rollout_lib.processes (vLLM servers use them too).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-
 import psutil
+
+from rollout_lib.processes import cmdline_contains
+from rollout_lib.processes import kill_process_group, stop_process_group  # noqa: F401 (the CLI's, re-exported)
 
 
 def is_prefect_process(pid: int) -> bool:
     """Alive (not a zombie) and still a Prefect process."""
-    try:
-        return any("prefect" in part for part in psutil.Process(pid).cmdline())
-    except psutil.Error:  # gone, a zombie, or another user's process: not one of ours
-        return False
-
-
-def stop_process_group(pid: int, grace_s: float = 15.0) -> None:
-    """SIGTERM the process group `pid` leads (a server's uvicorn children with it); SIGKILL what is left after
-    `grace_s`."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    _wait_until_gone(pid, grace_s)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def kill_process_group(pid: int, wait_s: float = 10.0) -> None:
-    """SIGKILL the process group `pid` leads, then wait until its parent has reaped it."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return
-    _wait_until_gone(pid, wait_s)
-
-
-def _wait_until_gone(pid: int, timeout_s: float) -> None:
-    try:
-        psutil.Process(pid).wait(timeout_s)
-    except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-        pass
+    return cmdline_contains(pid, "prefect")
 
 
 def flow_run_processes(worker_pid: int) -> dict[int, str | None]:

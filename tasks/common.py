@@ -7,7 +7,7 @@ never invalidates it. A training task reads the chain's identity (trainer.identi
 the weights and the base model's content.
 
 Some task parameters are not inputs but resources the flow owns for the run (the resident trainer, the reward
-loops): they never enter a key (RESOURCE_PARAMETERS).
+loops, the frozen models' pools): they never enter a key (RESOURCE_PARAMETERS).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rollout_lib.trainer.identity import training_identity
 TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
 
 # Objects a flow creates, hands to its tasks and closes: they change how fast a task runs, never its result.
-RESOURCE_PARAMETERS = frozenset({"resident", "reward_loops"})
+RESOURCE_PARAMETERS = frozenset({"resident", "reward_loops", "frozen_models"})
 
 
 def open_store(config) -> ObjectStore:

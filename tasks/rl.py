@@ -1,7 +1,9 @@
 """Prefect tasks of the train-rl flow, one per stage of a step: thin wrappers that read ids from the store, call
 rollout_lib.rl, write the result and return its id (plus JSON metrics).
 
-    sample-step-k      policy state k-1, prompts      -> rollouts           (the resident policy, seeded)
+    connect-frozen-models                             (serve / reach each frozen model, check its tokenizer)
+    sample-step-k      policy state k-1, prompts      -> rollouts           (the resident policy or a frozen
+                                                                            model, seeded)
     score-step-k       rollouts                       -> scored rollouts    (the reward loop)
     advantages-step-k  scored rollouts                -> training samples   (per-env algorithms, stamping)
     pack-step-k        training samples               -> micro-batches
@@ -19,16 +21,19 @@ import time
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from rollout_lib import wire
 from rollout_lib.config import RlConfig
+from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.reward.locate import find_module_spec
 from rollout_lib.rl.advantages import training_samples
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
-from rollout_lib.rl.sample import build_sampler, sample_rollouts
+from rollout_lib.rl.sample import build_samplers, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
 
@@ -78,13 +83,22 @@ def init_policy_task(config: RlConfig, prompts_ids: dict[str, str], resident: Re
     return {"checkpoint": initial_policy(policy_inputs(open_store(config), config, prompts_ids), resident)}
 
 
+@task(name="connect-frozen-models", task_run_name="connect-frozen-models", cache_policy=NO_CACHE, retries=0)
+def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels) -> list[str]:
+    """Serve (or reach) every frozen model and check it shares the policy's tokenizer, before any step runs: a
+    wrong URL, served name or tokenizer fails here, in one line naming it, with nothing trained yet."""
+    tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
+    return [f"{where}: {frozen_models.connect(settings, tokenizer=tokenizer, where=where)}"
+            for where, settings in config.frozen_models()]
+
+
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
 def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
-                resident: ResidentTrainer) -> dict:
+                resident: ResidentTrainer, frozen_models: FrozenModels) -> dict:
     started = time.perf_counter()
     policy = policy_at(policy_inputs(open_store(config), config, prompts_ids), policy_state, resident)
-    sampler = build_sampler(config, policy.model, policy.tokenizer)
-    rollouts, metrics = sample_rollouts(config, sampler, _prompt_tables(config, prompts_ids), step)
+    samplers = build_samplers(config, policy.model, policy.tokenizer, frozen_models)
+    rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step)
     return {"rollouts": open_store(config).put_table(rollouts),
             "metrics": {**metrics, "sample_s": time.perf_counter() - started}}
 

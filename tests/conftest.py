@@ -212,3 +212,83 @@ def failed_row_run(worker_stack) -> dict:
         f"algorithm.rm.dataset.path={data}", f"run.store={SESSION_DIR / 'bad-row' / 'store'}", "run.name=bad-row",
     ])
     return {"flow_run": flow_run, "data": data, "line": 3}
+
+
+# --- served models: one vLLM deployment of tiny:qwen2 (2 replicas) for the sessions that ask for it -----------
+
+VLLM_TINY_NAME = "test-tiny"
+
+
+class ServedTiny:
+    """The session's served tiny model as tests see it. Tests may SIGKILL or SIGSTOP its replicas (any process of
+    a replica's group); `ensure_running()` brings every replica back on its port before the next test relies on
+    it. `pids` follow restarts; `base_urls` never change."""
+
+    def __init__(self, deployment):
+        self.name = deployment.name
+        self.model_dir = Path(deployment.model_dir)
+        self.base_urls = list(deployment.base_urls)
+        self._last = deployment
+
+    @property
+    def deployment(self):
+        from rollout_lib.serving import engine
+
+        self._last = engine.find_deployment(self.name) or self._last
+        return self._last
+
+    @property
+    def pids(self) -> list[int]:
+        return self.deployment.pids
+
+    def ensure_running(self, timeout_s: float = 600) -> "ServedTiny":
+        """SIGCONT every replica's process group (a stopped process answers nothing), restart the replicas whose
+        server is gone, and wait until every replica answers /v1/models."""
+        import signal
+        from contextlib import suppress
+
+        from rollout_lib.processes import group_members
+        from rollout_lib.serving import engine
+
+        for attempt in range(3):  # a replica whose engine was killed exits a moment later: then restart it too
+            deployment = self.deployment
+            for pid in deployment.pids:
+                if any(engine.is_vllm_process(member.pid) for member in group_members(pid)):
+                    with suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGCONT)
+            try:
+                self._last = engine.restart_dead_replicas(deployment, ready_timeout_s=timeout_s)
+                assert self._last.base_urls == self.base_urls
+                return self
+            except engine.ServingError:
+                if attempt == 2:
+                    raise
+                time.sleep(2)
+        return self
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny():
+    """`rollout serve start tiny:qwen2 --name test-tiny --replicas 2`, as a user runs it (~25-40 s on 2 cores, paid
+    only by sessions that use it); always stopped (`rollout serve stop test-tiny`) at the session's end."""
+    from rollout_lib.serving import engine
+
+    command = [sys.executable, "-m", "rollout_cli", "serve"]
+    try:
+        started = subprocess.run([*command, "start", "tiny:qwen2", "--name", VLLM_TINY_NAME, "--replicas", "2"],
+                                 cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+        assert started.returncode == 0, f"rollout serve start failed:\n{started.stdout}\n{started.stderr}"
+        deployment = engine.find_deployment(VLLM_TINY_NAME)
+        assert deployment is not None and len(deployment.replicas) == 2, started.stdout
+        yield ServedTiny(deployment)
+    finally:
+        subprocess.run([*command, "stop", VLLM_TINY_NAME], cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=120)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No served model outlives the session: stop whatever a test started and left in the session's state dir."""
+    from rollout_lib.serving import engine
+
+    if engine.serve_dir().is_dir():
+        engine.stop_all()

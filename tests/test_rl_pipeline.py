@@ -15,7 +15,7 @@ from rollout_lib.rl.advantages import training_samples
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, pending_steps, policy_at, policy_inputs, train_policy_step
 from rollout_lib.rl.prompts import check_distinct_examples, load_prompts
-from rollout_lib.rl.sample import build_sampler, sample_rollouts
+from rollout_lib.rl.sample import build_samplers, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
@@ -79,7 +79,7 @@ def run_for(cfg: RlConfig, store: ObjectStore) -> tuple[TrainingInputs, dict]:
 
 def one_step(cfg, run, prompts, state, step, resident, loops, *, snapshot=False):
     policy = policy_at(run, state, resident)
-    rollouts, sample_metrics = sample_rollouts(cfg, build_sampler(cfg, policy.model, policy.tokenizer), prompts, step)
+    rollouts, sample_metrics = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer), prompts, step)
     scored, reward_metrics = score_rollouts(cfg, rollouts, prompts, loops)
     samples, advantage_metrics = training_samples(cfg, scored)
     micro_batches, _ = pack(cfg, samples)
@@ -123,7 +123,7 @@ def test_a_step_where_every_reward_fails_fails_loudly(tmp_path, tiny_model_dir, 
                  only_words=True)
     run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-b"))
     policy = policy_at(run, initial_policy(run, resident), resident)
-    rollouts, _ = sample_rollouts(cfg, build_sampler(cfg, policy.model, policy.tokenizer), prompts, 1)
+    rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer), prompts, 1)
     with pytest.raises(AllRewardsFailedError, match="all 9 rewards failed"):
         score_rollouts(cfg, rollouts, prompts, reward_loops(cfg))
 
@@ -148,7 +148,7 @@ def test_replay_from_the_last_snapshot_reaches_the_same_weights(tmp_path, tiny_m
     for name, tensor in replayed.model.state_dict().items():
         assert torch.equal(tensor, live_weights[name]), name
     # ... and it samples step 3 exactly as the live policy would have.
-    sampler = build_sampler(cfg, replayed.model, replayed.tokenizer)
+    sampler = build_samplers(cfg, replayed.model, replayed.tokenizer)
     again, _ = sample_rollouts(cfg, sampler, prompts, 3)
     assert again.column("completion_ids").to_pylist() == sample_rollouts(cfg, sampler, prompts, 3)[0].column(
         "completion_ids").to_pylist()

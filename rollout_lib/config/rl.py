@@ -2,9 +2,12 @@
 prompt source, reward functions, sampling settings and algorithm (per env, as in prime-rl's seed 002).
 
     [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval
-    [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .sampler / .reward_loop
+    [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .reward_loop
+    [algorithm.rl.policy_sampler]  how the live policy samples: { type = "hf", batch_size } (embedded transformers)
     [[algorithm.rl.envs]]     name, prompts_per_step, system_prompt
       source   = { type = "jsonl_path", path = "..." } | { type = "reasoning_gym", dataset = "...", size, seed }
+      sampler  = { source = "policy" } (default) | { source = <frozen model> }: where rollouts come from, the live
+                 policy or a frozen model ({ model = "<ref>" } or { base_url = [...], name = "..." }, config/serving.py)
       sampling = { group_size, temperature, top_p, max_tokens }
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
       [[algorithm.rl.envs.rewards]]  function = "number_match" | "pkg.module:attr", weight, kwargs
@@ -18,6 +21,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
+from rollout_lib.config.serving import FrozenModel, PolicyOrFrozen
 from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
@@ -70,12 +74,23 @@ class RewardFunctionSettings(StrictModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class EnvSampler(StrictModel):
+    """Where an env's rollouts come from: the live policy (sampled by `policy_sampler`) or a frozen model."""
+
+    source: PolicyOrFrozen = "policy"
+
+    @property
+    def frozen(self) -> FrozenModel | None:
+        return None if self.source == "policy" else self.source
+
+
 class EnvSettings(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     source: PromptSource
     system_prompt: str | None = None  # prepended as a system message to every prompt of this env
     prompts_per_step: int = Field(ge=1)  # distinct prompts drawn per step (each sampled group_size times)
     rewards: list[RewardFunctionSettings] = Field(min_length=1)
+    sampler: EnvSampler = EnvSampler()
     sampling: SamplingParams = SamplingParams()
     algo: AlgoChoice = Field(default_factory=lambda: ALGORITHMS["grpo"].settings_class())
 
@@ -104,7 +119,7 @@ class RlSettings(StrictModel):
     optimizer: OptimizerSettings
     budget: BudgetSettings
     loss: RlLossSettings = RlLossSettings()
-    sampler: SamplerChoice = Field(default_factory=lambda: sampler_settings_types()[0]())
+    policy_sampler: SamplerChoice = Field(default_factory=lambda: sampler_settings_types()[0]())
     reward_loop: RewardLoopSettings = RewardLoopSettings()
     envs: list[EnvSettings] = Field(min_length=1)
 
@@ -135,6 +150,21 @@ class RlConfig(EntryPointConfig):
             warnings.warn(f"{locator}: {message}", UserWarning, stacklevel=2)
         return self
 
+    def frozen_models(self) -> list[tuple[str, FrozenModel]]:
+        """(locator, settings) of every frozen model the run talks to, in config order."""
+        return [(f"algorithm.rl.envs[{index}].sampler.source", env.sampler.frozen)
+                for index, env in enumerate(self.settings.envs) if env.sampler.frozen is not None]
+
+    def training_settings(self) -> dict:
+        """As every entry point's, but a frozen model enters as what identifies its content (the served name, or
+        the reference rollout serves; trainer.identity adds that reference's content digest), never as its
+        addresses, timeouts or replica count."""
+        settings = super().training_settings()
+        for env, dumped in zip(self.settings.envs, settings["envs"]):
+            if env.sampler.frozen is not None:
+                dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()
+        return settings
+
     def plan_warnings(self) -> list[tuple[str, str]]:
         """Settings that run but are probably not what was meant."""
         found = []
@@ -144,6 +174,10 @@ class RlConfig(EntryPointConfig):
                 found.append((f"{where}.sampling.group_size",
                               f"{env.algo.type} is group-relative: with group_size = 1 every advantage is 0 and "
                               "the env never trains"))
+            if env.sampler.frozen is not None and ALGORITHMS[env.algo.type].action_loss == "rl":
+                found.append((f"{where}.sampler.source",
+                              f"{env.algo.type} trains the rl component on rollouts of a frozen model: importance "
+                              "ratios are against that model's logprobs, so every step is off-policy"))
             if env.sampling.top_p != 1.0:
                 # Temperature is matched (the trainer scales each token's logits by it); the nucleus is not.
                 found.append((f"{where}.sampling.top_p",

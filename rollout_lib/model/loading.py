@@ -88,7 +88,9 @@ def _converted_gguf(resolved: ResolvedModel) -> ResolvedModel:
     """The GGUF file as a Hugging Face directory (fp32 safetensors, config, tokenizer), converted on first use."""
     gguf = Path(resolved.source) / resolved.gguf_file
     stat = gguf.stat()
-    target = rollout_cache_dir() / "gguf" / _file_digest(str(gguf), stat.st_size, stat.st_mtime_ns)
+    # The version names the conversion's format: v2 writes tied weights under both names (vLLM reads the input
+    # embeddings by name; v1's files served a flat distribution there) and sets `architectures`.
+    target = rollout_cache_dir() / "gguf" / f"{_file_digest(str(gguf), stat.st_size, stat.st_mtime_ns)}-v2"
     if not (target / "config.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
@@ -135,15 +137,19 @@ def model_content_digest(ref: ModelRef | str) -> str:
 
 def _save_dequantised(model, directory: Path) -> None:
     """transformers refuses save_pretrained on a GGUF-loaded model, although its weights are plain fp32 by now:
-    write the config without the GGUF quantization entry, and the weights with safetensors (tied ones once)."""
-    from safetensors.torch import save_model
+    write the config without the GGUF quantization entry, and every weight under its own name with safetensors:
+    tied weights too (`lm_head.weight` and `model.embed_tokens.weight`), since loaders other than transformers
+    (vLLM) look the embeddings up by name."""
+    from safetensors.torch import save_file
 
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = [type(model).__name__]
     config.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def locate_model(ref: ModelRef | str) -> ResolvedModel:
@@ -153,11 +159,11 @@ def locate_model(ref: ModelRef | str) -> ResolvedModel:
     if uri.startswith("pkg:"):
         return _resolve_package(uri[len("pkg:"):], ref)
     if uri.startswith("tiny:"):
-        from rollout_lib.model.tiny import build_tiny_qwen2
+        from rollout_lib.model.tiny import TINY_VERSION, build_tiny_qwen2
 
         if uri != "tiny:qwen2":
             raise ModelLoadError(f"model reference {uri!r}: the only tiny model is 'tiny:qwen2'")
-        return ResolvedModel(str(build_tiny_qwen2(rollout_cache_dir() / "tiny-qwen2")))
+        return ResolvedModel(str(build_tiny_qwen2(rollout_cache_dir() / f"tiny-qwen2-v{TINY_VERSION}")))
     path = Path(uri).expanduser()
     if path.is_dir():
         if ref.gguf_file and not (path / ref.gguf_file).is_file():

@@ -25,6 +25,7 @@ VOCAB_SIZE = 512
 
 # Written last: its presence (with matching parameters) means the directory holds a complete build.
 BUILD_MARKER = "tiny_qwen2_build.json"
+TINY_VERSION = 2  # part of the build marker and the cache directory name: a new version never reuses an old build
 
 # Same regex as transformers' Qwen2Tokenizer (PRETOKENIZE_REGEX); kept literal so a build does not depend on
 # a private constant, and pinned by the round-trip test.
@@ -104,7 +105,7 @@ def train_tiny_tokenizer():
 
 
 def _build_params(seed: int, num_labels: int | None) -> dict:
-    return {"kind": "tiny-qwen2", "version": 1, "seed": seed, "num_labels": num_labels}
+    return {"kind": "tiny-qwen2", "version": TINY_VERSION, "seed": seed, "num_labels": num_labels}
 
 
 def build_tiny_qwen2(directory: str | Path, *, seed: int = 0, num_labels: int | None = None) -> Path:
@@ -145,8 +146,10 @@ def build_tiny_qwen2(directory: str | Path, *, seed: int = 0, num_labels: int | 
         vocab_size=raw_tokenizer.get_vocab_size(),
         hidden_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head_dim 32: the smallest head vLLM's CPU attention kernel supports, so the tiny model can be served
+        # (version 1 had 4 heads of 16 and the same parameter count).
+        num_attention_heads=2,
+        num_key_value_heads=1,
         intermediate_size=128,
         max_position_embeddings=1024,
         tie_word_embeddings=True,

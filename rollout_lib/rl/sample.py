@@ -1,4 +1,5 @@
-"""The sample stage: every env's rollouts of a step from the live policy, seeded per (seed, step, env)."""
+"""The sample stage: every env's rollouts of a step, seeded per (seed, step, env), from the env's sampler: the live
+policy (the `policy_sampler` backend) or a frozen model (sampling/frozen.py, through a served pool)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,43 @@ import pyarrow as pa
 
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.rl.prompts import select_prompts
-from rollout_lib.sampling import SAMPLERS, Sampler
+from rollout_lib.sampling import SAMPLERS
+from rollout_lib.sampling.frozen import FrozenSampler
 from rollout_lib.trainer.determinism import derived_seed
 
 
-def build_sampler(config: RlConfig, model, tokenizer) -> Sampler:
-    settings = config.settings.sampler
-    return SAMPLERS[settings.type](settings, model, tokenizer)
+def env_locator(index: int) -> str:
+    return f"algorithm.rl.envs[{index}].sampler.source"
 
 
-def sample_rollouts(config: RlConfig, sampler: Sampler, prompt_tables: dict[str, pa.Table],
+def build_samplers(config: RlConfig, model, tokenizer, frozen_models=None) -> dict:
+    """The sampler of every env, by env name; envs on the live policy share one. `frozen_models`
+    (serving.frozen.FrozenModels) connects the frozen ones."""
+    samplers, policy_sampler = {}, None
+    for index, env in enumerate(config.settings.envs):
+        frozen = env.sampler.frozen
+        if frozen is None:
+            if policy_sampler is None:
+                settings = config.settings.policy_sampler
+                policy_sampler = SAMPLERS[settings.type](settings, model, tokenizer)
+            samplers[env.name] = policy_sampler
+        else:
+            if frozen_models is None:
+                raise ValueError(f"{env_locator(index)}: a frozen model needs the run's FrozenModels")
+            pool = frozen_models.pool(frozen, tokenizer=tokenizer, where=env_locator(index))
+            samplers[env.name] = FrozenSampler(pool, tokenizer, frozen.concurrency)
+    return samplers
+
+
+def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table],
                     step: int) -> tuple[pa.Table, dict]:
     """ROLLOUTS of every env for `step` (rewards null), and sampling metrics."""
     parts = []
     for env_index, env in enumerate(config.settings.envs):
         chosen = select_prompts(prompt_tables[env.name], env.prompts_per_step, seed=config.run.seed, step=step,
                                 env_index=env_index)
-        parts.append(sampler.sample(chosen, env.sampling, derived_seed(config.run.seed, "sample", step, env_index)))
+        parts.append(samplers[env.name].sample(chosen, env.sampling,
+                                               derived_seed(config.run.seed, "sample", step, env_index)))
     rollouts = pa.concat_tables(parts)
     lengths = [len(ids) for ids in rollouts.column("completion_ids").to_pylist()]
     max_tokens = {env.name: env.sampling.max_tokens for env in config.settings.envs}

@@ -89,6 +89,18 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return [int(token) for token in tokenizer(text)["input_ids"]]
 
 
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """Where a completion ends: the tokenizer's eos (end of turn for chat models) and the model's own eos ids."""
+    ids: list[int] = []
+    for candidate in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        for token in candidate if isinstance(candidate, (list, tuple)) else [candidate]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise ValueError("the tokenizer and model declare no eos token: a completion could never end")
+    return ids
+
+
 def sample_id(example_id: str, group_index: int) -> str:
     return f"{example_id}#{group_index}"
 

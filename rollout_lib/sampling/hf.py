@@ -25,6 +25,7 @@ from rollout_lib.sampling.base import (
     encode_prompt,
     prompt_messages,
     rollouts_table,
+    stop_token_ids,
 )
 from rollout_lib.trainer.determinism import derived_seed
 
@@ -55,7 +56,7 @@ class HfSampler(Sampler):
         from transformers import GenerationConfig
 
         tokenizer, model = self.tokenizer, self.model
-        stop_ids = _stop_token_ids(tokenizer, model)
+        stop_ids = stop_token_ids(tokenizer, model.generation_config)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
         device = next(model.parameters()).device
         width = max(len(ids) for ids in sequences)
@@ -96,15 +97,3 @@ class HfSampler(Sampler):
             completions.append((ids, logprobs[row, :length].tolist(),
                                 tokenizer.decode(ids, skip_special_tokens=True)))
         return completions
-
-
-def _stop_token_ids(tokenizer, model) -> list[int]:
-    """Where a completion ends: the tokenizer's eos (end of turn for chat models) and the model's own eos ids."""
-    ids: list[int] = []
-    for candidate in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        for token in candidate if isinstance(candidate, (list, tuple)) else [candidate]:
-            if token is not None and int(token) not in ids:
-                ids.append(int(token))
-    if not ids:
-        raise ValueError("the tokenizer and model declare no eos token: a completion could never end")
-    return ids

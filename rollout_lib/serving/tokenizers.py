@@ -1,0 +1,63 @@
+"""Does a served model share the policy's tokenizer? Checked before a run trains on anything it serves.
+
+Token ids cross the wire in both directions (prompts sent as ids, completions and scores returned per id), so a
+teacher or sampling source with another vocabulary would not fail: it would silently train the policy on the
+wrong tokens. The check asks the server itself (`/tokenize`), so it holds for servers rollout did not start:
+- probe text made of a spread of the policy's whole vocabulary (every 7th token decoded, plus multilingual and
+  code text) must tokenize to the same ids;
+- each of the policy's special tokens must be the same single id;
+- a chat conversation rendered with the generation prompt must give the same ids (the chat template).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollout_lib.sampling.base import encode_prompt
+
+_PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 0123456789 +-*/=<>()[]{} "
+               "def f(x):\n    return x ** 2\n\tÜber café naïve — 東京 日本語 😀 ∑∫√")
+_PROBE_CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 12 + 30?"},
+               {"role": "assistant", "content": "42"}, {"role": "user", "content": "And 7 * 6?"}]
+_VOCAB_STRIDE = 7
+
+
+class TokenizerMismatch(ValueError):
+    """The served model's tokenizer differs from the policy's; the message says where first."""
+
+
+def tokenizer_probes(tokenizer) -> list[str]:
+    """The texts whose ids are compared: vocabulary spread in chunks, the fixed probe text, each special token."""
+    size = len(tokenizer)
+    pieces = [tokenizer.decode([token_id]) for token_id in range(0, size, _VOCAB_STRIDE)]
+    chunks = ["".join(pieces[start:start + 256]) for start in range(0, len(pieces), 256)]
+    return [_PROBE_TEXT, *chunks]
+
+
+async def find_tokenizer_mismatch(pool, tokenizer) -> str | None:
+    """None when the pool's served model tokenizes like `tokenizer`, else what differs first (one line)."""
+    probes = tokenizer_probes(tokenizer)
+    served = await asyncio.gather(*(pool.tokenize(text=text) for text in probes))
+    for text, ids in zip(probes, served):
+        ours = tokenizer(text, add_special_tokens=False)["input_ids"]
+        bos = len(ids) - len(ours)  # a server may prepend a BOS token to raw text: compare what follows it
+        if bos not in (0, 1) or ids[bos:] != ours:
+            return (f"text {text[:40]!r}... tokenizes to {len(ids)} ids there and {len(ours)} here "
+                    f"(first difference at token {_first_difference(ids[max(bos, 0):], ours)})")
+    specials = [token for token in tokenizer.all_special_tokens if token]
+    served_specials = await asyncio.gather(*(pool.tokenize(text=token) for token in specials))
+    for token, ids in zip(specials, served_specials):
+        ours = tokenizer.convert_tokens_to_ids(token)
+        if ids[-1:] != [ours]:
+            return f"special token {token!r} is id {ours} here and {ids} there"
+    if getattr(tokenizer, "chat_template", None):
+        ours = encode_prompt(tokenizer, _PROBE_CHAT)
+        theirs = await pool.tokenize(messages=_PROBE_CHAT, add_generation_prompt=True)
+        if theirs != ours:
+            return (f"the chat template renders a probe conversation to {len(theirs)} ids there and {len(ours)} "
+                    f"here (first difference at token {_first_difference(theirs, ours)})")
+    return None
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
