@@ -48,10 +48,11 @@ def _known_errors() -> tuple[type[Exception], ...]:
     from rollout_lib.config import ConfigError
     from rollout_lib.data import DataError
     from rollout_lib.model.loading import ModelLoadError
-    from rollout_lib.serving.engine import ServingError
+    from rollout_lib.serving.client import ServingError
+    from rollout_lib.serving.engine import EngineError
     from rollout_lib.store import StoreError
 
-    return ConfigError, DataError, ModelLoadError, StoreError, ServingError, stack.StackError
+    return ConfigError, DataError, ModelLoadError, StoreError, EngineError, ServingError, stack.StackError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -77,6 +77,8 @@ def task_run_states(flow_run_id: str) -> dict[str, str]:
     def read() -> dict[str, str]:
         with get_client(sync_client=True) as client:
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        return {run.name: run.state.name for run in runs}
+        # A task run the server has created but not yet given a state (its first state is written in a later batch)
+        # reads as None; `settled` reads again until nothing changes.
+        return {run.name: run.state.name if run.state else None for run in runs}
 
     return settled(read)

@@ -260,7 +260,7 @@ class ServedTiny:
                 self._last = engine.restart_dead_replicas(deployment, ready_timeout_s=timeout_s)
                 assert self._last.base_urls == self.base_urls
                 return self
-            except engine.ServingError:
+            except engine.EngineError:
                 if attempt == 2:
                     raise
                 time.sleep(2)

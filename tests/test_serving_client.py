@@ -2,9 +2,11 @@
 `vllm_tiny` fixture): served logprobs agree with transformers' on the same weights, seeded sampling repeats. The
 reply-shape checks run against httpx.MockTransport replies, no server.
 
-Measured agreement on this machine (fp32, 2 CPU cores): generation logprobs within 4.8e-7 of transformers' (at
-temperature 1 and 0.6: vLLM reports the raw model distribution), prefill scoring within 9.5e-7 (2..511 tokens).
-The tests allow 1e-5: the engine's float sums depend on batch composition (../shared/notes/serving.md).
+Measured agreement on this machine (fp32, 2 CPU cores): generation logprobs within 4.8e-7 of transformers', prefill
+scoring within 9.5e-7 (2..511 tokens). The tests allow 1e-5: the engine's float sums depend on batch composition
+(../shared/notes/serving.md). Servers started by engine.py run `--logprobs-mode processed_logprobs`: a sampled
+token's logprob is of the distribution it was drawn from (here: logits / temperature); vLLM's default
+(raw_logprobs) would report the temperature-1 model's whatever the sampling temperature.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ def transformers_model(vllm_tiny):
     return model
 
 
-def reference_logprobs(model, ids: list[int]) -> list[float]:
-    """log p(ids[t] | ids[:t]) for t = 1..n-1 from an in-process fp32 forward (temperature 1)."""
+def reference_logprobs(model, ids: list[int], temperature: float = 1.0) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t = 1..n-1 from an in-process fp32 forward, of softmax(logits / temperature)."""
     import torch
 
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
     return [logprobs[t - 1, ids[t]].item() for t in range(1, len(ids))]
 
 
@@ -68,15 +70,20 @@ def test_generation_logprobs_agree_with_transformers(vllm_tiny, transformers_mod
                                       for i, (prompt, temperature) in enumerate(cases)))
 
     generations = asyncio.run(sample())
-    worst = 0.0
-    for (prompt, _), generation in zip(cases, generations):
+    worst = (0.0, None)
+    for case, ((prompt, temperature), generation) in enumerate(zip(cases, generations)):
         assert 1 <= len(generation.token_ids) == len(generation.logprobs) <= 24
         # A row that sampled EOS stops early; the EOS token is in token_ids, with its logprob.
         assert generation.finish_reason == ("length" if len(generation.token_ids) == 24 else "stop")
-        # The logprobs are the raw model's (temperature 1) whatever the sampling temperature: compare at 1.
-        expected = reference_logprobs(transformers_model, prompt + generation.token_ids)[len(prompt) - 1:]
-        worst = max(worst, max(abs(a - b) for a, b in zip(expected, generation.logprobs)))
-    assert worst < TOLERANCE, f"max |vLLM - transformers| over generated tokens: {worst:.2e}"
+        # processed_logprobs (engine.py's servers): the logprobs of the distribution sampled from, at its temperature.
+        expected = reference_logprobs(transformers_model, prompt + generation.token_ids,
+                                      temperature)[len(prompt) - 1:]
+        for position, (a, b) in enumerate(zip(expected, generation.logprobs)):
+            if abs(a - b) > worst[0]:
+                worst = (abs(a - b), f"case {case} (temperature {temperature}, prompt {prompt}, generated "
+                                     f"{generation.token_ids}, {generation.finish_reason}) token {position}: "
+                                     f"transformers {a:.6f}, vLLM {b:.6f}")
+    assert worst[0] < TOLERANCE, f"max |vLLM - transformers| over generated tokens: {worst[0]:.2e} at {worst[1]}"
 
 
 @pytest.mark.slow
@@ -106,6 +113,12 @@ def test_seeded_sampling_repeats_and_seeds_differ(vllm_tiny):
     for seed, generation in zip([13, 11, 12], second):
         assert generation.token_ids == by_seed[seed].token_ids
     assert len({tuple(g.token_ids) for g in first}) == 3, "three seeds gave identical samples"
+
+    # A stop token ends the sample and is its last token.
+    full = by_seed[11].token_ids
+    stop = full[2]
+    stopped = asyncio.run(client.generate(prompt, max_tokens=16, seed=11, stop_token_ids=[stop]))
+    assert stopped.token_ids == full[: full.index(stop) + 1] and stopped.finish_reason == "stop"
 
 
 @pytest.mark.slow

@@ -66,8 +66,10 @@ class BadResponse(ServingError):
 
 @dataclass(frozen=True)
 class Generation:
-    """One sampled continuation. `logprobs[i]` is the server's logprob of `token_ids[i]`: vLLM (0.32) reports the
-    model's raw distribution (temperature 1, before top-p), whatever the sampling temperature."""
+    """One sampled continuation. `logprobs[i]` is the server's logprob of `token_ids[i]`: of the distribution it was
+    drawn from (after temperature and top-p) on a server started with `--logprobs-mode processed_logprobs`, as
+    engine.py starts them; of the raw model (temperature 1) under vLLM's default, whatever the sampling temperature.
+    A sampled stop token (EOS, `stop_token_ids`) is the last of `token_ids`, with its logprob."""
 
     token_ids: list[int]
     logprobs: list[float]

@@ -50,7 +50,7 @@ SERVER_FLAGS = ("--dtype", "float32", "--enforce-eager", "--no-enable-chunked-pr
                 "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log")
 
 
-class ServingError(RuntimeError):
+class EngineError(RuntimeError):
     """A served model that cannot start or be found; the message names the deployment, its URL and its log."""
 
 
@@ -63,7 +63,7 @@ def vllm_python() -> Path:
     python = Path(configured) if configured else PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
     if not python.is_file():
         where = f"{VLLM_PYTHON_ENV}={configured} does not exist" if configured else ".venv-vllm/bin/python missing"
-        raise ServingError(f"vLLM is not installed ({where}): run scripts/setup.sh")
+        raise EngineError(f"vLLM is not installed ({where}): run scripts/setup.sh")
     return python
 
 
@@ -282,7 +282,7 @@ def _locked(name: str, blocking: bool = True) -> Iterator[bool]:
 
 def _check_name(name: str) -> str:
     if not _NAME.match(name):
-        raise ServingError(f"served model name {name!r}: use letters, digits, '.', '_', '-' (at most 100, "
+        raise EngineError(f"served model name {name!r}: use letters, digits, '.', '_', '-' (at most 100, "
                            "starting with a letter or digit)")
     return name
 
@@ -358,7 +358,7 @@ def _exit_code(replica: Replica) -> int | None:
 
 
 def wait_ready(deployment: Deployment, timeout_s: float = 600.0, replicas: Sequence[Replica] | None = None) -> None:
-    """Wait until every replica (or those given) answers /v1/models with the deployment's name; ServingError
+    """Wait until every replica (or those given) answers /v1/models with the deployment's name; EngineError
     naming the URL and the end of its log when one exits first or the timeout passes."""
     pending = list(deployment.replicas if replicas is None else replicas)
     deadline = time.monotonic() + timeout_s
@@ -370,13 +370,13 @@ def wait_ready(deployment: Deployment, timeout_s: float = 600.0, replicas: Seque
             code = _exit_code(replica)
             if code is not None:
                 how = f"exited with code {code}" if code >= 0 else "exited"
-                raise ServingError(f"vLLM server for {deployment.name!r} at {replica.base_url} {how} before it was "
+                raise EngineError(f"vLLM server for {deployment.name!r} at {replica.base_url} {how} before it was "
                                    f"ready{_log_excerpt(replica)}")
         if not pending:
             break
         if time.monotonic() > deadline:
             replica = pending[0]
-            raise ServingError(f"vLLM server for {deployment.name!r} at {replica.base_url} did not answer "
+            raise EngineError(f"vLLM server for {deployment.name!r} at {replica.base_url} did not answer "
                                f"/v1/models within {timeout_s:.0f}s{_log_excerpt(replica)}")
         time.sleep(0.5)
 
@@ -480,11 +480,11 @@ def start_deployment(reference, *, name: str | None = None, replicas: int = 1, p
     ports), started in parallel; return once every replica answers. A deployment of that name already running
     the same model directory with the same runner is reused as it is (dead replicas restarted); the same name
     serving anything else is an error. When a replica exits or the timeout passes, everything started is stopped
-    and ServingError names the URL and the end of its log."""
+    and EngineError names the URL and the end of its log."""
     if runner not in RUNNERS:
-        raise ServingError(f"runner {runner!r}: expected one of {', '.join(RUNNERS)}")
+        raise EngineError(f"runner {runner!r}: expected one of {', '.join(RUNNERS)}")
     if replicas < 1:
-        raise ServingError(f"replicas must be at least 1 (got {replicas})")
+        raise EngineError(f"replicas must be at least 1 (got {replicas})")
     if name is not None:
         _check_name(name)
     vllm_python()  # not installed: say so before converting or exporting anything
@@ -498,12 +498,12 @@ def start_deployment(reference, *, name: str | None = None, replicas: int = 1, p
             existing = None
         if existing is not None:
             if existing.model_dir != str(model_dir) or existing.runner != runner:
-                raise ServingError(f"served model name {name!r} is already running {existing.model_dir} "
+                raise EngineError(f"served model name {name!r} is already running {existing.model_dir} "
                                    f"({existing.runner}); stop it first (rollout serve stop {name}) or pick another "
                                    "name")
             return _restart_dead(existing, ready_timeout_s)
         if port is not None and not port_is_free(port):
-            raise ServingError(f"cannot serve {name!r} at http://{HOST}:{port}: port {port} is already in use")
+            raise EngineError(f"cannot serve {name!r} at http://{HOST}:{port}: port {port} is already in use")
         ports = ([port] if port is not None else []) + [p for p in free_ports(replicas + 1) if p != port]
         deployment = Deployment(name=name, model=uri, model_dir=str(model_dir), runner=runner,
                                 max_model_len=max_model_len or default_max_model_len(model_dir),
@@ -576,7 +576,7 @@ def restart_dead_replicas(deployment: Deployment | str, ready_timeout_s: float =
         current = _read_record(name)
         if current is None:
             if isinstance(deployment, str):
-                raise ServingError(f"no served model {name!r} is recorded in {serve_dir()}")
+                raise EngineError(f"no served model {name!r} is recorded in {serve_dir()}")
             current = deployment  # every process and the record are gone: start it again from what the caller has
         return _restart_dead(current, ready_timeout_s)
 
@@ -609,6 +609,6 @@ def _wait_port_free(replica: Replica, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not port_is_free(replica.port):
         if time.monotonic() > deadline:
-            raise ServingError(f"cannot restart replica {replica.index} at {replica.base_url}: port {replica.port} "
+            raise EngineError(f"cannot restart replica {replica.index} at {replica.base_url}: port {replica.port} "
                                "is still in use")
         time.sleep(0.2)

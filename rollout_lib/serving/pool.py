@@ -76,6 +76,11 @@ class EndpointPool:
     def __init__(self, base_urls: list[str] | str, model: str, *, timeout_s: float | None = 120.0,
                  max_attempts: int = 3, eject_after: int = 2, probe_interval_s: float = 10.0,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, session: HttpSession | None = None):
+        """`base_urls`: the replicas (with or without /v1); `model`: the served model name. `timeout_s` bounds each
+        attempt, connect to last byte (None: no limit; it must cover the slowest legitimate request, queueing in
+        the server included); `max_attempts`: attempts per request, each on a replica not yet tried;
+        `eject_after`: failed attempts in a row that take a replica out; `probe_interval_s`: how long it stays
+        out before a probe; `max_connections`: open connections over all replicas (per event loop)."""
         if isinstance(base_urls, str):
             base_urls = [base_urls]
         if not base_urls:
