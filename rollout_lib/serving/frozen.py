@@ -26,6 +26,7 @@ from rollout_lib.config.errors import ConfigError
 from rollout_lib.config.serving import ExternalModel, ServedModel
 from rollout_lib.serving import engine
 from rollout_lib.serving.pool import EndpointPool
+from rollout_lib.serving.references import served_model_directory
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
 from rollout_lib.store import canonical_json
 
@@ -72,7 +73,7 @@ class FrozenModels:
         return pool, f"model {name!r} at {', '.join(urls)}"
 
     def _deployment(self, frozen: ServedModel):
-        model_dir = engine.served_model_directory(frozen.model.uri, self.store_url)
+        model_dir = served_model_directory(frozen.model.uri, self.store_url)
         for running in engine.running_deployments():
             if running.model_dir == str(model_dir) and running.runner == "generate":
                 if running.orphaned:  # its run was killed before it could stop it: ours to stop now
