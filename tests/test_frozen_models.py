@@ -12,7 +12,7 @@ import pytest
 
 from rollout_lib import wire
 from rollout_lib.config import ConfigError, RlConfig, validate_config
-from rollout_lib.config.serving import ExternalModel, ServedModel
+from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.sampling import SamplingParams

@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from rollout_lib.settings_base import ModelRef, StrictModel
 
-class StrictModel(BaseModel):
-    """Unknown keys are errors, never silently ignored; settings are immutable once validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+__all__ = ["ModelRef", "StrictModel"]  # defined in settings_base (importable without this package), used here
 
 
 class RunSettings(StrictModel):
@@ -30,21 +28,6 @@ class RunSettings(StrictModel):
         # A relative local root would point somewhere else from another working directory (a worker, a test);
         # made absolute once, at validation, it names one place in every cache key that carries it.
         return store if "://" in store else str(Path(store).expanduser().resolve())
-
-
-class ModelRef(StrictModel):
-    """Where a model comes from: a hub id, a local directory, `pkg:<python package>` (a model shipped inside an
-    installed package), or `tiny:qwen2` (the project's own tiny test model, built on first use)."""
-
-    uri: str = Field(min_length=1)
-    gguf_file: str | None = None
-    revision: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_string(cls, value: Any) -> Any:
-        # `base_model = "..."` (RM seed) and `[...base_model] uri = "..."` (SFT seed) are both the seed's shape.
-        return {"uri": value} if isinstance(value, str) else value
 
 
 class OptimizerSettings(StrictModel):

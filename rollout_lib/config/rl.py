@@ -7,7 +7,7 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
     [[algorithm.rl.envs]]     name, prompts_per_step, system_prompt
       source   = { type = "jsonl_path", path = "..." } | { type = "reasoning_gym", dataset = "...", size, seed }
       sampler  = { source = "policy" } (default) | { source = <frozen model> }: where rollouts come from, the live
-                 policy or a frozen model ({ model = "<ref>" } or { base_url = [...], name = "..." }, config/serving.py)
+                 policy or a frozen model ({ model = "<ref>" } or { base_url = [...], name = "..." }, serving/settings.py)
       sampling = { group_size, temperature, top_p, max_tokens }
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
       [[algorithm.rl.envs.rewards]]  function = "number_match" | "pkg.module:attr", weight, kwargs
@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
-from rollout_lib.config.serving import FrozenModel, PolicyOrFrozen
+from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, FrozenModel, PolicyOrFrozen
 from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
@@ -151,18 +151,26 @@ class RlConfig(EntryPointConfig):
         return self
 
     def frozen_models(self) -> list[tuple[str, FrozenModel]]:
-        """(locator, settings) of every frozen model the run talks to, in config order."""
-        return [(f"algorithm.rl.envs[{index}].sampler.source", env.sampler.frozen)
-                for index, env in enumerate(self.settings.envs) if env.sampler.frozen is not None]
+        """(locator, settings) of every frozen model the run talks to, in config order: an env's sampling source
+        and any frozen model its algorithm's settings name (a teacher)."""
+        found = []
+        for index, env in enumerate(self.settings.envs):
+            where = f"algorithm.rl.envs[{index}]"
+            if env.sampler.frozen is not None:
+                found.append((f"{where}.sampler.source", env.sampler.frozen))
+            found.extend((f"{where}.algo.{name}", value) for name, value in _frozen_fields(env.algo))
+        return found
 
     def training_settings(self) -> dict:
         """As every entry point's, but a frozen model enters as what identifies its content (the served name, or
-        the reference rollout serves; trainer.identity adds that reference's content digest), never as its
+        for a model rollout serves, nothing here: trainer.identity adds its content digest), never as its
         addresses, timeouts or replica count."""
         settings = super().training_settings()
         for env, dumped in zip(self.settings.envs, settings["envs"]):
             if env.sampler.frozen is not None:
                 dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()
+            for name, value in _frozen_fields(env.algo):
+                dumped["algo"][name] = value.identity_settings()
         return settings
 
     def plan_warnings(self) -> list[tuple[str, str]]:
@@ -213,6 +221,12 @@ class RlConfig(EntryPointConfig):
         if settings.micro_batch_tokens is not None and settings.micro_batch_tokens < settings.max_seq_len:
             problems.append(("algorithm.rl.micro_batch_tokens", f"must be >= max_seq_len ({settings.max_seq_len})"))
         return problems
+
+
+def _frozen_fields(settings) -> list[tuple[str, FrozenModel]]:
+    """(field name, value) of the frozen models among a settings block's fields."""
+    return [(name, getattr(settings, name)) for name in type(settings).model_fields
+            if isinstance(getattr(settings, name), FROZEN_MODEL_TYPES)]
 
 
 def _reasoning_gym_datasets() -> set[str]:

@@ -23,7 +23,7 @@ import os
 import threading
 
 from rollout_lib.config.errors import ConfigError
-from rollout_lib.config.serving import ExternalModel, ServedModel
+from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.references import served_model_directory

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from rollout_lib.config.common import ModelRef, StrictModel
+from rollout_lib.settings_base import ModelRef, StrictModel
 
 
 class FrozenClientSettings(StrictModel):
@@ -62,6 +62,9 @@ class ServedModel(FrozenClientSettings):
         # The reference's spelling is not its identity: trainer.identity adds the content digest of what it
         # names (the same files under another path, or a checkpoint by id or by ref, are the same model).
         return {"served_by": "rollout"}
+
+
+FROZEN_MODEL_TYPES = (ServedModel, ExternalModel)
 
 
 def _frozen_kind(value: Any) -> str | None:
