@@ -5,8 +5,9 @@ imports inside functions count too). A name imported from a package that only re
 that defines it, not to everything the package's __init__ imports. Editing the RL sampler or the RL settings then
 invalidates RL results only, never a reward model's cached steps; editing anything a task can execute always
 invalidates its results, and so does upgrading a library that decides numerics (NUMERIC_LIBRARIES). Code outside
-the project (a user's reward functions) is keyed by the task that calls it
-(tasks/rl.py: the score key has each reward module's source digest).
+the project (a user's reward functions, algorithm plugins, custom advantage functions) is keyed by the task that
+calls it (tasks/rl.py: the score key has each reward module's source digest, the advantages key each outside
+algorithm module's).
 """
 
 from __future__ import annotations

@@ -35,18 +35,30 @@ Why this variant rather than PPO's clipped surrogate or a symmetric ratio mask:
 
 The ce component: masked NLL, Σ_t w_t · -logp_t (SFT, echo's observation tokens, distillation from samples).
 
-The ref_kl component: reverse KL to a reference used as a policy-gradient signal (on-policy distillation, prime-rl
-opd/opsd): per-token advantage a_t = -(logp_t - logp_ref_t) with logp detached, numerator -Σ w_t · a_t · logp_t.
-Its gradient w_t (logp_t - logp_ref_t) ∇logp_t is the score-function gradient of KL(π‖π_ref) on tokens sampled
-from π, so descent lowers logp where the policy is above the reference and raises it where it is below; it is
-zero (value and gradient) when the reference equals the policy. The reference ships logprobs, not precomputed
-advantages, because the KL must be taken against the live logprobs of each micro-batch.
+The ref_kl component: reverse KL to a reference as a per-token policy-gradient signal (on-policy distillation,
+prime-rl opd/opsd). The reference ships logprobs, not precomputed advantages, because the KL must be taken
+against the live logprobs of each micro-batch:
+    a_t = logp_ref_t - logp_t (detached);  keep_t = not (p_t - p_inf_t < -eps_low)
+    loss_t = w_t · ( -keep_t · r_t · a_t  +  kl_coef · ½ (logp_t - logp_inf_t)² )
+Its gradient on-policy (r = 1) is w_t (logp_t - logp_ref_t) ∇logp_t, the score-function gradient of KL(π‖π_ref)
+on tokens sampled from π: descent lowers logp where the policy is above the reference and raises it where it is
+below; value and gradient are zero when the reference is the policy and the sampler. Why this variant:
+  * It is the rl component's math with a_t in place of A_t, as prime-rl's opd loss: the importance ratio against
+    the sampler, the probability-space trust region, a small k2 log-ratio penalty (prime-rl writes it without
+    the ½, at the same coefficient).
+  * The trust region is the low side only, whatever a_t's sign: prime-rl ships no advantage for ref_kl samples,
+    which puts all of them on its mask's A <= 0 side; here that is explicit. Why one side: the signal is
+    unbounded downward and brakes itself upward. A token the reference finds far less likely gets a large
+    negative a_t (log 1e-6 - log 0.5 ≈ -13), which could drive a likely token far below the sampler's
+    probability in one step; the low side stops that push once the token fell eps_low below it. Upward, a_t
+    shrinks to 0 as logp reaches logp_ref, so the push stops at the reference by itself; a high bound would
+    only slow the tokens distillation most wants raised.
+  * The penalty keeps every ref_kl token, masked or not, tied to the sampler (zero gradient on-policy), as in rl.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,10 +73,13 @@ COMPONENTS = ("rl", "ce", "ref_kl")
 # missing one is a producer bug, not a default to guess.
 STREAM_KEYS = LOSS_STREAMS
 
-# prime-rl's vetted defaults (DefaultLossConfig: dppo_mask_low/high = 0.2, kl_tau = 1e-3).
+# prime-rl's vetted defaults (DefaultLossConfig: dppo_mask_low/high = 0.2, kl_tau = 1e-3), and the values its
+# opd loss fixes for the ref_kl component (dppo mask 0.2, KL coefficient 1e-3).
 DEFAULT_EPS_LOW = 0.2
 DEFAULT_EPS_HIGH = 0.2
 DEFAULT_KL_COEF = 1e-3
+DEFAULT_REF_KL_EPS_LOW = 0.2
+DEFAULT_REF_KL_KL_COEF = 1e-3
 
 
 # --- Bradley-Terry (reward models) ---------------------------------------------------------------------------
@@ -184,20 +199,39 @@ def rl_loss_terms(
     return numerator, metrics
 
 
-def ref_kl_loss_terms(logprobs: Tensor, ref_logprobs: Tensor, weights: Tensor) -> tuple[Tensor, dict[str, float]]:
-    """ref_kl numerator: -Σ_t w_t · a_t · logp_t with a_t = -(logp_t.detach() - logp_ref_t).
+def ref_kl_loss_terms(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    inference_logprobs: Tensor,
+    weights: Tensor,
+    *,
+    eps_low: float = DEFAULT_REF_KL_EPS_LOW,
+    kl_coef: float = DEFAULT_REF_KL_KL_COEF,
+) -> tuple[Tensor, dict[str, float]]:
+    """ref_kl numerator: Σ_t w_t (-keep_t · r_t · a_t + kl_coef · ½ log² r_t), a_t = logp_ref_t - logp_t.detach().
 
-    Gradient w_t (logp_t - logp_ref_t) ∇logp_t pushes logp toward the reference; zero when ref == policy.
+    keep_t drops a token whose probability fell more than eps_low below the sampler's (the low side only; see the
+    module docstring for why). On-policy the gradient is w_t (logp_t - logp_ref_t) ∇logp_t.
     """
-    advantage = -(logprobs.detach() - ref_logprobs)
-    numerator = -(weights * advantage * logprobs).sum()
+    log_ratio = logprobs - inference_logprobs
+    ratio = torch.exp(log_ratio)
+    advantage = ref_logprobs - logprobs.detach()
+    member = weights != 0
 
     with torch.no_grad():
-        member = weights != 0
+        masked = member & (torch.exp(logprobs) - torch.exp(inference_logprobs) < -eps_low)
+        keep = member & ~masked
+
+    policy_gradient = torch.where(keep, ratio * advantage, torch.zeros_like(ratio))
+    numerator = (weights * (-policy_gradient + kl_coef * 0.5 * log_ratio.square())).sum()
+
+    with torch.no_grad():
         metrics = {
             "tokens": int(member.sum()),
             # logp - logp_ref on tokens sampled from the policy is the per-token (k1) estimate of KL(π‖π_ref).
             "kl": _mean_over(logprobs - ref_logprobs, member),
+            "masked_fraction": _mean_over(masked.float(), member),
+            "mismatch_kl": _mean_over(ratio - 1 - log_ratio, member),
         }
     return numerator, metrics
 
@@ -219,11 +253,17 @@ def component_loss(
     logprobs: Tensor,
     streams: Mapping[str, Tensor],
     token_counts: Mapping[str, int | float],
-    **rl_kwargs: Any,
+    *,
+    eps_low: float = DEFAULT_EPS_LOW,
+    eps_high: float = DEFAULT_EPS_HIGH,
+    kl_coef: float = DEFAULT_KL_COEF,
+    ref_kl_eps_low: float = DEFAULT_REF_KL_EPS_LOW,
+    ref_kl_kl_coef: float = DEFAULT_REF_KL_KL_COEF,
 ) -> tuple[Tensor, dict[str, float]]:
     """loss = Σ_c numerator_c / N_c over c ∈ {rl, ce, ref_kl}; N_c is step-global, so micro-batch losses add up.
 
-    rl weights are `(loss_mask & rl_weights != 0) · rl_weights`; ce and ref_kl weights apply as they are.
+    rl weights are `(loss_mask & rl_weights != 0) · rl_weights`; ce and ref_kl weights apply as they are. The
+    keyword settings are the rl and ref_kl components' (config: RlLossSettings).
     """
     _check_streams(logprobs, streams)
     # Streams take logprobs' dtype: pass float32 logprobs (ratios of bf16 logprobs are too coarse for the mask).
@@ -245,20 +285,20 @@ def component_loss(
     loss = logprobs.sum() * 0.0
     metrics: dict[str, float] = {}
 
+    inference_logprobs = streams["inference_logprobs"].to(logprobs.dtype)
     numerators: dict[str, tuple[Tensor, dict[str, float]]] = {}
     if token_counts.get("rl", 0):
         numerators["rl"] = rl_loss_terms(
-            logprobs,
-            streams["inference_logprobs"].to(logprobs.dtype),
-            streams["advantages"].to(logprobs.dtype),
-            weights["rl"],
-            **rl_kwargs,
+            logprobs, inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"],
+            eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
         )
     if token_counts.get("ce", 0):
         numerators["ce"] = masked_nll_sum(logprobs, weights["ce"]), {"tokens": int(masks["ce"].sum())}
     if token_counts.get("ref_kl", 0):
-        ref_logprobs = streams["ref_logprobs"].to(logprobs.dtype)
-        numerators["ref_kl"] = ref_kl_loss_terms(logprobs, ref_logprobs, weights["ref_kl"])
+        numerators["ref_kl"] = ref_kl_loss_terms(
+            logprobs, streams["ref_logprobs"].to(logprobs.dtype), inference_logprobs, weights["ref_kl"],
+            eps_low=ref_kl_eps_low, kl_coef=ref_kl_kl_coef,
+        )
 
     for component, (numerator, component_metrics) in numerators.items():
         contribution = numerator / token_counts[component]

@@ -6,7 +6,8 @@ Three steps, each with one job:
   tokens with best-fit-decreasing, no padding; `batch_unpacked` (packing off) groups a fixed number of
   consecutive samples per row. Both materialise null streams with TRAINING_SAMPLE_DEFAULTS and enforce the
   alignment invariant: every per-token column of every micro-batch has exactly `len(input_ids)` entries.
-  A violation raises here, so a misaligned stream can never train silently.
+  A violation raises here, so a misaligned stream can never train silently; so does a sample in a component
+  that lacks a stream the component's loss reads (rl tokens without advantages: wire.REQUIRED_STREAMS).
 - `collate_micro_batch` turns one MICRO_BATCHES row into tensors, packed ([1, T] with per-sequence
   position ids) or padded ([B, Tmax] with an attention mask). Per-token streams come back flat, [T], in the
   same order for both layouts, so losses never need to know the layout.
@@ -38,6 +39,7 @@ import torch
 
 from rollout_lib.wire import (
     MICRO_BATCHES,
+    REQUIRED_STREAMS,
     STREAM_COLUMNS,
     TRAINING_SAMPLE_DEFAULTS,
     TRAINING_SAMPLES,
@@ -169,7 +171,26 @@ def _validated_rows(samples: pa.Table) -> list[dict]:
                     f"sample {sample_id!r}: column {name!r} is non-zero on the first token, which is never "
                     f"predicted"
                 )
+        _check_required_streams(row)
     return rows
+
+
+def _check_required_streams(row: dict) -> None:
+    """A sample in a component ships the streams its loss reads: a null there is a producer bug (an rl sample
+    without advantages would train with A = 0, silently), never a default."""
+    rl_weights = _materialised(row, "rl_weights")
+    members = {
+        "rl": sum(1 for keep, weight in zip(row["loss_mask"], rl_weights) if keep and weight),
+        "ref_kl": sum(1 for weight in row["ref_kl_weights"] or () if weight),
+    }
+    for component, needed in REQUIRED_STREAMS.items():
+        missing = [name for name in needed if row[name] is None]
+        if members[component] and missing:
+            raise ValueError(
+                f"sample {row['sample_id']!r} has {members[component]} {component} token(s) but no "
+                f"{' or '.join(missing)}: its producer must ship them (an absent rl_weights means weight 1 on "
+                "every loss_mask token; ship zeros to keep a sample out of rl)"
+            )
 
 
 def _materialised(row: dict, name: str) -> list:

@@ -127,17 +127,25 @@ TRAINING_SAMPLES = pa.schema(
     ]
 )
 
-# What a null stream means, per position: 0.0 everywhere, so a sample only enters a loss component whose weights
-# it ships (an SFT sample with null rl_weights can never leak into the rl term). The "loss_mask" form (1.0 where
-# loss_mask is true, else 0.0) is understood by the packer for streams that want it.
+# What a null stream means, per position. rl_weights: 1.0 on every loss_mask token (the "loss_mask" form, which the
+# packer materialises), so plain rl ships no weight stream; a sample that must stay out of rl (SFT, distillation, a
+# missing reward) ships zeros. Every other stream: its value everywhere, so a sample only enters the ce or ref_kl
+# component whose weights it ships. A component's other inputs have no default worth guessing: a sample with rl
+# tokens and null advantages or inference_logprobs, or with ref_kl tokens and null ref_logprobs or
+# inference_logprobs, is a producer bug that packing raises (REQUIRED_STREAMS).
 TRAINING_SAMPLE_DEFAULTS = {
     "advantages": 0.0,
-    "rl_weights": 0.0,
+    "rl_weights": "loss_mask",
     "ce_weights": 0.0,
     "ref_kl_weights": 0.0,
     "ref_logprobs": 0.0,
     "inference_logprobs": 0.0,
     "temperatures": 1.0,  # unscaled logits (SFT, and RL sampled at temperature 1)
+}
+# The streams a component's loss reads besides its weights (losses.rl_loss_terms, losses.ref_kl_loss_terms).
+REQUIRED_STREAMS = {
+    "rl": ("advantages", "inference_logprobs"),
+    "ref_kl": ("ref_logprobs", "inference_logprobs"),
 }
 
 # One row per micro-batch: the concatenation of its samples, with per-sequence position ids restarting at 0.

@@ -24,10 +24,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rollout_lib import wire
+from rollout_lib.algo import ALGORITHMS
+from rollout_lib.code_version import PROJECT_PACKAGES
 from rollout_lib.config import RlConfig
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.reward.locate import find_module_spec
-from rollout_lib.rl.advantages import training_samples
+from rollout_lib.rl.advantages import algorithm_resources, training_samples
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
@@ -55,6 +57,17 @@ def _reward_sources(parameters: dict) -> dict:
     the old scores from cache. (Only that file: helpers it imports from elsewhere are not followed.)"""
     specs = {reward.function for env in parameters["config"].settings.envs for reward in env.rewards}
     return {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
+
+
+def _algorithm_sources(parameters: dict) -> dict:
+    """Algorithms outside the project (entry-point plugins) and the user functions they name (a custom algorithm's
+    import path) are outside the code version too: each one's module source file enters the advantages key."""
+    modules = set()
+    for env in parameters["config"].settings.envs:
+        modules.add(ALGORITHMS[env.algo.type].__module__)
+        modules.update(env.algo.user_modules())
+    return {"algorithm_sources": {module: module_digest(module) for module in sorted(modules)
+                                  if module.split(".")[0] not in PROJECT_PACKAGES}}
 
 
 def module_digest(module: str) -> str:
@@ -113,11 +126,14 @@ def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, 
     return {"rollouts": store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
 
 
-@task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
-def advantages_task(config: RlConfig, scored_id: str, step: int) -> dict:
+@task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=_algorithm_sources))
+def advantages_task(config: RlConfig, scored_id: str, step: int, frozen_models: FrozenModels | None = None) -> dict:
+    """`frozen_models`: the run's, for algorithms that score samples with a frozen model at ship time."""
     started = time.perf_counter()
     store = open_store(config)
-    samples, metrics = training_samples(config, store.get_table(scored_id, wire.ROLLOUTS))
+    resources = algorithm_resources(config, frozen_models)
+    samples, metrics = training_samples(config, store.get_table(scored_id, wire.ROLLOUTS), resources)
     return {"samples": store.put_table(samples), "metrics": {**metrics, "advantages_s": time.perf_counter() - started}}
 
 

@@ -130,3 +130,22 @@ def test_checkpoint_manifests_keep_no_text_and_no_timings():
     metrics = {"step": 3, "loss": 0.5, "reward_errors": ["connection refused by 127.0.0.1:4242 (pid 77)"],
                "train_s": 1.2, "tokens_per_s": 900.0, "ok": True}
     assert deterministic_metrics(metrics) == {"step": 3, "loss": 0.5, "ok": True}
+
+
+def test_a_custom_advantage_functions_source_enters_the_advantages_key(tmp_path, monkeypatch):
+    """A user's advantage function is outside the code version: editing its module must re-run the advantages
+    stage, not return the old samples from cache (as reward modules do for the score stage)."""
+    from rollout_lib.config import RlConfig
+    from tasks.rl import _algorithm_sources
+
+    module = tmp_path / "my_advantages.py"
+    module.write_text("def credit(group):\n    return [[1.0] * n for n in group.completion_lengths]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(RlConfig, ROOT / "configs/rl-tiny.toml",
+                         ['algorithm.rl.envs[0].algo={ type = "custom", import_path = "my_advantages:credit" }'])
+    before = _algorithm_sources({"config": config})
+    assert list(before["algorithm_sources"]) == ["my_advantages"]  # built-in algorithms are in the code version
+    module.write_text(module.read_text() + "# edited\n")
+    assert _algorithm_sources({"config": config}) != before
+    grpo = load_config(RlConfig, ROOT / "configs/rl-tiny.toml")
+    assert _algorithm_sources({"config": grpo}) == {"algorithm_sources": {}}

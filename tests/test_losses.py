@@ -210,7 +210,8 @@ def test_ce_component_equals_cross_entropy_mean():
 
 def test_ref_kl_is_zero_in_value_and_gradient_when_ref_is_policy():
     logprobs = torch.log(t(0.2, 0.7, 0.05)).requires_grad_()
-    numerator, metrics = ref_kl_loss_terms(logprobs, logprobs.detach().clone(), t(1.0, 1.0, 1.0))
+    numerator, metrics = ref_kl_loss_terms(logprobs, logprobs.detach().clone(), logprobs.detach().clone(),
+                                           t(1.0, 1.0, 1.0))
     numerator.backward()
     assert numerator.item() == 0.0
     assert logprobs.grad.abs().max().item() == 0.0
@@ -221,7 +222,7 @@ def test_ref_kl_gradient_moves_logprobs_toward_the_reference():
     logprobs = torch.log(t(0.5, 0.1, 0.3)).requires_grad_()
     ref_logprobs = torch.log(t(0.2, 0.4, 0.3))
     weights = t(1.0, 1.0, 1.0)
-    numerator, metrics = ref_kl_loss_terms(logprobs, ref_logprobs, weights)
+    numerator, metrics = ref_kl_loss_terms(logprobs, ref_logprobs, logprobs.detach(), weights)  # on-policy
     numerator.backward()
 
     # gradient = w (logp - logp_ref): positive above the reference (descent lowers logp), negative below
@@ -233,6 +234,30 @@ def test_ref_kl_gradient_moves_logprobs_toward_the_reference():
     assert ((stepped - ref_logprobs).abs() <= gap.abs()).all()
     assert ((stepped - ref_logprobs).abs()[:2] < gap.abs()[:2]).all()
     assert metrics["kl"] == pytest.approx(gap.mean().item(), abs=1e-6)
+
+
+def test_ref_kl_trust_region_is_the_low_side_only_with_a_log_ratio_penalty():
+    # token 0: rose 0.3 past the sampler, a > 0 (kept: no high side);   1: fell 0.4, a > 0 (masked: low side
+    # whatever a's sign);   2: on the sampler, a < 0 (kept);   3: fell 0.55, a < 0 (masked).
+    p, p_inf, p_ref = (0.5, 0.1, 0.3, 0.05), (0.2, 0.5, 0.3, 0.6), (0.8, 0.4, 0.1, 0.01)
+    w, kl_coef = (1.0, 1.0, 0.5, 1.0), 0.1
+    keep = (True, False, True, False)
+    logprobs = torch.log(t(*p)).requires_grad_()
+    numerator, metrics = ref_kl_loss_terms(logprobs, torch.log(t(*p_ref)), torch.log(t(*p_inf)), t(*w),
+                                           eps_low=0.2, kl_coef=kl_coef)
+    numerator.backward()
+
+    expected_value = 0.0
+    grads = []
+    for pi, pinf, pref, wi, kept in zip(p, p_inf, p_ref, w, keep):
+        log_r, a = math.log(pi / pinf), math.log(pref) - math.log(pi)
+        expected_value += wi * (-(kept * (pi / pinf) * a) + kl_coef * 0.5 * log_r ** 2)
+        grads.append(wi * (-(kept * (pi / pinf) * a) + kl_coef * log_r))  # d(r)/dlogp = r; a is detached
+    assert numerator.item() == pytest.approx(expected_value, abs=1e-5)
+    assert logprobs.grad.tolist() == pytest.approx(grads, abs=1e-5)
+    assert metrics["masked_fraction"] == 0.5
+    # The masked tokens keep only the penalty's pull toward the sampler.
+    assert logprobs.grad[1].item() == pytest.approx(kl_coef * math.log(0.1 / 0.5), abs=1e-6)
 
 
 # --- the component sum ----------------------------------------------------------------------------------------------

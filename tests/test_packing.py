@@ -26,11 +26,14 @@ PAD = 0
 
 
 def sample(sample_id, input_ids, loss_mask=None, env="env-a", **streams):
+    """An rl sample unless told otherwise: loss_mask past the first token, null rl_weights (weight 1 there), and
+    the advantages and sampler logprobs packing requires of rl tokens (zeros); pass a stream as None for null."""
     if loss_mask is None:
         loss_mask = [False] + [True] * (len(input_ids) - 1)
     row = {"sample_id": sample_id, "env": env, "input_ids": list(input_ids), "loss_mask": list(loss_mask)}
     for name in STREAM_COLUMNS[1:]:
-        row[name] = streams.get(name)
+        row[name] = streams.get(name, [0.0] * len(row["input_ids"]) if name in ("advantages", "inference_logprobs")
+                                else None)
     return row
 
 
@@ -102,7 +105,8 @@ def test_envs_mix_in_a_bin():
 def test_positions_restart_and_streams_concatenate_across_the_boundary():
     rows = [
         sample("long", [11, 12, 13, 14], [False, False, True, True], advantages=[0.0, 0.0, 0.5, 0.5]),
-        sample("short", [21, 22, 23], [False, True, False], ce_weights=[0.0, 1.0, 0.0]),
+        sample("short", [21, 22, 23], [False, True, False], ce_weights=[0.0, 1.0, 0.0], rl_weights=[0.0] * 3,
+               advantages=None, inference_logprobs=None),  # a ce-only sample: zero rl weights, null rl streams
     ]
     [mb] = pack_samples(samples_table(rows), max_seq_len=7).to_pylist()
     assert mb["sample_ids"] == ["long", "short"]
@@ -111,19 +115,35 @@ def test_positions_restart_and_streams_concatenate_across_the_boundary():
     assert mb["loss_mask"] == [False, False, True, True, False, True, False]
     assert mb["advantages"] == [0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0]  # null -> 0.0
     assert mb["ce_weights"] == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-    # Null streams become wire.py's documented defaults: no weight in any loss term, and temperature 1.
-    for name in ("rl_weights", "ref_kl_weights", "ref_logprobs", "inference_logprobs"):
+    # Null rl_weights: 1 on the sample's loss_mask tokens; the ce sample's zeros keep its loss_mask token out.
+    assert mb["rl_weights"] == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    # Other null streams become wire.py's documented defaults: no weight in any loss term, and temperature 1.
+    for name in ("ref_kl_weights", "ref_logprobs", "inference_logprobs"):
         assert mb[name] == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], name
     assert mb["temperatures"] == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
 
 
-def test_loss_mask_default_form_is_materialised(monkeypatch):
-    monkeypatch.setitem(TRAINING_SAMPLE_DEFAULTS, "rl_weights", "loss_mask")
-    monkeypatch.setitem(TRAINING_SAMPLE_DEFAULTS, "ref_kl_weights", 0.0)
+def test_null_rl_weights_mean_weight_one_on_every_loss_mask_token():
+    assert TRAINING_SAMPLE_DEFAULTS["rl_weights"] == "loss_mask"
     rows = [sample("a", [1, 2, 3], [False, True, True]), sample("b", [4, 5], [False, True], rl_weights=[0.0, 0.5])]
     [mb] = pack_samples(samples_table(rows), max_seq_len=8).to_pylist()
     assert mb["rl_weights"] == [0.0, 1.0, 1.0, 0.0, 0.5]
     assert mb["ref_kl_weights"] == [0.0] * 5
+
+
+def test_a_component_token_without_the_streams_its_loss_reads_raises():
+    # A producer bug, never a default: rl tokens with null advantages would train with A = 0.
+    with pytest.raises(ValueError, match=r"sample 'rl' has 2 rl token\(s\) but no advantages"):
+        pack_samples(samples_table([sample("rl", [1, 2, 3], advantages=None)]), max_seq_len=8)
+    with pytest.raises(ValueError, match="sample 'rl' has 2 rl token.*no inference_logprobs"):
+        batch_unpacked(samples_table([sample("rl", [1, 2, 3], inference_logprobs=None)]), 2)
+    with pytest.raises(ValueError, match="sample 'kl' has 1 ref_kl token.*no ref_logprobs"):
+        pack_samples(samples_table([sample("kl", [1, 2, 3], rl_weights=[0.0] * 3, advantages=None,
+                                           ref_kl_weights=[0.0, 0.0, 1.0])]), max_seq_len=8)
+    # Kept out of rl by zero weights, a sample needs no advantages; ref_kl with its logprobs packs.
+    pack_samples(samples_table([sample("out", [1, 2, 3], rl_weights=[0.0] * 3, advantages=None),
+                                sample("kl", [4, 5], rl_weights=[0.0] * 2, advantages=None,
+                                       ref_kl_weights=[0.0, 1.0], ref_logprobs=[0.0, -1.0])]), max_seq_len=8)
 
 
 def test_assistant_loss_mask_survives_packing(tmp_path):

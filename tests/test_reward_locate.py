@@ -9,7 +9,7 @@ import pytest
 
 from clirun import run_rollout
 from rollout_lib.reward.functions import check_reward_function
-from rollout_lib.reward.locate import check_reward_reference, find_module_spec
+from rollout_lib.reward.locate import check_reference, find_module_spec
 
 # Top-level code that must never run at plan time: it writes a marker file next to the module.
 MARKER_CODE = "import pathlib\npathlib.Path(__file__).with_name('{name}.ran').write_text('imported')\n"
@@ -34,26 +34,26 @@ def user_modules(tmp_path, monkeypatch):
 
 
 def test_a_defined_function_passes_without_running_its_module(user_modules):
-    check_reward_reference("marker_rewards:score", {"bonus": 1.0})
-    check_reward_reference("marker_rewards:judge", {"anything": 1})  # **options takes any kwarg
-    check_reward_reference("marker_rewards:length_score")  # bound in a top-level try/except
-    check_reward_reference("marker_pkg.rewards:Scorer")  # the package's __init__ does not run either
+    check_reference("marker_rewards:score", {"bonus": 1.0})
+    check_reference("marker_rewards:judge", {"anything": 1})  # **options takes any kwarg
+    check_reference("marker_rewards:length_score")  # bound in a top-level try/except
+    check_reference("marker_pkg.rewards:Scorer")  # the package's __init__ does not run either
     assert find_module_spec("marker_pkg.rewards").origin == str(user_modules / "marker_pkg" / "rewards.py")
 
 
 def test_what_is_wrong_is_named_with_the_reference(user_modules):
     with pytest.raises(ValueError) as missing:
-        check_reward_reference("marker_rewards:nope")
+        check_reference("marker_rewards:nope")
     assert str(missing.value) == (f"reward function 'marker_rewards:nope': 'marker_rewards' "
                                   f"({user_modules / 'marker_rewards.py'}) defines no top-level 'nope'")
     with pytest.raises(ValueError, match=r"^reward function 'marker_rewards:score': bad kwargs \['bonsu'\]: "
                                          r"score\(\) takes no parameter 'bonsu'$"):
-        check_reward_reference("marker_rewards:score", {"bonsu": 1.0})
+        check_reference("marker_rewards:score", {"bonsu": 1.0})
     with pytest.raises(ValueError, match="^reward function 'no_such_module_xyz:f': cannot find module "
                                          "'no_such_module_xyz' on the Python path$"):
-        check_reward_reference("no_such_module_xyz:f")
+        check_reference("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="cannot find module 'marker_rewards.sub'"):
-        check_reward_reference("marker_rewards.sub:f")  # a module has no submodules
+        check_reference("marker_rewards.sub:f")  # a module has no submodules
 
 
 def test_builtins_are_still_resolved(user_modules):

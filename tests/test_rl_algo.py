@@ -1,20 +1,32 @@
-"""RL algorithms: golden advantages for grpo and max_rl, missing rewards, the registry, stamping onto the wire,
-and samples of different envs and algorithms packed into one micro-batch and trained."""
+"""RL algorithms: golden advantages for grpo, max_rl, reward and custom, missing rewards, the registry and what a
+class must declare, resources, stamping onto the wire (derived from the hooks), and samples of different envs and
+algorithms packed into one micro-batch and trained."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import ClassVar, Literal
+from typing import Literal
 
 import pyarrow as pa
 import pytest
 import torch
 
 from rollout_lib import wire
-from rollout_lib.algo import ALGORITHMS, Algorithm, AlgoSettings, Group, build_algorithm
+from rollout_lib.algo import (
+    ALGORITHMS,
+    Algorithm,
+    AlgorithmResources,
+    AlgoSettings,
+    Group,
+    MissingResourceError,
+    build_algorithm,
+)
+from rollout_lib.algo.base import scores_at_ship_time
+from rollout_lib.algo.custom import Custom, CustomSettings
 from rollout_lib.algo.grpo import Grpo, GrpoSettings
 from rollout_lib.algo.max_rl import MaxRl, MaxRlSettings
+from rollout_lib.algo.reward import RewardAsAdvantage, RewardSettings
 from rollout_lib.algo.stamping import (
     advantage_metrics,
     assign_advantages,
@@ -24,12 +36,12 @@ from rollout_lib.algo.stamping import (
 from rollout_lib.packing import check_micro_batches, pack_samples
 
 
-def scalars(per_token: list[list[float]]) -> list[float]:
-    """Each sample's (uniform) advantage; asserts it is uniform over the completion."""
+def scalars(per_token: list[list[float] | None]) -> list[float | None]:
+    """Each sample's (uniform) advantage, None for no rl credit; asserts it is uniform over the completion."""
     out = []
     for values in per_token:
-        assert len(set(values)) <= 1
-        out.append(values[0] if values else None)
+        assert values is None or len(set(values)) == 1
+        out.append(None if values is None else values[0])
     return out
 
 
@@ -51,14 +63,24 @@ def test_grpo_std_normalisation_uses_the_unbiased_std_and_its_epsilon():
     assert scalars(Grpo(GrpoSettings(std_normalize=True)).assign(Group([1.0, 1.0], [2, 2]))) == [0.0, 0.0]
 
 
-def test_missing_rewards_are_out_of_the_baseline_and_get_zero_advantage():
+def test_missing_rewards_are_out_of_the_baseline_and_get_no_rl_credit():
     group = Group([1.0, None, 0.0, 0.5], [2, 2, 2, 2])
     # mean over the scored three is 0.5, not 0.375 (which a silent 0 for the missing one would give).
-    assert scalars(Grpo(GrpoSettings()).assign(group)) == [0.5, 0.0, -0.5, 0.0]
-    assert scalars(MaxRl(MaxRlSettings()).assign(group)) == [1.0, 0.0, -1.0, 0.0]
+    assert scalars(Grpo(GrpoSettings()).assign(group)) == [0.5, None, -0.5, 0.0]
+    assert scalars(MaxRl(MaxRlSettings()).assign(group)) == [1.0, None, -1.0, 0.0]
+    assert scalars(RewardAsAdvantage(RewardSettings()).assign(group)) == [1.0, None, 0.0, 0.5]
     everything_missing = Group([None, None], [3, 1])
-    assert Grpo(GrpoSettings()).assign(everything_missing) == [[0.0] * 3, [0.0]]
-    assert MaxRl(MaxRlSettings()).assign(everything_missing) == [[0.0] * 3, [0.0]]
+    for algorithm in (Grpo(GrpoSettings()), MaxRl(MaxRlSettings()), RewardAsAdvantage(RewardSettings())):
+        assert algorithm.assign(everything_missing) == [None, None]
+    # A group whose mean is not positive: max_rl gives zero credit to the scored, still none to the missing.
+    assert MaxRl(MaxRlSettings()).assign(Group([0.0, None], [2, 1])) == [[0.0, 0.0], None]
+
+
+def test_reward_is_the_advantage_without_a_baseline():
+    advantages = RewardAsAdvantage(RewardSettings()).assign(Group([1.0, 0.25, -2.0], [2, 1, 3]))
+    assert advantages == [[1.0, 1.0], [0.25], [-2.0, -2.0, -2.0]]
+    assert not RewardSettings.group_relative  # one sample per prompt trains too
+    assert RewardAsAdvantage(RewardSettings()).assign(Group([0.7], [2])) == [[0.7, 0.7]]
 
 
 def test_max_rl_scales_by_the_group_mean_and_is_zero_when_the_mean_is_not_positive():
@@ -73,43 +95,149 @@ def test_a_group_with_an_empty_completion_still_assigns():
     assert Grpo(GrpoSettings()).assign(Group([1.0, 0.0], [0, 2])) == [[], [-0.5, -0.5]]
 
 
+# --- custom ---------------------------------------------------------------------------------------------------
+
+
+def custom(function: str, **kwargs) -> Custom:
+    return Custom(CustomSettings(import_path=f"example_advantages:{function}", kwargs=kwargs),
+                  where="algorithm.rl.envs[1].algo")
+
+
+def test_custom_calls_the_function_on_the_group_with_its_kwargs():
+    group = Group([1.0, 0.0, None], [3, 2, 1])
+    # (reward - mean of the scored) · discount^t, none for the missing one.
+    assert custom("discounted_group_advantage", discount=0.5).assign(group) == [
+        [0.5, 0.25, 0.125], [-0.5, -0.25], None]
+    assert CustomSettings(import_path="example_advantages:wrong_length").user_modules() == ("example_advantages",)
+
+
+@pytest.mark.parametrize(("function", "message"), [
+    ("wrong_length", "algorithm.rl.envs[1].algo: advantage function 'example_advantages:wrong_length' returned 1 "
+                     "advantages for sample 0, which has 3 completion tokens"),
+    ("one_row", "algorithm.rl.envs[1].algo: advantage function 'example_advantages:one_row' returned 1 rows for "
+                "a group of 2 samples; expected one list of per-token advantages (or None) per sample"),
+    ("scalars", "algorithm.rl.envs[1].algo: advantage function 'example_advantages:scalars' returned a float for "
+                "sample 0; expected a list of 3 floats (one per completion token) or None"),
+])
+def test_a_custom_function_of_the_wrong_shape_fails_in_one_line_naming_its_place(function, message):
+    with pytest.raises(ValueError) as info:
+        custom(function).assign(Group([1.0, 0.0], [3, 2]))
+    assert str(info.value) == message
+
+
+def test_custom_settings_find_the_function_without_importing_it():
+    from rollout_lib.config import ConfigError, RlConfig, validate_config
+    from rollout_lib.config.loading import read_toml
+    from test_rl_config import ROOT
+
+    raw = read_toml(ROOT / "configs/rl-tiny.toml")
+    raw["algorithm"]["rl"]["envs"][0]["algo"] = {"type": "custom", "import_path": "example_advantages:no_such"}
+    with pytest.raises(ConfigError) as info:
+        validate_config(RlConfig, raw)
+    assert str(info.value) == ("algorithm.rl.envs[0].algo: advantage function 'example_advantages:no_such': "
+                               f"'example_advantages' ({ROOT / 'tests/example_advantages.py'}) defines no "
+                               "top-level 'no_such'")
+    raw["algorithm"]["rl"]["envs"][0]["algo"] = {"type": "custom", "import_path": "example_advantages:scalars",
+                                                 "kwargs": {"decay": 1}}
+    with pytest.raises(ConfigError, match=r"^algorithm.rl.envs\[0\].algo: advantage function "
+                                          r"'example_advantages:scalars': bad kwargs \['decay'\]"):
+        validate_config(RlConfig, raw)
+
+
 # --- the registry ---------------------------------------------------------------------------------------------
 
 
 def test_registry_builds_algorithms_by_type_name():
-    assert {"grpo", "max_rl"} <= set(ALGORITHMS)
+    assert {"grpo", "max_rl", "reward", "custom"} <= set(ALGORITHMS)
     assert isinstance(build_algorithm(GrpoSettings()), Grpo)
     assert isinstance(build_algorithm(MaxRlSettings()), MaxRl)
+    assert isinstance(build_algorithm(RewardSettings()), RewardAsAdvantage)
     assert GrpoSettings.group_relative and MaxRlSettings.group_relative
     with pytest.raises(TypeError, match="takes GrpoSettings"):
         Grpo(MaxRlSettings())
 
 
-def test_adding_an_algorithm_is_defining_a_class(monkeypatch):
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Classes defined by a test register here, not in the process-wide registry."""
     monkeypatch.setattr("rollout_lib.algo.base.ALGORITHMS", dict(ALGORITHMS))
     from rollout_lib.algo import base
 
-    class ConstantSettings(AlgoSettings):
-        type: Literal["constant_test"] = "constant_test"
-        value: float = 1.0
+    return base
 
+
+class ConstantSettings(AlgoSettings):
+    type: Literal["constant_test"] = "constant_test"
+    value: float = 1.0
+
+
+def test_adding_an_algorithm_is_defining_a_class(scratch_registry):
     class Constant(Algorithm):
-        """advantage = value, whatever the reward."""
+        """advantage = value, whatever the reward (a missing one included)."""
 
         type_name = "constant_test"
         settings_class = ConstantSettings
-        needs_reward: ClassVar[bool] = False
 
         def assign(self, group: Group) -> list[list[float]]:
             return group.broadcast([self.settings.value] * len(group.rewards))
 
-    assert base.ALGORITHMS["constant_test"] is Constant
-    assert base.build_algorithm(ConstantSettings(value=2.0)).assign(Group([None], [2])) == [[2.0, 2.0]]
+    assert scratch_registry.ALGORITHMS["constant_test"] is Constant
+    assert scratch_registry.build_algorithm(ConstantSettings(value=2.0)).assign(Group([None], [2])) == [[2.0, 2.0]]
 
     with pytest.raises(TypeError, match="must declare"):
         class Unnamed(Algorithm):  # noqa: F841 - defining it is the test
             type_name = "unnamed_test"
             settings_class = ConstantSettings
+
+            def assign(self, group):
+                return None
+
+
+def test_a_class_declares_what_its_hooks_say(scratch_registry):
+    # rl trains on advantages: an rl algorithm must assign them, and only an rl algorithm may.
+    with pytest.raises(TypeError, match="defines `assign` exactly when its tokens train under rl"):
+        class NoAdvantages(Algorithm):  # noqa: F841
+            type_name = "constant_test"
+            settings_class = ConstantSettings
+    with pytest.raises(TypeError, match="defines `assign` exactly when .*action_loss is 'ce'"):
+        class CeWithAdvantages(Algorithm):  # noqa: F841
+            type_name = "constant_test"
+            settings_class = ConstantSettings
+            action_loss = "ce"
+
+            def assign(self, group):
+                return None
+    with pytest.raises(TypeError, match="requires names \\['teacher'\\]"):
+        class UnknownResource(Algorithm):  # noqa: F841
+            requires = frozenset({"teacher"})
+    with pytest.raises(TypeError, match="action_loss must be one of"):
+        class UnknownComponent(Algorithm):  # noqa: F841
+            action_loss = "kl"
+
+
+def test_building_without_a_required_resource_fails_naming_the_env(scratch_registry):
+    class Distill(Algorithm):
+        """ref_kl on completion tokens against a frozen model: no advantages, a ship-time score."""
+
+        type_name = "constant_test"
+        settings_class = ConstantSettings
+        action_loss = "ref_kl"
+        requires = frozenset({"frozen_models", "tokenizer"})
+
+        async def score(self, samples: pa.Table) -> pa.Table:
+            return samples
+
+    with pytest.raises(MissingResourceError) as info:
+        scratch_registry.build_algorithm(ConstantSettings(), AlgorithmResources(tokenizer=object()),
+                                         where="algorithm.rl.envs[2].algo")
+    assert str(info.value) == ("algorithm.rl.envs[2].algo: a constant_test algorithm is built with the run's "
+                               "frozen_models, and none was given")
+    frozen, tokenizer = object(), object()
+    built = scratch_registry.build_algorithm(ConstantSettings(), AlgorithmResources(tokenizer, frozen))
+    assert built.resources.frozen_models is frozen and built.resources.tokenizer is tokenizer
+    # What stamping reads is derived from the hooks: it scores at ship time, assigns nothing.
+    assert scores_at_ship_time(built) and not scores_at_ship_time(Grpo(GrpoSettings()))
+    assert built.assign(Group([1.0], [2])) is None
 
 
 # --- stamping -------------------------------------------------------------------------------------------------
@@ -145,7 +273,7 @@ ALGOS = {"a": Grpo(GrpoSettings()), "b": MaxRl(MaxRlSettings())}
 def test_stamping_puts_advantages_and_weights_on_completion_tokens_only():
     table = two_env_rollouts()
     advantages = assign_advantages(table, ALGOS)
-    assert advantages == [[0.5, 0.5], [-0.5], [pytest.approx(-1 / 3)] * 3, [0.0], [pytest.approx(1 / 3)] * 2]
+    assert advantages == [[0.5, 0.5], [-0.5], [pytest.approx(-1 / 3)] * 3, None, [pytest.approx(1 / 3)] * 2]
     samples = stamp_training_samples(table, advantages, ALGOS, max_seq_len=64)
     assert samples.schema == wire.TRAINING_SAMPLES
     rows = samples.to_pylist()
@@ -153,21 +281,43 @@ def test_stamping_puts_advantages_and_weights_on_completion_tokens_only():
     assert first["input_ids"] == [1, 2, 3, 4, 5]
     assert first["loss_mask"] == [False, False, False, True, True]
     assert first["advantages"] == [0.0, 0.0, 0.0, 0.5, 0.5]
-    assert first["rl_weights"] == [0.0, 0.0, 0.0, 1.0, 1.0]
+    # Plain rl ships no weight stream: null rl_weights is weight 1 on every loss_mask token.
+    assert first["rl_weights"] is None
     assert first["inference_logprobs"] == pytest.approx([0.0, 0.0, 0.0, -0.1, -0.2])
     assert first["ce_weights"] is None and first["ref_kl_weights"] is None and first["ref_logprobs"] is None
-    # The sample whose reward is missing ships, but trains nothing.
+    # The sample whose reward is missing ships, but trains nothing: zero rl weights, no advantages.
     missing = rows[3]
     assert missing["loss_mask"] == [False, False, True]
-    assert missing["rl_weights"] == [0.0, 0.0, 0.0] and missing["advantages"] == [0.0, 0.0, 0.0]
+    assert missing["rl_weights"] == [0.0, 0.0, 0.0] and missing["advantages"] is None
     for row in rows:  # every stream aligned with input_ids
         for name in ("loss_mask", "advantages", "rl_weights", "inference_logprobs"):
-            assert len(row[name]) == len(row["input_ids"])
+            assert row[name] is None or len(row[name]) == len(row["input_ids"])
 
     metrics = advantage_metrics(samples)
     assert metrics["trainable_samples"] == 4 and metrics["samples"] == 5
     assert metrics["rl_tokens"] == 2 + 1 + 3 + 2
     assert metrics["tokens"] == 5 + 4 + 5 + 3 + 4
+
+
+class RefKlOnly(Algorithm):
+    """A distillation-shaped algorithm (unregistered): ref_kl on completion tokens, no advantages."""
+
+    settings_class = AlgoSettings
+    action_loss = "ref_kl"
+
+
+def test_a_non_rl_algorithm_stamps_its_component_and_zeroes_rl_whatever_the_reward():
+    table = two_env_rollouts()
+    algos = {"a": RefKlOnly(AlgoSettings()), "b": MaxRl(MaxRlSettings())}
+    advantages = assign_advantages(table, algos)
+    assert advantages[:2] == [None, None]
+    rows = stamp_training_samples(table, advantages, algos, max_seq_len=64).to_pylist()
+    first = rows[0]
+    assert first["ref_kl_weights"] == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert first["rl_weights"] == [0.0] * 5 and first["advantages"] is None and first["ce_weights"] is None
+    # Its reward does not matter: a distillation signal trains whether or not the sample was scored.
+    assert advantage_metrics(stamp_training_samples(
+        table, advantages, algos, max_seq_len=64))["trainable_samples"] == 2 + 2
 
 
 def test_stamping_truncates_on_the_right_and_rejects_prompts_that_do_not_fit():
@@ -183,8 +333,6 @@ def test_stamping_truncates_on_the_right_and_rejects_prompts_that_do_not_fit():
 
 def test_ship_time_score_hook_runs_per_env_and_keeps_row_order():
     class Tagging(Grpo):
-        has_score = True
-
         async def score(self, samples: pa.Table) -> pa.Table:
             await asyncio.sleep(0)
             refs = [[-1.0] * len(ids) for ids in samples.column("input_ids").to_pylist()]
@@ -229,22 +377,43 @@ def test_samples_of_two_algorithms_pack_together_and_train(tiny_model_dir):
     assert any(not torch.equal(before[name], p) for name, p in model.named_parameters())
 
 
-def test_a_micro_batch_where_every_reward_failed_is_a_zero_gradient_no_op(tiny_model_dir):
+def test_a_micro_batch_with_no_component_token_still_runs_forward_and_backward_as_a_zero_gradient_no_op(
+        tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from rollout_lib.trainer.causal import train_on_micro_batches
 
-    table = rollouts([{"example_id": "a/1", "env": "a", "prompt_ids": [1, 2], "completion_ids": [3, 4],
-                       "reward": None, "reward_error": "x"} for _ in range(2)])
-    table = table.set_column(0, wire.ROLLOUTS.field("sample_id"), pa.array(["s0", "s1"]))
+    def step(samples: pa.Table) -> tuple[dict, dict, list[torch.Tensor]]:
+        # One sample per micro-batch (4 tokens each); a gradient hook sees every backward that reaches the weights.
+        packed = pack_samples(samples, max_seq_len=4)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        seen: list[torch.Tensor] = []
+        model.get_input_embeddings().weight.register_hook(lambda grad: seen.append(grad.detach().clone()))
+        metrics = train_on_micro_batches(model, torch.optim.SGD(model.parameters(), lr=0.1), packed, packed=True,
+                                         pad_token_id=0, max_grad_norm=1.0)
+        return metrics, {name: p.detach().clone() for name, p in model.named_parameters()}, seen
+
+    table = rollouts([{"example_id": example, "env": "a", "prompt_ids": [1, 2], "completion_ids": [3, 4],
+                       "reward": reward, "sample_id": f"{example}#{index}"}
+                      for example, index, reward in [("a/1", 0, 1.0), ("a/1", 1, 0.0), ("a/2", 0, None),
+                                                     ("a/2", 1, None)]])
     samples = stamp_training_samples(table, assign_advantages(table, ALGOS), ALGOS, max_seq_len=64)
-    packed = pack_samples(samples, max_seq_len=64)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    metrics = train_on_micro_batches(model, torch.optim.SGD(model.parameters(), lr=0.1), packed, packed=True,
-                                     pad_token_id=0, max_grad_norm=1.0)
-    assert metrics["tokens/rl"] == 0 and metrics["grad_norm"] == 0.0
-    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+    trained, empty = samples.take([0, 1]), samples.take([2, 3])  # every reward of group a/2 failed
+
+    # A step of empty micro-batches only: each runs forward and backward (zero gradients), nothing moves.
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    metrics, weights, seen = step(empty)
+    assert metrics["tokens/rl"] == 0 and metrics["micro_batches"] == 2 and metrics["grad_norm"] == 0.0
+    assert len(seen) == 2 and all(grad.abs().max().item() == 0.0 for grad in seen)
+    assert all(torch.equal(initial[name], tensor) for name, tensor in weights.items())
+
+    # Beside micro-batches that train, the empty ones add exactly nothing: the same weights as without them.
+    with_empty, with_weights, seen = step(pa.concat_tables([trained, empty]))
+    alone, alone_weights, _ = step(trained)
+    assert with_empty["micro_batches"] == 4 and len(seen) == 4 and alone["micro_batches"] == 2
+    assert with_empty["tokens/rl"] == alone["tokens/rl"] == 4 and with_empty["grad_norm"] > 0
+    assert all(torch.equal(alone_weights[name], tensor) for name, tensor in with_weights.items())
+    assert any(not torch.equal(initial[name], tensor) for name, tensor in with_weights.items())
 
 
 def test_rl_cache_keys_cover_every_registered_algorithm_and_sampler_module():
@@ -252,4 +421,5 @@ def test_rl_cache_keys_cover_every_registered_algorithm_and_sampler_module():
     from rollout_lib.code_version import import_closure
 
     closure = {path.as_posix().split("rollout_lib/", 1)[-1] for path in import_closure("tasks.rl")}
-    assert {"algo/grpo.py", "algo/max_rl.py", "algo/stamping.py", "sampling/hf.py"} <= closure
+    assert {"algo/grpo.py", "algo/max_rl.py", "algo/reward.py", "algo/custom.py", "algo/plugins.py",
+            "algo/stamping.py", "sampling/hf.py"} <= closure

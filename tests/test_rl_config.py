@@ -29,13 +29,22 @@ def error_of(raw) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["rl-tiny.toml", "rl-smollm2.toml"])
+SHIPPED_ALGORITHMS = {"rl-tiny.toml": "grpo", "rl-smollm2.toml": "grpo", "rl-reward.toml": "reward",
+                      "rl-custom.toml": "custom"}
+
+
+def test_every_shipped_rl_config_is_checked():
+    assert sorted(path.name for path in (ROOT / "configs").glob("rl-*.toml")) == sorted(SHIPPED_ALGORITHMS)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_ALGORITHMS))
 def test_shipped_rl_configs_validate_without_warnings(name):
+    # rl-custom.toml names example_advantages (tests/, on the path under pytest; PYTHONPATH=tests for the CLI).
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config = load_config(RlConfig, ROOT / "configs" / name)
     assert config.settings.envs and config.settings.budget.max_steps >= 1
-    assert config.settings.envs[0].algo.type == "grpo"
+    assert config.settings.envs[0].algo.type == SHIPPED_ALGORITHMS[name]
 
 
 def test_algo_defaults_to_grpo_and_is_chosen_per_env_by_type():
@@ -52,7 +61,7 @@ def test_algo_defaults_to_grpo_and_is_chosen_per_env_by_type():
 
 
 def test_unknown_algorithm_names_the_ones_that_exist():
-    assert "algorithm.rl.envs[0].algo: `type` must be one of: grpo, max_rl" in error_of(
+    assert "algorithm.rl.envs[0].algo: `type` must be one of: custom, grpo, max_rl, reward" in error_of(
         raw_config(algo={"type": "ppo"}))
     assert "algorithm.rl.envs[0].source: `type` must be one of: jsonl_path, reasoning_gym" in error_of(
         raw_config(source={"type": "jsonl", "path": "x.jsonl"}))

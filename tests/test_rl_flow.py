@@ -1,9 +1,11 @@
 """train-rl end to end through the CLI and a real Prefect server: the tiny policy learns its toy env, every
 stage is a readable task run, metrics land as artifacts, a SIGKILLed run resumes to the same final checkpoint,
-and a step where every reward fails fails the run with one line."""
+and a step where every reward fails, or a custom advantage function of the wrong shape, fails the run with one
+line."""
 
 from __future__ import annotations
 
+import re
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -77,3 +79,21 @@ def test_a_step_where_every_reward_fails_fails_the_run_with_one_line(prefect_ser
     error_lines = [line for line in failed.stderr.splitlines() if line.startswith("rollout: error:")]
     assert len(error_lines) == 1 and "all 32 rewards failed" in error_lines[0], failed.stderr[-2000:]
     assert "score-step-1" in failed.stdout + failed.stderr and "train-step-1" not in failed.stdout + failed.stderr
+
+
+def test_a_custom_advantage_function_of_the_wrong_shape_fails_the_run_with_one_line(prefect_server, tmp_path):
+    config = tmp_path / "custom.toml"
+    config.write_text((ROOT / "configs/rl-custom.toml").read_text()
+                      .replace('"data/rl-tiny-prompts.jsonl"', f'"{ROOT / "data/rl-tiny-prompts.jsonl"}"')
+                      .replace("example_advantages:discounted_group_advantage", "example_advantages:wrong_length")
+                      .replace("kwargs = { discount = 0.95 }", "kwargs = {}"))
+    failed = run_rollout("train", "rl", "--config", str(config), "--set", f"run.store={tmp_path / 'store'}",
+                         "--set", "algorithm.rl.budget.max_steps=1",
+                         PYTHONPATH=str(ROOT / "tests"))  # where example_advantages lives, outside the library
+    assert failed.returncode == 1, failed.stdout[-2000:]
+    error_lines = [line for line in failed.stderr.splitlines() if line.startswith("rollout: error:")]
+    assert len(error_lines) == 1, failed.stderr[-2000:]
+    print(error_lines[0])
+    assert re.search(r"algorithm\.rl\.envs\[0\]\.algo: advantage function 'example_advantages:wrong_length' "
+                     r"returned 1 advantages for sample \d+, which has \d+ completion tokens$", error_lines[0])
+    assert "advantages-step-1" in failed.stdout + failed.stderr and "train-step-1" not in failed.stdout + failed.stderr

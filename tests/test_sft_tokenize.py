@@ -145,7 +145,9 @@ def test_training_samples_ship_ce_weights_from_the_mask(request, tokenizer_fixtu
     assert samples["sample_id"].to_pylist() == ["line-10", "line-11", "line-12", "line-13"]
     for row, messages in zip(samples.to_pylist(), CONVERSATIONS):
         assert row["ce_weights"] == [1.0 if keep else 0.0 for keep in row["loss_mask"]]
-        assert row["rl_weights"] is None and row["ref_kl_weights"] is None and row["advantages"] is None
+        # Zero rl weights: a null rl stream would put every loss_mask token in the rl component.
+        assert row["rl_weights"] == [0.0] * len(row["input_ids"])
+        assert row["ref_kl_weights"] is None and row["advantages"] is None
         assert not row["loss_mask"][0]
         assert trained_text(tokenizer, row["input_ids"], row["loss_mask"]) == assistant_turns(messages)
     report = tokenized.report()

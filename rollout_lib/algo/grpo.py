@@ -22,15 +22,13 @@ class GrpoSettings(AlgoSettings):
 class Grpo(Algorithm):
     """advantage = reward - group mean;  with std_normalize: (reward - mean) / (group std + eps).
 
-    Mean and std are over the group's scored samples; a sample with a missing reward gets 0."""
+    Mean and std are over the group's scored samples; a sample with a missing reward gets no rl credit."""
 
     type_name = "grpo"
     settings_class = GrpoSettings
 
-    def assign(self, group: Group) -> list[list[float]]:
+    def assign(self, group: Group) -> list[list[float] | None]:
         present = group.present
-        if not present:
-            return group.broadcast([0.0] * len(group.rewards))
-        baseline = mean(present)
+        baseline = mean(present) if present else 0.0  # nothing scored: every sample gets None below anyway
         scale = sample_std(present) + self.settings.std_eps if self.settings.std_normalize else 1.0
         return group.broadcast(group.per_sample(lambda reward: (reward - baseline) / scale))

@@ -16,14 +16,14 @@ class MaxRlSettings(AlgoSettings):
 class MaxRl(Algorithm):
     """advantage = (reward - group mean) / group mean;  zero when the mean is <= 0.
 
-    The mean is over the group's scored samples; a sample with a missing reward gets 0."""
+    The mean is over the group's scored samples; a sample with a missing reward gets no rl credit."""
 
     type_name = "max_rl"
     settings_class = MaxRlSettings
 
-    def assign(self, group: Group) -> list[list[float]]:
+    def assign(self, group: Group) -> list[list[float] | None]:
         present = group.present
         baseline = mean(present) if present else 0.0
         if baseline <= 0:
-            return group.broadcast([0.0] * len(group.rewards))
+            return group.broadcast(group.per_sample(lambda reward: 0.0))
         return group.broadcast(group.per_sample(lambda reward: (reward - baseline) / baseline))

@@ -30,7 +30,13 @@ from rollout_lib.config.common import (
     OptimizerSettings,
     StrictModel,
 )
-from rollout_lib.losses import DEFAULT_EPS_HIGH, DEFAULT_EPS_LOW, DEFAULT_KL_COEF
+from rollout_lib.losses import (
+    DEFAULT_EPS_HIGH,
+    DEFAULT_EPS_LOW,
+    DEFAULT_KL_COEF,
+    DEFAULT_REF_KL_EPS_LOW,
+    DEFAULT_REF_KL_KL_COEF,
+)
 from rollout_lib.sampling import SamplingParams, sampler_settings_types
 
 
@@ -96,11 +102,14 @@ class EnvSettings(StrictModel):
 
 
 class RlLossSettings(StrictModel):
-    """The rl component's knobs (losses.rl_loss_terms): DPPO trust region in probability space and k2 KL."""
+    """The knobs of the rl component (losses.rl_loss_terms: DPPO trust region in probability space and k2 KL) and
+    of the ref_kl component (losses.ref_kl_loss_terms: its one-sided, low-side trust region and k2 KL)."""
 
     eps_low: float = Field(DEFAULT_EPS_LOW, gt=0, le=1)
     eps_high: float = Field(DEFAULT_EPS_HIGH, gt=0, le=1)
     kl_coef: float = Field(DEFAULT_KL_COEF, ge=0)
+    ref_kl_eps_low: float = Field(DEFAULT_REF_KL_EPS_LOW, gt=0, le=1)
+    ref_kl_kl_coef: float = Field(DEFAULT_REF_KL_KL_COEF, ge=0)
 
 
 class RewardLoopSettings(StrictModel):

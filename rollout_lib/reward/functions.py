@@ -13,7 +13,6 @@ reward as missing with the error text, never as a silent 0.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
 import math
@@ -152,16 +151,9 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[.
     kwargs are bound with `functools.partial`, which stays picklable for the sync worker processes.
     """
     if ":" in spec:
-        module_name, _, attr_path = spec.partition(":")
-        try:
-            target: Any = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-        for attr in attr_path.split("."):
-            try:
-                target = getattr(target, attr)
-            except AttributeError:
-                raise ValueError(f"reward function {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
+        from rollout_lib.reward.locate import import_reference
+
+        target: Any = import_reference(spec, what="reward function")
     else:
         if spec not in BUILTIN_REWARD_FUNCTIONS:
             raise ValueError(
@@ -186,8 +178,8 @@ def check_reward_function(spec: str, kwargs: dict | None = None) -> None:
     """What plan time checks (config validation, `--dry-run`): a built-in is resolved; a user's import path is
     found and read without running its module (`locate.py`), which happens only when the reward loop starts."""
     if ":" in spec:
-        from rollout_lib.reward.locate import check_reward_reference
+        from rollout_lib.reward.locate import check_reference
 
-        check_reward_reference(spec, kwargs)
+        check_reference(spec, kwargs, what="reward function")
     else:
         resolve_reward_function(spec, kwargs)

@@ -1,9 +1,11 @@
-"""Check a user's reward function reference ("package.module:attr") without running any of the user's code.
+"""A user's function named by an import path ("package.module:attr"): a reward function, a custom advantage
+function. Checked at plan time without running any of the user's code; imported when the stage that calls it runs.
 
 Plan time (`--dry-run`, config validation) must not execute a module's top-level code: importing it may start
 servers, load models or write files. So the module is found the way the import system finds it (the finders on
 sys.meta_path locate; only loaders execute), without importing its parent packages either, and its source is
-parsed to see that the attribute is bound at top level. The real import happens when the reward loop runs.
+parsed to see that the attribute is bound at top level. The real import (`import_reference`) happens when the
+reward loop or the advantages stage runs.
 
 What a static look cannot see is accepted here and checked at that import: a compiled module, a module-level
 `__getattr__`, a `from x import *`, or an attribute inside a top-level object (`pkg.mod:Class.method`).
@@ -12,36 +14,53 @@ What a static look cannot see is accepted here and checked at that import: a com
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.machinery
 import sys
 from pathlib import Path
+from typing import Any
 
 
-def check_reward_reference(spec: str, kwargs: dict | None = None) -> None:
-    """Raise ValueError (naming `spec`) when the module cannot be found, the attribute is not defined at its top
-    level, or kwargs name a parameter the function does not take."""
+def check_reference(spec: str, kwargs: dict | None = None, *, what: str = "reward function") -> None:
+    """Raise ValueError (naming `what` and `spec`) when the module cannot be found, the attribute is not defined at
+    its top level, or kwargs name a parameter the function does not take."""
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
-        raise ValueError(f"reward function {spec!r}: expected an import path 'package.module:attr'")
+        raise ValueError(f"{what} {spec!r}: expected an import path 'package.module:attr'")
     module_spec = find_module_spec(module_name)
     if module_spec is None:
-        raise ValueError(f"reward function {spec!r}: cannot find module {module_name!r} on the Python path")
+        raise ValueError(f"{what} {spec!r}: cannot find module {module_name!r} on the Python path")
     source = _python_source(module_spec)
     if source is None:
         return  # compiled or source-less: only importing it can tell
     try:
         tree = ast.parse(source.read_bytes(), filename=str(source))
     except SyntaxError as exc:
-        raise ValueError(f"reward function {spec!r}: {source}:{exc.lineno}: syntax error: {exc.msg}") from None
+        raise ValueError(f"{what} {spec!r}: {source}:{exc.lineno}: syntax error: {exc.msg}") from None
     bindings = top_level_bindings(tree)
     if "*" in bindings or "__getattr__" in bindings:
         return  # names bound at import time: only importing it can tell
     first = attr_path.split(".")[0]
     if first not in bindings:
-        raise ValueError(f"reward function {spec!r}: {module_name!r} ({source}) defines no top-level {first!r}")
+        raise ValueError(f"{what} {spec!r}: {module_name!r} ({source}) defines no top-level {first!r}")
     definition = bindings[first]
     if kwargs and "." not in attr_path and isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        _check_kwargs(spec, definition, kwargs)
+        _check_kwargs(f"{what} {spec!r}", definition, kwargs)
+
+
+def import_reference(spec: str, *, what: str = "reward function") -> Any:
+    """The object `spec` names, imported now (its module's top-level code runs); ValueError naming it if not."""
+    module_name, _, attr_path = spec.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    for attr in attr_path.split("."):
+        try:
+            target = getattr(target, attr)
+        except AttributeError:
+            raise ValueError(f"{what} {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
+    return target
 
 
 def find_module_spec(name: str) -> importlib.machinery.ModuleSpec | None:
@@ -110,12 +129,11 @@ def top_level_bindings(tree: ast.Module) -> dict[str, ast.AST]:
     return bound
 
 
-def _check_kwargs(spec: str, function: ast.FunctionDef | ast.AsyncFunctionDef, kwargs: dict) -> None:
+def _check_kwargs(named: str, function: ast.FunctionDef | ast.AsyncFunctionDef, kwargs: dict) -> None:
     arguments = function.args
     if arguments.kwarg is not None:
         return  # **kwargs takes anything
     accepted = {a.arg for a in [*arguments.args, *arguments.kwonlyargs]}
     unexpected = sorted(set(kwargs) - accepted)
     if unexpected:
-        raise ValueError(f"reward function {spec!r}: bad kwargs {sorted(kwargs)}: "
-                         f"{function.name}() takes no parameter {unexpected[0]!r}")
+        raise ValueError(f"{named}: bad kwargs {sorted(kwargs)}: {function.name}() takes no parameter {unexpected[0]!r}")

@@ -6,7 +6,7 @@ import asyncio
 
 import pyarrow as pa
 
-from rollout_lib.algo import Algorithm, build_algorithm
+from rollout_lib.algo import ALGORITHMS, Algorithm, AlgorithmResources, build_algorithm
 from rollout_lib.algo.stamping import (
     advantage_metrics,
     assign_advantages,
@@ -14,15 +14,29 @@ from rollout_lib.algo.stamping import (
     stamp_training_samples,
 )
 from rollout_lib.config.rl import RlConfig
+from rollout_lib.model.loading import load_tokenizer, resolve_model
 
 
-def env_algorithms(config: RlConfig) -> dict[str, Algorithm]:
-    return {env.name: build_algorithm(env.algo) for env in config.settings.envs}
+def algorithm_resources(config: RlConfig, frozen_models=None) -> AlgorithmResources:
+    """The run's resources for its envs' algorithms; the policy tokenizer is loaded only when one requires it."""
+    required = set().union(*(ALGORITHMS[env.algo.type].requires for env in config.settings.envs))
+    tokenizer = load_tokenizer(resolve_model(config.settings.base_model)) if "tokenizer" in required else None
+    return AlgorithmResources(tokenizer=tokenizer, frozen_models=frozen_models)
 
 
-def training_samples(config: RlConfig, scored: pa.Table) -> tuple[pa.Table, dict]:
-    """TRAINING_SAMPLES from scored rollouts: group-time advantages, stamping, then ship-time scoring."""
-    algorithms = env_algorithms(config)
+def env_algorithms(config: RlConfig, resources: AlgorithmResources | None = None) -> dict[str, Algorithm]:
+    resources = resources if resources is not None else algorithm_resources(config)
+    return {env.name: build_algorithm(env.algo, resources, where=f"algorithm.rl.envs[{index}].algo")
+            for index, env in enumerate(config.settings.envs)}
+
+
+def training_samples(config: RlConfig, scored: pa.Table,
+                     resources: AlgorithmResources | None = None) -> tuple[pa.Table, dict]:
+    """TRAINING_SAMPLES from scored rollouts: group-time advantages, stamping, then ship-time scoring.
+
+    `resources`: what the envs' algorithms are built with (default: the policy tokenizer if one needs it, and
+    no frozen models)."""
+    algorithms = env_algorithms(config, resources)
     advantages = assign_advantages(scored, algorithms)
     temperatures = {env.name: env.sampling.temperature for env in config.settings.envs}
     samples = stamp_training_samples(scored, advantages, algorithms, config.settings.max_seq_len, temperatures)

@@ -10,7 +10,8 @@ turn is located by rendering prefixes of the conversation and diffing:
 
 and a token is trained when it starts inside a span. Both ways train every assistant turn of a multi-turn chat,
 end-of-turn token included (the model must learn to stop). Samples ship `ce_weights` = the mask as floats and
-no rl/ref_kl weights, so the algorithm-blind step (`rollout_lib.trainer.causal`) trains them with masked NLL.
+zero rl_weights (a null rl stream would mean weight 1 on every loss_mask token), so the algorithm-blind step
+(`rollout_lib.trainer.causal`) trains them with masked NLL only.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Tokenized:
 
 def tokenize_examples(examples: pa.Table, tokenizer, *, loss_on: str, max_seq_len: int,
                       source: str = "examples") -> Tokenized:
-    """wire.EXAMPLES -> wire.TRAINING_SAMPLES (ce_weights = loss mask, rl/ref_kl weights null), truncated to
+    """wire.EXAMPLES -> wire.TRAINING_SAMPLES (ce_weights = loss mask, rl_weights zeros), truncated to
     `max_seq_len` tokens. Rows whose mask ends up empty are left out and listed; if that is every row, DataError.
     `source` (the dataset path) prefixes error messages."""
     records = []
@@ -136,7 +137,7 @@ def tokenize_examples(examples: pa.Table, tokenizer, *, loss_on: str, max_seq_le
             empty.append(line)
             continue
         records.append({"sample_id": f"line-{line}", "env": None, "input_ids": ids, "loss_mask": mask,
-                        "ce_weights": [1.0 if keep else 0.0 for keep in mask]})
+                        "ce_weights": [1.0 if keep else 0.0 for keep in mask], "rl_weights": [0.0] * len(ids)})
     if not records:
         raise DataError(
             f"{source}: no row has a token to train on: the loss mask ({loss_on}) of all {len(empty)} rows is empty"

@@ -16,8 +16,9 @@ the step, not an average of micro-batch means. Then gradients are clipped and th
 
 The step knows no algorithm: the per-token weight streams decide which tokens train which component (SFT ships
 ce_weights, RL algorithms rl_weights / ref_kl_weights). A NaN/inf loss or gradient norm raises before the
-optimizer steps, so the weights are untouched; a micro-batch with no token in any component is a no-op (its
-gradient would be exactly zero, so it is not run), and a step with none at all does not move the optimizer.
+optimizer steps, so the weights are untouched. A micro-batch with no token in any component still runs forward
+and backward, on a graph-attached zero (a zero-gradient no-op): with data parallelism every rank must issue the
+same collectives, whatever its micro-batches hold. A step with no token at all does not move the optimizer.
 The caller sets the learning rate and seeds the RNG (dropout) before calling.
 """
 
@@ -48,9 +49,10 @@ def train_on_micro_batches(
     packed: bool,
     pad_token_id: int,
     max_grad_norm: float | None,
-    rl_kwargs: dict | None = None,
+    loss_kwargs: dict | None = None,
 ) -> dict[str, float]:
-    """One optimizer step over `micro_batches`; returns its metrics.
+    """One optimizer step over `micro_batches`; returns its metrics. `loss_kwargs`: the rl and ref_kl components'
+    settings (`losses.component_loss`).
 
     Metrics: `loss` (the step's total) and `loss/<c>` per component, `tokens/<c>` (N_c), token-weighted
     component diagnostics (`rl/masked_fraction`, `ref_kl/kl`, ...), `grad_norm` (before clipping), `tokens`
@@ -75,10 +77,8 @@ def train_on_micro_batches(
     optimizer.zero_grad(set_to_none=True)
     try:
         for index, (batch, local) in enumerate(zip(batches, local_counts)):
-            if not any(local.values()):
-                continue
             logprobs = token_logprobs(model, batch)
-            loss, parts = component_loss(logprobs, batch, counts, **(rl_kwargs or {}))
+            loss, parts = component_loss(logprobs, batch, counts, **(loss_kwargs or {}))
             if not torch.isfinite(loss):
                 raise NonFiniteLossError(f"micro-batch {index}: loss is {loss.item()} (non-finite); "
                                          "weights not updated")
@@ -93,7 +93,7 @@ def train_on_micro_batches(
                     metrics[name] += value
                 elif what != "tokens":
                     weighted[name] = weighted.get(name, 0.0) + value * local[component]
-        if ran:
+        if any(counts.values()):
             grad_norm = clip_gradients(model.parameters(), max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; weights not updated")
@@ -189,5 +189,5 @@ class CausalLmTrainer(CheckpointedTrainer):
         return train_on_micro_batches(
             self.model, self.optimizer, self.batches.for_step(step), packed=settings.packed,
             pad_token_id=self.tokenizer.pad_token_id, max_grad_norm=settings.optimizer.max_grad_norm,
-            rl_kwargs=settings.loss_kwargs(),
+            loss_kwargs=settings.loss_kwargs(),
         )
