@@ -36,7 +36,7 @@ from tasks.rl import (
 # Metrics shown per step in the UI table (and their column order); absent ones are left blank.
 METRIC_COLUMNS = (
     "step", "reward_mean", "reward_std", "missing_rewards", "advantage_mean", "advantage_std",
-    "zero_advantage_fraction", "trainable_samples", "loss", "loss/rl", "loss/ce", "loss/ref_kl", "rl/mismatch_kl",
+    "zero_advantage_fraction", "trainable_samples", "loss", "loss/rl", "loss/ce", "loss/ref_kl", "rl/mismatch_kl", "ref_kl/kl",
     "rl/masked_fraction", "grad_norm", "lr", "tokens", "completion_len_mean", "sample_s", "score_s",
     "advantages_s", "pack_s", "train_s",
 )

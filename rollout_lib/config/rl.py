@@ -224,6 +224,11 @@ class RlConfig(EntryPointConfig):
                     examples = ", ".join(d for d in ("basic_arithmetic", "chain_sum", "gsm_symbolic") if d in known)
                     problems.append((f"{where}.source.dataset",
                                      f"no reasoning-gym dataset {env.source.dataset!r} (e.g. {examples})"))
+            if getattr(type(env.algo), "samples_from_frozen_model", False) and env.sampler.frozen is None:
+                problems.append((f"{where}.sampler.source",
+                                 f"{env.algo.type} distils a frozen model's samples: set sampler.source to a frozen "
+                                 "model ({ model = \"<ref>\" } or { base_url = [...], name = \"...\" }); ce on the "
+                                 "policy's own samples is a different algorithm"))
             if env.sampling.max_tokens >= settings.max_seq_len:
                 problems.append((f"{where}.sampling.max_tokens", f"must be < algorithm.rl.max_seq_len "
                                  f"({settings.max_seq_len}) to leave room for the prompt"))
