@@ -72,7 +72,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         for step in range(1, total + 1):
             sampled = sample(cfg, prompts, state, step, resident, frozen_models)
             scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
-            samples = advantages(cfg, scored["rollouts"], step, frozen_models)
+            samples = advantages(cfg, prompts, state, scored["rollouts"], step, resident, frozen_models)
             packed = pack(cfg, samples["samples"], step)
             step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
             snapshot = step % settings.checkpoint_interval == 0 or step == total

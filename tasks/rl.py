@@ -29,7 +29,7 @@ from rollout_lib.code_version import PROJECT_PACKAGES
 from rollout_lib.config import RlConfig
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.reward.locate import find_module_spec
-from rollout_lib.rl.advantages import algorithm_resources, training_samples
+from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
@@ -128,11 +128,16 @@ def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, 
 
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_algorithm_sources))
-def advantages_task(config: RlConfig, scored_id: str, step: int, frozen_models: FrozenModels | None = None) -> dict:
-    """`frozen_models`: the run's, for algorithms that score samples with a frozen model at ship time."""
+def advantages_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, scored_id: str, step: int,
+                    resident: ResidentTrainer, frozen_models: FrozenModels | None = None) -> dict:
+    """`frozen_models`: the run's, for algorithms that score samples with a frozen model at ship time; the prompts
+    and the policy at `policy_state` (the weights the step sampled from), for those whose reference is the
+    policy itself."""
     started = time.perf_counter()
     store = open_store(config)
-    resources = algorithm_resources(config, frozen_models)
+    policy = PolicyReference(lambda: policy_at(policy_inputs(store, config, prompts_ids), policy_state, resident),
+                             config.settings.base_model)
+    resources = algorithm_resources(config, frozen_models, _prompt_tables(config, prompts_ids), policy)
     samples, metrics = training_samples(config, store.get_table(scored_id, wire.ROLLOUTS), resources)
     return {"samples": store.put_table(samples), "metrics": {**metrics, "advantages_s": time.perf_counter() - started}}
 

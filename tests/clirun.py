@@ -82,3 +82,17 @@ def task_run_states(flow_run_id: str) -> dict[str, str]:
         return {run.name: run.state.name if run.state else None for run in runs}
 
     return settled(read)
+
+
+def metrics_table(run_name: str) -> dict[str, list]:
+    """A run's per-step metrics artifact (columns: name -> one value per step), as the UI shows it."""
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[f"{run_name}-metrics"])))
+    data = max(artifacts, key=lambda artifact: artifact.created).data
+    return json.loads(data) if isinstance(data, str) else data

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from clirun import ROOT, final_result, run_rollout, run_until_then_kill, task_run_states
+from clirun import ROOT, final_result, metrics_table, run_rollout, run_until_then_kill, task_run_states
 
 pytestmark = pytest.mark.slow
 
@@ -47,19 +47,6 @@ def teacher(prefect_server, tmp_path_factory):
         yield SimpleNamespace(store=store, checkpoint=checkpoint, workdir=workdir)
     finally:
         run_rollout("serve", "stop", "distill-teacher")
-
-
-def metrics_table(run_name: str) -> dict[str, list]:
-    """The run's per-step metrics artifact (columns), as the UI shows it."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[f"{run_name}-metrics"])))
-    latest = max(artifacts, key=lambda artifact: artifact.created)
-    data = latest.data
-    return json.loads(data) if isinstance(data, str) else data
 
 
 def distill_args(teacher, run_name: str, algo: str, source: str = '"policy"', steps: int = 12,

@@ -65,6 +65,10 @@ class AlgorithmResources:
     # The run's frozen-model pools: `.pool(settings, tokenizer=..., where=...)` returns a started pool with
     # `await pool.score(token_ids)` (prefill logprobs) and `await pool.generate(...)`.
     frozen_models: FrozenModels | None = None
+    prompts: Any = None  # env name -> its PROMPTS table (messages, info) of the run
+    # The live policy at the weights the step sampled from: `.model` (loaded on first use) and `.initial_model()`
+    # (the frozen base model), for algorithms whose reference is the policy itself (opsd).
+    policy: Any = None
 
 
 RESOURCE_NAMES = frozenset(field.name for field in fields(AlgorithmResources))

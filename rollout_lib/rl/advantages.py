@@ -17,11 +17,34 @@ from rollout_lib.config.rl import RlConfig
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 
 
-def algorithm_resources(config: RlConfig, frozen_models=None) -> AlgorithmResources:
-    """The run's resources for its envs' algorithms; the policy tokenizer is loaded only when one requires it."""
+def algorithm_resources(config: RlConfig, frozen_models=None, prompts=None, policy=None) -> AlgorithmResources:
+    """The run's resources for its envs' algorithms; the policy tokenizer is loaded only when one requires it.
+    `prompts`: env -> PROMPTS table; `policy`: a PolicyReference (both only read by algorithms that need them)."""
     required = set().union(*(ALGORITHMS[env.algo.type].requires for env in config.settings.envs))
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model)) if "tokenizer" in required else None
-    return AlgorithmResources(tokenizer=tokenizer, frozen_models=frozen_models)
+    return AlgorithmResources(tokenizer=tokenizer, frozen_models=frozen_models, prompts=prompts, policy=policy)
+
+
+class PolicyReference:
+    """The policy at the weights a step sampled from, for algorithms whose reference is the policy itself: its
+    model is rebuilt (or taken from the resident trainer) only when first asked for; `initial_model()` is the
+    frozen base model, loaded once."""
+
+    def __init__(self, load_policy, base_model):
+        self._load_policy = load_policy  # () -> the trainer at the sampled state (rl.policy.policy_at)
+        self._base_model = base_model
+        self._initial = None
+
+    @property
+    def model(self):
+        return self._load_policy().model
+
+    def initial_model(self):
+        if self._initial is None:
+            from rollout_lib.model.loading import load_causal_lm
+
+            self._initial = load_causal_lm(resolve_model(self._base_model))
+        return self._initial
 
 
 def env_algorithms(config: RlConfig, resources: AlgorithmResources | None = None) -> dict[str, Algorithm]:
