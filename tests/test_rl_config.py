@@ -30,7 +30,8 @@ def error_of(raw) -> str:
 
 
 SHIPPED_ALGORITHMS = {"rl-tiny.toml": "grpo", "rl-smollm2.toml": "grpo", "rl-reward.toml": "reward",
-                      "rl-custom.toml": "custom"}
+                      "rl-custom.toml": "custom", "rl-opd.toml": "opd", "rl-sft-distill.toml": "sft",
+                      "rl-opsd.toml": "opsd"}
 
 
 def test_every_shipped_rl_config_is_checked():
@@ -40,6 +41,8 @@ def test_every_shipped_rl_config_is_checked():
 @pytest.mark.parametrize("name", sorted(SHIPPED_ALGORITHMS))
 def test_shipped_rl_configs_validate_without_warnings(name):
     # rl-custom.toml names example_advantages (tests/, on the path under pytest; PYTHONPATH=tests for the CLI).
+    # Validation is plan-time only: rl-opd's teacher and rl-sft-distill's source (runs/teacher-tiny/latest, a
+    # checkpoint configs/sft-teacher-tiny.toml makes) are neither looked up nor served here.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config = load_config(RlConfig, ROOT / "configs" / name)
@@ -61,7 +64,8 @@ def test_algo_defaults_to_grpo_and_is_chosen_per_env_by_type():
 
 
 def test_unknown_algorithm_names_the_ones_that_exist():
-    assert "algorithm.rl.envs[0].algo: `type` must be one of: custom, grpo, max_rl, reward" in error_of(
+    assert (
+        "algorithm.rl.envs[0].algo: `type` must be one of: custom, grpo, max_rl, opd, opsd, reward, sft") in error_of(
         raw_config(algo={"type": "ppo"}))
     assert "algorithm.rl.envs[0].source: `type` must be one of: jsonl_path, reasoning_gym" in error_of(
         raw_config(source={"type": "jsonl", "path": "x.jsonl"}))
@@ -121,3 +125,40 @@ def test_dry_run_plan_parses_every_prompt_and_loads_no_model():
     assert plan["entry_point"] == "train-rl"
     assert plan["envs"][0]["prompts"] == 8 and plan["envs"][0]["rollouts_per_step"] == 32
     assert plan["snapshots_at"] == [5, 10, 15, 20] and plan["warnings"] == []
+
+
+# --- distillation settings: plan-time errors, one line naming the place --------------------------------------
+
+
+def test_sft_needs_a_frozen_sampling_source():
+    message = error_of(raw_config(algo={"type": "sft"}))  # sampler.source defaults to "policy"
+    [line] = message.splitlines()
+    assert line.startswith("algorithm.rl.envs[0].sampler.source: sft distils a frozen model's samples: set "
+                           "sampler.source to a frozen model"), line
+    # A frozen source is what it takes (validation never reaches the model).
+    config = validate_config(RlConfig, raw_config(algo={"type": "sft"},
+                                                  sampler={"source": {"model": "runs/teacher-tiny/latest"}}))
+    assert config.settings.envs[0].sampler.frozen.model.uri == "runs/teacher-tiny/latest"
+
+
+def test_opd_needs_a_teacher_given_as_a_frozen_model():
+    assert "algorithm.rl.envs[0].algo.teacher: required key is missing" in error_of(raw_config(algo={"type": "opd"}))
+    assert "algorithm.rl.envs[0].algo.teacher: a frozen model is" in error_of(
+        raw_config(algo={"type": "opd", "teacher": "runs/teacher-tiny/latest"}))
+    assert "algorithm.rl.envs[0].algo.teacher.base_url: " in error_of(
+        raw_config(algo={"type": "opd", "teacher": {"base_url": "localhost:8000", "name": "t"}}))
+
+
+@pytest.mark.parametrize(("name", "where"), [("rl-opd.toml", "algorithm.rl.envs[0].algo.teacher.model"),
+                                             ("rl-sft-distill.toml", "algorithm.rl.envs[0].sampler.source.model")])
+def test_a_teacher_checkpoint_not_trained_yet_fails_in_one_line_naming_the_setting(name, where, tmp_path):
+    """The first thing a run does is compute its training identity, which reads the teacher's checkpoint id: a
+    store without runs/teacher-tiny/latest (configs/sft-teacher-tiny.toml not run yet) names the setting."""
+    from rollout_lib.trainer.identity import training_identity
+
+    config = load_config(RlConfig, ROOT / "configs" / name, [f"run.store={tmp_path / 'empty'}"])
+    with pytest.raises(ConfigError) as raised:
+        training_identity(config)
+    [line] = str(raised.value).splitlines()
+    assert line == (f"{where}: no checkpoint ref 'runs/teacher-tiny/latest' in {tmp_path / 'empty'}, and no local "
+                    "directory of that name")

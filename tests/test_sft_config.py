@@ -75,7 +75,7 @@ def test_seed_shape_validates_with_vetted_defaults():
     assert (defaults.loss_on.kind, defaults.packing.kind) == ("assistant_only", "off")
 
 
-@pytest.mark.parametrize("name", ["sft-tiny.toml", "sft-smollm2.toml"])
+@pytest.mark.parametrize("name", ["sft-tiny.toml", "sft-smollm2.toml", "sft-teacher-tiny.toml"])
 def test_shipped_sft_configs_validate(name):
     config = load_config(SftConfig, ROOT / "configs" / name)
     assert config.algorithm.kind == "sft" and config.settings.budget.max_steps >= 1
@@ -174,3 +174,16 @@ def test_shipped_tiny_config_is_the_seed_shape():
     raw = read_toml(ROOT / "configs/sft-tiny.toml")
     assert set(raw["algorithm"]["sft"]) >= {"minibatch_size", "gradient_accumulation", "loss_on", "base_model",
                                             "dataset", "optimizer", "budget", "packing"}
+
+
+def test_the_shipped_teacher_data_is_what_its_script_makes_from_the_rl_tiny_prompts():
+    """data/sft-teacher-tiny.jsonl (configs/sft-teacher-tiny.toml) answers every rl-tiny prompt: regenerate it with
+    data/make_sft_teacher.py when the prompts change."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_sft_teacher", ROOT / "data/make_sft_teacher.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.teacher_rows(ROOT / "data/rl-tiny-prompts.jsonl")
+    assert (ROOT / "data/sft-teacher-tiny.jsonl").read_text() == "".join(json.dumps(row) + "\n" for row in rows)
+    assert len(rows) == 8 and len(script.TEACHER_TEXT.split()) == 12  # target_length(12 words) scores it 1.0

@@ -30,7 +30,14 @@ def checkpoint_in_store(uri: str, store: ObjectStore | None) -> str | None:
 
 def content_identity(ref, store: ObjectStore | None) -> str:
     """What a served model's weights are, for cache keys: the checkpoint id, or the model's content digest."""
-    checkpoint_id = checkpoint_in_store(ref.uri, store)
+    from rollout_lib.store import StoreError
+
+    try:
+        checkpoint_id = checkpoint_in_store(ref.uri, store)
+    except StoreError as exc:
+        if not str(exc).startswith("invalid ref name"):
+            raise
+        checkpoint_id = None  # not a ref's spelling (an absolute path, say): an ordinary model reference
     return f"checkpoint:{checkpoint_id}" if checkpoint_id else model_content_digest(ref)
 
 

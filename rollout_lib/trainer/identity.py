@@ -25,14 +25,30 @@ def training_identity(config) -> str:
 
 
 def _served_models(config) -> tuple[str, ...]:
-    frozen = [settings for _, settings in getattr(config, "frozen_models", list)() if hasattr(settings, "model")]
+    frozen = [(where, settings) for where, settings in getattr(config, "frozen_models", list)()
+              if hasattr(settings, "model")]
     if not frozen:
         return ()
+    from rollout_lib.config.errors import ConfigError
+    from rollout_lib.model.loading import ModelLoadError
     from rollout_lib.serving.references import content_identity
     from rollout_lib.store import ObjectStore
 
     store = ObjectStore(config.run.store, config.run.storage_options or None)
-    return tuple(content_identity(settings.model, store) for settings in frozen)
+    identities = []
+    for where, settings in frozen:
+        try:
+            identities.append(content_identity(settings.model, store))
+        except ModelLoadError as exc:
+            # A teacher's checkpoint not trained yet (runs/<name>/latest missing from the store) fails here, the
+            # first thing a run does: name the setting and where the ref was looked for.
+            uri = settings.model.uri
+            if "/" in uri and not uri.startswith((".", "/", "~")):
+                message = f"no checkpoint ref {uri!r} in {store.root}, and no local directory of that name"
+            else:
+                message = str(exc)
+            raise ConfigError([(f"{where}.model", message)]) from None
+    return tuple(identities)
 
 
 @functools.lru_cache(maxsize=16)
