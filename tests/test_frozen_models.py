@@ -245,3 +245,27 @@ def test_a_teacher_with_another_tokenizer_fails_in_one_line_naming_the_teacher(t
                     refused(lambda frozen: env_algorithms(config, algorithm_resources(config, frozen_models=frozen)))):
         assert message.startswith(f"algorithm.rl.envs[1].algo.teacher: model {vllm_tiny.name!r} at "), message
         assert "does not share the policy's tokenizer" in message and "tokenizes to" in message, message
+
+
+@pytest.mark.slow
+def test_a_deployment_left_by_a_killed_run_is_adopted_and_stopped_by_the_next(tmp_path):
+    """A run that started its own server and was SIGKILLed leaves it recorded with a dead owner: the next run of
+    that model reuses the warm server and, having adopted it, stops it when it closes."""
+    import subprocess
+    import sys
+
+    from rollout_lib.serving import engine
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its PID is the owner of a run that no longer exists
+    orphan = engine.start_deployment("tiny:qwen2", name="aaa-orphan", owner_pid=dead.pid)
+    try:
+        assert engine.find_deployment("aaa-orphan").orphaned
+        tokenizer = load_tokenizer(resolve_model("tiny:qwen2"))
+        with FrozenModels() as frozen:
+            described = frozen.connect(ServedModel(model="tiny:qwen2"), tokenizer=tokenizer, where="x")
+            assert "model 'aaa-orphan'" in described and frozen._started == ["aaa-orphan"]
+        assert engine.find_deployment("aaa-orphan") is None
+        assert not any(psutil.pid_exists(pid) and engine.is_vllm_process(pid) for pid in orphan.pids)
+    finally:
+        engine.stop_deployment("aaa-orphan")
