@@ -79,6 +79,7 @@ def _rl_plan(config: RlConfig) -> dict:
     prompts = {env.name: load_prompts(env) for env in settings.envs}  # parses or generates every prompt
     check_distinct_examples(prompts)
     resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
+    frozen = _frozen_model_contents(config)
     steps = settings.budget.max_steps
     return {
         "entry_point": "train-rl",
@@ -94,6 +95,7 @@ def _rl_plan(config: RlConfig) -> dict:
             for env in settings.envs
         ],
         "rollouts_per_step": sum(env.prompts_per_step * env.sampling.group_size for env in settings.envs),
+        "frozen_models": frozen,
         "steps": steps,
         "policy_sampler": settings.policy_sampler.model_dump(mode="json"),
         "micro_batches": (f"packed: <= {config.packed_tokens} tokens each" if settings.packing
@@ -103,6 +105,21 @@ def _rl_plan(config: RlConfig) -> dict:
         "extending": _extending(settings),
         "warnings": [f"{locator}: {message}" for locator, message in config.plan_warnings()],
     }
+
+
+def _frozen_model_contents(config: RlConfig) -> dict[str, str]:
+    """Each frozen model's identity: a served name, or what a reference rollout serves resolves to (a checkpoint
+    id or content digest). A reference that resolves nowhere (a teacher's `runs/<name>/latest` not trained yet)
+    fails here, naming its setting, as it would at the start of the run. No server is contacted."""
+    from rollout_lib.serving.references import content_identity
+    from rollout_lib.store import ObjectStore
+    from rollout_lib.trainer.identity import training_identity
+
+    training_identity(config)  # raises the one-line error for a reference that resolves nowhere
+    store = ObjectStore(config.run.store, config.run.storage_options or None)
+    return {where: (content_identity(settings.model, store) if hasattr(settings, "model")
+                    else f"served name {settings.name!r} at {', '.join(settings.base_url)}")
+            for where, settings in config.frozen_models()}
 
 
 def _extending(settings) -> str:

@@ -125,6 +125,24 @@ def test_dry_run_plan_parses_every_prompt_and_loads_no_model():
     assert plan["entry_point"] == "train-rl"
     assert plan["envs"][0]["prompts"] == 8 and plan["envs"][0]["rollouts_per_step"] == 32
     assert plan["snapshots_at"] == [5, 10, 15, 20] and plan["warnings"] == []
+    assert plan["frozen_models"] == {}
+
+
+def test_dry_run_resolves_frozen_references_and_names_one_that_resolves_nowhere(tmp_path):
+    """A teacher's checkpoint ref that is not in the store fails the plan (as it would the run), naming the
+    setting; a resolvable reference shows what it resolves to. No server is contacted."""
+    overrides = [f"run.store={tmp_path / 'store'}"]
+    with pytest.raises(ConfigError) as raised:
+        describe_plan(load_config(RlConfig, ROOT / "configs/rl-opd.toml", overrides))
+    assert str(raised.value) == ("algorithm.rl.envs[0].algo.teacher.model: no checkpoint ref "
+                                 f"'runs/teacher-tiny/latest' in {tmp_path / 'store'}, and no local directory of "
+                                 "that name")
+    served = load_config(RlConfig, ROOT / "configs/rl-opd.toml",
+                         [*overrides, 'algorithm.rl.envs[0].algo.teacher={ model = "tiny:qwen2" }'])
+    plan = describe_plan(served)
+    from rollout_lib.model.loading import model_content_digest
+
+    assert plan["frozen_models"] == {"algorithm.rl.envs[0].algo.teacher": model_content_digest("tiny:qwen2")}
 
 
 # --- distillation settings: plan-time errors, one line naming the place --------------------------------------
