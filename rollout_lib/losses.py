@@ -180,9 +180,7 @@ def rl_loss_terms(
         masked = member & torch.where(positive, outside_high, outside_low)
         keep = member & ~masked
 
-    policy_gradient = torch.where(keep, ratio * advantages, torch.zeros_like(ratio))
-    kl_penalty = 0.5 * log_ratio.square()
-    numerator = (weights * (-policy_gradient + kl_coef * kl_penalty)).sum()
+    numerator = _trust_region_numerator(ratio, log_ratio, advantages, keep, weights, kl_coef)
 
     with torch.no_grad():
         tokens = int(member.sum())
@@ -222,8 +220,7 @@ def ref_kl_loss_terms(
         masked = member & (torch.exp(logprobs) - torch.exp(inference_logprobs) < -eps_low)
         keep = member & ~masked
 
-    policy_gradient = torch.where(keep, ratio * advantage, torch.zeros_like(ratio))
-    numerator = (weights * (-policy_gradient + kl_coef * 0.5 * log_ratio.square())).sum()
+    numerator = _trust_region_numerator(ratio, log_ratio, advantage, keep, weights, kl_coef)
 
     with torch.no_grad():
         metrics = {
@@ -234,6 +231,14 @@ def ref_kl_loss_terms(
             "mismatch_kl": _mean_over(ratio - 1 - log_ratio, member),
         }
     return numerator, metrics
+
+
+def _trust_region_numerator(ratio: Tensor, log_ratio: Tensor, advantages: Tensor, keep: Tensor, weights: Tensor,
+                            kl_coef: float) -> Tensor:
+    """Σ_t w_t (-keep_t · r_t · A_t + kl_coef · ½ log² r_t): the importance-weighted policy gradient on the tokens
+    inside the trust region, plus the log-ratio penalty (rl and ref_kl differ only in A_t and keep_t)."""
+    policy_gradient = torch.where(keep, ratio * advantages, torch.zeros_like(ratio))
+    return (weights * (-policy_gradient + kl_coef * (0.5 * log_ratio.square()))).sum()
 
 
 def count_component_tokens(*micro_batches: Mapping[str, Tensor]) -> dict[str, int]:

@@ -6,12 +6,11 @@ checkpoint."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 
-from clirun import ROOT, final_result, metrics_table, run_rollout, run_until_then_kill, task_run_states
+from clirun import final_result, metrics_table, run_rollout, run_until_then_kill, task_run_states
 
 pytestmark = pytest.mark.slow
 
@@ -21,24 +20,13 @@ STAGES = ("sample", "score", "advantages", "pack", "train")
 
 @pytest.fixture(scope="module")
 def teacher(prefect_server, tmp_path_factory):
-    """A teacher trained by train-sft on the rl-tiny prompts, each answered with TEACHER_TEXT, served by `rollout
-    serve` from its checkpoint id (one replica, kept for the module, stopped at its end)."""
+    """A teacher trained by train-sft on the rl-tiny prompts, each answered with TEACHER_TEXT (the shipped
+    configs/sft-teacher-tiny.toml), served by `rollout serve` from its checkpoint id (one replica, kept for the
+    module, stopped at its end)."""
     workdir = tmp_path_factory.mktemp("distill")
     store = workdir / "store"
-    rows = []
-    for line in (ROOT / "data/rl-tiny-prompts.jsonl").read_text().splitlines():
-        prompt = json.loads(line)
-        if "messages" in prompt:
-            rows.append({"messages": [*prompt["messages"], {"role": "assistant", "content": TEACHER_TEXT}]})
-        else:
-            rows.append({"prompt": prompt["prompt"], "completion": TEACHER_TEXT})
-    data = workdir / "teacher.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    trained = run_rollout("train", "sft", "--config", "configs/sft-tiny.toml", "--set", "run.name=teacher",
-                          "--set", f"run.store={store}", "--set", f"algorithm.sft.dataset.path={data}",
-                          "--set", "algorithm.sft.budget.max_steps=16", "--set", "algorithm.sft.checkpoint_interval=16",
-                          "--set", "algorithm.sft.optimizer.kind=adamw", "--set", "algorithm.sft.optimizer.lr=1e-2",
-                          "--set", "algorithm.sft.minibatch_size=8")
+    # The shipped teacher config (configs/sft-teacher-tiny.toml: data/sft-teacher-tiny.jsonl, 16 adamw steps).
+    trained = run_rollout("train", "sft", "--config", "configs/sft-teacher-tiny.toml", "--set", f"run.store={store}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     checkpoint = final_result(trained)["checkpoint"]
     served = run_rollout("serve", "start", checkpoint, "--store", str(store), "--name", "distill-teacher")
