@@ -72,6 +72,22 @@ PROMPTS = pa.schema(
     ]
 )
 
+# One segment of a multi-turn completion: a model turn (sampled = True: the policy drew these tokens) or a message
+# the environment wrote (sampled = False) under `role`. start/length locate its tokens in completion_ids; body_start /
+# body_length locate the tokens of its content alone (an env message's segment also holds the chat template's framing:
+# the role header, the end-of-turn token, the next generation prompt). Segments tile completion_ids in order.
+TURN = pa.struct(
+    [
+        pa.field("role", pa.string(), nullable=False),
+        pa.field("sampled", pa.bool_(), nullable=False),
+        pa.field("start", pa.int32(), nullable=False),
+        pa.field("length", pa.int32(), nullable=False),
+        pa.field("body_start", pa.int32(), nullable=False),
+        pa.field("body_length", pa.int32(), nullable=False),
+        pa.field("content", pa.string(), nullable=False),
+    ]
+)
+
 ROLLOUTS = pa.schema(
     [
         pa.field("sample_id", pa.string(), nullable=False),
@@ -80,12 +96,18 @@ ROLLOUTS = pa.schema(
         pa.field("group_index", pa.int32(), nullable=False),
         pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("completion_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("sampling_logprobs", pa.list_(pa.float32()), nullable=False),  # one per completion token
+        # One per completion token: the logprob the sampler drew it with; null on tokens the environment wrote.
+        pa.field("sampling_logprobs", pa.list_(pa.float32()), nullable=False),
+        # Single-turn: the completion decoded. Multi-turn: the whole episode after the prompt, decoded.
         pa.field("completion_text", pa.string(), nullable=False),
         pa.field("answer", pa.string(), nullable=True),
         pa.field("info", pa.string(), nullable=True),
         pa.field("reward", pa.float64(), nullable=True),  # null = missing (the error says why)
         pa.field("reward_error", pa.string(), nullable=True),
+        # Multi-turn envs only (null: one model turn, every completion token sampled by the policy): per-token
+        # attribution as segments (TURN), and the episode as JSON {"state", "turns", "end"} (envs/episodes.py).
+        pa.field("completion_turns", pa.list_(TURN), nullable=True),
+        pa.field("episode", pa.string(), nullable=True),
     ]
 )
 

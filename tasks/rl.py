@@ -70,6 +70,14 @@ def _algorithm_sources(parameters: dict) -> dict:
                                   if module.split(".")[0] not in PROJECT_PACKAGES}}
 
 
+def _interaction_sources(parameters: dict) -> dict:
+    """A user's environment (a custom interaction's import path) decides the episodes: its module's source file
+    enters the sample key, so editing the environment resamples instead of returning old episodes from cache."""
+    modules = {module for env in parameters["config"].settings.envs if env.interaction is not None
+               for module in env.interaction.user_modules()}
+    return {"interaction_sources": {module: module_digest(module) for module in sorted(modules)}} if modules else {}
+
+
 def module_digest(module: str) -> str:
     """The blake3 of a module's source file, found without running it or its parent packages; "missing" when
     it cannot be found (the task itself then reports the unimportable module)."""
@@ -105,7 +113,8 @@ def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels) ->
             for where, settings in config.frozen_models()]
 
 
-@task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
+@task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=_interaction_sources))
 def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
                 resident: ResidentTrainer, frozen_models: FrozenModels) -> dict:
     started = time.perf_counter()

@@ -316,11 +316,14 @@ def test_arrow_round_trip():
             "info": [json.dumps({"k": 1}), None],
             "reward": [None, None],
             "reward_error": [None, None],
+            "completion_turns": [None, None],
+            "episode": [None, None],
         },
         schema=wire.ROLLOUTS,
     )
     inputs = reward_inputs(rollouts, prompts)
-    assert inputs[0] == RewardInput([{"role": "user", "content": "2+2?"}], "it is 4", "4", {"k": 1}, "math")
+    assert inputs[0] == RewardInput([{"role": "user", "content": "2+2?"}], "it is 4", "4", {"k": 1}, "math",
+                                    turns=[{"role": "assistant", "content": "it is 4"}])
     assert inputs[1].info == {}
     scored = apply_rewards(rollouts, [RewardResult(1.0), RewardResult(None, "ValueError: x")])
     assert scored.schema == wire.ROLLOUTS
@@ -363,7 +366,7 @@ def test_builtin_missing_answer_is_a_missing_reward_in_the_loop():
 
 def test_resolution_by_import_path_and_errors():
     assert resolve_reward_function("example_rewards:completion_length") is example_rewards.completion_length
-    with pytest.raises(ValueError, match=r"available: \['contains_answer', 'exact_match', 'number_match'"):
+    with pytest.raises(ValueError, match=r"available: \['contains_answer', 'env_score', 'exact_match', 'number_match'"):
         resolve_reward_function("exact")
     with pytest.raises(ValueError, match="cannot import module"):
         resolve_reward_function("no_such_module_xyz:f")

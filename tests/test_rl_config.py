@@ -65,7 +65,7 @@ def test_algo_defaults_to_grpo_and_is_chosen_per_env_by_type():
 
 def test_unknown_algorithm_names_the_ones_that_exist():
     assert (
-        "algorithm.rl.envs[0].algo: `type` must be one of: custom, grpo, max_rl, opd, opsd, reward, sft") in error_of(
+        "algorithm.rl.envs[0].algo: `type` must be one of: custom, echo, grpo, max_rl, opd, opsd, reward, sft") in error_of(
         raw_config(algo={"type": "ppo"}))
     assert "algorithm.rl.envs[0].source: `type` must be one of: jsonl_path, reasoning_gym" in error_of(
         raw_config(source={"type": "jsonl", "path": "x.jsonl"}))
@@ -180,3 +180,20 @@ def test_a_teacher_checkpoint_not_trained_yet_fails_in_one_line_naming_the_setti
     [line] = str(raised.value).splitlines()
     assert line == (f"{where}: no checkpoint ref 'runs/teacher-tiny/latest' in {tmp_path / 'empty'}, and no local "
                     "directory of that name")
+
+
+def test_an_env_may_be_multi_turn_and_echo_without_turns_warns():
+    config = validate_config(RlConfig, raw_config(interaction={"type": "calculator", "max_turns": 2},
+                                                  algo={"type": "echo", "roles": {"tool": {"alpha": 0.2}}}))
+    env = config.settings.envs[0]
+    assert env.interaction.max_turns == 2 and env.algo.roles["tool"].alpha == 0.2
+    with pytest.warns(UserWarning, match=r"envs\[0\].algo: echo trains on tokens the environment writes"):
+        validate_config(RlConfig, raw_config(algo={"type": "echo"}))
+    assert "algorithm.rl.envs[0].interaction: `type` must be one of: calculator, custom, guess_number" in error_of(
+        raw_config(interaction={"type": "chess"}))
+    assert "algorithm.rl.envs[0].interaction.custom_interaction" not in error_of(
+        raw_config(interaction={"type": "custom", "import_path": "no_such_module:Env"}))
+    assert "interaction class 'no_such_module:Env': cannot find module" in error_of(
+        raw_config(interaction={"type": "custom", "import_path": "no_such_module:Env"}))
+    assert "algorithm.rl.envs[0].algo.roles.tool.alpha: must be > 0.0 (got 0)" in error_of(
+        raw_config(algo={"type": "echo", "roles": {"tool": {"alpha": 0}}}))

@@ -8,7 +8,9 @@ Modelled on the prime-rl algorithm abstraction (seed 002). Per environment, an a
 2. `assign(group)`: at group time, the per-token advantages of each completion. Only rl algorithms define it, and
    they must. A sample it gives `None` gets no rl credit and trains nothing in rl (its reward is missing);
 3. `score(samples)` (async, optional): at ship time, fills the streams that need a model's view of the samples
-   (reference logprobs for distillation). Defining it is what makes an algorithm score at ship time.
+   (reference logprobs for distillation). Defining it is what makes an algorithm score at ship time;
+4. `observation_weights(rollout)` (optional): for a multi-turn env, the ce weight of each token the environment
+   wrote (tool results, feedback). By default they train nothing; echo defines it.
 
 Stamping (`stamping.py`) reads only these hooks to write the weight streams of the wire, so the trainer never
 needs to know which algorithm a token came from. What a class needs to be built (the policy tokenizer, the run's
@@ -152,10 +154,21 @@ class Algorithm:
         """TRAINING_SAMPLES of this algorithm's env, with the streams that need a model filled in."""
         return samples
 
+    def observation_weights(self, rollout: dict[str, Any]) -> list[float] | None:
+        """The ce weight of each completion token of a ROLLOUTS row (a dict of its columns), non-zero only on
+        tokens the environment wrote (`completion_turns` segments with sampled = False); None: they train nothing.
+        Called for multi-turn rollouts only."""
+        return None
+
 
 def assigns_advantages(algorithm: Algorithm | type[Algorithm]) -> bool:
     cls = algorithm if isinstance(algorithm, type) else type(algorithm)
     return cls.assign is not Algorithm.assign
+
+
+def trains_env_tokens(algorithm: Algorithm | type[Algorithm]) -> bool:
+    cls = algorithm if isinstance(algorithm, type) else type(algorithm)
+    return cls.observation_weights is not Algorithm.observation_weights
 
 
 def scores_at_ship_time(algorithm: Algorithm | type[Algorithm]) -> bool:

@@ -13,6 +13,12 @@ For each rollout row, `input_ids = prompt_ids + completion_ids` and the streams 
     inference_logprobs   0 on prompt positions, the sampler's logprob of each completion token
 
 so that every stream is aligned with input_ids and the first token (always a prompt token) carries no weight.
+
+Multi-turn rollouts (`completion_turns` set) interleave tokens the policy sampled with tokens the environment
+wrote. Only the sampled ones are "completion tokens" above: loss_mask, the ce / ref_kl weights of a ce or ref_kl
+algorithm, the sampling temperature and inference_logprobs cover them alone; advantages are 0 on env tokens, so
+env tokens never enter rl. The algorithm's `observation_weights` hook may give env tokens ce weights (echo); they
+are added to ce_weights, and a weight on a sampled token is the hook's bug.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections.abc import Mapping
 import pyarrow as pa
 
 from rollout_lib import wire
-from rollout_lib.algo.base import Algorithm, Group, scores_at_ship_time
+from rollout_lib.algo.base import Algorithm, Group, scores_at_ship_time, trains_env_tokens
 
 
 def group_rows(rollouts: pa.Table) -> dict[tuple[str, str], list[int]]:
@@ -74,11 +80,13 @@ def stamp_training_samples(
     `temperatures`: env -> the temperature its completions were sampled at (1.0 when absent), stamped on the
     completion tokens so the trainer scores them under the same distribution."""
     columns = {name: rollouts.column(name).to_pylist() for name in
-               ("sample_id", "env", "prompt_ids", "completion_ids", "sampling_logprobs")}
+               ("sample_id", "env", "prompt_ids", "completion_ids", "sampling_logprobs", "completion_turns")}
     records = []
     for row, sample_id in enumerate(columns["sample_id"]):
-        component = algorithms[columns["env"][row]].action_loss
+        algorithm = algorithms[columns["env"][row]]
+        component = algorithm.action_loss
         prompt, completion = columns["prompt_ids"][row], columns["completion_ids"][row]
+        sampled = sampled_mask(columns["completion_turns"][row], len(completion), sample_id)
         logprobs, advantage = columns["sampling_logprobs"][row], advantages[row]
         if not prompt:
             raise ValueError(f"sample {sample_id!r} has no prompt tokens (the first token is never trained)")
@@ -89,30 +97,70 @@ def stamp_training_samples(
             )
         if len(logprobs) != len(completion) or (advantage is not None and len(advantage) != len(completion)):
             raise ValueError(f"sample {sample_id!r}: completion, logprobs and advantages are not aligned")
-        n_prompt, n_completion = len(prompt), len(completion)
+        n_prompt = len(prompt)
         keep = max_seq_len  # truncation drops completion tokens from the right
         input_ids = (prompt + completion)[:keep]
+        if advantage is not None:
+            advantage = [a if member else 0.0 for a, member in zip(advantage, sampled)]
         record = {
             "sample_id": sample_id,
             "env": columns["env"][row],
             "input_ids": input_ids,
-            "loss_mask": ([False] * n_prompt + [True] * n_completion)[:keep],
+            "loss_mask": ([False] * n_prompt + sampled)[:keep],
             "advantages": None if advantage is None else ([0.0] * n_prompt + advantage)[:keep],
             # Null means weight 1 on every loss_mask token (wire.TRAINING_SAMPLE_DEFAULTS): plain rl ships nothing.
             "rl_weights": None if component == "rl" and advantage is not None else [0.0] * len(input_ids),
             "ce_weights": None,
             "ref_kl_weights": None,
             "ref_logprobs": None,
-            "inference_logprobs": ([0.0] * n_prompt + [float(x) for x in logprobs])[:keep],
+            "inference_logprobs": ([0.0] * n_prompt + [0.0 if x is None else float(x) for x in logprobs])[:keep],
             "temperatures": None,
         }
         if component != "rl":
-            record[f"{component}_weights"] = ([0.0] * n_prompt + [1.0] * n_completion)[:keep]
+            record[f"{component}_weights"] = ([0.0] * n_prompt + [float(m) for m in sampled])[:keep]
+        if columns["completion_turns"][row] is not None and trains_env_tokens(algorithm):
+            observed = checked_observation_weights(algorithm, rollouts, row, sampled)
+            if observed is not None and any(observed):
+                ce = record["ce_weights"] or [0.0] * (n_prompt + len(completion))
+                record["ce_weights"] = [c + o for c, o in zip(ce, [0.0] * n_prompt + observed)][:keep]
         temperature = (temperatures or {}).get(columns["env"][row], 1.0)
         if temperature != 1.0:
-            record["temperatures"] = ([1.0] * n_prompt + [temperature] * n_completion)[:keep]
+            record["temperatures"] = ([1.0] * n_prompt + [temperature if m else 1.0 for m in sampled])[:keep]
         records.append(record)
     return pa.Table.from_pylist(records, schema=wire.TRAINING_SAMPLES)
+
+
+def sampled_mask(turns: list[dict] | None, n_completion: int, sample_id: str) -> list[bool]:
+    """Which completion tokens the policy sampled: all of them for a single-turn rollout; for an episode, those of
+    its model turns. The turns must tile the completion (the episode driver's contract)."""
+    if turns is None:
+        return [True] * n_completion
+    mask, position = [], 0
+    for turn in turns:
+        if turn["start"] != position:
+            raise ValueError(f"sample {sample_id!r}: its turns do not tile the completion (a turn starts at "
+                             f"{turn['start']}, the previous one ends at {position})")
+        mask.extend([bool(turn["sampled"])] * turn["length"])
+        position += turn["length"]
+    if position != n_completion:
+        raise ValueError(f"sample {sample_id!r}: its turns cover {position} tokens of a {n_completion}-token completion")
+    return mask
+
+
+def checked_observation_weights(algorithm: Algorithm, rollouts: pa.Table, row: int,
+                                sampled: list[bool]) -> list[float] | None:
+    weights = algorithm.observation_weights(rollouts.slice(row, 1).to_pylist()[0])
+    if weights is None:
+        return None
+    named = f"{algorithm.where}: {type(algorithm).__name__}.observation_weights"
+    if len(weights) != len(sampled):
+        raise ValueError(f"{named} returned {len(weights)} weights for {len(sampled)} completion tokens")
+    weights = [float(w) for w in weights]
+    if any(w != 0 and member for w, member in zip(weights, sampled)):
+        raise ValueError(f"{named} weighted a token the policy sampled; it weights environment tokens only")
+    if not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise ValueError(f"{named} returned a negative or non-finite weight")
+    return weights
 
 
 async def score_for_shipping(samples: pa.Table, algorithms: Mapping[str, Algorithm]) -> pa.Table:

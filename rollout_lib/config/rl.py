@@ -9,6 +9,7 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
       sampler  = { source = "policy" } (default) | { source = <frozen model> }: where rollouts come from, the live
                  policy or a frozen model ({ model = "<ref>" } or { base_url = [...], name = "..." }, serving/settings.py)
       sampling = { group_size, temperature, top_p, max_tokens }
+      interaction = { type = "calculator" | "guess_number" | "custom", max_turns, ... }: multi-turn episodes
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
       [[algorithm.rl.envs.rewards]]  function = "number_match" | "pkg.module:attr", weight, kwargs
 """
@@ -21,6 +22,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
+from rollout_lib.algo.base import trains_env_tokens
+from rollout_lib.envs import interaction_settings_types
 from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, FrozenModel, PolicyOrFrozen
 from rollout_lib.config.common import (
     BudgetSettings,
@@ -59,6 +62,7 @@ def _tagged_union(types: tuple[type, ...], what: str) -> Any:
 
 AlgoChoice = _tagged_union(algo_settings_types(), "algo")
 SamplerChoice = _tagged_union(sampler_settings_types(), "sampler")
+InteractionChoice = _tagged_union(interaction_settings_types(), "interaction")
 
 
 class ReasoningGymSource(StrictModel):
@@ -97,7 +101,9 @@ class EnvSettings(StrictModel):
     prompts_per_step: int = Field(ge=1)  # distinct prompts drawn per step (each sampled group_size times)
     rewards: list[RewardFunctionSettings] = Field(min_length=1)
     sampler: EnvSampler = EnvSampler()
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = SamplingParams()  # with an interaction, max_tokens is per model turn
+    # Multi-turn: the environment answers each model turn (rollout_lib/envs); None: one model turn per rollout.
+    interaction: InteractionChoice | None = None
     algo: AlgoChoice = Field(default_factory=lambda: ALGORITHMS["grpo"].settings_class())
 
 
@@ -195,6 +201,10 @@ class RlConfig(EntryPointConfig):
                 found.append((f"{where}.sampler.source",
                               f"{env.algo.type} trains the rl component on rollouts of a frozen model: importance "
                               "ratios are against that model's logprobs, so every step is off-policy"))
+            if trains_env_tokens(ALGORITHMS[env.algo.type]) and env.interaction is None:
+                found.append((f"{where}.algo",
+                              f"{env.algo.type} trains on tokens the environment writes, and this env has no "
+                              "interaction (single-turn): it trains exactly as grpo"))
             if env.sampling.top_p != 1.0:
                 # Temperature is matched (the trainer scales each token's logits by it); the nucleus is not.
                 found.append((f"{where}.sampling.top_p",

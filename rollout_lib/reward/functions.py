@@ -31,6 +31,11 @@ class RewardInput:
     answer: str | None = None
     info: dict = field(default_factory=dict)  # parsed from the JSON `info` column of PROMPTS / ROLLOUTS
     env: str = ""
+    # Multi-turn envs: completion_text is the policy's last turn; `turns` every message after the prompt
+    # ({role, content}: the policy's turns as "assistant", then what the environment wrote), and `state` the
+    # episode's final state (envs.base.Interaction). Single-turn: turns holds the one completion, state is empty.
+    turns: list[dict] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
 
 
 def as_score(value: Any) -> float:
@@ -133,7 +138,16 @@ def reasoning_gym_score(inp: RewardInput, *, require_tags: bool = False) -> floa
     return float(dataset.score_answer(extracted, entry))
 
 
+def env_score(inp: RewardInput, *, key: str = "score") -> float:
+    """The score a multi-turn environment kept in its episode state (state[key]), e.g. guess_number's."""
+    if key not in inp.state:
+        raise ValueError(f"env_score: the episode state has no {key!r} (keys: {sorted(inp.state)}); is this env "
+                         "multi-turn, with an interaction that keeps a score?")
+    return as_score(inp.state[key])
+
+
 BUILTIN_REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
+    "env_score": env_score,
     "exact_match": exact_match,
     "contains_answer": contains_answer,
     "number_match": number_match,

@@ -22,21 +22,30 @@ def reward_inputs(rollouts: pa.Table, prompts: pa.Table | None = None) -> list[R
             prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()
         ):
             messages_by_example[example_id] = messages
-    columns = {
-        name: rollouts.column(name).to_pylist() for name in ("example_id", "env", "completion_text", "answer", "info")
-    }
+    names = ("example_id", "env", "completion_text", "answer", "info", "completion_turns", "episode")
+    columns = {name: rollouts.column(name).to_pylist() if name in rollouts.column_names else [None] * rollouts.num_rows
+               for name in names}
     inputs = []
     for row, example_id in enumerate(columns["example_id"]):
         if prompts is not None and example_id not in messages_by_example:
             raise ValueError(f"rollout row {row}: example_id {example_id!r} is not in the prompts table")
-        info_text = columns["info"][row]
+        info_text, turns = columns["info"][row], columns["completion_turns"][row]
+        if turns is None:  # single-turn: the completion is the one assistant turn
+            completion = columns["completion_text"][row]
+            messages, state = [{"role": "assistant", "content": completion}], {}
+        else:  # an episode: rewards read the policy's last turn, and may read every turn and the final state
+            messages = [{"role": turn["role"], "content": turn["content"]} for turn in turns]
+            completion = next((turn["content"] for turn in reversed(turns) if turn["sampled"]), "")
+            state = json.loads(columns["episode"][row])["state"]
         inputs.append(
             RewardInput(
                 prompt=messages_by_example.get(example_id, []),
-                completion_text=columns["completion_text"][row],
+                completion_text=completion,
                 answer=columns["answer"][row],
                 info=json.loads(info_text) if info_text else {},
                 env=columns["env"][row],
+                turns=messages,
+                state=state,
             )
         )
     return inputs

@@ -12,10 +12,15 @@ What every sampler must guarantee:
 - `sampling_logprobs[t]` is the log-probability the sampler drew `completion_ids[t]` with, under the same
   temperature / top_p processing it sampled from;
 - the same (prompts, params, seed) on the same backend and hardware gives the same rows (CPU: bit-identical).
+
+A backend defines `generate` (continue token sequences by one model turn); `sample` renders the prompts and runs
+single-turn completions, or whole episodes for an env with an interaction (rollout_lib/envs): the same backend
+serves both.
 """
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -67,8 +72,25 @@ class Sampler(ABC):
             SAMPLERS[cls.type_name] = cls
 
     @abstractmethod
-    def sample(self, prompts: pa.Table, params: SamplingParams, seed: int) -> pa.Table:
-        """ROLLOUTS rows (reward and reward_error null) for every PROMPTS row, `params.group_size` each."""
+    def generate(self, sequences: list[list[int]], params: SamplingParams,
+                 seed: int) -> list[tuple[list[int], list[float]]]:
+        """Each sequence continued by one model turn: (token ids up to and including the stop token if one was
+        produced, the logprob each was drawn with), in order. Seeded: the same call gives the same tokens."""
+
+    def sample(self, prompts: pa.Table, params: SamplingParams, seed: int, interaction=None,
+               context_limit: int | None = None) -> pa.Table:
+        """ROLLOUTS rows (reward and reward_error null) for every PROMPTS row, `params.group_size` each; with an
+        interaction (envs.base.Interaction), each row is a whole episode of at most `context_limit` tokens."""
+        prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
+        if interaction is not None:
+            return sample_episodes(self.generate, self.tokenizer, interaction, prompts, prompt_ids, params, seed,
+                                   stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None)),
+                                   context_limit)
+        # Prompt-major: the group of prompt 0, then of prompt 1, ...
+        sequences = [ids for ids in prompt_ids for _ in range(params.group_size)]
+        completions = [(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True))
+                       for ids, logprobs in self.generate(sequences, params, seed)]
+        return rollouts_table(prompts, params.group_size, prompt_ids, completions)
 
 
 SAMPLERS: dict[str, type[Sampler]] = {}
@@ -105,9 +127,26 @@ def sample_id(example_id: str, group_index: int) -> str:
     return f"{example_id}#{group_index}"
 
 
+def sample_episodes(generate, tokenizer, interaction, prompts: pa.Table, prompt_ids: list[list[int]],
+                    params: SamplingParams, seed: int, stop_ids: list[int], context_limit: int | None) -> pa.Table:
+    """ROLLOUTS of whole episodes (envs/episodes.py), with their turns and episode records."""
+    from rollout_lib.envs.episodes import run_episodes
+
+    rows = prompts.to_pylist()
+    for row in rows:
+        row["info"] = json.loads(row["info"]) if row["info"] else {}
+    episodes = run_episodes(generate, tokenizer, interaction, rows, prompt_ids, params, seed, stop_ids, context_limit)
+    completions = [(e.completion_ids, e.logprobs, tokenizer.decode(e.completion_ids, skip_special_tokens=True))
+                   for e in episodes]
+    return rollouts_table(prompts, params.group_size, prompt_ids, completions,
+                          [(e.turns, e.record()) for e in episodes])
+
+
 def rollouts_table(prompts: pa.Table, group_size: int, prompt_ids: list[list[int]],
-                   completions: list[tuple[list[int], list[float], str]]) -> pa.Table:
-    """Assemble ROLLOUTS rows from per-prompt ids and prompt-major (ids, logprobs, text) completions."""
+                   completions: list[tuple[list[int], list[float | None], str]],
+                   episodes: list[tuple[list[dict], str]] | None = None) -> pa.Table:
+    """Assemble ROLLOUTS rows from per-prompt ids and prompt-major (ids, logprobs, text) completions, and for a
+    multi-turn env each one's (turns, episode record)."""
     rows = prompts.to_pylist()
     if len(completions) != len(rows) * group_size:
         raise ValueError(f"{len(completions)} completions for {len(rows)} prompts x group_size {group_size}")
@@ -117,6 +156,7 @@ def rollouts_table(prompts: pa.Table, group_size: int, prompt_ids: list[list[int
         row = rows[prompt_row]
         if len(ids) != len(logprobs):
             raise ValueError(f"completion {index}: {len(ids)} tokens but {len(logprobs)} logprobs")
+        turns, episode = episodes[index] if episodes is not None else (None, None)
         records.append({
             "sample_id": sample_id(row["example_id"], group_index),
             "example_id": row["example_id"],
@@ -130,6 +170,8 @@ def rollouts_table(prompts: pa.Table, group_size: int, prompt_ids: list[list[int
             "info": row["info"],
             "reward": None,
             "reward_error": None,
+            "completion_turns": turns,
+            "episode": episode,
         })
     return pa.Table.from_pylist(records, schema=wire.ROLLOUTS)
 

@@ -17,7 +17,14 @@ import asyncio
 
 import pyarrow as pa
 
-from rollout_lib.sampling.base import SamplingParams, encode_prompt, prompt_messages, rollouts_table, stop_token_ids
+from rollout_lib.sampling.base import (
+    SamplingParams,
+    encode_prompt,
+    prompt_messages,
+    rollouts_table,
+    sample_episodes,
+    stop_token_ids,
+)
 from rollout_lib.trainer.determinism import derived_seed
 
 
@@ -31,12 +38,34 @@ class FrozenSampler:
         self.tokenizer = tokenizer
         self.concurrency = concurrency
 
-    def sample(self, prompts: pa.Table, params: SamplingParams, seed: int) -> pa.Table:
+    def sample(self, prompts: pa.Table, params: SamplingParams, seed: int, interaction=None,
+               context_limit: int | None = None) -> pa.Table:
         prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
+        if interaction is not None:
+            return sample_episodes(self.generate, self.tokenizer, interaction, prompts, prompt_ids, params, seed,
+                                   stop_token_ids(self.tokenizer), context_limit)
         generations = asyncio.run(self._generate_all(prompt_ids, params, seed))
         completions = [(g.token_ids, g.logprobs, self.tokenizer.decode(g.token_ids, skip_special_tokens=True))
                        for g in generations]
         return rollouts_table(prompts, params.group_size, prompt_ids, completions)
+
+    def generate(self, sequences: list[list[int]], params: SamplingParams,
+                 seed: int) -> list[tuple[list[int], list[float]]]:
+        """One model turn for each sequence, each request seeded by (seed, its index): an episode's turn does not
+        depend on which replica answers it or in which order."""
+        gate = asyncio.Semaphore(self.concurrency)
+        stops = stop_token_ids(self.tokenizer)
+
+        async def one(index: int):
+            async with gate:
+                return await self.pool.generate(
+                    sequences[index], max_tokens=params.max_tokens, temperature=params.temperature,
+                    top_p=params.top_p, seed=derived_seed("frozen-turn", seed, index), stop_token_ids=stops)
+
+        async def every():
+            return await asyncio.gather(*(one(index) for index in range(len(sequences))))
+
+        return [(g.token_ids, g.logprobs) for g in asyncio.run(every())]
 
     async def _generate_all(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> list:
         gate = asyncio.Semaphore(self.concurrency)

@@ -14,19 +14,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import pyarrow as pa
 import torch
 from pydantic import Field
 
-from rollout_lib.sampling.base import (
-    Sampler,
-    SamplerSettings,
-    SamplingParams,
-    encode_prompt,
-    prompt_messages,
-    rollouts_table,
-    stop_token_ids,
-)
+from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
 from rollout_lib.trainer.determinism import derived_seed
 
 
@@ -39,20 +30,18 @@ class HfSampler(Sampler):
     type_name = "hf"
     settings_class = HfSamplerSettings
 
-    def sample(self, prompts: pa.Table, params: SamplingParams, seed: int) -> pa.Table:
-        prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
-        # Prompt-major: the group of prompt 0, then of prompt 1, ...
-        sequences = [ids for ids in prompt_ids for _ in range(params.group_size)]
-        completions: list[tuple[list[int], list[float], str]] = []
+    def generate(self, sequences: list[list[int]], params: SamplingParams,
+                 seed: int) -> list[tuple[list[int], list[float]]]:
+        completions: list[tuple[list[int], list[float]]] = []
         size = self.settings.batch_size
         for chunk_index, start in enumerate(range(0, len(sequences), size)):
             chunk_seed = derived_seed("hf-sampler", seed, chunk_index)
             completions.extend(self._generate(sequences[start:start + size], params, chunk_seed))
-        return rollouts_table(prompts, params.group_size, prompt_ids, completions)
+        return completions
 
     @torch.no_grad()
     def _generate(self, sequences: list[list[int]], params: SamplingParams,
-                  seed: int) -> list[tuple[list[int], list[float], str]]:
+                  seed: int) -> list[tuple[list[int], list[float]]]:
         from transformers import GenerationConfig
 
         tokenizer, model = self.tokenizer, self.model
@@ -94,6 +83,5 @@ class HfSampler(Sampler):
             # Up to and including the first stop token; after it `generate` only pads.
             length = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
             ids = tokens[:length]
-            completions.append((ids, logprobs[row, :length].tolist(),
-                                tokenizer.decode(ids, skip_special_tokens=True)))
+            completions.append((ids, logprobs[row, :length].tolist()))
         return completions

@@ -1,0 +1,25 @@
+"""Multi-turn environments: the Interaction interface (base.py), the episode driver (episodes.py), the rendering of
+env replies (render.py), and the interactions, one module each. Importing this package registers every module in
+it, so the config's `interaction` union is built from the registry."""
+
+import importlib
+import pkgutil
+
+from rollout_lib.envs.base import INTERACTIONS, EnvReply, Interaction, InteractionSettings
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in ("base", "episodes", "render"):
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def interaction_settings_types() -> tuple[type[InteractionSettings], ...]:
+    """The settings class of every registered interaction, in type-name order (for the config's union)."""
+    return tuple(INTERACTIONS[name].settings_class for name in sorted(INTERACTIONS))
+
+
+def build_interaction(settings: InteractionSettings) -> Interaction:
+    return INTERACTIONS[settings.type](settings)
+
+
+__all__ = ["INTERACTIONS", "EnvReply", "Interaction", "InteractionSettings", "build_interaction",
+           "interaction_settings_types"]

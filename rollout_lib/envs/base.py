@@ -1,0 +1,95 @@
+"""Multi-turn environments: after each model turn the environment answers (a tool result, feedback) or ends the
+episode.
+
+An env of a train-rl run is single-turn unless it names an interaction (`interaction = { type = "calculator",
+max_turns = 3 }`): then each sampled completion is an episode that alternates model turns and environment
+messages until the interaction says it is done, the model's turn ends without its stop token (cut at
+`sampling.max_tokens`), or the model has taken `max_turns` turns. The episode driver (`episodes.py`) keeps the
+whole token sequence and says which tokens the policy sampled and which the environment wrote, under which role
+(wire.ROLLOUTS `completion_turns`).
+
+An interaction is one class with its settings class, registered by a `type` name like the algorithms (a module
+in this package, or `{ type = "custom", import_path = "pkg.module:Class", kwargs = {...} }` for one of the
+user's). What it must guarantee:
+
+- `start(prompt)` returns the episode's initial state, a JSON-serialisable dict (it is stored with the rollout
+  and handed to reward functions as `RewardInput.state`);
+- `respond(state, messages)` reads the conversation so far (the prompt's messages, then every turn; the last one
+  is the model's, role "assistant") and returns what the environment writes next, or `done`. It may update
+  `state` in place. It sees every model turn that ended with the stop token, the last allowed one too (then its
+  reply is dropped: keep the score in `state`); a turn cut at max_tokens ends the episode unseen. It is
+  deterministic in (state, messages): a rerun of a step replays the same episodes;
+- it never executes text the model wrote (parse it; a calculator evaluates arithmetic with its own parser).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class InteractionSettings(BaseModel):
+    """Settings of one interaction; subclasses set `type: Literal["<name>"] = "<name>"` and their own knobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(4, ge=1)  # model turns per episode; the environment does not answer the last one
+
+    def user_modules(self) -> tuple[str, ...]:
+        """Modules outside the project whose source decides the episodes (a user class named by import path)."""
+        return ()
+
+
+@dataclass(frozen=True)
+class EnvReply:
+    """What the environment writes after a model turn: messages ({role, content}) for the model to read before its
+    next turn, or `done` to end the episode (then `messages` must be empty)."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        if self.done and self.messages:
+            raise ValueError("an EnvReply that ends the episode writes no messages")
+        if not self.done and not self.messages:
+            raise ValueError("an EnvReply that continues the episode writes at least one message")
+        for message in self.messages:
+            if set(message) != {"role", "content"} or not all(isinstance(v, str) for v in message.values()):
+                raise ValueError(f"an env message is {{'role': str, 'content': str}}, got {message!r}")
+
+
+class Interaction:
+    """One env's turn-taking; subclasses set `type_name`, `settings_class` and define `respond` (and `start`)."""
+
+    type_name: ClassVar[str]
+    settings_class: ClassVar[type[InteractionSettings]]
+
+    def __init__(self, settings: InteractionSettings):
+        if not isinstance(settings, self.settings_class):
+            raise TypeError(f"{type(self).__name__} takes {self.settings_class.__name__}, "
+                            f"got {type(settings).__name__}")
+        self.settings = settings
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "type_name" in cls.__dict__:
+            declared = cls.settings_class.model_fields.get("type")
+            if declared is None or declared.default != cls.type_name:
+                raise TypeError(f"{cls.settings_class.__name__} must declare `type: Literal[{cls.type_name!r}] = "
+                                f"{cls.type_name!r}`")
+            if cls.type_name in INTERACTIONS and INTERACTIONS[cls.type_name] is not cls:
+                raise TypeError(f"interaction type {cls.type_name!r} is registered twice")
+            INTERACTIONS[cls.type_name] = cls
+
+    def start(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """The initial state of an episode on `prompt` (a PROMPTS row: messages, answer, info parsed to a dict)."""
+        return {}
+
+    def respond(self, state: dict[str, Any], messages: list[dict[str, str]]) -> EnvReply:
+        """The environment's answer to the model's last turn (`messages[-1]`), or EnvReply(done=True)."""
+        raise NotImplementedError
+
+
+INTERACTIONS: dict[str, type[Interaction]] = {}

@@ -1,0 +1,113 @@
+"""The episode driver: model turns and environment replies, for every (prompt, group index) of a step.
+
+Turn by turn, every episode still running gets its next model turn from one `generate` call (prompt-major order,
+seeded per turn), then its interaction answers or ends it. An episode ends when the interaction says done, when
+the model's turn ends without a stop token (it was cut at `max_tokens`; the interaction does not see a cut turn),
+after `max_turns` model turns (the interaction still sees the last one, so its state can score it, but its reply
+is not written), or when its tokens reach the context limit. What the model sampled is kept token for token; the environment's messages are
+rendered by the chat template (render.py) and recorded as segments with their role (wire.TURN), so stamping can
+keep them out of the rl component and echo can train on them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_lib.envs.base import EnvReply, Interaction
+from rollout_lib.envs.render import render_env_reply
+from rollout_lib.trainer.determinism import derived_seed
+
+# (token ids, per-token logprobs) of each sequence continued by one model turn, in order.
+Generate = Callable[[list[list[int]], Any, int], list[tuple[list[int], list[float]]]]
+
+
+@dataclass
+class Episode:
+    prompt: dict[str, Any]  # the PROMPTS row, info parsed
+    prompt_ids: list[int]
+    state: dict[str, Any]
+    messages: list[dict[str, str]]  # the conversation so far: the prompt's messages, then every turn
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)  # wire.TURN records
+    model_turns: int = 0
+    end: str | None = None  # why it ended: env | max_turns | truncated | context
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def add(self, ids: list[int], logprobs: list[float | None], role: str, content: str, body: tuple[int, int],
+            sampled: bool) -> None:
+        start = len(self.completion_ids)
+        self.completion_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.turns.append({"role": role, "sampled": sampled, "start": start, "length": len(ids),
+                           "body_start": start + body[0], "body_length": body[1] - body[0], "content": content})
+
+    def record(self) -> str:
+        """The `episode` column: the interaction's final state, how many model turns, and why it ended."""
+        try:
+            return json.dumps({"state": self.state, "turns": self.model_turns, "end": self.end}, sort_keys=True)
+        except TypeError as exc:
+            raise TypeError(f"an interaction's state must be JSON-serialisable: {exc}") from exc
+
+
+def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt_rows: list[dict],
+                 prompt_ids: list[list[int]], params, seed: int, stop_ids: list[int],
+                 context_limit: int | None = None, where: str = "interaction") -> list[Episode]:
+    """`params.group_size` episodes per prompt row, prompt-major. `generate(sequences, params, seed)` continues
+    each sequence by one model turn. `where` names the interaction's setting in errors."""
+    episodes = []
+    for row, ids in zip(prompt_rows, prompt_ids):
+        for _ in range(params.group_size):
+            state = interaction.start(dict(row))
+            if not isinstance(state, dict):
+                raise TypeError(f"{where}: {type(interaction).__name__}.start returned {type(state).__name__}, "
+                                "not a dict")
+            episodes.append(Episode(row, list(ids), state, [dict(m) for m in row["messages"]]))
+    stops = set(stop_ids)
+    for turn in range(interaction.settings.max_turns):
+        running = [episode for episode in episodes if episode.end is None]
+        if context_limit is not None:
+            for episode in running:
+                if len(episode.sequence) >= context_limit:
+                    episode.end = "context"
+            running = [episode for episode in running if episode.end is None]
+        if not running:
+            break
+        outputs = generate([episode.sequence for episode in running], params, derived_seed("episode-turn", seed, turn))
+        for episode, (ids, logprobs) in zip(running, outputs):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            episode.add(list(ids), list(logprobs), "assistant", text, (0, len(ids)), sampled=True)
+            episode.model_turns += 1
+            episode.messages.append({"role": "assistant", "content": text})
+            if not (ids and ids[-1] in stops):
+                episode.end = "truncated"
+            else:
+                _env_turn(episode, interaction, tokenizer, ids[-1], where)
+    return episodes
+
+
+def _env_turn(episode: Episode, interaction: Interaction, tokenizer, stop_token: int, where: str) -> None:
+    """The interaction sees every complete model turn, the last allowed one too (its state may score it); its
+    reply is written only while the model has turns left."""
+    reply = interaction.respond(episode.state, [dict(m) for m in episode.messages])
+    if not isinstance(reply, EnvReply):
+        raise TypeError(f"{where}: {type(interaction).__name__}.respond returned {type(reply).__name__}, "
+                        "not an EnvReply")
+    if reply.done:
+        episode.end = "env"
+        return
+    if episode.model_turns >= interaction.settings.max_turns:
+        episode.end = "max_turns"
+        return
+    ids, rendered = render_env_reply(tokenizer, episode.messages, stop_token, reply.messages)
+    for message in rendered:
+        episode.add(ids[message.start:message.end], [None] * (message.end - message.start), message.role,
+                    message.content, (message.body_start - message.start, message.body_end - message.start),
+                    sampled=False)
+    episode.messages.extend(dict(m) for m in reply.messages)

@@ -1,0 +1,211 @@
+"""Multi-turn episodes on the wire: the env's reply is rendered by the policy's chat template token-exactly, every
+completion token is attributed (sampled by the policy, or written by the env under a role), sampling logprobs exist
+only on sampled tokens, env tokens never enter rl, and echo puts its role's alpha on env message bodies only.
+
+The policy in the driver tests is scripted (a generate function writing fixed turns through the real tiny
+tokenizer), so the expected token sequence is known exactly; the sampler test runs the real transformers sampler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pyarrow as pa
+import pytest
+import torch
+
+from rollout_lib import wire
+from rollout_lib.algo.echo import Echo, EchoSettings
+from rollout_lib.algo.grpo import Grpo, GrpoSettings
+from rollout_lib.algo.stamping import assign_advantages, score_for_shipping, stamp_training_samples
+from rollout_lib.envs import EnvReply, build_interaction
+from rollout_lib.envs.calculator import CalculatorSettings
+from rollout_lib.envs.render import render_env_reply
+from rollout_lib.losses import _component_masks
+from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
+from rollout_lib.packing import collate_micro_batch, pack_samples
+from rollout_lib.reward.functions import env_score
+from rollout_lib.reward.tables import reward_inputs
+from rollout_lib.sampling import SamplingParams
+from rollout_lib.sampling.base import encode_prompt, sample_episodes
+from rollout_lib.sampling.hf import HfSampler, HfSamplerSettings
+
+QUESTION = [{"role": "user", "content": "What is 37 * 24?"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model("tiny:qwen2"))
+
+
+def scripted_policy(tokenizer, turns: list[str]):
+    """A generate function whose k-th turn (counted per sequence from the env replies in it) is turns[k]."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(sequences, params, seed):
+        outputs = []
+        for sequence in sequences:
+            k = tokenizer.decode(sequence).count("<|im_start|>assistant") - 1
+            ids = tokenizer(turns[k], add_special_tokens=False)["input_ids"] + [end]
+            outputs.append((ids, [-0.5 - 0.01 * i for i in range(len(ids))]))
+        return outputs
+
+    return generate
+
+
+def prompts_table(n: int = 1) -> pa.Table:
+    return pa.Table.from_pylist([{"example_id": f"q{i}", "env": "calc", "messages": QUESTION, "answer": "888",
+                                  "info": None, "source_line": i + 1} for i in range(n)], schema=wire.PROMPTS)
+
+
+def calculator_episodes(tokenizer, turns: list[str], group_size: int = 2, max_turns: int = 3) -> pa.Table:
+    prompt_ids = [encode_prompt(tokenizer, QUESTION)]
+    return sample_episodes(scripted_policy(tokenizer, turns), tokenizer,
+                           build_interaction(CalculatorSettings(max_turns=max_turns)), prompts_table(),
+                           prompt_ids, SamplingParams(group_size=group_size, max_tokens=16), seed=0,
+                           stop_ids=[tokenizer.eos_token_id], context_limit=256)
+
+
+def test_an_episode_is_the_chat_template_rendering_of_its_conversation(tokenizer):
+    row = calculator_episodes(tokenizer, ["calc: 37 * 24", "The answer is 888."]).to_pylist()[0]
+    conversation = [*QUESTION, {"role": "assistant", "content": "calc: 37 * 24"}, {"role": "tool", "content": "888"},
+                    {"role": "assistant", "content": "The answer is 888."}]
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    # Token-exact: the model's turns as sampled, the env's reply as the template renders it (the rendering's trailing
+    # newline follows the last end-of-turn token, which the model does not write).
+    assert tokenizer.decode(row["prompt_ids"] + row["completion_ids"]) == rendered.removesuffix("\n")
+    assert row["prompt_ids"] + row["completion_ids"] == tokenizer(rendered.removesuffix("\n"))["input_ids"]
+
+    turns = row["completion_turns"]
+    assert [(t["role"], t["sampled"]) for t in turns] == [("assistant", True), ("tool", False), ("assistant", True)]
+    position = 0
+    for turn in turns:  # the segments tile the completion
+        assert turn["start"] == position
+        position += turn["length"]
+    assert position == len(row["completion_ids"])
+
+    def text(start, length):
+        return tokenizer.decode(row["completion_ids"][start:start + length])
+
+    tool = turns[1]
+    assert text(tool["start"], tool["length"]) == "\n<|im_start|>tool\n888<|im_end|>\n<|im_start|>assistant\n"
+    assert text(tool["body_start"], tool["body_length"]) == "888" and tool["content"] == "888"
+    assert text(turns[2]["start"], turns[2]["length"]) == "The answer is 888.<|im_end|>"
+    # Sampling logprobs on the sampled tokens only.
+    logprobs = row["sampling_logprobs"]
+    assert all((lp is None) == (tool["start"] <= i < tool["start"] + tool["length"]) for i, lp in enumerate(logprobs))
+    assert json.loads(row["episode"]) == {"end": "env", "turns": 2,
+                                          "state": {"answer": "888", "calls": 1, "results": ["888"], "score": 1.0}}
+
+
+def test_episodes_end_at_max_turns_and_on_a_cut_turn(tokenizer):
+    looping = calculator_episodes(tokenizer, ["calc: 1 + 1"] * 3, max_turns=2).to_pylist()[0]
+    assert json.loads(looping["episode"])["end"] == "max_turns"
+    assert [t["sampled"] for t in looping["completion_turns"]] == [True, False, True]  # no reply to the last turn
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def cut(sequences, params, seed):  # a turn that fills max_tokens without the stop token
+        return [([5] * params.max_tokens, [-1.0] * params.max_tokens) for _ in sequences]
+
+    table = sample_episodes(cut, tokenizer, build_interaction(CalculatorSettings()), prompts_table(),
+                            [encode_prompt(tokenizer, QUESTION)], SamplingParams(group_size=1, max_tokens=4), 0,
+                            [end], 256)
+    row = table.to_pylist()[0]
+    assert json.loads(row["episode"])["end"] == "truncated" and row["completion_ids"] == [5, 5, 5, 5]
+
+
+def test_a_reply_renders_without_a_chat_template_as_lines(tokenizer):
+    plain = load_tokenizer(resolve_model("tiny:qwen2"))
+    plain.chat_template = None
+    ids, [message] = render_env_reply(plain, [*QUESTION, {"role": "assistant", "content": "x"}], plain.eos_token_id,
+                                      [{"role": "user", "content": "higher"}])
+    assert plain.decode(ids) == "higher\n"
+    assert plain.decode(ids[message.body_start:message.body_end]) == "higher"
+
+
+def test_env_tokens_never_train_rl_and_echo_trains_tool_bodies_at_alpha(tokenizer):
+    rollouts = calculator_episodes(tokenizer, ["calc: 37 * 24", "The answer is 888."])
+    rollouts = rollouts.set_column(rollouts.schema.get_field_index("reward"), wire.ROLLOUTS.field("reward"),
+                                   pa.array([1.0, 0.0], pa.float64()))
+    row = rollouts.to_pylist()[0]
+    n_prompt, tool = len(row["prompt_ids"]), row["completion_turns"][1]
+    env_positions = set(range(n_prompt + tool["start"], n_prompt + tool["start"] + tool["length"]))
+    body = set(range(n_prompt + tool["body_start"], n_prompt + tool["body_start"] + tool["body_length"]))
+
+    for algorithm in (Grpo(GrpoSettings(), where="algorithm.rl.envs[0].algo"),
+                      Echo(EchoSettings(), where="algorithm.rl.envs[0].algo")):
+        algorithms = {"calc": algorithm}
+        samples = stamp_training_samples(rollouts, assign_advantages(rollouts, algorithms), algorithms, 256,
+                                         {"calc": 0.7})
+        samples = asyncio.run(score_for_shipping(samples, algorithms))
+        [mb] = pack_samples(samples, 512).to_pylist()
+        streams = collate_micro_batch(mb, packed=True, pad_token_id=0)
+        masks = _component_masks(streams)
+        length = len(row["prompt_ids"]) + len(row["completion_ids"])
+        rl = [i for i in range(length) if masks["rl"][i]]
+        # rl: exactly the policy's sampled tokens of sample 0 (its advantage +0.5), never an env token.
+        assert rl == [i for i in range(n_prompt, length) if i not in env_positions]
+        assert all(mb["advantages"][i] == 0.0 for i in env_positions)
+        assert mb["temperatures"][:length] == [pytest.approx(0.7 if i in rl else 1.0) for i in range(length)]
+        ce = {i: mb["ce_weights"][i] for i in range(length) if mb["ce_weights"][i]}
+        if isinstance(algorithm, Echo):
+            assert ce == {i: pytest.approx(0.1) for i in body}  # the tool's body at 0.1, never its framing
+        else:
+            assert ce == {}
+
+
+def test_echo_role_table_and_filter(tokenizer, tmp_path, monkeypatch):
+    rollouts = calculator_episodes(tokenizer, ["calc: 37 * 24", "The answer is 888."])
+    row = rollouts.to_pylist()[0]
+    tool = row["completion_turns"][1]
+    assert Echo(EchoSettings(roles={"user": {"alpha": 1.0}})).observation_weights(row) == [0.0] * len(
+        row["completion_ids"])  # setting roles replaces the table: tool bodies no longer train
+
+    (tmp_path / "echo_filters.py").write_text(
+        "def drop_digits(rollout, keep_first=0):\n"
+        "    return [i < keep_first for i in range(len(rollout['completion_ids']))]\n"
+        "def wrong_shape(rollout):\n"
+        "    return [True]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    keep_all = Echo(EchoSettings(filter={"import_path": "echo_filters:drop_digits",
+                                         "kwargs": {"keep_first": tool["body_start"] + 1}}))
+    weights = keep_all.observation_weights(row)
+    assert [i for i, w in enumerate(weights) if w] == [tool["body_start"]]  # the filter kept the first body token
+    broken = Echo(EchoSettings(filter={"import_path": "echo_filters:wrong_shape"}),
+                  where="algorithm.rl.envs[0].algo")
+    with pytest.raises(ValueError, match=r"algorithm.rl.envs\[0\].algo.filter: echo filter 'echo_filters:wrong_shape' "
+                                         r"returned 1 for sample 'q0#0'; expected a list of \d+ bools"):
+        broken.observation_weights(row)
+
+
+def test_reward_functions_read_the_last_turn_and_the_episode_state(tokenizer):
+    rollouts = calculator_episodes(tokenizer, ["calc: 37 * 24", "The answer is 888."])
+    [first, _] = reward_inputs(rollouts, prompts_table())
+    assert first.completion_text == "The answer is 888."
+    assert [t["role"] for t in first.turns] == ["assistant", "tool", "assistant"]
+    assert env_score(first) == 1.0
+    wrong = calculator_episodes(tokenizer, ["calc: 37 * 24", "The answer is 37."])
+    assert env_score(reward_inputs(wrong)[0]) == 0.0
+
+
+def test_the_transformers_sampler_plays_episodes_reproducibly(tokenizer):
+    model = load_causal_lm(resolve_model("tiny:qwen2"))
+    sampler = HfSampler(HfSamplerSettings(), model, tokenizer)
+    params = SamplingParams(group_size=4, max_tokens=6)
+    interaction = build_interaction(CalculatorSettings())
+    first = sampler.sample(prompts_table(2), params, 7, interaction=interaction, context_limit=128)
+    again = sampler.sample(prompts_table(2), params, 7, interaction=interaction, context_limit=128)
+    assert first.equals(again) and first.num_rows == 8
+    for row in first.to_pylist():
+        assert len(row["sampling_logprobs"]) == len(row["completion_ids"])
+        sampled = [i for t in row["completion_turns"] if t["sampled"] for i in range(t["start"], t["start"] + t["length"])]
+        assert all(row["sampling_logprobs"][i] is not None and row["sampling_logprobs"][i] <= 0 for i in sampled)
+    torch.manual_seed(0)  # the sampler forks the RNG: the caller's state is untouched either way
+
+
+def test_an_interaction_must_reply_with_an_env_reply():
+    with pytest.raises(ValueError, match="ends the episode writes no messages"):
+        EnvReply(messages=[{"role": "user", "content": "x"}], done=True)
+    with pytest.raises(ValueError, match="at least one message"):
+        EnvReply()
