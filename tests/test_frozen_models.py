@@ -8,6 +8,7 @@ import json
 import warnings
 
 import psutil
+import pyarrow as pa
 import pytest
 
 from rollout_lib import wire
@@ -135,6 +136,33 @@ def test_a_frozen_sampler_keeps_the_rollouts_contract_and_repeats_with_its_seed(
     assert again.column("completion_ids").to_pylist() == rollouts.column("completion_ids").to_pylist()
     other = sampler.sample(prompts, params, seed=12)
     assert other.column("completion_ids").to_pylist() != rollouts.column("completion_ids").to_pylist()
+
+
+@pytest.mark.slow
+def test_a_frozen_sampler_plays_multi_turn_episodes_reproducibly(tiny_pool):
+    from rollout_lib.envs import build_interaction
+    from rollout_lib.envs.guess_number import GuessNumberSettings
+
+    tokenizer = load_tokenizer(resolve_model("tiny:qwen2"))
+    prompts = pa.Table.from_pylist([{"example_id": f"g{i}", "env": "guess", "source_line": i + 1, "info": None,
+                                     "messages": [{"role": "user", "content": "Guess my number."}], "answer": "5"}
+                                    for i in range(2)], schema=wire.PROMPTS)
+    sampler = FrozenSampler(tiny_pool, tokenizer, concurrency=8)
+    params = SamplingParams(group_size=8, max_tokens=48)  # a random model's turn reaches its stop token sometimes
+    interaction = build_interaction(GuessNumberSettings(max_turns=3))
+    episodes = sampler.sample(prompts, params, seed=5, interaction=interaction, context_limit=128)
+    again = sampler.sample(prompts, params, seed=5, interaction=interaction, context_limit=128)
+    assert episodes.column("completion_ids").to_pylist() == again.column("completion_ids").to_pylist()
+    rows = episodes.to_pylist()
+    # The random tiny model rarely writes a number: where a turn ends, the env asks for one (env-written turns).
+    assert any(not turn["sampled"] for row in rows for turn in row["completion_turns"])
+    for row in rows:
+        for turn in row["completion_turns"]:
+            span = row["sampling_logprobs"][turn["start"]:turn["start"] + turn["length"]]
+            assert all((lp is None) != turn["sampled"] for lp in span)
+            if not turn["sampled"]:
+                assert turn["role"] == "user" and tokenizer.decode(
+                    row["completion_ids"][turn["body_start"]:turn["body_start"] + turn["body_length"]]) == turn["content"]
 
 
 @pytest.mark.slow
