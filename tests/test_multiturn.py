@@ -209,3 +209,32 @@ def test_an_interaction_must_reply_with_an_env_reply():
         EnvReply(messages=[{"role": "user", "content": "x"}], done=True)
     with pytest.raises(ValueError, match="at least one message"):
         EnvReply()
+
+
+def test_an_interaction_that_fails_names_the_env_the_example_and_its_line(tmp_path, monkeypatch):
+    from rollout_lib.config import RlConfig, validate_config
+    from rollout_lib.config.loading import read_toml
+    from rollout_lib.envs.episodes import EpisodeError
+    from rollout_lib.rl.prompts import load_prompts
+    from rollout_lib.rl.sample import build_samplers, sample_rollouts
+
+    (tmp_path / "exploding_env.py").write_text(
+        "class Exploding:\n"
+        "    def start(self, prompt):\n"
+        "        if 'sea' in prompt['messages'][-1]['content']:\n"
+        "            raise RuntimeError('no seas here')\n"
+        "        return {}\n"
+        "    def respond(self, state, messages):\n"
+        "        raise AssertionError('never reached')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    raw = read_toml("configs/rl-tiny.toml")
+    raw["algorithm"]["rl"]["envs"][0].update(
+        prompts_per_step=8, interaction={"type": "custom", "import_path": "exploding_env:Exploding"})
+    config = validate_config(RlConfig, raw)
+    prompts = {"words": load_prompts(config.settings.envs[0])}
+    model = load_causal_lm(resolve_model("tiny:qwen2"))
+    samplers = build_samplers(config, model, load_tokenizer(resolve_model("tiny:qwen2")))
+    with pytest.raises(EpisodeError) as failure:
+        sample_rollouts(config, samplers, prompts, step=1)
+    assert str(failure.value).startswith("algorithm.rl.envs[0].interaction: Exploding.start failed on example ")
+    assert "(line 3): RuntimeError: no seas here" in str(failure.value)

@@ -83,6 +83,11 @@ class Interaction:
                 raise TypeError(f"interaction type {cls.type_name!r} is registered twice")
             INTERACTIONS[cls.type_name] = cls
 
+    @property
+    def name(self) -> str:
+        """What errors call it."""
+        return type(self).__name__
+
     def start(self, prompt: dict[str, Any]) -> dict[str, Any]:
         """The initial state of an episode on `prompt` (a PROMPTS row: messages, answer, info parsed to a dict)."""
         return {}

@@ -42,6 +42,10 @@ class CustomInteraction(Interaction):
         if not callable(getattr(self.user, "respond", None)):
             raise TypeError(f"{WHAT} {settings.import_path!r} has no respond(state, messages) method")
 
+    @property
+    def name(self) -> str:
+        return type(self.user).__name__
+
     def start(self, prompt: dict[str, Any]) -> dict[str, Any]:
         start = getattr(self.user, "start", None)
         return start(prompt) if start is not None else {}

@@ -17,8 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_lib.envs.base import EnvReply, Interaction
-from rollout_lib.envs.render import render_env_reply
+from rollout_lib.envs.render import TemplateMismatchError, render_env_reply
 from rollout_lib.trainer.determinism import derived_seed
+
+class EpisodeError(ValueError):
+    """An episode could not go on: the interaction failed or broke its contract, or the chat template cannot extend
+    the conversation token-exactly. The message names the interaction and the example."""
+
 
 # (token ids, per-token logprobs) of each sequence continued by one model turn, in order.
 Generate = Callable[[list[list[int]], Any, int], list[tuple[list[int], list[float]]]]
@@ -58,16 +63,16 @@ class Episode:
 
 def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt_rows: list[dict],
                  prompt_ids: list[list[int]], params, seed: int, stop_ids: list[int],
-                 context_limit: int | None = None, where: str = "interaction") -> list[Episode]:
+                 context_limit: int | None = None) -> list[Episode]:
     """`params.group_size` episodes per prompt row, prompt-major. `generate(sequences, params, seed)` continues
-    each sequence by one model turn. `where` names the interaction's setting in errors."""
+    each sequence by one model turn. Raises EpisodeError when an episode cannot go on."""
     episodes = []
     for row, ids in zip(prompt_rows, prompt_ids):
         for _ in range(params.group_size):
-            state = interaction.start(dict(row))
+            state = _call(interaction, "start", row, dict(row))
             if not isinstance(state, dict):
-                raise TypeError(f"{where}: {type(interaction).__name__}.start returned {type(state).__name__}, "
-                                "not a dict")
+                raise EpisodeError(f"{interaction.name}.start returned {type(state).__name__} for "
+                                   f"{_example(row)}, not a dict")
             episodes.append(Episode(row, list(ids), state, [dict(m) for m in row["messages"]]))
     stops = set(stop_ids)
     for turn in range(interaction.settings.max_turns):
@@ -88,24 +93,43 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
             if not (ids and ids[-1] in stops):
                 episode.end = "truncated"
             else:
-                _env_turn(episode, interaction, tokenizer, ids[-1], where)
+                _env_turn(episode, interaction, tokenizer, ids[-1])
     return episodes
 
 
-def _env_turn(episode: Episode, interaction: Interaction, tokenizer, stop_token: int, where: str) -> None:
+def _example(row: dict) -> str:
+    line = f" (line {row['source_line']})" if row.get("source_line") is not None else ""
+    return f"example {row.get('example_id')!r}{line}"
+
+
+def _call(interaction: Interaction, method: str, row: dict, *args):
+    """Call the interaction; whatever it raises is its failure on this example, named so."""
+    try:
+        return getattr(interaction, method)(*args)
+    except EpisodeError:
+        raise
+    except Exception as exc:  # the user's environment may raise anything: the example is what to look at
+        raise EpisodeError(f"{interaction.name}.{method} failed on {_example(row)}: {type(exc).__name__}: "
+                           f"{exc}") from exc
+
+
+def _env_turn(episode: Episode, interaction: Interaction, tokenizer, stop_token: int) -> None:
     """The interaction sees every complete model turn, the last allowed one too (its state may score it); its
     reply is written only while the model has turns left."""
-    reply = interaction.respond(episode.state, [dict(m) for m in episode.messages])
+    reply = _call(interaction, "respond", episode.prompt, episode.state, [dict(m) for m in episode.messages])
     if not isinstance(reply, EnvReply):
-        raise TypeError(f"{where}: {type(interaction).__name__}.respond returned {type(reply).__name__}, "
-                        "not an EnvReply")
+        raise EpisodeError(f"{interaction.name}.respond returned {type(reply).__name__} for "
+                           f"{_example(episode.prompt)}, not an EnvReply")
     if reply.done:
         episode.end = "env"
         return
     if episode.model_turns >= interaction.settings.max_turns:
         episode.end = "max_turns"
         return
-    ids, rendered = render_env_reply(tokenizer, episode.messages, stop_token, reply.messages)
+    try:
+        ids, rendered = render_env_reply(tokenizer, episode.messages, stop_token, reply.messages)
+    except TemplateMismatchError as exc:
+        raise EpisodeError(f"{_example(episode.prompt)}: {exc}") from exc
     for message in rendered:
         episode.add(ids[message.start:message.end], [None] * (message.end - message.start), message.role,
                     message.content, (message.body_start - message.start, message.body_end - message.start),

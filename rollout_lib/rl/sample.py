@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.envs import build_interaction
+from rollout_lib.envs.episodes import EpisodeError
 from rollout_lib.rl.prompts import select_prompts
 from rollout_lib.sampling import SAMPLERS
 from rollout_lib.sampling.frozen import FrozenSampler
@@ -47,9 +48,12 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
         chosen = select_prompts(prompt_tables[env.name], env.prompts_per_step, seed=config.run.seed, step=step,
                                 env_index=env_index)
         interaction = build_interaction(env.interaction) if env.interaction is not None else None
-        parts.append(samplers[env.name].sample(chosen, env.sampling,
-                                               derived_seed(config.run.seed, "sample", step, env_index),
-                                               interaction=interaction, context_limit=config.settings.max_seq_len))
+        try:
+            parts.append(samplers[env.name].sample(chosen, env.sampling,
+                                                   derived_seed(config.run.seed, "sample", step, env_index),
+                                                   interaction=interaction, context_limit=config.settings.max_seq_len))
+        except EpisodeError as exc:
+            raise EpisodeError(f"algorithm.rl.envs[{env_index}].interaction: {exc}") from exc
     rollouts = pa.concat_tables(parts)
     lengths = [len(ids) for ids in rollouts.column("completion_ids").to_pylist()]
     max_tokens = {env.name: env.sampling.max_tokens for env in config.settings.envs}
