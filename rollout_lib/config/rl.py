@@ -122,6 +122,11 @@ class RewardLoopSettings(StrictModel):
     concurrency: int = Field(32, ge=1)  # reward calls in flight
     timeout_s: float = Field(30.0, gt=0)  # per call; the call is stopped (worker killed / task cancelled)
     sync_workers: int | None = Field(None, ge=1)  # worker processes for sync functions (default: min(cores, ...))
+    # The circuit breaker: a step with a larger share of missing rewards fails, naming its most frequent errors.
+    # 0.5 because past it the rollouts a reward did score are the minority, so the step would train on whichever
+    # rollouts the failure happened to spare (often the easy or short ones), not on the batch that was sampled.
+    # 1.0: only a step where every reward is missing fails.
+    max_missing_fraction: float = Field(0.5, ge=0, le=1)
 
 
 class RlSettings(StrictModel):
@@ -181,6 +186,8 @@ class RlConfig(EntryPointConfig):
         for a model rollout serves, nothing here: trainer.identity adds its content digest), never as its
         addresses, timeouts or replica count."""
         settings = super().training_settings()
+        # The circuit breaker decides whether a step fails, never what a step that runs trains.
+        settings["reward_loop"].pop("max_missing_fraction")
         for env, dumped in zip(self.settings.envs, settings["envs"]):
             if env.sampler.frozen is not None:
                 dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()

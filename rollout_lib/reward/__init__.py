@@ -4,8 +4,9 @@
 - `locate`: finds a user's reward function without running its module (for `--dry-run`)
 - `loop`: RewardLoop, score_rollouts(_sync), is_async_callable (and the results helpers below, re-exported)
 - `pool`: the killable worker processes for sync functions
-- `results`: RewardResult, reward_metrics, raise_if_all_missing
+- `results`: RewardResult, reward_metrics, raise_if_all_missing, raise_if_too_many_missing (the circuit breaker)
 - `tables`: reward_inputs / apply_rewards between the loop and the ROLLOUTS wire
+- `verl`: the adapter that runs verl-style compute_score functions unchanged
 
 Deliberately no re-exports here: every sync worker process imports this package, and should pay only for
 `pool` and the user's functions, not for pyarrow.

@@ -162,7 +162,8 @@ BUILTIN_REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
 def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[..., Any]:
     """A built-in name ("number_match") or an import path ("package.module:attr"), with kwargs bound.
 
-    kwargs are bound with `functools.partial`, which stays picklable for the sync worker processes.
+    kwargs are bound with `functools.partial`, which stays picklable for the sync worker processes. A verl-style
+    function (first parameters data_source, solution_str, ground_truth) comes back wrapped by `verl.py`.
     """
     if ":" in spec:
         from rollout_lib.reward.locate import import_reference
@@ -185,6 +186,11 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[.
             raise ValueError(f"reward function {spec!r}: bad kwargs {sorted(kwargs)}: {exc}") from None
         except ValueError:
             pass  # no introspectable signature (some C callables): let the call itself complain
+    if ":" in spec:
+        from rollout_lib.reward.verl import adapt_verl_function, is_verl_style
+
+        if is_verl_style(target):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info, ...)
+            return adapt_verl_function(target, kwargs, spec)
     return functools.partial(target, **kwargs) if kwargs else target
 
 

@@ -130,7 +130,13 @@ def top_level_bindings(tree: ast.Module) -> dict[str, ast.AST]:
 
 
 def _check_kwargs(named: str, function: ast.FunctionDef | ast.AsyncFunctionDef, kwargs: dict) -> None:
+    from rollout_lib.reward.verl import is_verl_parameter_list, verl_kwargs_problem
+
     arguments = function.args
+    if is_verl_parameter_list([a.arg for a in [*arguments.posonlyargs, *arguments.args]]):
+        problem = verl_kwargs_problem(kwargs)  # what resolve_reward_function's verl adapter will refuse
+        if problem:
+            raise ValueError(f"{named}: {problem}")
     if arguments.kwarg is not None:
         return  # **kwargs takes anything
     accepted = {a.arg for a in [*arguments.args, *arguments.kwonlyargs]}

@@ -12,7 +12,8 @@ Limits of "a timeout that really stops the work":
 - the timeout covers running the function, not waiting for a free concurrency slot or worker.
 
 Every failure (exception, timeout, dead worker, a non-float return) makes that rollout's reward None with the
-error text; it never crashes the step. Use `raise_if_all_missing` to fail a step where nothing scored.
+error text; it never crashes the step. Use `raise_if_all_missing` to fail a step where nothing scored, and
+`raise_if_too_many_missing` (the circuit breaker) to fail one where more than a set share is missing.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from rollout_lib.reward.pool import RewardTimeout, SyncWorkerPool, WorkerFunctio
 from rollout_lib.reward.results import (  # re-exported: the loop's vocabulary
     AllRewardsFailedError,
     RewardResult,
+    TooManyRewardsMissingError,
     raise_if_all_missing,
+    raise_if_too_many_missing,
     reward_metrics,
 )
 from rollout_lib.reward.tables import apply_rewards
@@ -38,9 +41,11 @@ __all__ = [
     "AllRewardsFailedError",
     "RewardLoop",
     "RewardResult",
+    "TooManyRewardsMissingError",
     "apply_rewards",
     "is_async_callable",
     "raise_if_all_missing",
+    "raise_if_too_many_missing",
     "reward_metrics",
     "score_rollouts",
     "score_rollouts_sync",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -15,13 +16,21 @@ class RewardResult:
     per_function: dict[str, float | None] = field(default_factory=dict)  # unweighted score per function
 
 
-class AllRewardsFailedError(RuntimeError):
-    """Every rollout of a step lost its reward: a broken reward setup, not noise to train on."""
+class TooManyRewardsMissingError(RuntimeError):
+    """More of a step's rewards are missing than the run allows: a reward that fails on most rollouts is a broken
+    reward setup, and training on the few it scored would be training on a biased sample.
 
-    def __init__(self, n_total: int, errors: list[str]) -> None:
-        self.errors = errors
-        shown = "\n  ".join(errors)
-        super().__init__(f"all {n_total} rewards failed; first distinct errors:\n  {shown}")
+    `errors` holds the most frequent distinct errors, most frequent first; `error_counts` pairs them with counts."""
+
+    def __init__(self, summary: str, error_counts: list[tuple[str, int]]) -> None:
+        self.error_counts = error_counts
+        self.errors = [error for error, _ in error_counts]
+        shown = "\n  ".join(f"{count}x {error}" for error, count in error_counts)
+        super().__init__(f"{summary}; most frequent errors:\n  {shown}")
+
+
+class AllRewardsFailedError(TooManyRewardsMissingError):
+    """Every rollout of a step lost its reward (whatever the allowed share): nothing to train on."""
 
 
 def reward_metrics(results: list[RewardResult]) -> dict[str, float | int | None]:
@@ -37,14 +46,29 @@ def reward_metrics(results: list[RewardResult]) -> dict[str, float | int | None]
     }
 
 
+def most_frequent_errors(results: list[RewardResult], max_errors: int = 5) -> list[tuple[str, int]]:
+    """(error, count) of the missing rewards' distinct errors, most frequent first (ties: first seen first)."""
+    return Counter(r.error for r in results if r.reward is None and r.error is not None).most_common(max_errors)
+
+
 def raise_if_all_missing(results: list[RewardResult], max_errors: int = 5) -> None:
     """Raise AllRewardsFailedError when results is non-empty and no rollout got a reward."""
     if not results or any(r.reward is not None for r in results):
         return
-    distinct: list[str] = []
-    for result in results:
-        if result.error is not None and result.error not in distinct:
-            distinct.append(result.error)
-            if len(distinct) == max_errors:
-                break
-    raise AllRewardsFailedError(len(results), distinct)
+    raise AllRewardsFailedError(f"all {len(results)} rewards failed", most_frequent_errors(results, max_errors))
+
+
+def raise_if_too_many_missing(results: list[RewardResult], max_missing_fraction: float, *, setting: str,
+                              by_env: dict[str, list[RewardResult]] | None = None, max_errors: int = 5) -> None:
+    """The circuit breaker: raise TooManyRewardsMissingError when more than `max_missing_fraction` of results are
+    missing. `setting` names the limit in the message (its config locator); `by_env` adds each env's count. A limit
+    of 1.0 never trips: only `raise_if_all_missing` fails such a run."""
+    n_missing = sum(r.reward is None for r in results)
+    if not results or n_missing / len(results) <= max_missing_fraction:
+        return
+    summary = (f"{n_missing} of {len(results)} rewards missing ({n_missing / len(results):.0%}), more than "
+               f"{setting} = {max_missing_fraction:g} allows")
+    if by_env:
+        summary += " (by env: " + ", ".join(
+            f"{name} {sum(r.reward is None for r in group)} of {len(group)}" for name, group in by_env.items()) + ")"
+    raise TooManyRewardsMissingError(summary, most_frequent_errors(results, max_errors))

@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from rollout_lib.config.rl import EnvSettings, RlConfig
 from rollout_lib.reward.functions import resolve_reward_function
-from rollout_lib.reward.loop import RewardLoop, raise_if_all_missing, reward_metrics
+from rollout_lib.reward.loop import RewardLoop, raise_if_all_missing, raise_if_too_many_missing, reward_metrics
 from rollout_lib.reward.tables import apply_rewards, reward_inputs
 from rollout_lib.store import canonical_json
 
@@ -47,7 +47,8 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
                    loops: RewardLoops) -> tuple[pa.Table, dict]:
     """Rewards (null + error when missing) for every rollout, each env with its own functions, all concurrently.
 
-    Raises AllRewardsFailedError when not a single rollout of the step got a reward."""
+    Raises AllRewardsFailedError when not a single rollout of the step got a reward, and TooManyRewardsMissingError
+    (the circuit breaker) when more than `reward_loop.max_missing_fraction` of them did not."""
     envs = rollouts.column("env").to_pylist()
     rows_by_env = {env.name: [i for i, name in enumerate(envs) if name == env.name] for env in config.settings.envs}
 
@@ -59,14 +60,18 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
 
     results: list = [None] * rollouts.num_rows
     metrics: dict = {}
-    for env, env_results in zip(config.settings.envs, asyncio.run(score_all())):
-        for row, result in zip(rows_by_env[env.name], env_results):
+    results_by_env = dict(zip([env.name for env in config.settings.envs], asyncio.run(score_all())))
+    for env_name, env_results in results_by_env.items():
+        for row, result in zip(rows_by_env[env_name], env_results):
             results[row] = result
-        if len(config.settings.envs) > 1:
+        if len(results_by_env) > 1:
             env_metrics = reward_metrics(env_results)
-            metrics[f"reward_mean/{env.name}"] = env_metrics["reward_mean"]
-            metrics[f"missing_rewards/{env.name}"] = env_metrics["n_missing"]
+            metrics[f"reward_mean/{env_name}"] = env_metrics["reward_mean"]
+            metrics[f"missing_rewards/{env_name}"] = env_metrics["n_missing"]
     raise_if_all_missing(results)
+    raise_if_too_many_missing(results, config.settings.reward_loop.max_missing_fraction,
+                              setting="algorithm.rl.reward_loop.max_missing_fraction",
+                              by_env=results_by_env if len(results_by_env) > 1 else None)
     overall = reward_metrics(results)
     errors = sorted({r.error for r in results if r.error})
     metrics.update({"reward_mean": overall["reward_mean"], "reward_std": overall["reward_std"],

@@ -1,0 +1,114 @@
+"""verl-style reward functions, run unchanged through an adapter.
+
+verl calls a custom reward function as `compute_score(data_source=..., solution_str=..., ground_truth=...,
+extra_info=..., **reward_kwargs)` (`verl/workers/reward_manager/naive.py`, `verl/trainer/ppo/reward.py`), `def` or
+`async def`, and reads a float, or a dict whose "score" is the reward (the loop reads "score" and drops the other
+keys, verl's diagnostics). `resolve_reward_function` recognises one by its first three parameters, with no config
+flag, and wraps it here, so it takes one `RewardInput` like ours:
+
+    data_source   info["data_source"] when the row has it, else the env's name
+    solution_str  completion_text (in a multi-turn env, the policy's last turn)
+    ground_truth  answer; info["ground_truth"] when the row has no answer; neither: a missing reward
+    extra_info    info (a copy); passed only when the function takes it (a parameter of that name or **kwargs)
+    **kwargs      the reward's configured `kwargs` (verl's `custom_reward_function.reward_kwargs`)
+
+The adapters are module-level classes, so a sync one pickles by reference into the worker processes (the user's
+function must be importable there, as any sync reward function). This module imports nothing heavy: every worker
+imports it when it unpickles an adapter.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from rollout_lib.reward.functions import RewardInput
+
+VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")  # how a verl-style function is recognised
+EXTRA_INFO = "extra_info"
+
+
+def is_verl_parameter_list(names: list[str]) -> bool:
+    """True when a function's positional parameters (names, in order) start as verl's compute_score does."""
+    return tuple(names[: len(VERL_PARAMETERS)]) == VERL_PARAMETERS
+
+
+def verl_kwargs_problem(kwargs: dict) -> str | None:
+    """Why configured kwargs cannot go to a verl-style function, or None: the adapter fills its four arguments."""
+    taken = sorted(set(kwargs) & {*VERL_PARAMETERS, EXTRA_INFO})
+    if taken:
+        return f"kwargs {taken} are filled from each rollout for a verl-style compute_score; they cannot be set"
+    return None
+
+
+def is_verl_style(fn: Any) -> bool:
+    """A callable whose first parameters are named data_source, solution_str, ground_truth (through partials and
+    `__call__`). A class is not: calling it constructs."""
+    if isinstance(fn, type):
+        return False
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: not something we can recognise
+        return False
+    positional = [p.name for p in parameters
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return is_verl_parameter_list(positional)
+
+
+def adapt_verl_function(compute_score: Callable[..., Any], kwargs: dict | None, spec: str) -> Callable[..., Any]:
+    """compute_score wrapped to take one RewardInput: a sync or an async adapter, as compute_score is."""
+    from rollout_lib.reward.loop import is_async_callable  # here: workers unpickling an adapter skip the loop
+
+    kwargs = dict(kwargs or {})
+    problem = verl_kwargs_problem(kwargs)
+    if problem:
+        raise ValueError(f"reward function {spec!r}: {problem}")
+    parameters = inspect.signature(compute_score).parameters.values()
+    takes_extra_info = any(p.name == EXTRA_INFO or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    adapter = AsyncVerlRewardFunction if is_async_callable(compute_score) else VerlRewardFunction
+    return adapter(compute_score, kwargs, takes_extra_info)
+
+
+def verl_arguments(inp: RewardInput, takes_extra_info: bool = True) -> dict[str, Any]:
+    """The keyword arguments verl would pass for this rollout (the mapping in the module docstring)."""
+    ground_truth = inp.answer if inp.answer is not None else inp.info.get("ground_truth")
+    if ground_truth is None:
+        # verl data always carries reward_model.ground_truth; passing None would let a comparison score 0.
+        raise ValueError("a verl-style compute_score needs a ground truth: the row has no answer and its info no "
+                         "'ground_truth'")
+    arguments = {"data_source": inp.info.get("data_source", inp.env), "solution_str": inp.completion_text,
+                 "ground_truth": ground_truth}
+    if takes_extra_info:
+        arguments[EXTRA_INFO] = dict(inp.info)  # a copy: verl's own reward managers write into extra_info
+    return arguments
+
+
+def verl_score(value: Any) -> Any:
+    """compute_score's return value as our loop reads it (`functions.as_score`); a bool becomes 1.0 / 0.0, as verl's
+    default_compute_score makes it (our own reward functions may not return a bool: there it is usually a bug)."""
+    if isinstance(value, dict) and isinstance(value.get("score"), bool):
+        return {**value, "score": float(value["score"])}
+    return float(value) if isinstance(value, bool) else value
+
+
+class VerlRewardFunction:
+    """A sync verl-style compute_score as a reward function (runs in a worker process)."""
+
+    def __init__(self, compute_score: Callable[..., Any], kwargs: dict, takes_extra_info: bool) -> None:
+        self.compute_score = compute_score
+        self.kwargs = kwargs
+        self.takes_extra_info = takes_extra_info
+        # Metrics and errors name the user's function, not the adapter.
+        self.__name__ = getattr(compute_score, "__name__", type(compute_score).__name__)
+        self.__qualname__ = getattr(compute_score, "__qualname__", self.__name__)
+
+    def __call__(self, inp: RewardInput) -> Any:
+        return verl_score(self.compute_score(**verl_arguments(inp, self.takes_extra_info), **self.kwargs))
+
+
+class AsyncVerlRewardFunction(VerlRewardFunction):
+    """An `async def` verl-style compute_score as a reward function (awaited on the loop, cancelled on timeout)."""
+
+    async def __call__(self, inp: RewardInput) -> Any:
+        return verl_score(await self.compute_score(**verl_arguments(inp, self.takes_extra_info), **self.kwargs))
