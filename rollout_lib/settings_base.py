@@ -17,11 +17,16 @@ class StrictModel(BaseModel):
 
 class ModelRef(StrictModel):
     """Where a model comes from: a hub id, a local directory, `pkg:<python package>` (a model shipped inside an
-    installed package), or `tiny:qwen2` (the project's own tiny test model, built on first use)."""
+    installed package), `tiny:qwen2` (the project's own tiny test model, built on first use), or a checkpoint of
+    rollout's store: its id (64 hex digits) or a ref such as `runs/<name>/latest`."""
 
     uri: str = Field(min_length=1)
     gguf_file: str | None = None
     revision: str | None = None
+    # The store a checkpoint reference is looked up in; an entry point fills in its run's store. A locator, not
+    # what the model is: never dumped, so never part of a training identity (the checkpoint id is, through
+    # model_content_digest).
+    store: str | None = Field(None, exclude=True)
 
     @model_validator(mode="before")
     @classmethod

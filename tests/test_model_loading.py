@@ -101,3 +101,30 @@ def test_encoder_reward_uses_the_pooled_logits():
                                                  tokenizer.pad_token_id))
         alone = reward_scores(model, *pad_right([ids], tokenizer.pad_token_id))
     assert padded[0].item() == pytest.approx(alone[0].item(), abs=1e-5)
+
+
+def test_a_checkpoint_reference_is_looked_up_in_its_store(tmp_path):
+    from rollout_lib.config import RlConfig, load_config
+    from rollout_lib.config.common import ModelRef
+    from rollout_lib.model.loading import checkpoint_of, model_content_digest
+    from rollout_lib.store import ObjectStore
+
+    store = ObjectStore(str(tmp_path / "store"))
+    checkpoint = store.put_json({"kind": "not-a-real-checkpoint"})
+    store.set_ref("runs/sft/latest", checkpoint)
+    assert checkpoint_of(ModelRef(uri="runs/sft/latest", store=store.root)) == checkpoint
+    assert checkpoint_of(ModelRef(uri=checkpoint, store=store.root)) == checkpoint
+    assert model_content_digest(ModelRef(uri="runs/sft/latest", store=store.root)) == f"checkpoint:{checkpoint}"
+    # A hub id is no ref of the store; a local directory of a ref's spelling wins over the ref.
+    assert checkpoint_of(ModelRef(uri="Qwen/Qwen2.5-0.5B-Instruct", store=store.root)) is None
+    with pytest.raises(ModelLoadError, match="is a checkpoint id, but no store was given"):
+        checkpoint_of(ModelRef(uri=checkpoint))
+    with pytest.raises(ModelLoadError, match=r"'runs/nope/latest': no such local directory, and no checkpoint ref "
+                                             r"of that name in "):
+        locate_model(ModelRef(uri="runs/nope/latest", store=store.root))
+    # An entry point's base model is looked up in the run's store; the store is never part of the settings' dump.
+    config = load_config(RlConfig, "configs/rl-tiny.toml", [f"run.store={tmp_path / 'store'}",
+                                                             'algorithm.rl.base_model="runs/sft/latest"'])
+    assert config.settings.base_model.store == str(tmp_path / "store")
+    assert config.settings.model_dump()["base_model"] == {"uri": "runs/sft/latest", "gguf_file": None,
+                                                          "revision": None}

