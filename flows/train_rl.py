@@ -41,6 +41,11 @@ METRIC_COLUMNS = (
     "advantages_s", "pack_s", "train_s",
 )
 STAGE_TIMES = ("sample_s", "score_s", "advantages_s", "pack_s", "train_s")
+# Columns only some runs have (multi-turn envs, reward models): in the table when a step reports them.
+OPTIONAL_METRIC_COLUMNS = (
+    "turns_mean", "env_token_fraction", "truncated_fraction", "reward_model/scored", "reward_model/prompt_truncated",
+    "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long",
+)
 
 
 @flow(name="train-rl", log_prints=True)
@@ -90,7 +95,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
 
     checkpoint = state
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
-    metrics_table(cfg, "train-rl", history, METRIC_COLUMNS)
+    optional = tuple(name for name in OPTIONAL_METRIC_COLUMNS if any(name in m for m in history))
+    metrics_table(cfg, "train-rl", history, METRIC_COLUMNS + optional)
     create_markdown_artifact(_summary(cfg, checkpoint, history), key=artifact_key(cfg.run.name, "summary"),
                              description="train-rl summary")
     logger.info("final checkpoint %s", checkpoint)

@@ -88,7 +88,7 @@ def _rl_plan(config: RlConfig) -> dict:
         "model": {"reference": settings.base_model.uri, "resolved": resolved.source, "gguf_file": resolved.gguf_file},
         "envs": [
             {"name": env.name, "source": env.source.type, "prompts": prompts[env.name].num_rows,
-             "algo": env.algo.model_dump(mode="json"), "rewards": [r.function for r in env.rewards],
+             "algo": env.algo.model_dump(mode="json"), "rewards": [_reward_name(r) for r in env.rewards],
              "sampler": env.sampler.model_dump(mode="json")["source"],
              "sampling": env.sampling.model_dump(mode="json"),
              "rollouts_per_step": env.prompts_per_step * env.sampling.group_size}
@@ -96,6 +96,7 @@ def _rl_plan(config: RlConfig) -> dict:
         ],
         "rollouts_per_step": sum(env.prompts_per_step * env.sampling.group_size for env in settings.envs),
         "frozen_models": frozen,
+        "reward_models": _reward_model_contents(config),
         "steps": steps,
         "policy_sampler": settings.policy_sampler.model_dump(mode="json"),
         "micro_batches": (f"packed: <= {config.packed_tokens} tokens each" if settings.packing
@@ -120,6 +121,32 @@ def _frozen_model_contents(config: RlConfig) -> dict[str, str]:
     return {where: (content_identity(settings.model, store) if hasattr(settings, "model")
                     else f"served name {settings.name!r} at {', '.join(settings.base_url)}")
             for where, settings in config.frozen_models()}
+
+
+def _reward_name(reward) -> str:
+    return reward.function if hasattr(reward, "function") else f"reward_model {reward.reward_model.uri}"
+
+
+def _reward_model_contents(config: RlConfig) -> dict[str, str]:
+    """Each reward model's identity (a checkpoint id or content digest), checked as far as it can be without loading
+    it: a reference that resolves nowhere, a checkpoint that is not a reward model's, a local model that is no
+    sequence classifier fail here, naming their setting."""
+    from rollout_lib.config.errors import ConfigError
+    from rollout_lib.model.loading import ModelLoadError
+    from rollout_lib.reward.reward_model import check_reward_model
+    from rollout_lib.store import StoreError
+    from rollout_lib.trainer.identity import reward_model_contents
+
+    found = config.reward_models()
+    problems = []
+    for where, reward in found:
+        try:
+            check_reward_model(reward.reward_model)
+        except (ModelLoadError, StoreError) as exc:
+            problems.append((where, str(exc)))
+    if problems:
+        raise ConfigError(problems)
+    return dict(zip([where for where, _ in found], reward_model_contents(config)))
 
 
 def _extending(settings) -> str:

@@ -36,6 +36,7 @@ from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
 from rollout_lib.serving.frozen import FrozenModels
+from rollout_lib.trainer.identity import reward_model_contents
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
 
@@ -54,9 +55,13 @@ def _prompt_source(parameters: dict) -> dict:
 def _reward_sources(parameters: dict) -> dict:
     """User reward functions ("pkg.module:attr") are outside the project's code version: the source file of each
     one's module enters the score key, so editing a reward function re-scores on the next run instead of returning
-    the old scores from cache. (Only that file: helpers it imports from elsewhere are not followed.)"""
-    specs = {reward.function for env in parameters["config"].settings.envs for reward in env.rewards}
-    return {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
+    the old scores from cache. (Only that file: helpers it imports from elsewhere are not followed.) Likewise each
+    reward model's content (a checkpoint: its id), so a retrained reward model (`runs/<rm>/latest` moved) re-scores."""
+    config = parameters["config"]
+    specs = {reward.function for env in config.settings.envs for reward in env.rewards if hasattr(reward, "function")}
+    sources = {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
+    reward_models = reward_model_contents(config)
+    return {**sources, "reward_models": list(reward_models)} if reward_models else sources
 
 
 def _algorithm_sources(parameters: dict) -> dict:

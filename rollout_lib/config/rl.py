@@ -12,6 +12,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
       interaction = { type = "calculator" | "guess_number" | "custom", max_turns, ... }: multi-turn episodes
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
       [[algorithm.rl.envs.rewards]]  function = "number_match" | "pkg.module:attr", weight, kwargs
+                                     | reward_model = "runs/rm/latest" | <checkpoint id> | <model ref>, weight,
+                                       store, batch_size, max_length (a discriminative reward model)
 """
 
 from __future__ import annotations
@@ -84,6 +86,51 @@ class RewardFunctionSettings(StrictModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class RewardModelSettings(StrictModel):
+    """A discriminative reward model's score of (prompt, completion), as train-rm trained it to score
+    (rollout_lib/reward/reward_model.py): a checkpoint of the store (`runs/<name>/latest` or an id, looked up in the
+    run's store unless `store` names another) or any model reference to a sequence-classification model."""
+
+    reward_model: ModelRef
+    weight: float = 1.0
+    batch_size: int = Field(16, ge=1)  # rows per forward pass (every pass has this many: see reward_model.py)
+    # Tokens per input; a longer one loses the prompt's earliest tokens. Default: the max_seq_len the checkpoint was
+    # trained with when its manifest records it, else the model's max_position_embeddings.
+    max_length: int | None = Field(None, ge=8)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _store_into_the_reference(cls, value: Any) -> Any:
+        """`store = "<url>"` beside the reference is where the reference is looked up: it belongs to the ModelRef
+        (a locator, never part of the settings' identity; the checkpoint id is)."""
+        if not isinstance(value, dict) or "store" not in value:
+            return value
+        value = dict(value)
+        store = value.pop("store")
+        reference = value.get("reward_model")
+        if isinstance(reference, dict):
+            if reference.get("store") is not None:
+                raise ValueError("give the store once: `store` beside `reward_model`, or inside it")
+            value["reward_model"] = {**reference, "store": store}
+        elif reference is not None:
+            value["reward_model"] = {"uri": reference, "store": store}
+        return value
+
+
+def _reward_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        kinds = [kind for kind in ("function", "reward_model") if kind in value]
+        return f"reward({kinds[0]})" if len(kinds) == 1 else None
+    return {RewardFunctionSettings: "reward(function)", RewardModelSettings: "reward(reward_model)"}.get(type(value))
+
+
+RewardSettings = Annotated[
+    Union[Annotated[RewardFunctionSettings, Tag("reward(function)")],  # noqa: UP007
+          Annotated[RewardModelSettings, Tag("reward(reward_model)")]],
+    Discriminator(_reward_kind, custom_error_type="unknown_reward",
+                  custom_error_message="a reward names one of `function` (a reward function) and `reward_model`")]
+
+
 class EnvSampler(StrictModel):
     """Where an env's rollouts come from: the live policy (sampled by `policy_sampler`) or a frozen model."""
 
@@ -99,7 +146,7 @@ class EnvSettings(StrictModel):
     source: PromptSource
     system_prompt: str | None = None  # prepended as a system message to every prompt of this env
     prompts_per_step: int = Field(ge=1)  # distinct prompts drawn per step (each sampled group_size times)
-    rewards: list[RewardFunctionSettings] = Field(min_length=1)
+    rewards: list[RewardSettings] = Field(min_length=1)
     sampler: EnvSampler = EnvSampler()
     sampling: SamplingParams = SamplingParams()  # with an interaction, max_tokens is per model turn
     # Multi-turn: the environment answers each model turn (rollout_lib/envs); None: one model turn per rollout.
@@ -163,6 +210,23 @@ class RlConfig(EntryPointConfig):
     @property
     def packed_tokens(self) -> int:
         return self.settings.micro_batch_tokens or self.settings.max_seq_len
+
+    @model_validator(mode="after")
+    def _reward_models_in_the_run_store(self) -> "RlConfig":
+        """A reward model named as a checkpoint is looked up in the run's store unless its reward names another
+        (as `base_model`, EntryPointConfig._checkpoints_in_the_run_store)."""
+        for _, reward in self.reward_models():
+            if reward.reward_model.store is None:
+                # Settings are frozen once validated; this completes validation, it does not change a setting.
+                object.__setattr__(reward, "reward_model",
+                                   reward.reward_model.model_copy(update={"store": self.run.store}))
+        return self
+
+    def reward_models(self) -> list[tuple[str, RewardModelSettings]]:
+        """(locator of the reference, settings) of every reward model an env scores with, in config order."""
+        return [(f"algorithm.rl.envs[{index}].rewards[{r_index}].reward_model", reward)
+                for index, env in enumerate(self.settings.envs) for r_index, reward in enumerate(env.rewards)
+                if isinstance(reward, RewardModelSettings)]
 
     @model_validator(mode="after")
     def _warn(self) -> "RlConfig":
@@ -231,6 +295,8 @@ class RlConfig(EntryPointConfig):
             if names.count(env.name) > 1:
                 problems.append((f"{where}.name", f"env name {env.name!r} is used more than once"))
             for r_index, reward in enumerate(env.rewards):
+                if isinstance(reward, RewardModelSettings):
+                    continue  # resolved against the store by the training identity (trainer/identity.py)
                 try:
                     check_reward_function(reward.function, reward.kwargs)
                 except ValueError as exc:

@@ -3,38 +3,62 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import blake3
 import pyarrow as pa
 
-from rollout_lib.config.rl import EnvSettings, RlConfig
+from rollout_lib.config.rl import EnvSettings, RewardModelSettings, RlConfig
 from rollout_lib.reward.functions import resolve_reward_function
 from rollout_lib.reward.loop import RewardLoop, raise_if_all_missing, raise_if_too_many_missing, reward_metrics
+from rollout_lib.reward.reward_model import COUNTS, RewardModelScorer, load_scorer
 from rollout_lib.reward.tables import apply_rewards, reward_inputs
 from rollout_lib.store import canonical_json
 
 
 class RewardLoops:
-    """The reward loops of a run (they own worker processes), one per distinct reward settings, created on first
-    use and reused across steps. Whoever creates it closes it (`with RewardLoops(...) as loops:`)."""
+    """The reward loops of a run (they own worker processes), one per distinct reward settings, and its reward
+    models (each loaded once, shared by every env that names it), created on first use and reused across steps.
+    Whoever creates it closes it (`with RewardLoops(...) as loops:`)."""
 
     def __init__(self, config: RlConfig):
         self.settings = config.settings.reward_loop
         self._loops: dict[str, RewardLoop] = {}
+        self._scorers: dict[str, RewardModelScorer] = {}
 
     def for_env(self, env: EnvSettings) -> RewardLoop:
-        key = blake3.blake3(canonical_json([env.model_dump(mode="json")["rewards"],
+        # A reward model's store is a locator the settings dump leaves out; two stores are two models.
+        stores = [r.reward_model.store for r in env.rewards if isinstance(r, RewardModelSettings)]
+        key = blake3.blake3(canonical_json([env.model_dump(mode="json")["rewards"], stores,
                                             self.settings.model_dump(mode="json")])).hexdigest()
         if key not in self._loops:
-            functions = [(resolve_reward_function(r.function, r.kwargs), r.weight) for r in env.rewards]
+            functions = [(self._reward(r), r.weight) for r in env.rewards]
             self._loops[key] = RewardLoop(functions, concurrency=self.settings.concurrency,
                                           timeout_s=self.settings.timeout_s, sync_workers=self.settings.sync_workers)
         return self._loops[key]
+
+    def _reward(self, reward):
+        if not isinstance(reward, RewardModelSettings):
+            return resolve_reward_function(reward.function, reward.kwargs)
+        key = canonical_json([reward.model_dump(mode="json", exclude={"weight"}), reward.reward_model.store])
+        if key not in self._scorers:
+            self._scorers[key] = load_scorer(reward)
+        return self._scorers[key]
+
+    def take_reward_model_metrics(self) -> dict[str, int]:
+        """`reward_model/<count>` summed over the run's reward models since the last call (none without one)."""
+        counts: Counter = Counter()
+        for scorer in self._scorers.values():
+            counts.update(scorer.take_counts())
+        return {f"reward_model/{name}": counts[name] for name in COUNTS} if self._scorers else {}
 
     def close(self) -> None:
         while self._loops:
             _, loop = self._loops.popitem()
             loop.close()
+        while self._scorers:
+            _, scorer = self._scorers.popitem()
+            scorer.close()
 
     def __enter__(self) -> "RewardLoops":
         return self
@@ -48,7 +72,9 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
     """Rewards (null + error when missing) for every rollout, each env with its own functions, all concurrently.
 
     Raises AllRewardsFailedError when not a single rollout of the step got a reward, and TooManyRewardsMissingError
-    (the circuit breaker) when more than `reward_loop.max_missing_fraction` of them did not."""
+    (the circuit breaker) when more than `reward_loop.max_missing_fraction` of them did not. With reward models,
+    the metrics count what their inputs lost (`reward_model/prompt_truncated`, `reward_model/missing_too_long`,
+    ...)."""
     envs = rollouts.column("env").to_pylist()
     rows_by_env = {env.name: [i for i, name in enumerate(envs) if name == env.name] for env in config.settings.envs}
 
@@ -61,6 +87,7 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
     results: list = [None] * rollouts.num_rows
     metrics: dict = {}
     results_by_env = dict(zip([env.name for env in config.settings.envs], asyncio.run(score_all())))
+    metrics.update(loops.take_reward_model_metrics())
     for env_name, env_results in results_by_env.items():
         for row, result in zip(rows_by_env[env_name], env_results):
             results[row] = result

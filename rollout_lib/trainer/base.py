@@ -120,6 +120,9 @@ class CheckpointedTrainer:
         extra = {"kind_of_model": self.kind_of_model, "base_model": self.inputs.settings.base_model.uri,
                  "data": {**self.inputs.data_ids, "cursor": self.step},
                  "seed": self.inputs.config.run.seed, "metrics": deterministic_metrics(metrics)}
+        max_seq_len = getattr(self.inputs.settings, "max_seq_len", None)
+        if max_seq_len is not None:  # what it was trained on: a reward model scores at most this much by default
+            extra["max_seq_len"] = max_seq_len
         if history:
             extra["history"] = store.put_json([deterministic_metrics(m) for m in history])
         self.checkpoint_id = save_checkpoint(

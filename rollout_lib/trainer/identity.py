@@ -20,8 +20,29 @@ from rollout_lib.store import canonical_json
 def training_identity(config) -> str:
     """blake3 of (the settings that decide the weights, the base model's content digest, the content of every
     frozen model rollout serves from a reference: a teacher's weights decide the student's as much as a
-    setting does)."""
-    return _identity(training_hash(config), config.settings.base_model, _served_models(config))
+    setting does, and of every reward model an env scores with: retraining it, moving `runs/<rm>/latest`, changes
+    every reward)."""
+    return _identity(training_hash(config), config.settings.base_model, _served_models(config),
+                     reward_model_contents(config))
+
+
+def reward_model_contents(config) -> tuple[str, ...]:
+    """The content digest of each reward model of an RL config, in config order (a checkpoint: its id). A reference
+    that resolves nowhere (`runs/<rm>/latest` not trained yet) is a ConfigError naming its setting."""
+    found = getattr(config, "reward_models", list)()
+    if not found:
+        return ()
+    from rollout_lib.config.errors import ConfigError
+    from rollout_lib.model.loading import ModelLoadError
+    from rollout_lib.store import StoreError
+
+    contents = []
+    for where, reward in found:
+        try:
+            contents.append(model_content_digest(reward.reward_model))
+        except (ModelLoadError, StoreError) as exc:
+            raise ConfigError([(where, str(exc))]) from None
+    return tuple(contents)
 
 
 def _served_models(config) -> tuple[str, ...]:
@@ -52,9 +73,11 @@ def _served_models(config) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=16)
-def _identity(settings_hash: str, base_model, served_models: tuple[str, ...]) -> str:
+def _identity(settings_hash: str, base_model, served_models: tuple[str, ...], reward_models: tuple[str, ...]) -> str:
     # Cached per process: hashing a model's files (once per file version, see model.loading) is not free.
     material = {"settings": settings_hash, "base_model": model_content_digest(base_model)}
     if served_models:  # absent otherwise, so identities of runs without frozen models are unchanged
         material["served_models"] = list(served_models)
+    if reward_models:  # likewise
+        material["reward_models"] = list(reward_models)
     return blake3.blake3(canonical_json(material)).hexdigest()
