@@ -23,7 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # load reports are noise in training logs
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_lib")  # library log lines reach the flow run
 
-ENTRY_POINTS = ("rm", "sft", "rl")
+ENTRY_POINTS = ("rm", "sft", "rl", "rlhf")
 DEFAULT_STORE = ".rollout/store"
 
 
@@ -64,33 +64,36 @@ def rollout() -> None:
 
 
 @rollout.command()
-@click.argument("entry_point", metavar="{rm|sft|rl}", type=click.Choice(ENTRY_POINTS))
+@click.argument("entry_point", metavar="{rm|sft|rl|rlhf}", type=click.Choice(ENTRY_POINTS))
 @click.option("--config", "config_path", required=True, metavar="PATH", help="TOML settings file")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="override one setting (repeatable), e.g. --set algorithm.rm.optimizer.lr=1e-4")
 @click.option("--dry-run", is_flag=True,
               help="validate settings, parse every dataset row, print the plan; load no model")
 def train(entry_point: str, config_path: str, overrides: tuple[str, ...], dry_run: bool) -> int:
-    """Run a training flow.
+    """Run a training flow (rlhf: sft -> rm -> rl as one flow of three subflows, docs/rlhf.md).
 
     It runs on the Prefect server of PREFECT_API_URL if set, else on the project-local one (started on first use).
     """
-    from rollout_lib.config import RlConfig, RmConfig, SftConfig, load_config
+    from rollout_lib.config import RlConfig, RlhfConfig, RmConfig, SftConfig, load_config
     from rollout_lib.plan import describe_plan
 
-    config_class = {"rm": RmConfig, "sft": SftConfig, "rl": RlConfig}[entry_point]
+    config_class = {"rm": RmConfig, "sft": SftConfig, "rl": RlConfig, "rlhf": RlhfConfig}[entry_point]
     config = load_config(config_class, config_path, list(overrides))
     plan = describe_plan(config)  # parses every dataset row and resolves the model reference: no model loads
     if dry_run:
         print(json.dumps(plan, indent=2))
         return 0
 
-    _claim_run_name(config)  # a name that holds another training fails here, in one line, before anything starts
+    if entry_point != "rlhf":  # rlhf's stages are named by their training identity: each claims its own name
+        _claim_run_name(config)  # a name that holds another training fails here, in one line, before anything starts
     use_prefect_api()  # before the flow module imports Prefect, which reads its settings once
     if entry_point == "sft":
         from flows.train_sft import train_sft as train_flow
     elif entry_point == "rl":
         from flows.train_rl import train_rl as train_flow
+    elif entry_point == "rlhf":
+        from flows.rlhf import rlhf as train_flow
     else:
         from flows.train_rm import train_rm as train_flow
     state = train_flow(config=config_path, overrides=list(overrides), return_state=True)
@@ -98,9 +101,9 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], dry_ru
         print(f"rollout: error: flow run failed: {_first_line(state.result(raise_on_failure=False))}", file=sys.stderr)
         return 1
     result = state.result()
+    shown = ("eval_before", "eval_after", "reward_curve", "stages")
     print(json.dumps({"flow_run_id": str(state.state_details.flow_run_id), "checkpoint": result["checkpoint"],
-                      **{key: result[key] for key in ("eval_before", "eval_after", "reward_curve") if key in result}},
-                     indent=2))
+                      **{key: result[key] for key in shown if key in result}}, indent=2))
     print(f"final checkpoint: {result['checkpoint']}")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from rollout_lib.config.rl import RlConfig
+from rollout_lib.config.rlhf import STAGES, RlhfConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 from rollout_lib.data import load_examples, load_pairs
@@ -18,6 +19,8 @@ def describe_plan(config) -> dict:
         return _sft_plan(config)
     if isinstance(config, RlConfig):
         return _rl_plan(config)
+    if isinstance(config, RlhfConfig):
+        return _rlhf_plan(config)
     raise TypeError(f"no plan for {type(config).__name__}")
 
 
@@ -106,6 +109,37 @@ def _rl_plan(config: RlConfig) -> dict:
         "extending": _extending(settings),
         "warnings": [f"{locator}: {message}" for locator, message in config.plan_warnings()],
     }
+
+
+def _rlhf_plan(config: RlhfConfig) -> dict:
+    """Each stage's plan, made before any stage has trained: what a stage takes from an earlier one (the SFT
+    checkpoint as its base model, the RM checkpoint as a reward) is named as such, and so is the run name of a
+    stage whose training identity depends on it."""
+    from rollout_lib.trainer.identity import training_identity
+
+    sft_checkpoint, rm_checkpoint = "<the sft stage's checkpoint>", "<the rm stage's checkpoint>"
+    plans = {}
+    for stage in STAGES:
+        stage_config = config.stage_config(stage)  # no checkpoint given: the stage config's own model and rewards
+        plan = describe_plan(stage_config)
+        if stage == "sft" or (stage == "rm" and config.rm.start_from == "base_model"):
+            plan["run"] = config.stage_run_name(stage, training_identity(stage_config))
+        else:
+            plan["run"] = f"{config.run.name}-{stage}-<its training identity, known once earlier stages have trained>"
+            plan["model"] = {"reference": sft_checkpoint}
+        if stage == "rl":
+            replaced = {index for index, target in config.rewarded_envs() if not target.keep_rewards}
+            reward_models = {where: content for where, content in plan["reward_models"].items()
+                             if not any(where.startswith(f"algorithm.rl.envs[{index}].") for index in replaced)}
+            for index, target in config.rewarded_envs():
+                env = plan["envs"][index]
+                env["rewards"] = [*(env["rewards"] if target.keep_rewards else []),
+                                  f"reward_model {rm_checkpoint} (weight {target.weight:g})"]
+                reward_models[f"algorithm.rl.envs[{index}].rewards[{len(env['rewards']) - 1}].reward_model"] = \
+                    rm_checkpoint
+            plan["reward_models"] = reward_models
+        plans[stage] = plan
+    return {"entry_point": "rlhf", "run": config.run.name, "store": config.run.store, "stages": plans}
 
 
 def _frozen_model_contents(config: RlConfig) -> dict[str, str]:

@@ -3,7 +3,8 @@
 from rollout_lib.config.errors import ConfigError
 from rollout_lib.config.loading import apply_overrides, load_config, training_hash, validate_config
 from rollout_lib.config.rl import RlConfig
+from rollout_lib.config.rlhf import RlhfConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 
-__all__ = ["ConfigError", "RlConfig", "RmConfig", "SftConfig", "apply_overrides", "load_config", "training_hash", "validate_config"]
+__all__ = ["ConfigError", "RlConfig", "RlhfConfig", "RmConfig", "SftConfig", "apply_overrides", "load_config", "training_hash", "validate_config"]

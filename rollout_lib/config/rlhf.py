@@ -1,0 +1,233 @@
+"""`rollout train rlhf` settings: three stage configs run as one pipeline, sft -> rm -> rl (flows/rlhf.py).
+
+    [run]   name, store, storage_options: every stage trains in this store, under its own run name
+            `<name>-<stage>-<first 8 hex of the stage's training identity>` (see `stage_run_name`)
+    [sft]   config = "configs/sft-tiny.toml", overrides = ["key.path=value", ...]   (as `rollout train sft --set`)
+    [rm]    config, overrides, start_from = "sft" (the SFT stage's checkpoint, classic RLHF; default)
+                                          | "base_model" (the RM config's own base model)
+    [rl]    config, overrides; the policy starts from the SFT stage's checkpoint
+    [[rl.rm_rewards]]  env = "<env name>", weight = 1.0, keep_rewards = false, batch_size, max_length:
+            the envs the RM stage's checkpoint rewards (default: every env, weight 1, instead of its own rewards)
+
+A stage's overrides may set anything of its config (`run.seed` included) but what the pipeline sets: `run.name`,
+`run.store`, `run.storage_options`, a base model taken from an earlier stage, and the rewards the RM replaces; the
+error names the override.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
+
+from rollout_lib.config.common import EntryPointConfig, RunSettings, StrictModel
+from rollout_lib.config.errors import ConfigError
+from rollout_lib.config.loading import apply_overrides, load_config, parse_override, read_toml
+from rollout_lib.config.rl import RlConfig
+from rollout_lib.config.rm import RmConfig
+from rollout_lib.config.sft import SftConfig
+
+STAGES = ("sft", "rm", "rl")
+STAGE_CONFIGS: dict[str, type[EntryPointConfig]] = {"sft": SftConfig, "rm": RmConfig, "rl": RlConfig}
+# Stands in for a checkpoint an earlier stage has not trained yet, where a stage's settings are only validated
+# (a checkpoint id is never looked up at validation).
+_NOT_TRAINED_YET = "0" * 64
+_IDENTITY_CHARS = 8
+
+
+class RlhfRunSettings(StrictModel):
+    """The pipeline's name and the store every stage shares. Seeds and thread counts stay per stage (their configs,
+    or `run.seed=...` in a stage's overrides)."""
+
+    name: str = "rlhf"
+    # Validated when defaulted too: the stages get the store as an absolute path.
+    store: str = Field(RunSettings.model_fields["store"].default, validate_default=True)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name", "store")
+    @classmethod
+    def _as_an_entry_point_run(cls, value: str, info: ValidationInfo) -> str:
+        """The entry points' rules (a run name's spelling; a local store made absolute, so that every stage names
+        the same place), kept in one place: RunSettings."""
+        try:
+            return getattr(RunSettings.model_validate({info.field_name: value}), info.field_name)
+        except ValidationError as exc:
+            raise ValueError(exc.errors()[0]["msg"]) from None
+
+
+class StageSettings(StrictModel):
+    config: str = Field(min_length=1)  # the stage's TOML, relative to the working directory like every path
+    overrides: list[str] = Field(default_factory=list)  # "key.path=value", as `rollout train <stage> --set`
+
+    @field_validator("overrides")
+    @classmethod
+    def _parseable(cls, overrides: list[str]) -> list[str]:
+        for text in overrides:
+            parse_override(text)  # a ConfigError (a ValueError): pydantic names the item
+        return overrides
+
+    def override_pairs(self) -> list[tuple[str, Any]]:
+        return [(".".join(path), value) for path, value in map(parse_override, self.overrides)]
+
+
+class RmStageSettings(StageSettings):
+    # "sft": the reward model is the SFT checkpoint with a new score head (classic RLHF: it reads text as the policy
+    # does; a causal-LM checkpoint loads as a sequence classifier). "base_model": the RM config's own base model,
+    # so retraining SFT does not retrain the reward model.
+    start_from: Literal["sft", "base_model"] = "sft"
+
+
+class RmRewardSettings(StrictModel):
+    """An env the RM stage's checkpoint rewards (an RL `{ reward_model = ... }` reward, config/rl.py)."""
+
+    env: str = Field(min_length=1)
+    weight: float = 1.0
+    keep_rewards: bool = False  # true: beside the env's own rewards; false: instead of them (classic RLHF)
+    batch_size: int | None = Field(None, ge=1)  # None: the reward model reward's defaults
+    max_length: int | None = Field(None, ge=8)
+
+    def reward(self, rm_checkpoint: str) -> dict[str, Any]:
+        knobs = self.model_dump(include={"batch_size", "max_length"}, exclude_none=True)
+        return {"reward_model": rm_checkpoint, "weight": self.weight, **knobs}
+
+
+class RlStageSettings(StageSettings):
+    rm_rewards: list[RmRewardSettings] | None = None  # None: every env, weight 1, instead of its own rewards
+
+    @field_validator("rm_rewards")
+    @classmethod
+    def _each_env_once(cls, rm_rewards: list[RmRewardSettings] | None) -> list[RmRewardSettings] | None:
+        names = [target.env for target in rm_rewards or []]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"names env {twice[0]!r} more than once")
+        return rm_rewards
+
+
+class RlhfConfig(StrictModel):
+    run: RlhfRunSettings = RlhfRunSettings()
+    sft: StageSettings
+    rm: RmStageSettings
+    rl: RlStageSettings
+
+    # Settings of every stage the pipeline sets; a stage override may not touch them (run.seed and
+    # run.torch_threads stay the stage's own).
+    PIPELINE_SETS: ClassVar[dict[str, str]] = {
+        "run.name": "each stage runs under <run.name>-<stage>-<its training identity>",
+        "run.store": "every stage trains in the pipeline's [run] store",
+        "run.storage_options": "every stage trains in the pipeline's [run] store",
+    }
+
+    def stage(self, stage: str) -> StageSettings:
+        return getattr(self, stage)
+
+    def stage_run_name(self, stage: str, identity: str) -> str:
+        """A stage's run name. A run name holds one training (store.claim_run), and a stage's training changes with
+        any of its settings or with an earlier stage's checkpoint: naming it by its training identity gives every
+        training of the stage its own name, and the same training always the same name (and cache)."""
+        return f"{self.run.name}-{stage}-{identity[:_IDENTITY_CHARS]}"
+
+    def stage_overrides(self, stage: str, *, sft_checkpoint: str | None = None,
+                        rm_checkpoint: str | None = None) -> dict[str, Any]:
+        """Everything a stage's config is loaded with, as {"key.path": value}: its own overrides, the pipeline's
+        store, and the checkpoints of earlier stages (RM: the SFT checkpoint when it starts from SFT; RL: the SFT
+        checkpoint as its base model and the RM checkpoint as the rewarded envs' reward). A checkpoint left None
+        leaves the stage config's own setting (a plan made before the earlier stage has trained)."""
+        overrides = dict(self.stage(stage).override_pairs())
+        overrides["run.store"] = self.run.store
+        overrides["run.storage_options"] = dict(self.run.storage_options)
+        if stage == "rm" and self.rm.start_from == "sft" and sft_checkpoint is not None:
+            overrides["algorithm.rm.base_model"] = sft_checkpoint
+        if stage == "rl":
+            if sft_checkpoint is not None:
+                overrides["algorithm.rl.base_model"] = sft_checkpoint
+            if rm_checkpoint is not None:
+                overrides.update(self._rm_reward_overrides(rm_checkpoint))
+        return overrides
+
+    def stage_config(self, stage: str, *, sft_checkpoint: str | None = None, rm_checkpoint: str | None = None):
+        """The stage's validated settings (its run name not yet chosen: it follows from them)."""
+        overrides = self.stage_overrides(stage, sft_checkpoint=sft_checkpoint, rm_checkpoint=rm_checkpoint)
+        return load_config(STAGE_CONFIGS[stage], self.stage(stage).config, overrides)
+
+    def rewarded_envs(self) -> list[tuple[int, RmRewardSettings]]:
+        """(index in the RL config's envs, how the RM rewards it) for every env the RM stage rewards."""
+        names = self._rl_env_names()
+        targets = self.rl.rm_rewards if self.rl.rm_rewards is not None else [RmRewardSettings(env=n) for n in names]
+        return [(names.index(target.env), target) for target in targets]
+
+    def _rm_reward_overrides(self, rm_checkpoint: str) -> dict[str, Any]:
+        envs = self._rl_raw()["algorithm"]["rl"]["envs"]
+        return {f"algorithm.rl.envs[{index}].rewards":
+                [*(envs[index].get("rewards", []) if target.keep_rewards else []), target.reward(rm_checkpoint)]
+                for index, target in self.rewarded_envs()}
+
+    def _rl_raw(self) -> dict:
+        """The RL stage's TOML with its own overrides applied: the env list and rewards as the user wrote them."""
+        return apply_overrides(read_toml(self.rl.config), dict(self.rl.override_pairs()))
+
+    def _rl_env_names(self) -> list[str]:
+        envs = self._rl_raw().get("algorithm", {}).get("rl", {}).get("envs", [])
+        return [env.get("name") for env in envs if isinstance(env, dict)] if isinstance(envs, list) else []
+
+    def _reserved(self, stage: str) -> dict[str, str]:
+        """Setting -> why the pipeline sets it, for the stage's overrides."""
+        reserved = dict(self.PIPELINE_SETS)
+        if stage == "rm" and self.rm.start_from == "sft":
+            reserved["algorithm.rm.base_model"] = "the RM starts from the SFT stage's checkpoint (rm.start_from)"
+        if stage == "rl":
+            reserved["algorithm.rl.base_model"] = "the policy starts from the SFT stage's checkpoint"
+        return reserved
+
+    def plan_problems(self) -> list[tuple[str, str]]:
+        """Every stage's settings, validated before the first stage trains: overrides that fight the pipeline,
+        rewarded envs the RL config lacks, and each stage config's own errors."""
+        problems = []
+        for stage in STAGES:
+            for index, (key, _) in enumerate(self.stage(stage).override_pairs()):
+                why = next((why for setting, why in self._reserved(stage).items() if _touches(key, setting)), None)
+                if why is not None:
+                    problems.append((f"{stage}.overrides[{index}]", f"sets {key}, which the pipeline sets: {why}"))
+        if problems:
+            return problems
+        try:
+            names = self._rl_env_names()
+        except ConfigError as exc:
+            return _stage_problems("rl", exc)
+        rewarded = self.rl.rm_rewards or []
+        for index, target in enumerate(rewarded):
+            if target.env not in names:
+                known = ", ".join(map(str, names)) or "none"
+                problems.append((f"rl.rm_rewards[{index}].env",
+                                 f"no env {target.env!r} in {self.rl.config} (its envs: {known})"))
+        if problems:
+            return problems
+        for index, target in self.rewarded_envs():
+            if target.keep_rewards:
+                continue
+            why = f"the RM checkpoint replaces the rewards of env {target.env!r} (rl.rm_rewards: keep_rewards = false)"
+            for o_index, (key, _) in enumerate(self.rl.override_pairs()):
+                if _touches(key, f"algorithm.rl.envs[{index}].rewards"):
+                    problems.append((f"rl.overrides[{o_index}]", f"sets {key}, but {why}"))
+        if problems:
+            return problems
+        for stage in STAGES:
+            try:
+                self.stage_config(stage, sft_checkpoint=_NOT_TRAINED_YET, rm_checkpoint=_NOT_TRAINED_YET)
+            except ConfigError as exc:
+                problems.extend(_stage_problems(stage, exc))
+        return problems
+
+
+def _stage_problems(stage: str, exc: ConfigError) -> list[tuple[str, str]]:
+    """A stage config's errors under the stage's name: a file that cannot be read as `<stage>.config`, a setting as
+    `<stage>: <its file>: <its locator>`."""
+    source = f"{exc.source}: " if exc.source else ""
+    return [(f"{stage}.config", f"{source}{message}") if where.startswith("<") else
+            (stage, f"{source}{where}: {message}") for where, message in exc.problems]
+
+
+def _touches(key: str, setting: str) -> bool:
+    """Whether an override of `key` writes `setting` or part of it (or a table holding it)."""
+    return any(longer == shorter or longer.startswith((f"{shorter}.", f"{shorter}["))
+               for longer, shorter in ((key, setting), (setting, key)))
