@@ -3,14 +3,23 @@
 
     python data/make_env_data.py   # writes the three files below
 
-- rl-calculator-prompts.jsonl: "What is 37 * 24? Use the calculator." with answer "888" (two 2-digit numbers,
-  * or +): the tiny model cannot compute them, it has to call the tool (rollout_lib/envs/calculator.py).
+- rl-calculator-prompts.jsonl: "Use the calculator. What is 56 * 77?" with answer "4312": products of two numbers
+  in 32..99 (always 4 digits), which the tiny model cannot compute; it has to call the tool
+  (rollout_lib/envs/calculator.py).
 - rl-guess-prompts.jsonl: "Guess my number between 1 and 8." in 8 wordings x 8 secrets (the answer).
-- sft-tools-tiny.jsonl: demonstrations of both protocols rendered exactly as an episode produces them, imperfect
-  on purpose so that RL has something to learn: every calculator demo calls the tool with the right expression,
-  but only CALC_COPY_RATE of the final answers copy the tool's result (the others repeat an operand); only
-  GUESS_FEEDBACK_RATE of the guessing demos use the feedback (bisect the interval still possible), the others guess
-  at random in 1..8. Calculator demos use other questions than the RL prompts.
+- sft-tools-tiny.jsonl: demonstrations of both protocols, rendered exactly as an episode produces them and
+  imperfect on purpose so that RL has something to learn. Every calculator demo calls the tool with the right
+  expression; then CALC_COPY_RATE of the final answers say "The product is <result>." (SLOPPY_COPY_RATE of those
+  with one digit wrong) and the others "Maybe it is <another 4-digit number>.". GUESS_FEEDBACK_RATE of the
+  guessing demos bisect the interval the feedback leaves; the others guess at random in 1..8. The calculator
+  demos ask other questions than the RL prompts.
+
+Why the calculator data is this regular (measured with configs/sft-tools-tiny.toml, several seeds): the tiny model
+copies the question into the call, and the result into the answer, only once one attention head copies from a
+fixed distance back. So the question ends every prompt, every operand and result has the same length, and "The
+product is " is as long as the framing before the call's expression: both copies are from 21 tokens back. With `+`
+questions too, the operator was copied in some runs only; with an operand as the wrong answer, or a wrong answer
+after the same words as a right one, the result was copied in some runs only.
 
 Deterministic: one seeded `random.Random` per file, no iteration over sets.
 """
@@ -24,10 +33,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 CALC_TEMPLATES = (
-    "What is {expr}? Use the calculator.",
-    "Use the calculator: what is {expr}?",
-    "Compute {expr} with the calculator.",
-    "{expr} = ? Use the calculator.",
+    "What is {expr}?",
+    "Use the calculator. What is {expr}?",
+    "With the calculator: what is {expr}?",
+    "Calculator task. What is {expr}?",
 )
 GUESS_TEMPLATES = (
     "Guess my number between 1 and 8.",
@@ -39,26 +48,29 @@ GUESS_TEMPLATES = (
     "Find my number (1 to 8) by guessing.",
     "Guess a number from 1 to 8.",
 )
+COPIED_ANSWER = "The product is {}."  # 9 tokens before the number (see above)
+WRONG_ANSWER = "Maybe it is {}."  # other first words: the choice to copy is made once, not digit by digit
 LOW, HIGH = 1, 8  # the guess_number env's default range
 GUESS_MAX_TURNS = 4  # its default max_turns: an unsolved demo stops after this many guesses
 
+OPERANDS = (32, 99)  # products 1024..9801: 4 digits
 RL_CALC_ROWS = 64
-SFT_CALC_ROWS = 192
-SFT_GUESS_ROWS = 192
-CALC_COPY_RATE = 0.5
-GUESS_FEEDBACK_RATE = 0.3
+SFT_CALC_ROWS = 1024
+SFT_GUESS_ROWS = 128
+CALC_COPY_RATE = 0.6
+SLOPPY_COPY_RATE = 0.3
+GUESS_FEEDBACK_RATE = 0.5
 
 
 def _calc_questions(rng: random.Random, count: int, exclude: set[str]) -> list[tuple[str, int]]:
-    """`count` distinct (expression, value) pairs of two 2-digit numbers, none in `exclude`."""
+    """`count` distinct (expression, product) pairs, none in `exclude`."""
     questions = []
     while len(questions) < count:
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        op = rng.choice("*+")
-        expr = f"{a} {op} {b}"
+        a, b = rng.randint(*OPERANDS), rng.randint(*OPERANDS)
+        expr = f"{a} * {b}"
         if expr not in exclude:
             exclude.add(expr)
-            questions.append((expr, a * b if op == "*" else a + b))
+            questions.append((expr, a * b))
     return questions
 
 
@@ -77,16 +89,32 @@ def rl_guess_rows() -> list[dict]:
             for template in GUESS_TEMPLATES for secret in range(LOW, HIGH + 1)]
 
 
+def _wrong_answer(rng: random.Random, value: int) -> int:
+    """Another number of the same size."""
+    while True:
+        wrong = rng.randint(10 ** (len(str(value)) - 1), 10 ** len(str(value)) - 1)
+        if wrong != value:
+            return wrong
+
+
+def _sloppy_copy(rng: random.Random, value: int) -> int:
+    """The result with one digit changed (the leading one stays non-zero)."""
+    digits = list(str(value))
+    index = rng.randrange(len(digits))
+    digits[index] = rng.choice([d for d in "0123456789" if d != digits[index] and (index or d != "0")])
+    return int("".join(digits))
+
+
 def _calc_demo(rng: random.Random, expr: str, value: int) -> dict:
     if rng.random() < CALC_COPY_RATE:
-        final = value
+        final = COPIED_ANSWER.format(_sloppy_copy(rng, value) if rng.random() < SLOPPY_COPY_RATE else value)
     else:
-        final = int(rng.choice(expr.split()[::2]))  # an operand: the answer is in reach but not this one
+        final = WRONG_ANSWER.format(_wrong_answer(rng, value))
     return {"messages": [
         {"role": "user", "content": rng.choice(CALC_TEMPLATES).format(expr=expr)},
         {"role": "assistant", "content": f"calc: {expr}"},
         {"role": "tool", "content": str(value)},
-        {"role": "assistant", "content": f"The answer is {final}."},
+        {"role": "assistant", "content": final},
     ]}
 
 
@@ -108,12 +136,14 @@ def _guess_demo(rng: random.Random, secret: int) -> dict:
 
 
 def sft_tools_rows() -> list[dict]:
-    rng = random.Random(202)
+    # One generator per part: retuning the guessing demos leaves the calculator demos and the order as they are.
+    calc_rng, guess_rng = random.Random(202), random.Random(203)
     rl_exprs = {expr for expr, _ in _rl_calc_questions()}
-    calc = [_calc_demo(rng, expr, value) for expr, value in _calc_questions(rng, SFT_CALC_ROWS, rl_exprs)]
-    guess = [_guess_demo(rng, rng.randint(LOW, HIGH)) for _ in range(SFT_GUESS_ROWS)]
+    calc = [_calc_demo(calc_rng, expr, value)
+            for expr, value in _calc_questions(calc_rng, SFT_CALC_ROWS, rl_exprs)]
+    guess = [_guess_demo(guess_rng, guess_rng.randint(LOW, HIGH)) for _ in range(SFT_GUESS_ROWS)]
     rows = calc + guess
-    rng.shuffle(rows)
+    random.Random(204).shuffle(rows)
     return rows
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +22,12 @@ from rollout_lib.envs.calculator import (
     find_tool_call,
     tool_result,
 )
-from rollout_lib.envs.guess_number import GuessNumber, GuessNumberSettings, first_guess, solved_score
+from rollout_lib.envs.guess_number import (
+    GuessNumber,
+    GuessNumberSettings,
+    first_guess,
+    solved_score,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -88,6 +94,12 @@ def test_calculator_evaluates_arithmetic(expression, expected):
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, why):
     result = tool_result(expression)
     assert result.startswith("error: ") and why in result, result
+
+
+def test_evaluate_is_exact_and_raises_calc_error():
+    assert evaluate("7 / 2 * 2") == 7 and evaluate("1 / 3") == Fraction(1, 3)
+    with pytest.raises(CalcError, match="division by zero"):
+        evaluate("1 // 0")
 
 
 @pytest.mark.parametrize("expression", [
@@ -246,7 +258,7 @@ def test_env_prompts_fit_their_envs():
     make = _make_env_data()
     calculator, game = Calculator(CalculatorSettings()), GuessNumber(GuessNumberSettings())
     for row in make.rl_calculator_rows():
-        expression = re.search(r"\d+ [*+] \d+", row["prompt"]).group()
+        expression = re.search(r"\d+ \* \d+", row["prompt"]).group()
         assert tool_result(expression) == row["answer"]
         calculator.start({**row, "info": {}})
     for row in make.rl_guess_rows():

@@ -127,8 +127,8 @@ def final_answer_score(text: str, answer: str) -> float:
 
 def calculator_answer(inp: Any) -> float:
     """A reward function (RewardInput): the final-answer score of the episode's last turn, 0.0 when that turn is a
-    tool call. Scores a final answer given on the last allowed turn too, which the env itself never sees (the
-    driver does not call `respond` after turn max_turns)."""
+    tool call. The same as `env_score` on the calculator's state, read from the text alone (so it also scores a
+    transcript from elsewhere)."""
     if inp.answer is None:
         raise ValueError("calculator_answer needs an answer, but the example has none")
     if find_tool_call(inp.completion_text) is not None:

@@ -6,8 +6,8 @@ secret is above the guess) or "lower", or asks for a number when the turn has no
 digits). A correct guess ends the episode.
 
 Score: solving on model turn t (1-based) of T = max_turns scores (T - t + 1) / T, so 1.0 on the first turn, then
-one T-th less per extra turn; 0.0 while unsolved. The driver does not call `respond` after turn T, so a correct
-guess on that last turn is never seen: with T = 4 the reachable scores are 1.0, 0.75 and 0.5.
+one T-th less per extra turn; 0.0 while unsolved. The driver shows the env the last allowed turn too (its reply
+is not written), so with T = 4 the reachable scores are 1.0, 0.75, 0.5 and 0.25.
 """
 
 from __future__ import annotations
