@@ -66,8 +66,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     total = settings.budget.max_steps
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rl {cfg.run.name}: steps done")
     history: list[dict] = []
-    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops, \
-            FrozenModels(cfg.run.store) as frozen_models:
+    with ResidentTrainer() as resident, FrozenModels(cfg.run.store) as frozen_models, \
+            RewardLoops(cfg, frozen_models) as reward_loops:
         if cfg.frozen_models():
             for connected in connect_frozen_models_task(cfg, frozen_models):
                 logger.info("frozen model %s", connected)

@@ -158,7 +158,9 @@ def _frozen_model_contents(config: RlConfig) -> dict[str, str]:
 
 
 def _reward_name(reward) -> str:
-    return reward.function if hasattr(reward, "function") else f"reward_model {reward.reward_model.uri}"
+    if hasattr(reward, "function"):
+        return reward.function
+    return f"reward_model {reward.reward_model.uri}" if hasattr(reward, "reward_model") else "llm judge"
 
 
 def _reward_model_contents(config: RlConfig) -> dict[str, str]:

@@ -114,7 +114,8 @@ def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels) ->
     """Serve (or reach) every frozen model and check it shares the policy's tokenizer, before any step runs: a
     wrong URL, served name or tokenizer fails here, in one line naming it, with nothing trained yet."""
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
-    return [f"{where}: {frozen_models.connect(settings, tokenizer=tokenizer, where=where)}"
+    judges = {where for where, _ in config.judges()}  # judges read text: any tokenizer will do
+    return [f"{where}: {frozen_models.connect(settings, tokenizer=None if where in judges else tokenizer, where=where)}"
             for where, settings in config.frozen_models()]
 
 

@@ -84,6 +84,45 @@ class RewardFunctionSettings(StrictModel):
     function: str = Field(min_length=1)  # a built-in name or an import path "package.module:attr"
     weight: float = 1.0
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    # A judge model the function may call: an async function is called as fn(inp, judge=<JudgeClient>, **kwargs)
+    # (reward/judge.py: `await judge.chat(messages)` through the run's replica pool).
+    judge: FrozenModel | None = None
+    judge_max_tokens: int = Field(256, ge=1)
+
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Rate how well the response answers the question, from 0 (useless or wrong) to 10 (perfect).\n\n"
+    "Question:\n{prompt}\n\nResponse:\n{response}\n\nEnd with a line of the form 'Score: <0-10>'."
+)
+
+
+class JudgeSettings(StrictModel):
+    """A generative reward model (reward/judge.py): the judge model reads `template` filled with the rollout's
+    {prompt}, {response} and {answer}, and its verdict's last match of `pattern` is the score, scaled from
+    `score_range` to [0, 1]. A verdict that does not parse is a missing reward carrying the judge's text."""
+
+    judge: FrozenModel
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    system_prompt: str | None = None
+    pattern: str = r"Score:\s*(-?\d+(?:\.\d+)?)"  # its first group (or whole match) is the number
+    score_range: tuple[float, float] = (0.0, 10.0)
+    max_tokens: int = Field(256, ge=1)  # of the verdict
+    temperature: float = Field(0.0, ge=0)  # greedy: the same rollout gets the same verdict
+    weight: float = 1.0
+
+    @model_validator(mode="after")
+    def _checked(self) -> "JudgeSettings":
+        import re
+
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise ValueError(f"pattern is not a regular expression: {exc}") from None
+        if not self.score_range[0] < self.score_range[1]:
+            raise ValueError(f"score_range must be [low, high] with low < high, got {list(self.score_range)}")
+        if "{response}" not in self.template:
+            raise ValueError("template has no {response}: the judge would never see what it judges")
+        return self
 
 
 class RewardModelSettings(StrictModel):
@@ -119,16 +158,21 @@ class RewardModelSettings(StrictModel):
 
 def _reward_kind(value: Any) -> str | None:
     if isinstance(value, dict):
-        kinds = [kind for kind in ("function", "reward_model") if kind in value]
+        if "function" in value:  # a function may name a judge it calls
+            return None if "reward_model" in value else "reward(function)"
+        kinds = [kind for kind in ("reward_model", "judge") if kind in value]
         return f"reward({kinds[0]})" if len(kinds) == 1 else None
-    return {RewardFunctionSettings: "reward(function)", RewardModelSettings: "reward(reward_model)"}.get(type(value))
+    return {RewardFunctionSettings: "reward(function)", RewardModelSettings: "reward(reward_model)",
+            JudgeSettings: "reward(judge)"}.get(type(value))
 
 
 RewardSettings = Annotated[
     Union[Annotated[RewardFunctionSettings, Tag("reward(function)")],  # noqa: UP007
-          Annotated[RewardModelSettings, Tag("reward(reward_model)")]],
+          Annotated[RewardModelSettings, Tag("reward(reward_model)")],
+          Annotated[JudgeSettings, Tag("reward(judge)")]],
     Discriminator(_reward_kind, custom_error_type="unknown_reward",
-                  custom_error_message="a reward names one of `function` (a reward function) and `reward_model`")]
+                  custom_error_message="a reward names one of `function` (a reward function), `reward_model` and "
+                                       "`judge` (an LLM judge)")]
 
 
 class EnvSampler(StrictModel):
@@ -243,7 +287,14 @@ class RlConfig(EntryPointConfig):
             if env.sampler.frozen is not None:
                 found.append((f"{where}.sampler.source", env.sampler.frozen))
             found.extend((f"{where}.algo.{name}", value) for name, value in _frozen_fields(env.algo))
-        return found
+        return found + self.judges()
+
+    def judges(self) -> list[tuple[str, FrozenModel]]:
+        """(locator, settings) of every judge model an env's rewards call. Judges read text, so unlike the other
+        frozen models they need not share the policy's tokenizer."""
+        return [(f"algorithm.rl.envs[{index}].rewards[{r_index}].judge", reward.judge)
+                for index, env in enumerate(self.settings.envs) for r_index, reward in enumerate(env.rewards)
+                if getattr(reward, "judge", None) is not None]
 
     def training_settings(self) -> dict:
         """As every entry point's, but a frozen model enters as what identifies its content (the served name, or
@@ -257,6 +308,9 @@ class RlConfig(EntryPointConfig):
                 dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()
             for name, value in _frozen_fields(env.algo):
                 dumped["algo"][name] = value.identity_settings()
+            for reward, dumped_reward in zip(env.rewards, dumped["rewards"]):
+                if getattr(reward, "judge", None) is not None:
+                    dumped_reward["judge"] = reward.judge.identity_settings()
         return settings
 
     def plan_warnings(self) -> list[tuple[str, str]]:
@@ -295,8 +349,8 @@ class RlConfig(EntryPointConfig):
             if names.count(env.name) > 1:
                 problems.append((f"{where}.name", f"env name {env.name!r} is used more than once"))
             for r_index, reward in enumerate(env.rewards):
-                if isinstance(reward, RewardModelSettings):
-                    continue  # resolved against the store by the training identity (trainer/identity.py)
+                if not isinstance(reward, RewardFunctionSettings):
+                    continue  # a reward model resolves against the store (trainer/identity.py); a judge connects
                 try:
                     check_reward_function(reward.function, reward.kwargs)
                 except ValueError as exc:

@@ -8,9 +8,16 @@ from collections import Counter
 import blake3
 import pyarrow as pa
 
-from rollout_lib.config.rl import EnvSettings, RewardModelSettings, RlConfig
+from rollout_lib.config.rl import EnvSettings, JudgeSettings, RewardFunctionSettings, RewardModelSettings, RlConfig
 from rollout_lib.reward.functions import resolve_reward_function
-from rollout_lib.reward.loop import RewardLoop, raise_if_all_missing, raise_if_too_many_missing, reward_metrics
+from rollout_lib.reward.judge import JudgeClient, LlmJudge, WithJudge
+from rollout_lib.reward.loop import (
+    RewardLoop,
+    is_async_callable,
+    raise_if_all_missing,
+    raise_if_too_many_missing,
+    reward_metrics,
+)
 from rollout_lib.reward.reward_model import COUNTS, RewardModelScorer, load_scorer
 from rollout_lib.reward.tables import apply_rewards, reward_inputs
 from rollout_lib.store import canonical_json
@@ -21,8 +28,11 @@ class RewardLoops:
     models (each loaded once, shared by every env that names it), created on first use and reused across steps.
     Whoever creates it closes it (`with RewardLoops(...) as loops:`)."""
 
-    def __init__(self, config: RlConfig):
+    def __init__(self, config: RlConfig, frozen_models=None):
+        """`frozen_models` (serving.frozen.FrozenModels): the run's, for rewards that call a judge model."""
+        self.config = config
         self.settings = config.settings.reward_loop
+        self.frozen_models = frozen_models
         self._loops: dict[str, RewardLoop] = {}
         self._scorers: dict[str, RewardModelScorer] = {}
 
@@ -32,18 +42,35 @@ class RewardLoops:
         key = blake3.blake3(canonical_json([env.model_dump(mode="json")["rewards"], stores,
                                             self.settings.model_dump(mode="json")])).hexdigest()
         if key not in self._loops:
-            functions = [(self._reward(r), r.weight) for r in env.rewards]
+            index = [e.name for e in self.config.settings.envs].index(env.name)
+            functions = [(self._reward(r, f"algorithm.rl.envs[{index}].rewards[{r_index}]"), r.weight)
+                         for r_index, r in enumerate(env.rewards)]
             self._loops[key] = RewardLoop(functions, concurrency=self.settings.concurrency,
                                           timeout_s=self.settings.timeout_s, sync_workers=self.settings.sync_workers)
         return self._loops[key]
 
-    def _reward(self, reward):
-        if not isinstance(reward, RewardModelSettings):
-            return resolve_reward_function(reward.function, reward.kwargs)
+    def _reward(self, reward, where: str):
+        if isinstance(reward, JudgeSettings):
+            client = self._judge_client(reward.judge, reward.max_tokens, reward.temperature, where)
+            return LlmJudge(client, reward.template, reward.pattern, reward.score_range, reward.system_prompt)
+        if isinstance(reward, RewardFunctionSettings):
+            if reward.judge is None:
+                return resolve_reward_function(reward.function, reward.kwargs)
+            function = resolve_reward_function(reward.function)
+            if not is_async_callable(function):
+                raise ValueError(f"{where}.function: {reward.function!r} is sync; a reward function that calls a "
+                                 "judge is async (sync functions run in worker processes, away from the run's pool)")
+            return WithJudge(function, self._judge_client(reward.judge, reward.judge_max_tokens, 0.0, where),
+                             reward.kwargs)
         key = canonical_json([reward.model_dump(mode="json", exclude={"weight"}), reward.reward_model.store])
         if key not in self._scorers:
             self._scorers[key] = load_scorer(reward)
         return self._scorers[key]
+
+    def _judge_client(self, judge, max_tokens: int, temperature: float, where: str) -> JudgeClient:
+        if self.frozen_models is None:
+            raise ValueError(f"{where}.judge: a judge needs the run's FrozenModels (RewardLoops(config, frozen_models))")
+        return JudgeClient(self.frozen_models.pool(judge, where=f"{where}.judge"), max_tokens, temperature)
 
     def take_reward_model_metrics(self) -> dict[str, int]:
         """`reward_model/<count>` summed over the run's reward models since the last call (none without one)."""
@@ -78,10 +105,12 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
     envs = rollouts.column("env").to_pylist()
     rows_by_env = {env.name: [i for i, name in enumerate(envs) if name == env.name] for env in config.settings.envs}
 
+    env_loops = [loops.for_env(env) for env in config.settings.envs]  # outside the event loop: may connect a judge
+
     async def score_all():
         return await asyncio.gather(*(
-            loops.for_env(env).ascore(reward_inputs(rollouts.take(rows_by_env[env.name]), prompt_tables[env.name]))
-            for env in config.settings.envs
+            loop.ascore(reward_inputs(rollouts.take(rows_by_env[env.name]), prompt_tables[env.name]))
+            for env, loop in zip(config.settings.envs, env_loops)
         ))
 
     results: list = [None] * rollouts.num_rows

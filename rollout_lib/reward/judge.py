@@ -1,0 +1,94 @@
+"""Generative reward models: an LLM judge reads (prompt, response[, answer]) and writes a verdict with a score.
+
+The judge is any frozen model (rollout serves it on vLLM, or a server of yours: serving/settings.py), called
+through the run's replica pool with a chat request, greedy by default. Its text is parsed for the score; a
+verdict that does not parse (or a score outside its range) is a missing reward whose error carries the judge's
+text, never a 0.
+
+The template is filled by plain substitution of `{prompt}`, `{response}` and `{answer}` in one pass: text from the
+rollout is inserted, never interpreted (no format-string attribute lookups, no re-substitution).
+"""
+
+from __future__ import annotations
+
+import re
+
+from rollout_lib.reward.functions import RewardInput
+
+PLACEHOLDERS = re.compile(r"\{(prompt|response|answer)\}")
+
+
+class JudgeClient:
+    """What a user reward function is handed as `judge`: chat completions of the judge model, through the pool
+    (least-loaded replica, failover)."""
+
+    def __init__(self, pool, max_tokens: int, temperature: float):
+        self.pool = pool
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+
+    async def chat(self, messages: list[dict], *, max_tokens: int | None = None, temperature: float | None = None,
+                   seed: int | None = None) -> str:
+        return await self.pool.chat(messages, max_tokens=max_tokens or self.max_tokens,
+                                    temperature=self.temperature if temperature is None else temperature, seed=seed)
+
+
+def render(template: str, inp: RewardInput) -> str:
+    """The judge's prompt: the template with the rollout's prompt (its messages' contents), response (the
+    policy's last turn) and answer substituted."""
+    values = {
+        "prompt": "\n\n".join(message["content"] for message in inp.prompt if message["role"] != "system"),
+        "response": inp.completion_text,
+        "answer": inp.answer if inp.answer is not None else "",
+    }
+    return PLACEHOLDERS.sub(lambda match: values[match.group(1)], template)
+
+
+def parse_score(text: str, pattern: str, low: float, high: float) -> float:
+    """The last match of `pattern` (its first group, or the whole match) as a number in [low, high], scaled to
+    [0, 1]; ValueError quoting the judge's text otherwise."""
+    matches = list(re.finditer(pattern, text))
+    shown = text if len(text) <= 300 else text[:300] + "..."
+    if not matches:
+        raise ValueError(f"judge verdict does not parse (no match of {pattern!r}): {shown!r}")
+    match = matches[-1]
+    found = match.group(1) if match.groups() else match.group(0)
+    try:
+        value = float(found)
+    except (TypeError, ValueError):
+        raise ValueError(f"judge verdict does not parse ({found!r} is not a number): {shown!r}") from None
+    if not low <= value <= high:
+        raise ValueError(f"judge score {value:g} is outside [{low:g}, {high:g}]: {shown!r}")
+    return (value - low) / (high - low)
+
+
+class LlmJudge:
+    """The built-in judge reward: async, one chat request per rollout."""
+
+    def __init__(self, client: JudgeClient, template: str, pattern: str, score_range: tuple[float, float],
+                 system_prompt: str | None):
+        self.client = client
+        self.template = template
+        self.pattern = pattern
+        self.score_range = score_range
+        self.system_prompt = system_prompt
+        self.__name__ = "llm_judge"  # how the reward loop names it in metrics and errors
+
+    async def __call__(self, inp: RewardInput) -> float:
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": render(self.template, inp)})
+        verdict = await self.client.chat(messages)
+        return parse_score(verdict, self.pattern, *self.score_range)
+
+
+class WithJudge:
+    """A user's async reward function called as `fn(inp, judge=<JudgeClient>, **kwargs)`."""
+
+    def __init__(self, function, client: JudgeClient, kwargs: dict):
+        self.function = function
+        self.client = client
+        self.kwargs = kwargs
+        self.__name__ = getattr(function, "__name__", "reward")
+
+    async def __call__(self, inp: RewardInput) -> float:
+        return await self.function(inp, judge=self.client, **self.kwargs)
