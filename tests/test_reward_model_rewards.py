@@ -156,7 +156,8 @@ def test_rl_scores_are_train_rms_scores_whatever_the_batch(trained_rm):
                           "source_line": list(range(1, len(RESPONSES) + 1))}, schema=wire.RESPONSES)
     expected = score_with_checkpoint(ObjectStore(str(store)), RM_REF, responses, 64).column("reward").to_pylist()
 
-    scorer = scorer_of(store, batch_size=4)
+    assert scorer_of(store).max_length == 64  # the max_seq_len train-rm recorded in the checkpoint
+    scorer = scorer_of(store, batch_size=4, max_length=256)  # room for OTHERS' long one: no row loses tokens
     items = [RewardInput(prompt=user(p), completion_text=r) for p, r in RESPONSES]
     with RewardLoop([(scorer, 1.0)], concurrency=32, timeout_s=60) as loop:
         through_the_loop = [result.reward for result in loop.score(items)]
