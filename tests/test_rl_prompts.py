@@ -96,13 +96,12 @@ def test_reasoning_gym_sets_are_seeded_and_scored_by_their_own_score_answer():
 
     # Through the reward loop, as the score stage runs it: right, wrong and untagged answers.
     answer = row["answer"]
-    rollouts = wire.conform(
-        pa.Table.from_pylist([
-            {"sample_id": f"s{i}", "example_id": row["example_id"], "env": "sums", "group_index": i,
-             "prompt_ids": [1], "completion_ids": [2], "sampling_logprobs": [0.0], "completion_text": text,
-             "answer": answer, "info": row["info"], "reward": None, "reward_error": None}
-            for i, text in enumerate([f"<answer>{answer}</answer>", f"<answer>{int(answer) + 1}</answer>", "no idea"])
-        ]), wire.ROLLOUTS)
+    rollouts = pa.Table.from_pylist([
+        {"sample_id": f"s{i}", "example_id": row["example_id"], "env": "sums", "group_index": i,
+         "prompt_ids": [1], "completion_ids": [2], "sampling_logprobs": [0.0], "completion_text": text,
+         "answer": answer, "info": row["info"], "reward": None, "reward_error": None}
+        for i, text in enumerate([f"<answer>{answer}</answer>", f"<answer>{int(answer) + 1}</answer>", "no idea"])
+    ], schema=wire.ROLLOUTS)  # single-turn rows: completion_turns and episode null
     results = score_rollouts_sync(reward_inputs(rollouts, table), [(resolve_reward_function("reasoning_gym"), 1.0)],
                                   concurrency=4, timeout_s=60)
     assert [r.reward for r in results] == [1.0, 0.0, 0.0]
