@@ -6,44 +6,19 @@ last 3 steps clearly above its first 3. The curves are printed (pytest -s) and i
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from rollout_lib.config import RlConfig, load_config
-from rollout_lib.rl.advantages import training_samples
-from rollout_lib.rl.pack import pack
-from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
-from rollout_lib.rl.prompts import load_prompts
-from rollout_lib.rl.sample import build_samplers, sample_rollouts
-from rollout_lib.rl.score import RewardLoops, score_rollouts
-from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.resident import ResidentTrainer
+from inprocess_rl import ROOT, reward_curve_in_process
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 16
 
 
 def reward_curve(config_name: str, tiny_model_dir, steps: int = STEPS) -> list[float]:
-    cfg = load_config(RlConfig, ROOT / "configs" / config_name, [
-        f"run.store=memory://learn-{config_name}", f"algorithm.rl.base_model={tiny_model_dir}",
-        f"algorithm.rl.envs[0].source.path={ROOT / 'data/rl-tiny-prompts.jsonl'}"])
-    store = ObjectStore(cfg.run.store)
-    prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
-    run = policy_inputs(store, cfg, {name: store.put_table(table) for name, table in prompts.items()})
-    curve = []
-    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops:
-        state = initial_policy(run, resident)
-        for step in range(1, steps + 1):
-            policy = policy_at(run, state, resident)
-            rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer), prompts, step)
-            scored, reward_metrics = score_rollouts(cfg, rollouts, prompts, reward_loops)
-            samples, _ = training_samples(cfg, scored)
-            micro_batches, _ = pack(cfg, samples)
-            state, _ = train_policy_step(run, state, step, store.put_table(micro_batches), resident, snapshot=False)
-            curve.append(round(reward_metrics["reward_mean"], 3))
+    curve, _ = reward_curve_in_process(config_name, [
+        f"algorithm.rl.base_model={tiny_model_dir}",
+        f"algorithm.rl.envs[0].source.path={ROOT / 'data/rl-tiny-prompts.jsonl'}"], steps)
     return curve
 
 

@@ -12,19 +12,10 @@ from __future__ import annotations
 import json
 import statistics
 
-import pyarrow as pa
 import pytest
 
 from clirun import ROOT, final_result, metrics_table, run_rollout
-from rollout_lib.config import RlConfig, load_config
-from rollout_lib.rl.advantages import training_samples
-from rollout_lib.rl.pack import pack
-from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
-from rollout_lib.rl.prompts import load_prompts
-from rollout_lib.rl.sample import build_samplers, sample_rollouts
-from rollout_lib.rl.score import RewardLoops, score_rollouts
-from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.resident import ResidentTrainer
+from inprocess_rl import reward_curve_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -63,32 +54,11 @@ def test_echo_learns_the_tool_results_while_grpo_raises_the_reward(tools_store):
     assert all(turns > 1.5 for turns in metrics["turns_mean"])  # it keeps calling the tool
 
 
-def reward_curve(config_name: str, base_store, steps: int) -> tuple[list[float], pa.Table]:
-    """Mean reward per step of an in-process run (its own store; the base model's checkpoint in `base_store`),
-    and the last step's rollouts."""
-    cfg = load_config(RlConfig, ROOT / "configs" / config_name, [
-        f"run.store=memory://learn-{config_name}",
-        f'algorithm.rl.base_model={{ uri = "runs/tools-tiny/latest", store = "{base_store}" }}',
-        f"algorithm.rl.envs[0].source.path={ROOT / 'data' / 'rl-guess-prompts.jsonl'}"])
-    store = ObjectStore(cfg.run.store)
-    prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
-    run = policy_inputs(store, cfg, {name: store.put_table(table) for name, table in prompts.items()})
-    curve = []
-    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops:
-        state = initial_policy(run, resident)
-        for step in range(1, steps + 1):
-            policy = policy_at(run, state, resident)
-            rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer), prompts, step)
-            scored, reward_metrics = score_rollouts(cfg, rollouts, prompts, reward_loops)
-            samples, _ = training_samples(cfg, scored)
-            micro_batches, _ = pack(cfg, samples)
-            state, _ = train_policy_step(run, state, step, store.put_table(micro_batches), resident, snapshot=False)
-            curve.append(round(reward_metrics["reward_mean"], 3))
-    return curve, scored
-
-
 def test_grpo_learns_to_use_the_feedback_of_guess_number(tools_store):
-    curve, last = reward_curve("rl-guess.toml", tools_store, steps=24)
+    # In process, in a store of its own; the base model's checkpoint is in the warm start's store.
+    curve, last = reward_curve_in_process("rl-guess.toml", [
+        f'algorithm.rl.base_model={{ uri = "runs/tools-tiny/latest", store = "{tools_store}" }}',
+        f"algorithm.rl.envs[0].source.path={ROOT / 'data' / 'rl-guess-prompts.jsonl'}"], steps=24)
     print("grpo on guess_number, reward per step:", curve)
     # Measured: 0.27 over steps 1-3 -> 0.47 over steps 19-24 (turns per episode 3.35 -> 2.85).
     assert mean(curve[-6:]) > mean(curve[:3]) + 0.12, curve

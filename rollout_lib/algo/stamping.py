@@ -82,6 +82,7 @@ def stamp_training_samples(
     columns = {name: rollouts.column(name).to_pylist() for name in
                ("sample_id", "env", "prompt_ids", "completion_ids", "sampling_logprobs", "completion_turns")}
     records = []
+    row_dicts: list[dict] = []  # every row as a dict, made once when an observation_weights hook first needs one
     for row, sample_id in enumerate(columns["sample_id"]):
         algorithm = algorithms[columns["env"][row]]
         component = algorithm.action_loss
@@ -119,7 +120,8 @@ def stamp_training_samples(
         if component != "rl":
             record[f"{component}_weights"] = ([0.0] * n_prompt + [float(m) for m in sampled])[:keep]
         if columns["completion_turns"][row] is not None and trains_env_tokens(algorithm):
-            observed = checked_observation_weights(algorithm, rollouts, row, sampled)
+            row_dicts = row_dicts or rollouts.to_pylist()
+            observed = checked_observation_weights(algorithm, row_dicts[row], sampled)
             if observed is not None and any(observed):
                 ce = record["ce_weights"] or [0.0] * (n_prompt + len(completion))
                 record["ce_weights"] = [c + o for c, o in zip(ce, [0.0] * n_prompt + observed)][:keep]
@@ -147,9 +149,8 @@ def sampled_mask(turns: list[dict] | None, n_completion: int, sample_id: str) ->
     return mask
 
 
-def checked_observation_weights(algorithm: Algorithm, rollouts: pa.Table, row: int,
-                                sampled: list[bool]) -> list[float] | None:
-    weights = algorithm.observation_weights(rollouts.slice(row, 1).to_pylist()[0])
+def checked_observation_weights(algorithm: Algorithm, rollout: dict, sampled: list[bool]) -> list[float] | None:
+    weights = algorithm.observation_weights(rollout)
     if weights is None:
         return None
     named = f"{algorithm.where}: {type(algorithm).__name__}.observation_weights"

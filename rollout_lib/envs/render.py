@@ -87,7 +87,7 @@ def _locate(text: str, offsets: list[tuple[int, int]], env_messages: list[dict])
 
     rendered, previous_end = [], 0
     for index, (message, (body_char_start, body_char_end)) in enumerate(zip(env_messages, bodies)):
-        end = len(offsets) if index == len(env_messages) - 1 else first_token_at(bodies[index][1])
+        end = len(offsets) if index == len(env_messages) - 1 else first_token_at(body_char_end)
         inside = [i for i in range(previous_end, end)
                   if offsets[i][0] >= body_char_start and offsets[i][1] <= body_char_end and offsets[i][1] > offsets[i][0]]
         body_start, body_end = (inside[0], inside[-1] + 1) if inside else (end, end)
