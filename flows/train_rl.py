@@ -68,8 +68,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     history: list[dict] = []
     with ResidentTrainer() as resident, FrozenModels(cfg.run.store) as frozen_models, \
             RewardLoops(cfg, frozen_models) as reward_loops:
-        if cfg.frozen_models():
-            for connected in connect_frozen_models_task(cfg, frozen_models):
+        if cfg.frozen_models() or cfg.served_reward_models():
+            for connected in connect_frozen_models_task(cfg, frozen_models, reward_loops):
                 logger.info("frozen model %s", connected)
         prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in settings.envs}
         state = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]

@@ -160,7 +160,9 @@ def _frozen_model_contents(config: RlConfig) -> dict[str, str]:
 def _reward_name(reward) -> str:
     if hasattr(reward, "function"):
         return reward.function
-    return f"reward_model {reward.reward_model.uri}" if hasattr(reward, "reward_model") else "llm judge"
+    if hasattr(reward, "reward_model"):
+        return f"reward_model {reward.reward_model.uri}" + (" (served by vLLM)" if reward.engine == "vllm" else "")
+    return "llm judge"
 
 
 def _reward_model_contents(config: RlConfig) -> dict[str, str]:

@@ -110,13 +110,22 @@ def init_policy_task(config: RlConfig, prompts_ids: dict[str, str], resident: Re
 
 
 @task(name="connect-frozen-models", task_run_name="connect-frozen-models", cache_policy=NO_CACHE, retries=0)
-def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels) -> list[str]:
-    """Serve (or reach) every frozen model and check it shares the policy's tokenizer, before any step runs: a
-    wrong URL, served name or tokenizer fails here, in one line naming it, with nothing trained yet."""
+def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels,
+                               reward_loops: RewardLoops | None = None) -> list[str]:
+    """Serve (or reach) every frozen model and check it shares the policy's tokenizer, and serve every reward model
+    the run scores with on vLLM, before any step runs: a wrong URL, served name or tokenizer fails here, in one
+    line naming it, with nothing trained yet."""
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
     judges = {where for where, _ in config.judges()}  # judges read text: any tokenizer will do
-    return [f"{where}: {frozen_models.connect(settings, tokenizer=None if where in judges else tokenizer, where=where)}"
-            for where, settings in config.frozen_models()]
+    connected = [
+        f"{where}: {frozen_models.connect(settings, tokenizer=None if where in judges else tokenizer, where=where)}"
+        for where, settings in config.frozen_models()]
+    for where, reward in config.served_reward_models():
+        if reward_loops is None:
+            raise ValueError(f"{where}: a served reward model is served through the run's RewardLoops")
+        scorer = reward_loops.reward_model(reward, where)
+        connected.append(f"{where}: reward model {scorer.pool.model!r} at {scorer.pool.url_list}")
+    return connected
 
 
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS,

@@ -13,7 +13,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
       [[algorithm.rl.envs.rewards]]  function = "number_match" | "pkg.module:attr", weight, kwargs
                                      | reward_model = "runs/rm/latest" | <checkpoint id> | <model ref>, weight,
-                                       store, batch_size, max_length (a discriminative reward model)
+                                       store, batch_size, max_length, engine = "embedded" | "vllm",
+                                       replicas (a discriminative reward model)
 """
 
 from __future__ import annotations
@@ -136,6 +137,17 @@ class RewardModelSettings(StrictModel):
     # Tokens per input; a longer one loses the prompt's earliest tokens. Default: the max_seq_len the checkpoint was
     # trained with when its manifest records it, else the model's max_position_embeddings.
     max_length: int | None = Field(None, ge=8)
+    # embedded: in this process (bit-exact whatever the batching). vllm: rollout serves it with vLLM's pooling
+    # runner (`POST /classify`), for a reward model too large to run beside the trainer; scores agree with the
+    # embedded ones to ~1e-7, not bit for bit, so the engine is part of the training identity.
+    engine: Literal["embedded", "vllm"] = "embedded"
+    replicas: int = Field(1, ge=1)  # vllm servers behind the pool (a resource: not part of the identity)
+
+    @model_validator(mode="after")
+    def _replicas_are_served(self) -> "RewardModelSettings":
+        if self.replicas > 1 and self.engine != "vllm":
+            raise ValueError('replicas is the number of vLLM servers: set engine = "vllm" with it')
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -272,6 +284,10 @@ class RlConfig(EntryPointConfig):
                 for index, env in enumerate(self.settings.envs) for r_index, reward in enumerate(env.rewards)
                 if isinstance(reward, RewardModelSettings)]
 
+    def served_reward_models(self) -> list[tuple[str, RewardModelSettings]]:
+        """The reward models rollout serves with vLLM (`engine = "vllm"`)."""
+        return [(where, reward) for where, reward in self.reward_models() if reward.engine == "vllm"]
+
     @model_validator(mode="after")
     def _warn(self) -> "RlConfig":
         for locator, message in self.plan_warnings():
@@ -311,6 +327,10 @@ class RlConfig(EntryPointConfig):
             for reward, dumped_reward in zip(env.rewards, dumped["rewards"]):
                 if getattr(reward, "judge", None) is not None:
                     dumped_reward["judge"] = reward.judge.identity_settings()
+                if isinstance(reward, RewardModelSettings):
+                    dumped_reward.pop("replicas")
+                    if reward.engine == "embedded":  # absent, so identities from before the setting stay
+                        dumped_reward.pop("engine")
         return settings
 
     def plan_warnings(self) -> list[tuple[str, str]]:

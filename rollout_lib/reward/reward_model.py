@@ -3,7 +3,9 @@
 `RewardModelScorer` is an async callable, so the reward loop calls it like any async reward function: once per
 rollout, on its event loop, many calls at a time. The scorer gathers the calls waiting into batches and runs the
 model in one worker thread of its own, so the event loop (and every other reward) goes on meanwhile. It is loaded
-once per run (`rl.score.RewardLoops` keeps it across steps).
+once per run (`rl.score.RewardLoops` keeps it across steps). `ServedRewardModelScorer` encodes the same way and
+sends the batches to a vLLM pooling server instead (`engine = "vllm"`, for a model too large to run beside the
+trainer).
 
 What it scores: the env's prompt messages (system prompt included), then the completion as the assistant's turn
 (in a multi-turn episode, the policy's last turn), encoded as train-rm encodes one side of a pair and read at the
@@ -34,11 +36,12 @@ SMALLEST_BUCKET = 32
 COUNTS = ("scored", "prompt_truncated", "prompt_tokens_dropped", "missing_too_long")
 
 
-class RewardModelScorer:
-    """score = the reward model's scalar output for (prompt, completion); one call per rollout, batched inside."""
+class _BatchingScorer:
+    """A reward model as an async reward function: the calls waiting are gathered into batches, each input encoded
+    as train-rm encodes one side of a pair, and the counts of what inputs lost kept (`take_counts`). Subclasses
+    say how a batch of encoded inputs is scored (`_score_encoded`)."""
 
-    def __init__(self, model, tokenizer, *, max_length: int, batch_size: int, name: str):
-        self.model = model.eval()
+    def __init__(self, tokenizer, *, max_length: int, batch_size: int, name: str):
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.batch_size = batch_size
@@ -61,7 +64,6 @@ class RewardModelScorer:
         return await future
 
     async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
         await asyncio.sleep(0)  # the calls made in this turn of the event loop join the first batch
         while self._waiting:
             taken = [(item, future) for item, future in self._waiting if not future.done()]  # done: timed out
@@ -69,7 +71,7 @@ class RewardModelScorer:
             if not taken:
                 continue
             try:
-                outcomes = await loop.run_in_executor(self._executor, self.score_batch, [item for item, _ in taken])
+                outcomes = await self._score_items([item for item, _ in taken])
             except Exception as exc:  # noqa: BLE001 - the model failed: every call of the batch reports it
                 outcomes = [exc] * len(taken)
             for (_, future), outcome in zip(taken, outcomes):
@@ -80,11 +82,13 @@ class RewardModelScorer:
                 else:
                     future.set_result(outcome)
 
-    def score_batch(self, items: Sequence[RewardInput]) -> list[float | Exception]:
-        """One score, or the exception that says why there is none, per item, in order (blocking)."""
-        import torch
+    async def _score_items(self, items: list[RewardInput]) -> list[float | Exception]:
+        raise NotImplementedError
 
-        from rollout_lib.model.reward import ResponseTooLongError, encode_for_reward_model, pad_right, reward_scores
+    def encode(self, items: Sequence[RewardInput]) -> tuple[list[float | Exception | None], dict[int, list[int]]]:
+        """Each item's input ids (by index), or the exception that says why it has none (in `outcomes`); counts
+        what the inputs lost."""
+        from rollout_lib.model.reward import ResponseTooLongError, encode_for_reward_model
 
         outcomes: list[float | Exception | None] = [None] * len(items)
         encoded: dict[int, list[int]] = {}
@@ -102,29 +106,10 @@ class RewardModelScorer:
                 encoded[index] = model_input.input_ids
                 counts["prompt_truncated"] += model_input.prompt_tokens_dropped > 0
                 counts["prompt_tokens_dropped"] += model_input.prompt_tokens_dropped
-        by_bucket: dict[int, list[int]] = {}
-        for index, ids in encoded.items():
-            by_bucket.setdefault(self.bucket(len(ids)), []).append(index)
-        pad = self.tokenizer.pad_token_id
-        with torch.inference_mode():
-            for length, rows in sorted(by_bucket.items()):
-                for start in range(0, len(rows), self.batch_size):
-                    chunk = rows[start:start + self.batch_size]
-                    sequences = [encoded[index] for index in chunk] + [[pad]] * (self.batch_size - len(chunk))
-                    scores = reward_scores(self.model, *pad_right(sequences, pad, length))
-                    for index, score in zip(chunk, scores.tolist()):
-                        outcomes[index] = score
         counts["scored"] += len(encoded)
         with self._counts_lock:
             self._counts.update(counts)
-        return outcomes
-
-    def bucket(self, length: int) -> int:
-        """The padded length of every batch a row of `length` tokens runs in."""
-        bucket = SMALLEST_BUCKET
-        while bucket < length:
-            bucket *= 2
-        return min(bucket, self.max_length)
+        return outcomes, encoded
 
     def take_counts(self) -> dict[str, int]:
         """Counts since the last call: rollouts scored, prompts shortened, prompt tokens dropped, responses too
@@ -137,18 +122,96 @@ class RewardModelScorer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def load_scorer(settings) -> RewardModelScorer:
-    """The scorer of a reward's settings (config.rl.RewardModelSettings): model and tokenizer in fp32, on CPU."""
+class RewardModelScorer(_BatchingScorer):
+    """score = the reward model's scalar output for (prompt, completion), computed in this process, in a worker
+    thread of its own so the event loop (and every other reward) goes on meanwhile."""
+
+    def __init__(self, model, tokenizer, *, max_length: int, batch_size: int, name: str):
+        super().__init__(tokenizer, max_length=max_length, batch_size=batch_size, name=name)
+        self.model = model.eval()
+
+    async def _score_items(self, items: list[RewardInput]) -> list[float | Exception]:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.score_batch, items)
+
+    def score_batch(self, items: Sequence[RewardInput]) -> list[float | Exception]:
+        """One score, or the exception that says why there is none, per item, in order (blocking)."""
+        import torch
+
+        from rollout_lib.model.reward import pad_right, reward_scores
+
+        outcomes, encoded = self.encode(items)
+        by_bucket: dict[int, list[int]] = {}
+        for index, ids in encoded.items():
+            by_bucket.setdefault(self.bucket(len(ids)), []).append(index)
+        pad = self.tokenizer.pad_token_id
+        with torch.inference_mode():
+            for length, rows in sorted(by_bucket.items()):
+                for start in range(0, len(rows), self.batch_size):
+                    chunk = rows[start:start + self.batch_size]
+                    sequences = [encoded[index] for index in chunk] + [[pad]] * (self.batch_size - len(chunk))
+                    scores = reward_scores(self.model, *pad_right(sequences, pad, length))
+                    for index, score in zip(chunk, scores.tolist()):
+                        outcomes[index] = score
+        return outcomes
+
+    def bucket(self, length: int) -> int:
+        """The padded length of every batch a row of `length` tokens runs in."""
+        bucket = SMALLEST_BUCKET
+        while bucket < length:
+            bucket *= 2
+        return min(bucket, self.max_length)
+
+
+class ServedRewardModelScorer(_BatchingScorer):
+    """score = the reward model's output as a vLLM pooling server computes it (`POST /classify` on token ids, raw
+    score, through the replica pool: a replica that dies mid-step is failed over). The inputs are encoded here, with
+    the checkpoint's own tokenizer, exactly as for the in-process scorer; the server only runs the model.
+
+    The server batches requests as they arrive, so a score may differ from the in-process one, and between reruns,
+    in the last bits (~1e-7 measured on the tiny RM); `engine` is part of the training identity for that reason."""
+
+    def __init__(self, pool, tokenizer, *, max_length: int, batch_size: int, name: str):
+        super().__init__(tokenizer, max_length=max_length, batch_size=batch_size, name=name)
+        self.pool = pool
+
+    async def _score_items(self, items: list[RewardInput]) -> list[float | Exception]:
+        outcomes, encoded = await asyncio.get_running_loop().run_in_executor(self._executor, self.encode, items)
+        indices = list(encoded)
+        chunks = [indices[start:start + self.batch_size] for start in range(0, len(indices), self.batch_size)]
+        replies = await asyncio.gather(*(self.pool.classify([encoded[index] for index in chunk])
+                                         for chunk in chunks), return_exceptions=True)
+        for chunk, reply in zip(chunks, replies):
+            if isinstance(reply, BaseException) and not isinstance(reply, Exception):
+                raise reply
+            for position, index in enumerate(chunk):
+                outcomes[index] = reply if isinstance(reply, Exception) else reply[position]
+        return outcomes
+
+
+def load_scorer(settings, frozen_models=None, where: str = "reward_model"):
+    """The scorer of a reward's settings (config.rl.RewardModelSettings). `engine = "embedded"`: model and
+    tokenizer in fp32, on CPU, in this process. `engine = "vllm"`: the model served by rollout with vLLM's pooling
+    runner through `frozen_models` (serving.frozen.FrozenModels, the run's), only its tokenizer loaded here."""
     from rollout_lib.model.loading import load_tokenizer, resolve_model
 
     ref = settings.reward_model
     manifest = reward_checkpoint_manifest(ref)
     resolved = resolve_model(ref)
     tokenizer = load_tokenizer(resolved)
+    name = f"reward_model({ref.uri})"
+    if settings.engine == "vllm":
+        if frozen_models is None:
+            raise ValueError(f"{where}: a served reward model needs the run's FrozenModels")
+        pool = frozen_models.reward_model_pool(ref, replicas=settings.replicas, where=where)
+        max_length = settings.max_length or (manifest or {}).get("max_seq_len") or pool.max_model_len
+        if pool.max_model_len is not None and max_length > pool.max_model_len:
+            raise ValueError(f"{where}: max_length {max_length} is more than the server's max_model_len "
+                             f"{pool.max_model_len}")
+        return ServedRewardModelScorer(pool, tokenizer, max_length=max_length, batch_size=settings.batch_size,
+                                       name=name)
     model = _sequence_classifier(ref, resolved)
     max_length = settings.max_length or (manifest or {}).get("max_seq_len") or _max_positions(ref, model, tokenizer)
-    return RewardModelScorer(model, tokenizer, max_length=max_length, batch_size=settings.batch_size,
-                             name=f"reward_model({ref.uri})")
+    return RewardModelScorer(model, tokenizer, max_length=max_length, batch_size=settings.batch_size, name=name)
 
 
 def reward_checkpoint_manifest(ref: ModelRef) -> dict | None:

@@ -18,7 +18,7 @@ from rollout_lib.reward.loop import (
     raise_if_too_many_missing,
     reward_metrics,
 )
-from rollout_lib.reward.reward_model import COUNTS, RewardModelScorer, load_scorer
+from rollout_lib.reward.reward_model import COUNTS, RewardModelScorer, ServedRewardModelScorer, load_scorer
 from rollout_lib.reward.tables import apply_rewards, reward_inputs
 from rollout_lib.store import canonical_json
 
@@ -29,12 +29,13 @@ class RewardLoops:
     Whoever creates it closes it (`with RewardLoops(...) as loops:`)."""
 
     def __init__(self, config: RlConfig, frozen_models=None):
-        """`frozen_models` (serving.frozen.FrozenModels): the run's, for rewards that call a judge model."""
+        """`frozen_models` (serving.frozen.FrozenModels): the run's, for rewards that call a judge model and reward
+        models served with vLLM."""
         self.config = config
         self.settings = config.settings.reward_loop
         self.frozen_models = frozen_models
         self._loops: dict[str, RewardLoop] = {}
-        self._scorers: dict[str, RewardModelScorer] = {}
+        self._scorers: dict[str, RewardModelScorer | ServedRewardModelScorer] = {}
 
     def for_env(self, env: EnvSettings) -> RewardLoop:
         # A reward model's store is a locator the settings dump leaves out; two stores are two models.
@@ -62,9 +63,16 @@ class RewardLoops:
                                  "judge is async (sync functions run in worker processes, away from the run's pool)")
             return WithJudge(function, self._judge_client(reward.judge, reward.judge_max_tokens, 0.0, where),
                              reward.kwargs)
+        return self.reward_model(reward, f"{where}.reward_model")
+
+    def reward_model(self, reward: RewardModelSettings, where: str) -> RewardModelScorer | ServedRewardModelScorer:
+        """The scorer of a reward model, loaded (or served) on first use and shared by every env that names it."""
         key = canonical_json([reward.model_dump(mode="json", exclude={"weight"}), reward.reward_model.store])
         if key not in self._scorers:
-            self._scorers[key] = load_scorer(reward)
+            if reward.engine == "vllm" and self.frozen_models is None:
+                raise ValueError(f"{where}: a served reward model needs the run's FrozenModels "
+                                 "(RewardLoops(config, frozen_models))")
+            self._scorers[key] = load_scorer(reward, self.frozen_models, where)
         return self._scorers[key]
 
     def _judge_client(self, judge, max_tokens: int, temperature: float, where: str) -> JudgeClient:

@@ -278,6 +278,24 @@ class EndpointClient:
             values.append(float(entry[key]["logprob"]))
         return values
 
+    async def classify(self, inputs: list[list[int]]) -> list[float]:
+        """POST /classify (a sequence classifier served with `--runner pooling`): the raw score (no activation) of
+        each token-id input, in order. A reward model has one output; more is an error naming this URL."""
+        body = {"model": self.model, "input": [[int(t) for t in ids] for ids in inputs], "use_activation": False}
+        reply = await self.request("POST", "/classify", body)
+        data = reply.get("data") if isinstance(reply, dict) else None
+        if not isinstance(data, list) or len(data) != len(inputs):
+            got = len(data) if isinstance(data, list) else type(data).__name__
+            raise BadResponse(self.url, f"/classify: {got} results for {len(inputs)} inputs: {str(reply)[:200]}")
+        scores = []
+        for entry in sorted(data, key=lambda entry: entry.get("index", 0) if isinstance(entry, dict) else 0):
+            probs = entry.get("probs") if isinstance(entry, dict) else None
+            if not isinstance(probs, list) or len(probs) != 1:
+                raise BadResponse(self.url, f"/classify: expected one score per input (a reward model), got "
+                                            f"{str(probs)[:100]}")
+            scores.append(float(probs[0]))
+        return scores
+
     async def chat(self, messages: list[dict], *, max_tokens: int, temperature: float = 1.0,
                    seed: int | None = None) -> str:
         """POST /v1/chat/completions: the assistant message's text (the server applies the chat template)."""

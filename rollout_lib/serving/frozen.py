@@ -26,7 +26,7 @@ from rollout_lib.config.errors import ConfigError
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
 from rollout_lib.serving.pool import EndpointPool
-from rollout_lib.serving.references import served_model_directory
+from rollout_lib.serving.references import default_name, served_model_directory
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
 from rollout_lib.store import canonical_json
 
@@ -62,26 +62,49 @@ class FrozenModels:
         self.pool(frozen, tokenizer=tokenizer, where=where)
         return self.described[canonical_json(frozen.model_dump(mode="json"))]
 
+    def reward_model_pool(self, reference, *, replicas: int, where: str) -> EndpointPool:
+        """The started pool of a reward model rollout serves with vLLM's pooling runner (`POST /classify`):
+        `reference` is a ModelRef (a checkpoint looked up in its own `store`, or any model reference)."""
+        key = canonical_json(["pooling", reference.uri, reference.store, replicas])
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                try:
+                    deployment = self._deployment(reference.uri, reference.store, replicas=replicas,
+                                                  max_model_len=None, runner="pooling")
+                except (engine.EngineError, OSError, ValueError) as exc:
+                    raise ConfigError([(where, f"cannot serve reward model {reference.uri!r}: {exc}")]) from None
+                pool = EndpointPool(deployment.base_urls, deployment.name)
+                asyncio.run(pool.start())
+                self._pools[key] = pool
+                self.described[key] = f"reward model {deployment.name!r} at {', '.join(deployment.base_urls)}"
+            return pool
+
     def _connect(self, frozen: ExternalModel | ServedModel) -> tuple[EndpointPool, str]:
         if isinstance(frozen, ExternalModel):
             urls, name = frozen.base_url, frozen.name
         else:
-            deployment = self._deployment(frozen)
+            deployment = self._deployment(frozen.model.uri, self.store_url, replicas=frozen.replicas,
+                                          max_model_len=frozen.max_model_len, runner="generate")
             urls, name = deployment.base_urls, deployment.name
         pool = EndpointPool(urls, name, timeout_s=frozen.timeout_s, max_attempts=frozen.max_attempts)
         asyncio.run(pool.start())
         return pool, f"model {name!r} at {', '.join(urls)}"
 
-    def _deployment(self, frozen: ServedModel):
-        model_dir = served_model_directory(frozen.model.uri, self.store_url)
+    def _deployment(self, uri: str, store_url: str | None, *, replicas: int, max_model_len: int | None,
+                    runner: str):
+        model_dir = served_model_directory(uri, store_url)
         for running in engine.running_deployments():
-            if running.model_dir == str(model_dir) and running.runner == "generate":
+            if running.model_dir == str(model_dir) and running.runner == runner:
                 if running.orphaned:  # its run was killed before it could stop it: ours to stop now
                     self._started.append(running.name)
-                log.info("reusing served deployment %s for %s", running.name, frozen.model.uri)
+                log.info("reusing served deployment %s for %s", running.name, uri)
                 return engine.restart_dead_replicas(running)
-        deployment = engine.start_deployment(frozen.model.uri, replicas=frozen.replicas, store_url=self.store_url,
-                                             max_model_len=frozen.max_model_len, owner_pid=os.getpid())
+        # A reward model is named by its directory (for a checkpoint: its id, whatever ref named it), apart from a
+        # generation deployment of the same weights.
+        name = f"rm-{default_name(str(model_dir))[:60]}" if runner == "pooling" else None
+        deployment = engine.start_deployment(uri, name=name, replicas=replicas, store_url=store_url,
+                                             max_model_len=max_model_len, runner=runner, owner_pid=os.getpid())
         self._started.append(deployment.name)
         return deployment
 

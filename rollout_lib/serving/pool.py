@@ -182,6 +182,10 @@ class EndpointPool:
                                   status=400)
         return await self.call(lambda replica: replica.score(token_ids))
 
+    async def classify(self, inputs: list[list[int]]) -> list[float]:
+        """The served sequence classifier's raw score of each token-id input (a pooling deployment)."""
+        return await self.call(lambda replica: replica.classify(inputs))
+
     async def chat(self, messages: list[dict], *, max_tokens: int, temperature: float = 1.0,
                    seed: int | None = None) -> str:
         return await self.call(lambda replica: replica.chat(messages, max_tokens=max_tokens, temperature=temperature,
