@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table
+from rollout_lib import step_events
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.score import RewardLoops
 from rollout_lib.serving.frozen import FrozenModels
@@ -86,6 +87,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
             state = trained["state"]
             metrics = {**step_metrics, **trained["metrics"], "step": step}
             history.append(metrics)
+            step_events.publish(step, metrics)
             logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step, metrics["reward_mean"],
                         metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
                         " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),

@@ -18,6 +18,7 @@ from typing import Callable
 
 import blake3
 
+from rollout_lib import step_events
 from rollout_lib.store import CHAIN_INDEX_REFS, ObjectStore, canonical_json
 from rollout_lib.trainer.checkpoint import read_manifest
 
@@ -60,6 +61,7 @@ def train_segment(trainer, segment: Segment) -> tuple[str, list[dict]]:
         except Exception as exc:
             raise TrainStepError(f"train step {step}: {type(exc).__name__}: {exc}") from exc
         history.append(metrics)
+        step_events.publish(step, metrics)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d: %s", step, " ".join(f"{name} {value:.4g}" for name, value in metrics.items()
                                                        if isinstance(value, float)))
