@@ -42,7 +42,7 @@ def rlhf(config: str = "configs/rlhf-tiny.toml", overrides: list[str] | dict[str
                              key=artifact_key(cfg.run.name, "summary"), description="rlhf summary")
     logger.info("final checkpoint %s (run %s)", rl["checkpoint"], rl["run"])
     return {"checkpoint": rl["checkpoint"], "stages": stages, "reward_curve": rl_result["reward_curve"],
-            "last_metrics": rl_result["last_metrics"]}
+            "eval_curves": rl_result["eval_curves"], "last_metrics": rl_result["last_metrics"]}
 
 
 def run_stage(cfg: RlhfConfig, stage: str, **checkpoints: str) -> tuple[dict, dict]:
@@ -62,6 +62,8 @@ def run_stage(cfg: RlhfConfig, stage: str, **checkpoints: str) -> tuple[dict, di
     logger.info("%s: final checkpoint %s", stage, result["checkpoint"])
     record = {"run": name, "flow_run_id": str(state.state_details.flow_run_id), "checkpoint": result["checkpoint"],
               "base_model": stage_config.settings.base_model.uri}
+    if result.get("eval_after"):  # the RM's held-out pair accuracy, when its config has held-out pairs
+        record["eval_after"] = result["eval_after"]
     if stage == "rl":
         record["reward_models"] = {where: reward.reward_model.uri for where, reward in stage_config.reward_models()}
     return record, result

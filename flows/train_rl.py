@@ -26,7 +26,9 @@ from tasks.common import open_store
 from tasks.rl import (
     advantages_task,
     connect_frozen_models_task,
+    evaluate_task,
     init_policy_task,
+    load_eval_prompts_task,
     load_prompts_task,
     pack_task,
     sample_task,
@@ -74,6 +76,22 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                 logger.info("frozen model %s", connected)
         prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in settings.envs}
         state = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
+        evaluations = {env.name: run_task(load_eval_prompts_task)(cfg, env.name)["prompts"]
+                       for env in settings.envs if env.eval is not None}
+
+        def evaluate(step: int) -> dict:
+            """Held-out metrics of the policy now (`state`) for the envs whose evaluation is due at `step`."""
+            found = {}
+            for env in settings.envs:
+                if env.name in evaluations and (step % env.eval.every == 0 or step in (0, total)):
+                    found.update(run_task(evaluate_task)(cfg, prompts, evaluations[env.name], env.name, state, step,
+                                                         resident, reward_loops)["metrics"])
+            return found
+
+        eval_before = evaluate(0)
+        for name, value in eval_before.items():
+            if name.endswith("/reward_mean"):
+                logger.info("held-out before training: %s %.3f", name, value)
         started = time.perf_counter()
         for step in range(1, total + 1):
             sampled = sample(cfg, prompts, state, step, resident, frozen_models)
@@ -85,7 +103,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
             trained = train_step(cfg, prompts, state, packed["micro_batches"], step, snapshot, step_metrics,
                                  resident)
             state = trained["state"]
-            metrics = {**step_metrics, **trained["metrics"], "step": step}
+            metrics = {**step_metrics, **trained["metrics"], **evaluate(step), "step": step}
             history.append(metrics)
             step_events.publish(step, metrics)
             logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step, metrics["reward_mean"],
@@ -98,16 +116,20 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     checkpoint = state
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
     optional = tuple(name for name in OPTIONAL_METRIC_COLUMNS if any(name in m for m in history))
+    optional += tuple(sorted({name for m in history for name in m if name.startswith(("eval/", "reward/"))
+                              and not name.endswith("eval_s")}))
     metrics_table(cfg, "train-rl", history, METRIC_COLUMNS + optional)
-    create_markdown_artifact(_summary(cfg, checkpoint, history), key=artifact_key(cfg.run.name, "summary"),
-                             description="train-rl summary")
+    create_markdown_artifact(_summary(cfg, checkpoint, history, eval_before),
+                             key=artifact_key(cfg.run.name, "summary"), description="train-rl summary")
     logger.info("final checkpoint %s", checkpoint)
     rewards = [m["reward_mean"] for m in history]
-    return {"checkpoint": checkpoint, "steps": total, "reward_curve": rewards,
+    eval_curves = {name: [[0, value]] + [[m["step"], m[name]] for m in history if name in m]
+                   for name, value in eval_before.items() if name.endswith(("/reward_mean", "/pass_rate"))}
+    return {"checkpoint": checkpoint, "steps": total, "reward_curve": rewards, "eval_curves": eval_curves,
             "last_metrics": history[-1], "train_seconds": train_seconds}
 
 
-def _summary(cfg: RlConfig, checkpoint: str, history: list[dict]) -> str:
+def _summary(cfg: RlConfig, checkpoint: str, history: list[dict], eval_before: dict) -> str:
     settings = cfg.settings
     first, last = history[0], history[-1]
     window = max(1, min(5, len(history) // 2))
@@ -124,4 +146,7 @@ def _summary(cfg: RlConfig, checkpoint: str, history: list[dict]) -> str:
         f"- envs: {envs}",
         f"- mean reward: step 1 {first['reward_mean']:.3f} -> step {last['step']} {last['reward_mean']:.3f} "
         f"(first {window} steps {head:.3f}, last {window} steps {tail:.3f})",
+        *(f"- held-out `{name}`: before {value:.3f} -> step {last['step']} {last[name]:.3f}"
+          for name, value in eval_before.items()
+          if name.endswith(("/reward_mean", "/pass_rate")) and value is not None and last.get(name) is not None),
     ])

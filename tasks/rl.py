@@ -9,6 +9,8 @@ rollout_lib.rl, write the result and return its id (plus JSON metrics).
     pack-step-k        training samples               -> micro-batches
     train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step; a snapshot
                                                                             every checkpoint_interval steps)
+    evaluate-env-step-k  policy state k, held-out prompts -> eval metrics  (envs with `eval`: before step 1,
+                                                                            every `eval.every` steps, at the end)
 
 Cache keys come from those content ids and the training identity (every setting that decides the policy, not the
 run's length or snapshot interval), never from the run id, so a rerun returns every completed stage from cache
@@ -27,14 +29,16 @@ from rollout_lib import wire
 from rollout_lib.algo import ALGORITHMS
 from rollout_lib.code_version import PROJECT_PACKAGES
 from rollout_lib.config import RlConfig
-from rollout_lib.model.loading import load_tokenizer, resolve_model
+from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
 from rollout_lib.reward.locate import find_module_spec
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
+from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.sampling import SAMPLERS
 from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.trainer.identity import reward_model_contents
 from rollout_lib.trainer.resident import ResidentTrainer
@@ -102,6 +106,43 @@ def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
 def load_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
+
+
+def _eval_sources(parameters: dict) -> dict:
+    """What an env's evaluation reads besides the policy: its settings, its prompt file, the source of user reward
+    functions and the content of reward models it scores with."""
+    evaluation = _env(parameters["config"], parameters["env"]).eval
+    sources = {"eval": evaluation.model_dump(mode="json")}
+    if evaluation.source.type == "jsonl_path":
+        sources["file"] = file_digest(evaluation.source.path)
+    for reward in evaluation.rewards or ():
+        if hasattr(reward, "function") and ":" in reward.function:
+            sources[reward.function] = module_digest(reward.function.partition(":")[0])
+        if hasattr(reward, "reward_model"):
+            sources[reward.reward_model.uri] = model_content_digest(reward.reward_model)
+    return sources
+
+
+@task(name="load-eval-prompts", task_run_name="load-eval-prompts-{env}", **TASK_OPTIONS,
+      cache_key_fn=content_key(reads=lambda config: None, extra=_eval_sources))
+def load_eval_prompts_task(config: RlConfig, env: str) -> dict:
+    table = load_eval_prompts(_env(config, env))
+    return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
+
+
+@task(name="evaluate", task_run_name="evaluate-{env}-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=_eval_sources))
+def evaluate_task(config: RlConfig, prompts_ids: dict[str, str], eval_prompts_id: str, env: str,
+                  policy_state: str, step: int, resident: ResidentTrainer, reward_loops: RewardLoops) -> dict:
+    """The policy at `policy_state` on the env's held-out prompts (rollout_lib/rl/evaluate.py): its metrics."""
+    started = time.perf_counter()
+    store = open_store(config)
+    policy = policy_at(policy_inputs(store, config, prompts_ids), policy_state, resident)
+    settings = config.settings.policy_sampler
+    sampler = SAMPLERS[settings.type](settings, policy.model, policy.tokenizer)  # the policy, whatever trains it
+    metrics = evaluate_env(config, _env(config, env), store.get_table(eval_prompts_id, wire.PROMPTS), sampler,
+                           reward_loops)
+    return {"metrics": {**metrics, f"eval/{env}/eval_s": time.perf_counter() - started}}
 
 
 @task(name="init-policy", task_run_name="init-policy", **TASK_OPTIONS, cache_key_fn=content_key())

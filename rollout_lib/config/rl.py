@@ -197,6 +197,20 @@ class EnvSampler(StrictModel):
         return None if self.source == "policy" else self.source
 
 
+class EnvEvalSettings(StrictModel):
+    """Held-out evaluation of the live policy on this env (rollout_lib/rl/evaluate.py): every prompt of `source`,
+    sampled greedily by default (one completion each), scored by the env's rewards or by `rewards` (e.g. a true
+    metric beside a learned reward model), before step 1, every `every` steps and at the last step. It never
+    changes what trains: not part of the training identity."""
+
+    source: PromptSource
+    every: int = Field(10, ge=1)
+    rewards: list[RewardSettings] | None = Field(None, min_length=1)  # default: the env's own
+    # default: the env's sampling with temperature 0 (greedy) and one sample per prompt
+    sampling: SamplingParams | None = None
+    max_prompts: int | None = Field(None, ge=1)  # the source's first N prompts (default: all)
+
+
 class EnvSettings(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     source: PromptSource
@@ -208,6 +222,20 @@ class EnvSettings(StrictModel):
     # Multi-turn: the environment answers each model turn (rollout_lib/envs); None: one model turn per rollout.
     interaction: InteractionChoice | None = None
     algo: AlgoChoice = Field(default_factory=lambda: ALGORITHMS["grpo"].settings_class())
+    eval: EnvEvalSettings | None = None  # held-out evaluation every N steps (not part of the training identity)
+
+    @model_validator(mode="after")
+    def _trains_on_sampled_tokens(self) -> "EnvSettings":
+        if self.sampling.temperature == 0:
+            raise ValueError("sampling.temperature = 0 (greedy) is for evaluation (`eval.sampling`): the trainer "
+                             "scales logits by the sampling temperature")
+        return self
+
+    def eval_sampling(self) -> SamplingParams:
+        """How the held-out evaluation samples: its own settings, else the env's, greedy, one per prompt."""
+        if self.eval is not None and self.eval.sampling is not None:
+            return self.eval.sampling
+        return self.sampling.model_copy(update={"temperature": 0.0, "group_size": 1})
 
 
 class RlLossSettings(StrictModel):
@@ -271,7 +299,9 @@ class RlConfig(EntryPointConfig):
     def _reward_models_in_the_run_store(self) -> "RlConfig":
         """A reward model named as a checkpoint is looked up in the run's store unless its reward names another
         (as `base_model`, EntryPointConfig._checkpoints_in_the_run_store)."""
-        for _, reward in self.reward_models():
+        eval_reward_models = [reward for env in self.settings.envs if env.eval is not None
+                              for reward in env.eval.rewards or () if isinstance(reward, RewardModelSettings)]
+        for reward in [reward for _, reward in self.reward_models()] + eval_reward_models:
             if reward.reward_model.store is None:
                 # Settings are frozen once validated; this completes validation, it does not change a setting.
                 object.__setattr__(reward, "reward_model",
@@ -319,6 +349,8 @@ class RlConfig(EntryPointConfig):
         settings = super().training_settings()
         # The circuit breaker decides whether a step fails, never what a step that runs trains.
         settings["reward_loop"].pop("max_missing_fraction")
+        for dumped in settings["envs"]:
+            dumped.pop("eval")  # evaluation watches the policy, it never changes it
         for env, dumped in zip(self.settings.envs, settings["envs"]):
             if env.sampler.frozen is not None:
                 dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
 
 import blake3
@@ -37,15 +38,17 @@ class RewardLoops:
         self._loops: dict[str, RewardLoop] = {}
         self._scorers: dict[str, RewardModelScorer | ServedRewardModelScorer] = {}
 
-    def for_env(self, env: EnvSettings) -> RewardLoop:
+    def for_env(self, env: EnvSettings, rewards: list | None = None, where: str = "rewards") -> RewardLoop:
+        """The loop of the env's rewards, or of `rewards` (its held-out evaluation's: `where` = "eval.rewards")."""
+        rewards = env.rewards if rewards is None else rewards
         # A reward model's store is a locator the settings dump leaves out; two stores are two models.
-        stores = [r.reward_model.store for r in env.rewards if isinstance(r, RewardModelSettings)]
-        key = blake3.blake3(canonical_json([env.model_dump(mode="json")["rewards"], stores,
+        stores = [r.reward_model.store for r in rewards if isinstance(r, RewardModelSettings)]
+        key = blake3.blake3(canonical_json([[r.model_dump(mode="json") for r in rewards], stores,
                                             self.settings.model_dump(mode="json")])).hexdigest()
         if key not in self._loops:
             index = [e.name for e in self.config.settings.envs].index(env.name)
-            functions = [(self._reward(r, f"algorithm.rl.envs[{index}].rewards[{r_index}]"), r.weight)
-                         for r_index, r in enumerate(env.rewards)]
+            functions = [(self._reward(r, f"algorithm.rl.envs[{index}].{where}[{r_index}]"), r.weight)
+                         for r_index, r in enumerate(rewards)]
             self._loops[key] = RewardLoop(functions, concurrency=self.settings.concurrency,
                                           timeout_s=self.settings.timeout_s, sync_workers=self.settings.sync_workers)
         return self._loops[key]
@@ -132,6 +135,7 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
             env_metrics = reward_metrics(env_results)
             metrics[f"reward_mean/{env_name}"] = env_metrics["reward_mean"]
             metrics[f"missing_rewards/{env_name}"] = env_metrics["n_missing"]
+        metrics.update(function_means(env_name if len(results_by_env) > 1 else None, env_results))
     raise_if_all_missing(results)
     raise_if_too_many_missing(results, config.settings.reward_loop.max_missing_fraction,
                               setting="algorithm.rl.reward_loop.max_missing_fraction",
@@ -141,3 +145,17 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
     metrics.update({"reward_mean": overall["reward_mean"], "reward_std": overall["reward_std"],
                     "missing_rewards": overall["n_missing"], "reward_errors": errors[:3]})
     return apply_rewards(rollouts, results), metrics
+
+
+def function_means(env_name: str | None, results: list) -> dict[str, float | None]:
+    """`reward/<function>` (`reward/<env>/<function>` with several envs): each reward function's unweighted mean
+    over the rollouts it scored, for envs with more than one (a weight-0 function is watched, not trained on)."""
+    names = list(results[0].per_function) if results else []
+    if len(names) < 2:
+        return {}
+    prefix = f"reward/{env_name}/" if env_name else "reward/"
+    means = {}
+    for name in names:
+        scores = [r.per_function[name] for r in results if r.per_function.get(name) is not None]
+        means[prefix + name] = math.fsum(scores) / len(scores) if scores else None
+    return means

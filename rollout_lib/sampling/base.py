@@ -36,7 +36,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     group_size: int = Field(8, ge=1)  # completions per prompt
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=0)  # 0: greedy (held-out evaluation; a group of greedy samples is one sample)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(128, ge=1)  # new tokens per completion
 

@@ -56,8 +56,10 @@ class HfSampler(Sampler):
             input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids):] = 1
 
+        sampling = ({"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+                    if params.temperature > 0 else {"do_sample": False})  # 0: greedy
         config = GenerationConfig(
-            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+            **sampling,
             max_new_tokens=params.max_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
             output_scores=True, return_dict_in_generate=True,
         )
