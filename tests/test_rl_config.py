@@ -31,7 +31,8 @@ def error_of(raw) -> str:
 
 SHIPPED_ALGORITHMS = {"rl-tiny.toml": "grpo", "rl-smollm2.toml": "grpo", "rl-reward.toml": "reward",
                       "rl-custom.toml": "custom", "rl-opd.toml": "opd", "rl-sft-distill.toml": "sft",
-                      "rl-opsd.toml": "opsd", "rl-calculator.toml": "echo", "rl-guess.toml": "grpo"}
+                      "rl-opsd.toml": "opsd", "rl-calculator.toml": "echo", "rl-guess.toml": "grpo",
+                      "rl-length.toml": "grpo"}
 
 
 def test_every_shipped_rl_config_is_checked():
@@ -82,7 +83,9 @@ def test_algorithm_knobs_are_checked_with_locators():
 def test_sampling_and_source_errors_name_their_place():
     assert "algorithm.rl.envs[0].sampling.top_p: must be <= 1" in error_of(
         raw_config(sampling={"group_size": 8, "top_p": 1.5}))
-    assert "algorithm.rl.envs[0].sampling.temperature: must be > 0" in error_of(
+    assert "algorithm.rl.envs[0].sampling.temperature: must be >= 0" in error_of(
+        raw_config(sampling={"temperature": -1}))
+    assert "algorithm.rl.envs[0]: sampling.temperature = 0 (greedy) is for evaluation" in error_of(
         raw_config(sampling={"temperature": 0}))
     assert "algorithm.rl.envs[0].source.size: must be >= 1" in error_of(
         raw_config(source={"type": "reasoning_gym", "dataset": "basic_arithmetic", "size": 0}))
