@@ -1,5 +1,5 @@
-"""The `rollout` command: train (or dry-run) a flow, score with a checkpoint, export a checkpoint, collect a store's
-garbage, manage the local Prefect stack, and serve models (vLLM).
+"""The `rollout` command: train (or dry-run) a flow, show settings (`config`, rollout_cli/config_cmd.py), score with
+a checkpoint, export a checkpoint, collect a store's garbage, manage the local Prefect stack, and serve models (vLLM).
 
 Modules that import torch, transformers or Prefect are imported inside the commands that need them: `--help` is
 instant, and `--dry-run` loads no model. Known errors (bad settings, a bad data row, a model that does not load, a
@@ -16,6 +16,7 @@ import sys
 import click
 
 from rollout_cli import stack
+from rollout_cli.config_cmd import ENTRY_POINTS, config_class, config_group
 from rollout_cli.local_server import use_prefect_api
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time unless the user opts in
@@ -23,7 +24,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # load reports are noise in training logs
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_lib")  # library log lines reach the flow run
 
-ENTRY_POINTS = ("rm", "sft", "rl", "rlhf")
 DEFAULT_STORE = ".rollout/store"
 
 
@@ -68,18 +68,25 @@ def rollout() -> None:
 @click.option("--config", "config_path", required=True, metavar="PATH", help="TOML settings file")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="override one setting (repeatable), e.g. --set algorithm.rm.optimizer.lr=1e-4")
+@click.option("--max-steps", type=int, metavar="N",
+              help="--set algorithm.<ENTRY_POINT>.budget.max_steps=N (rm, sft, rl: rlhf's stages have their own)")
+@click.option("--name", "run_name", metavar="NAME", help="--set run.name=NAME")
+@click.option("--store", "store_url", metavar="URL", help="--set run.store=URL (fsspec URL)")
 @click.option("--dry-run", is_flag=True,
               help="validate settings, parse every dataset row, print the plan; load no model")
-def train(entry_point: str, config_path: str, overrides: tuple[str, ...], dry_run: bool) -> int:
+def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_steps: int | None,
+          run_name: str | None, store_url: str | None, dry_run: bool) -> int:
     """Run a training flow (rlhf: sft -> rm -> rl as one flow of three subflows, docs/rlhf.md).
+
+    --max-steps, --name and --store are the --set overrides they name, applied after the --set ones.
 
     It runs on the Prefect server of PREFECT_API_URL if set, else on the project-local one (started on first use).
     """
-    from rollout_lib.config import RlConfig, RlhfConfig, RmConfig, SftConfig, load_config
+    from rollout_lib.config import load_config
     from rollout_lib.plan import describe_plan
 
-    config_class = {"rm": RmConfig, "sft": SftConfig, "rl": RlConfig, "rlhf": RlhfConfig}[entry_point]
-    config = load_config(config_class, config_path, list(overrides))
+    overrides = (*overrides, *_shortcut_overrides(entry_point, max_steps, run_name, store_url))
+    config = load_config(config_class(entry_point), config_path, list(overrides))
     plan = describe_plan(config)  # parses every dataset row and resolves the model reference: no model loads
     if dry_run:
         print(json.dumps(plan, indent=2))
@@ -101,11 +108,28 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], dry_ru
         print(f"rollout: error: flow run failed: {_first_line(state.result(raise_on_failure=False))}", file=sys.stderr)
         return 1
     result = state.result()
-    shown = ("eval_before", "eval_after", "reward_curve", "stages")
+    shown = ("eval_before", "eval_after", "reward_curve", "eval_curves", "stages")
     print(json.dumps({"flow_run_id": str(state.state_details.flow_run_id), "checkpoint": result["checkpoint"],
                       **{key: result[key] for key in shown if key in result}}, indent=2))
     print(f"final checkpoint: {result['checkpoint']}")
     return 0
+
+
+def _shortcut_overrides(entry_point: str, max_steps: int | None, run_name: str | None,
+                        store_url: str | None) -> list[str]:
+    """The `--set` overrides that --max-steps, --name and --store stand for: validated, hashed and passed to the flow
+    as if typed with --set (strings quoted, so a name such as 123 stays a string)."""
+    import tomli_w
+
+    if max_steps is not None and entry_point == "rlhf":
+        raise click.UsageError(
+            "--max-steps: rlhf trains three stages, each to its own budget; set one in a stage's overrides, e.g. "
+            '[sft] overrides = ["algorithm.sft.budget.max_steps=4"] in the rlhf config', click.get_current_context())
+    shortcuts = [] if max_steps is None else [f"algorithm.{entry_point}.budget.max_steps={max_steps}"]
+    for key, text in (("run.name", run_name), ("run.store", store_url)):
+        if text is not None:
+            shortcuts.append(f"{key}={tomli_w.dumps({'v': text}).removeprefix('v = ').rstrip()}")
+    return shortcuts
 
 
 def _claim_run_name(config) -> None:
@@ -297,3 +321,8 @@ def serve_stop(name: str | None) -> None:
     for deployment in stopped:
         print(f"stopped {deployment.name!r} ({len(deployment.replicas)} replica"
               f"{'s' if len(deployment.replicas) > 1 else ''})")
+
+
+# --- commands defined in their own modules --------------------------------------------------------------------
+
+rollout.add_command(config_group)  # rollout config show|schema

@@ -114,7 +114,8 @@ def check_plain_file_name(name: object, checkpoint_id: str) -> str:
 
 
 def export_hf_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path) -> Path:
-    """Write a checkpoint as a plain Hugging Face directory that `from_pretrained` loads."""
+    """Write a checkpoint as a plain Hugging Face directory that `from_pretrained` loads; a causal LM's with a
+    generation_config.json, so that `generate()` ends where the trained model ends a turn."""
     from safetensors.torch import save_file
 
     manifest = read_manifest(store, checkpoint_id)
@@ -129,7 +130,56 @@ def export_hf_directory(store: ObjectStore, checkpoint_id: str, directory: str |
     for name, object_id in files["tokenizer_files"].items():
         (directory / name).write_bytes(store.get_bytes(object_id))
     save_file(store.get_tensors(manifest["weights"]), str(directory / "model.safetensors"), {"format": "pt"})
+    # Written after the tokenizer files, so it is this one whatever a manifest names.
+    if manifest.get("kind_of_model") != "reward_model":  # a sequence classifier does not generate
+        from transformers import AutoTokenizer
+
+        token_ids = generation_token_ids(AutoTokenizer.from_pretrained(str(directory)), config)
+        (directory / "generation_config.json").write_text(json.dumps(token_ids, indent=2, sort_keys=True))
     return directory
+
+
+def generation_token_ids(tokenizer, model_config: dict[str, Any]) -> dict[str, int | list[int]]:
+    """The special tokens `generate()` needs and nothing else (no sampling defaults: vLLM reads this file for them,
+    and served sampling stays what each request asks): eos (the tokenizer's, the model config's, and the token the
+    chat template ends an assistant turn with, such as `<|im_end|>`), pad (the first eos when there is none, as
+    `generate()` would pick) and bos."""
+    eos: list[int] = []
+    for candidate in (tokenizer.eos_token_id, model_config.get("eos_token_id"), _end_of_turn_id(tokenizer)):
+        for token in candidate if isinstance(candidate, (list, tuple)) else [candidate]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
+    pad = next((token for token in (tokenizer.pad_token_id, model_config.get("pad_token_id"), *eos[:1])
+                if token is not None), None)
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model_config.get("bos_token_id")
+    token_ids = {"eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": pad, "bos_token_id": bos}
+    return {key: value for key, value in token_ids.items() if value not in (None, [])}
+
+
+_TURN_PROBE = "rollout-end-of-turn-probe"
+
+
+def _end_of_turn_id(tokenizer) -> int | None:
+    """The special token the chat template writes right after an assistant message (`<|im_end|>` in ChatML), or
+    None: no template, a template that will not render a user-assistant exchange, or plain text after the turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    from jinja2 import TemplateError
+
+    exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _TURN_PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(exchange, tokenize=False)
+    except (TemplateError, ValueError):  # its own raise_exception (e.g. it wants a system turn first): no answer
+        return None
+    if not isinstance(text, str) or _TURN_PROBE not in text:
+        return None
+    after = text[text.rindex(_TURN_PROBE) + len(_TURN_PROBE):].lstrip()
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    if not ids:
+        return None
+    added = tokenizer.added_tokens_decoder.get(ids[0])
+    special = ids[0] in tokenizer.all_special_ids or (added is not None and added.special)
+    return int(ids[0]) if special else None
 
 
 _HEX_ID = re.compile(r"^[0-9a-f]{64}$")

@@ -1,0 +1,277 @@
+"""Small things users trip on (issue 15): `rollout train --max-steps/--name/--store` are exactly their `--set`
+overrides, `rollout config show|schema` print the resolved settings and their schema, and `rollout export` writes
+the generation_config.json that makes `generate()` stop where the trained model ends a turn."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from clirun import ROOT, final_result, run_rollout
+from rollout_cli.config_cmd import config_class
+from rollout_cli.main import _shortcut_overrides, main
+from rollout_lib.config import load_config, validate_config
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer.checkpoint import export_hf_directory, save_checkpoint, save_model_files
+
+TINY_CONFIGS = {"rm": "configs/rm-tiny.toml", "sft": "configs/sft-tiny.toml", "rl": "configs/rl-tiny.toml",
+                "rlhf": "configs/rlhf-tiny.toml"}
+SHIPPED_CONFIGS = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "configs").glob("*.toml"))
+
+
+@pytest.fixture(autouse=True)
+def _in_the_repository(monkeypatch):
+    monkeypatch.chdir(ROOT)  # config paths are relative to the working directory, as for a user
+
+
+def rollout(capsys, *args: str) -> tuple[int, str, str]:
+    """`rollout ARGS` in this process: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- train --max-steps / --name / --store ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry_point", ["rm", "sft", "rl"])
+def test_the_flags_are_their_set_overrides(capsys, tmp_path, entry_point):
+    config = TINY_CONFIGS[entry_point]
+    store = str(tmp_path / "some store")
+    flags = rollout(capsys, "train", entry_point, "--config", config, "--dry-run",
+                    "--max-steps", "3", "--name", "flagged", "--store", store)
+    sets = rollout(capsys, "train", entry_point, "--config", config, "--dry-run",
+                   "--set", f"algorithm.{entry_point}.budget.max_steps=3", "--set", "run.name=flagged",
+                   "--set", f"run.store={store}")
+    assert flags[:2] == sets[:2] and flags[0] == 0, flags[2]  # stderr: progress bars of a first model build
+    plan = json.loads(flags[1])
+    assert (plan["run"], plan["store"], plan["steps"]) == ("flagged", store, 3)
+
+    by_flags = load_config(config_class(entry_point), config, _shortcut_overrides(entry_point, 3, "flagged", store))
+    by_set = load_config(config_class(entry_point), config, [f"algorithm.{entry_point}.budget.max_steps=3",
+                                                             "run.name=flagged", f"run.store={store}"])
+    assert by_flags == by_set and by_flags.settings.budget.max_steps == 3  # so the same training identity
+
+
+def test_a_flag_wins_over_a_set_of_the_same_key(capsys):
+    code, out, err = rollout(capsys, "train", "sft", "--config", TINY_CONFIGS["sft"], "--dry-run",
+                             "--set", "run.name=by-set", "--name", "by-flag")
+    assert code == 0, err
+    assert json.loads(out)["run"] == "by-flag"
+
+
+@pytest.mark.parametrize(("flag", "same_set", "error"), [
+    (["--max-steps", "0"], "algorithm.sft.budget.max_steps=0", "algorithm.sft.budget.max_steps: must be >= 1"),
+    (["--name", "no spaces please"], "run.name=no spaces please", "run.name: String should match pattern"),
+])
+def test_a_bad_flag_value_fails_as_its_set_does(capsys, flag, same_set, error):
+    by_flag = rollout(capsys, "train", "sft", "--config", TINY_CONFIGS["sft"], "--dry-run", *flag)
+    by_set = rollout(capsys, "train", "sft", "--config", TINY_CONFIGS["sft"], "--dry-run", "--set", same_set)
+    assert by_flag == by_set
+    code, out, err = by_flag
+    assert (code, out) == (2, "")
+    assert err.startswith(f"rollout: error: configs/sft-tiny.toml: {error}") and len(err.splitlines()) == 1, err
+
+
+def test_a_name_is_a_string_even_when_it_reads_as_a_number(capsys):
+    code, out, err = rollout(capsys, "train", "sft", "--config", TINY_CONFIGS["sft"], "--dry-run", "--name", "123")
+    assert code == 0, err
+    assert json.loads(out)["run"] == "123"
+
+
+def test_rlhf_takes_name_and_store_for_its_run(capsys, tmp_path):
+    store = str(tmp_path / "pipeline-store")
+    flags = rollout(capsys, "train", "rlhf", "--config", TINY_CONFIGS["rlhf"], "--dry-run",
+                    "--name", "my-rlhf", "--store", store)
+    sets = rollout(capsys, "train", "rlhf", "--config", TINY_CONFIGS["rlhf"], "--dry-run",
+                   "--set", "run.name=my-rlhf", "--set", f"run.store={store}")
+    assert flags[:2] == sets[:2] and flags[0] == 0, flags[2]  # stderr: progress bars of a first model build
+    assert store in flags[1] and "my-rlhf" in flags[1]
+
+
+def test_rlhf_refuses_max_steps_as_a_usage_error(capsys):
+    code, out, err = rollout(capsys, "train", "rlhf", "--config", TINY_CONFIGS["rlhf"], "--dry-run",
+                             "--max-steps", "3")
+    assert (code, out) == (2, "")
+    assert "--max-steps: rlhf trains three stages, each to its own budget" in err
+    assert 'overrides = ["algorithm.sft.budget.max_steps=4"]' in err
+
+
+# --- config show / schema -------------------------------------------------------------------------------------
+
+
+def test_config_show_prints_toml_that_validates_back_to_the_same_settings(capsys, tmp_path):
+    # run.store given: a [run] table without a store keeps the relative default as written (made absolute only
+    # when a store is given), and printed, it would come back absolute.
+    for path in SHIPPED_CONFIGS:
+        code, out, err = rollout(capsys, "config", "show", "--config", path, "--set", f"run.store={tmp_path}")
+        assert code == 0, f"{path}: {err}"
+        entry_point = out.split()[3].rstrip(":")  # "# rollout train <entry point>: <path> ..."
+        assert entry_point == Path(path).name.split("-")[0], path  # the shipped configs are named by entry point
+        expected = load_config(config_class(entry_point), path, [f"run.store={tmp_path}"])
+        assert validate_config(config_class(entry_point), tomllib.loads(out)) == expected, path
+
+
+def test_config_show_fills_in_defaults_and_applies_overrides(capsys):
+    code, out, err = rollout(capsys, "config", "show", "--config", TINY_CONFIGS["sft"],
+                             "--set", "algorithm.sft.optimizer.lr=0.5")
+    assert code == 0, err
+    shown = tomllib.loads(out)
+    assert shown["run"]["torch_threads"] == 2  # a default the file does not write
+    assert shown["algorithm"]["sft"]["optimizer"]["max_grad_norm"] == 1.0  # another
+    assert shown["algorithm"]["sft"]["optimizer"]["lr"] == 0.5
+    assert "eval_dataset" not in shown["algorithm"]["sft"]  # None: TOML has no null
+
+
+def test_config_show_json_and_the_named_entry_point(capsys, tmp_path):
+    store = f"run.store={tmp_path}"  # as in the TOML round trip
+    inferred = rollout(capsys, "config", "show", "--config", TINY_CONFIGS["rl"], "--set", store, "--format", "json")
+    named = rollout(capsys, "config", "show", "rl", "--config", TINY_CONFIGS["rl"], "--set", store, "--format", "json")
+    assert inferred == named and inferred[0] == 0, inferred[2]
+    assert (validate_config(config_class("rl"), json.loads(inferred[1]))
+            == load_config(config_class("rl"), TINY_CONFIGS["rl"], [store]))
+
+
+def test_config_show_hides_storage_options_unless_asked(capsys):
+    secret = "--set", 'run.storage_options={key = "AKIA-KEY", secret = "s3cr3t"}'
+    code, out, err = rollout(capsys, "config", "show", "--config", TINY_CONFIGS["sft"], *secret)
+    assert code == 0, err
+    assert "AKIA-KEY" not in out and "s3cr3t" not in out
+    assert tomllib.loads(out)["run"]["storage_options"] == {"key": "<hidden>", "secret": "<hidden>"}
+    code, out, err = rollout(capsys, "config", "show", "--config", TINY_CONFIGS["sft"], *secret, "--show-secrets")
+    assert tomllib.loads(out)["run"]["storage_options"] == {"key": "AKIA-KEY", "secret": "s3cr3t"}
+
+
+def test_config_show_fails_as_train_dry_run_does(capsys, tmp_path):
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[run\nname = 1\n")
+    cases = [
+        (TINY_CONFIGS["sft"], ["--set", "algorithm.sft.optimizer.lrr=1e-4"]),  # an unknown key
+        (TINY_CONFIGS["sft"], ["--set", "algorithm.sft.budget.max_steps=0"]),  # a bad value
+        (TINY_CONFIGS["rl"], ["--set", "algorithm.rl.envs[3].sampling.group_size=4"]),  # an index out of range
+        (str(tmp_path / "missing.toml"), []),
+        (str(broken), []),
+    ]
+    for config, overrides in cases:
+        shown = rollout(capsys, "config", "show", "sft", "--config", config, *overrides)
+        dry_run = rollout(capsys, "train", "sft", "--config", config, "--dry-run", *overrides)
+        assert shown == dry_run, (config, overrides)
+        code, out, err = shown
+        assert (code, out) == (2, "") and err.startswith("rollout: error: ") and len(err.splitlines()) == 1, err
+    assert "algorithm.sft.optimizer.lrr: unknown key" in rollout(
+        capsys, "config", "show", "--config", TINY_CONFIGS["sft"], "--set", "algorithm.sft.optimizer.lrr=1")[2]
+
+
+def test_config_show_says_when_it_cannot_tell_the_entry_point(capsys, tmp_path):
+    plain = tmp_path / "plain.toml"
+    plain.write_text('[run]\nname = "x"\n')
+    code, out, err = rollout(capsys, "config", "show", "--config", str(plain))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"rollout: error: {plain}: <root>: cannot tell the entry point") and "name it" in err
+
+
+@pytest.mark.parametrize(("entry_point", "properties"), [
+    ("rm", {"run", "algorithm"}), ("sft", {"run", "algorithm"}), ("rl", {"run", "algorithm"}),
+    ("rlhf", {"run", "sft", "rm", "rl"}),
+])
+def test_config_schema_is_the_json_schema_of_the_settings(capsys, entry_point, properties):
+    code, out, err = rollout(capsys, "config", "schema", entry_point)
+    assert code == 0, err
+    schema = json.loads(out)
+    assert set(schema["properties"]) == properties
+    assert schema["additionalProperties"] is False  # unknown keys are errors, and the schema says so
+    assert schema == config_class(entry_point).model_json_schema()
+
+
+# --- export: generation_config.json ---------------------------------------------------------------------------
+
+
+def generate_new_tokens(model, tokenizer, forced: list[int], max_new_tokens: int = 12) -> list[int]:
+    """Greedy generation whose first tokens are forced to `forced`: where it stops says what its eos ids are."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    start = prompt["input_ids"].shape[1]
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            step = input_ids.shape[1] - start
+            if step < len(forced):
+                scores = torch.full_like(scores, -float("inf"))
+                scores[:, forced[step]] = 0.0
+            return scores
+
+    out = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
+                         logits_processor=LogitsProcessorList([Force()]))
+    return out[0, start:].tolist()
+
+
+def tiny_checkpoint(store: ObjectStore, model_dir: Path, kind_of_model: str, *, eos_token: str | None = None) -> str:
+    """A checkpoint of the tiny Qwen2 as a trainer saves one; `eos_token` makes it look like a base model whose eos is
+    not the ChatML end of turn (Qwen2.5 base: eos <|endoftext|>, turns end with <|im_end|>)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    if eos_token is not None:
+        tokenizer.eos_token = eos_token
+        model.config.eos_token_id = tokenizer.eos_token_id
+    return save_checkpoint(store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           model_files=save_model_files(store, model, tokenizer), step=0, parent=None,
+                           identity="test", extra={"kind_of_model": kind_of_model})
+
+
+def test_export_makes_the_chat_end_of_turn_an_eos_even_when_the_tokenizer_eos_is_another(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    store = ObjectStore(str(tmp_path / "store"))
+    out = export_hf_directory(store, tiny_checkpoint(store, tiny_model_dir, "causal_lm", eos_token="<|endoftext|>"),
+                              tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    end_of_text, end_of_turn = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    # Token ids only: no temperature/top_p/... that vLLM would take as the served model's sampling defaults.
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "eos_token_id": [end_of_text, end_of_turn], "pad_token_id": tokenizer.pad_token_id}
+
+    word = tokenizer.encode("hi", add_special_tokens=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert generate_new_tokens(model, tokenizer, [word, word, end_of_turn]) == [word, word, end_of_turn]
+    (out / "generation_config.json").unlink()  # without it, generate() knows only the config's eos
+    assert len(generate_new_tokens(AutoModelForCausalLM.from_pretrained(out), tokenizer,
+                                   [word, word, end_of_turn])) > 3
+
+
+def test_export_writes_no_generation_config_for_a_reward_model(tmp_path, tiny_model_dir):
+    store = ObjectStore(str(tmp_path / "store"))
+    out = export_hf_directory(store, tiny_checkpoint(store, tiny_model_dir, "reward_model"), tmp_path / "hf")
+    assert (out / "config.json").is_file() and not (out / "generation_config.json").exists()
+
+
+@pytest.mark.slow
+def test_train_with_the_flags_then_export_and_generate_stops_at_eos(prefect_server, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    store = tmp_path / "store"
+    done = run_rollout("train", "sft", "--config", "configs/sft-tiny.toml", "--store", str(store),
+                       "--name", "small-things", "--max-steps", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = final_result(done)["checkpoint"]
+    assert ObjectStore(str(store)).get_ref("runs/small-things/latest") == checkpoint  # --store, --name reached it
+    assert json.loads(ObjectStore(str(store)).get_bytes(checkpoint))["step"] == 2  # and --max-steps
+
+    out = tmp_path / "hf"
+    exported = run_rollout("export", "--checkpoint", "runs/small-things/latest", "--out", str(out),
+                           "--store", str(store))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "eos_token_id": end_of_turn, "pad_token_id": tokenizer.pad_token_id}
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.eos_token_id == end_of_turn
+    word = tokenizer.encode("hi", add_special_tokens=False)[0]
+    assert generate_new_tokens(model, tokenizer, [word, end_of_turn]) == [word, end_of_turn]
