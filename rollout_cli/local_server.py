@@ -70,6 +70,9 @@ def start_server(port: int | None = None, wait_s: float = 90.0) -> dict:
     port = port or free_port()
     env = {**SERVER_ENV, **os.environ, "PREFECT_HOME": str(home)}  # what the user set wins
     env.pop("PREFECT_API_URL", None)
+    # The UI's browser code calls the API at this URL; unset, it assumes the default port 4200, and every page of a
+    # server on another port shows "Can't connect to Server API".
+    env.setdefault("PREFECT_UI_API_URL", f"http://127.0.0.1:{port}/api")
     with (home / "server.log").open("ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
