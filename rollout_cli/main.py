@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import nullcontext
 
 import click
 
@@ -74,11 +75,13 @@ def rollout() -> None:
 @click.option("--store", "store_url", metavar="URL", help="--set run.store=URL (fsspec URL)")
 @click.option("--dry-run", is_flag=True,
               help="validate settings, parse every dataset row, print the plan; load no model")
+@click.option("--quiet", is_flag=True, help="no progress bar and no summary on stderr (the JSON result stays)")
 def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_steps: int | None,
-          run_name: str | None, store_url: str | None, dry_run: bool) -> int:
+          run_name: str | None, store_url: str | None, dry_run: bool, quiet: bool) -> int:
     """Run a training flow (rlhf: sft -> rm -> rl as one flow of three subflows, docs/rlhf.md).
 
     --max-steps, --name and --store are the --set overrides they name, applied after the --set ones.
+    A progress bar per run (rlhf: per stage) and a summary go to stderr (rollout_cli/progress.py), unless --quiet.
 
     It runs on the Prefect server of PREFECT_API_URL if set, else on the project-local one (started on first use).
     """
@@ -94,7 +97,7 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
 
     if entry_point != "rlhf":  # rlhf's stages are named by their training identity: each claims its own name
         _claim_run_name(config)  # a name that holds another training fails here, in one line, before anything starts
-    use_prefect_api()  # before the flow module imports Prefect, which reads its settings once
+    api_url = use_prefect_api()  # before the flow module imports Prefect, which reads its settings once
     if entry_point == "sft":
         from flows.train_sft import train_sft as train_flow
     elif entry_point == "rl":
@@ -103,7 +106,11 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
         from flows.rlhf import rlhf as train_flow
     else:
         from flows.train_rm import train_rm as train_flow
-    state = train_flow(config=config_path, overrides=list(overrides), return_state=True)
+    from rollout_cli.progress import TrainingProgress, flow_run_url, print_summary
+
+    watching = nullcontext() if quiet else TrainingProgress(entry_point, config)
+    with watching:
+        state = train_flow(config=config_path, overrides=list(overrides), return_state=True)
     if state.is_failed() or state.is_crashed():
         print(f"rollout: error: flow run failed: {_first_line(state.result(raise_on_failure=False))}", file=sys.stderr)
         return 1
@@ -112,6 +119,10 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
     print(json.dumps({"flow_run_id": str(state.state_details.flow_run_id), "checkpoint": result["checkpoint"],
                       **{key: result[key] for key in shown if key in result}}, indent=2))
     print(f"final checkpoint: {result['checkpoint']}")
+    if not quiet:
+        sys.stdout.flush()  # the JSON first where both streams are one terminal
+        print_summary(entry_point, result, flow_run_url(api_url, str(state.state_details.flow_run_id)),
+                      watching.observed())
     return 0
 
 
