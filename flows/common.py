@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import blake3
 from prefect import Task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.filesystems import RemoteFileSystem
 
+from rollout_lib import step_events
 from rollout_lib.config.loading import load_config
+from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.store import RESULTS_DIR
 from rollout_lib.trainer.segment import Segment, plan_segments
+from tasks.common import open_store
 
 # rollout_lib logs through the standard library (it never imports Prefect); PREFECT_LOGGING_EXTRA_LOGGERS=rollout_lib
 # (set by the CLI and the deployments) routes these records into the flow run's logs. INFO by default: a line per
@@ -105,17 +115,67 @@ class Progress:
         update_progress_artifact(self.artifact_id, progress=100.0 * done / self.total)
 
 
+class CurvesArtifact:
+    """The run's curves (rollout_lib/runlog/plot.py, from its metrics file) as an image in a markdown artifact,
+    `<run>-curves`, shown by the UI on the flow run's Artifacts tab. Updated after snapshots, at most every
+    `min_interval_s` (each version is ~100 KB that the server keeps twice: a long run must not fill its database),
+    and always at the end. Never fails the run."""
+
+    def __init__(self, cfg, flow_name: str, min_interval_s: float = 120.0):
+        self.cfg = cfg
+        self.flow_name = flow_name
+        self.key = artifact_key(cfg.run.name, "curves")
+        self.min_interval_s = min_interval_s
+        self._last_update = time.monotonic()
+
+    def update(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self._last_update < self.min_interval_s:
+            return
+        self._last_update = now
+        from rollout_lib.runlog.metrics_file import read_metrics
+        from rollout_lib.runlog.plot import plot_curves
+
+        try:
+            history = read_metrics(open_store(self.cfg), self.cfg.run.name)
+            png = plot_curves(history, f"{self.flow_name} {self.cfg.run.name}: {len(history)} steps")
+        except Exception as exc:  # noqa: BLE001 - a picture is not worth a failed run
+            logging.getLogger(__name__).warning("curves of %s not drawn: %s", self.cfg.run.name, exc)
+            return
+        create_markdown_artifact(
+            f"# {self.flow_name} `{self.cfg.run.name}`: curves\n\n"
+            f"![curves of {self.cfg.run.name}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
+            f"Steps 1-{history[-1]['step']}. The same image: `rollout runs plot {self.cfg.run.name}`.",
+            key=self.key, description=f"{self.flow_name} curves")
+
+
+@contextmanager
+def recorded_run(cfg, total: int) -> Iterator[RunRecorder]:
+    """The run's per-step metrics kept in its store as each step completes (and TensorBoard's event files when
+    `run.tensorboard`), for the length of the block: docs/runs.md."""
+    with RunRecorder(open_store(cfg), cfg.run.name, total_steps=total, tensorboard=cfg.run.tensorboard) as recorder, \
+            step_events.subscribed(recorder.record):
+        yield recorder
+
+
 def train_in_segments(segment_task: Task, cfg, data_ids: tuple[str, ...], checkpoint: str, *, total: int,
                       checkpoint_interval: int, progress: Progress, resident,
-                      on_segment: Callable[[Segment, str, list[dict]], None]) -> tuple[str, list[dict]]:
+                      on_segment: Callable[[Segment, str, list[dict]], None],
+                      recorder: RunRecorder | None = None,
+                      curves: CurvesArtifact | None = None) -> tuple[str, list[dict]]:
     """Steps 1..total as one task per segment (`segment_task(cfg, *data_ids, checkpoint, first, last, resident)`,
     from one snapshot to the next). Calls `on_segment(segment, its checkpoint, its step metrics)` after each;
-    returns (the final checkpoint id, every step's metrics)."""
+    returns (the final checkpoint id, every step's metrics). A segment that trained published its steps as they
+    completed; one that did not (cached, or trained by an earlier run) gives them to `recorder` here."""
     history: list[dict] = []
     for segment in plan_segments(total, checkpoint_interval):
         result = segment_task(cfg, *data_ids, checkpoint, segment.first, segment.last, resident)
         checkpoint = result["checkpoint"]
         history.extend(result["metrics"])
+        if recorder is not None:
+            recorder.backfill(result["metrics"])
         progress.update(segment.last)
         on_segment(segment, checkpoint, result["metrics"])
+        if curves is not None:
+            curves.update()
     return checkpoint, history

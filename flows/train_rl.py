@@ -15,7 +15,15 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table
+from flows.common import (
+    CurvesArtifact,
+    Progress,
+    RunTasks,
+    artifact_key,
+    load_run_config,
+    metrics_table,
+    recorded_run,
+)
 from rollout_lib import step_events
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.score import RewardLoops
@@ -69,8 +77,9 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     total = settings.budget.max_steps
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rl {cfg.run.name}: steps done")
     history: list[dict] = []
+    curves = CurvesArtifact(cfg, "train-rl")
     with ResidentTrainer() as resident, FrozenModels(cfg.run.store) as frozen_models, \
-            RewardLoops(cfg, frozen_models) as reward_loops:
+            RewardLoops(cfg, frozen_models) as reward_loops, recorded_run(cfg, total):
         if cfg.frozen_models() or cfg.served_reward_models():
             for connected in connect_frozen_models_task(cfg, frozen_models, reward_loops):
                 logger.info("frozen model %s", connected)
@@ -111,6 +120,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                         " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
                         f" -> checkpoint {state}" if snapshot else "")
             progress.update(step)
+            if snapshot:
+                curves.update()
         train_seconds = time.perf_counter() - started
 
     checkpoint = state
@@ -119,6 +130,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     optional += tuple(sorted({name for m in history for name in m if name.startswith(("eval/", "reward/"))
                               and not name.endswith("eval_s")}))
     metrics_table(cfg, "train-rl", history, METRIC_COLUMNS + optional)
+    curves.update(final=True)
     create_markdown_artifact(_summary(cfg, checkpoint, history, eval_before),
                              key=artifact_key(cfg.run.name, "summary"), description="train-rl summary")
     logger.info("final checkpoint %s", checkpoint)

@@ -14,8 +14,18 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table, train_in_segments
+from flows.common import (
+    CurvesArtifact,
+    Progress,
+    RunTasks,
+    artifact_key,
+    load_run_config,
+    metrics_table,
+    recorded_run,
+    train_in_segments,
+)
 from rollout_lib.config import RmConfig
+from rollout_lib.runlog.recorder import eval_metrics
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
@@ -41,7 +51,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     open_store(cfg).claim_run(cfg.run.name, training_identity(cfg))  # a run name holds one training, never two
     settings = cfg.settings
     run_task = RunTasks(cfg)
-    with ResidentTrainer() as resident:
+    with ResidentTrainer() as resident, recorded_run(cfg, settings.budget.max_steps) as recorder:
         train = run_task(load_pairs_task)(cfg, "train")
         tokenized = run_task(tokenize_pairs_task)(cfg, train["pairs"], "train")["tokenized"]
         held_out = None
@@ -64,15 +74,18 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
                         last["loss"], last["accuracy"], checkpoint)
 
         train_started = time.perf_counter()
+        curves = CurvesArtifact(cfg, "train-rm")
         checkpoint, history = train_in_segments(
             run_task(train_segment_task), cfg, (tokenized,), initial, total=total,
             checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
-            on_segment=report)
+            on_segment=report, recorder=recorder, curves=curves)
         train_seconds = time.perf_counter() - train_started
         after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
+        recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
     metrics_table(cfg, "train-rm", history, METRIC_COLUMNS)
+    curves.update(final=True)
     create_markdown_artifact(_summary(cfg, checkpoint, before, after), key=artifact_key(cfg.run.name, "summary"),
                              description="train-rm summary")
     logger.info("final checkpoint %s", checkpoint)

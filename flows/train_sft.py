@@ -14,8 +14,18 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import Progress, RunTasks, artifact_key, load_run_config, metrics_table, train_in_segments
+from flows.common import (
+    CurvesArtifact,
+    Progress,
+    RunTasks,
+    artifact_key,
+    load_run_config,
+    metrics_table,
+    recorded_run,
+    train_in_segments,
+)
 from rollout_lib.config import SftConfig
+from rollout_lib.runlog.recorder import eval_metrics
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
@@ -43,7 +53,7 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
     open_store(cfg).claim_run(cfg.run.name, training_identity(cfg))  # a run name holds one training, never two
     settings = cfg.settings
     run_task = RunTasks(cfg)
-    with ResidentTrainer() as resident:
+    with ResidentTrainer() as resident, recorded_run(cfg, settings.budget.max_steps) as recorder:
         train = run_task(load_examples_task)(cfg, "train")
         tokenized = run_task(tokenize_examples_task)(cfg, train["examples"], "train")
         _report_tokenized(logger, cfg, tokenized, "train")
@@ -73,14 +83,17 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
             logger.info("steps %d-%d: loss %.4f over %d tokens -> checkpoint %s", segment.first, segment.last,
                         metrics[-1]["loss"], metrics[-1]["tokens/ce"], checkpoint)
 
+        curves = CurvesArtifact(cfg, "train-sft")
         checkpoint, history = train_in_segments(
             run_task(train_segment_task), cfg, data, initial, total=total,
             checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
-            on_segment=report)
+            on_segment=report, recorder=recorder, curves=curves)
         after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
+        recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
     metrics_table(cfg, "train-sft", history, METRIC_COLUMNS)
+    curves.update(final=True)
     create_markdown_artifact(_summary(cfg, checkpoint, tokenized, packed, before, after),
                              key=artifact_key(cfg.run.name, "summary"), description="train-sft summary")
     logger.info("final checkpoint %s", checkpoint)

@@ -19,6 +19,7 @@ import click
 from rollout_cli import stack
 from rollout_cli.config_cmd import ENTRY_POINTS, config_class, config_group
 from rollout_cli.local_server import use_prefect_api
+from rollout_cli.runs import runs_group
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time unless the user opts in
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -337,3 +338,4 @@ def serve_stop(name: str | None) -> None:
 # --- commands defined in their own modules --------------------------------------------------------------------
 
 rollout.add_command(config_group)  # rollout config show|schema
+rollout.add_command(runs_group)  # rollout runs [show|plot NAME]

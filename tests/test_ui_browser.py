@@ -74,3 +74,38 @@ def test_failed_flow_run_page_shows_failed_task_and_error(worker_stack, failed_r
     (ARTIFACTS_DIR / "failed-flow-run.txt").write_text(text)
     missing = [needle for needle in needles if needle not in text]
     assert not missing, f"{url} never showed {missing}; screenshot {screenshot}; rendered text:\n{text[:3000]}"
+
+
+def test_a_finished_runs_curves_render_in_the_ui(prefect_server, browser, tmp_path):
+    """`rollout train rm` attaches its curves to the run (`<run>-curves`, a PNG inside a markdown artifact): the
+    artifact's page shows the image, decoded by the browser (naturalWidth > 0), not a broken-image icon."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from clirun import run_rollout
+
+    done = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={tmp_path}",
+                       "--set", "run.name=rm-curves", "--max-steps", "4", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rm-curves-curves"])))
+    assert artifacts, "no curves artifact"
+    artifact = max(artifacts, key=lambda found: found.created)
+    assert "data:image/png;base64," in artifact.data
+    url = f"{prefect_server['ui_url']}/artifacts/artifact/{artifact.id}"
+    ARTIFACTS_DIR.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS_DIR / "run-curves.png"
+
+    browser.get(url)
+    deadline, widths = time.monotonic() + 60, []
+    while time.monotonic() < deadline:
+        images = [image for image in browser.find_elements("tag name", "img")
+                  if (image.get_attribute("src") or "").startswith("data:image/png")]
+        widths = [browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", image)
+                  for image in images]
+        if widths and all(widths):
+            break
+        time.sleep(0.5)
+    browser.save_screenshot(str(screenshot))
+    assert widths and all(width > 100 for width in widths), f"{url}: curve image not rendered ({widths}); " \
+                                                            f"screenshot {screenshot}"

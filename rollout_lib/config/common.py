@@ -21,6 +21,10 @@ class RunSettings(StrictModel):
     # Any fsspec URL: a local directory (default), memory://..., s3://bucket/prefix.
     store: str = ".rollout/store"
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    # Also write each step's metrics as TensorBoard event files (docs/runs.md: beside the metrics file for a local
+    # store, .rollout/tensorboard/<name> for a remote one). How a run is watched, never what it trains: like the
+    # store, not in training_settings(), so turning it on reuses every finished step.
+    tensorboard: bool = False
 
     @field_validator("store")
     @classmethod

@@ -9,7 +9,7 @@ import math
 
 # Panels in this order when the history has them; a held-out metric (eval/...) gets a panel of its own.
 PANELS = (("loss", "loss"), ("accuracy", "accuracy (train)"), ("reward_mean", "mean reward"),
-          ("eval_loss", "held-out loss"), ("eval_accuracy", "held-out accuracy"))
+          ("eval/loss", "held-out loss"), ("eval/accuracy", "held-out accuracy"))
 HELD_OUT_SUFFIXES = ("/reward_mean", "/pass_rate")
 
 
@@ -28,6 +28,7 @@ def plot_curves(history: list[dict], title: str) -> bytes:
 
     matplotlib.use("Agg")  # no display; never the user's interactive backend
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     panels = panels_of(history)
     if not panels:
@@ -40,6 +41,7 @@ def plot_curves(history: list[dict], title: str) -> bytes:
                   marker="o" if len(points) <= 30 else None, markersize=3, linewidth=1.4)
         axes.set_title(panel_title, fontsize=10)
         axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.grid(alpha=0.3)
     figure.suptitle(title, fontsize=11)
     buffer = io.BytesIO()

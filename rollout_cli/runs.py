@@ -1,0 +1,133 @@
+"""`rollout runs`: the runs a store holds, and each step's metrics of one of them (docs/runs.md).
+
+    rollout runs [--store URL]                                  # name, latest checkpoint, step, headline, updated
+    rollout runs show NAME [--store URL] [--json] [--columns a,b]
+    rollout runs plot NAME [--store URL] [--out PATH]              # the curves as a PNG
+
+Read-only. An unknown run or a missing store is a StoreError: `rollout: error: no run 'x' in <store>`, exit 2.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import click
+
+# Shown by `runs show` when a run has them, in this order: the numbers one reads a run by, for every kind of run
+# (a reward model, SFT, RL). --columns picks others; --json prints everything.
+COMPACT_COLUMNS = ("reward_mean", "reward_std", "loss", "accuracy", "mean_margin", "tokens/ce", "eval/accuracy",
+                   "eval/loss", "lr", "grad_norm")
+_STORE_HELP = "store root (fsspec URL) [default: .rollout/store]"
+
+
+def _open_store(store_url: str | None):
+    from rollout_cli.main import DEFAULT_STORE
+    from rollout_lib.store import ObjectStore
+
+    return ObjectStore(store_url or DEFAULT_STORE)
+
+
+@click.group("runs", invoke_without_command=True)
+@click.option("--store", "store_url", metavar="URL", help=_STORE_HELP)
+@click.pass_context
+def runs_group(ctx: click.Context, store_url: str | None) -> None:
+    """List the runs in a store: name, latest checkpoint, step, headline metric, last update.
+
+    The headline: a reward model's held-out accuracy (else its training accuracy), an SFT model's held-out loss
+    (else its loss), an RL policy's reward_mean, at its last recorded step.
+    """
+    ctx.obj = {"store": store_url}
+    if ctx.invoked_subcommand is not None:
+        return
+    from rollout_lib.runlog.runs import list_runs
+
+    store = _open_store(store_url)
+    summaries = list_runs(store)
+    if not summaries:
+        click.echo(f"no runs in {store.root}")
+        return
+    rows = [("run", "checkpoint", "step", "headline", "updated")]
+    for run in summaries:
+        step = "-" if run.last_step is None else str(run.last_step)
+        if run.checkpoint_step is not None and run.last_step is not None and run.last_step != run.checkpoint_step:
+            step = f"{run.checkpoint_step} ({run.last_step} recorded)"
+        rows.append((run.name, run.checkpoint[:12] if run.checkpoint else "-", step,
+                     f"{run.headline[0]} {_number(run.headline[1])}" if run.headline else "-",
+                     _when(run.updated, "%Y-%m-%d %H:%M:%S")))
+    _print_table(rows, right=(2,))
+
+
+@runs_group.command("show")
+@click.argument("name")
+@click.option("--store", "store_url", metavar="URL", help=_STORE_HELP)
+@click.option("--json", "as_json", is_flag=True, help="every metric, one JSON object per step (as the metrics file)")
+@click.option("--columns", metavar="NAME,NAME,...", help="the metrics to show (default: a compact choice)")
+@click.pass_context
+def runs_show(ctx: click.Context, name: str, store_url: str | None, as_json: bool, columns: str | None) -> None:
+    """Print run NAME's metrics, one row per step."""
+    from rollout_lib.runlog.metrics_file import WALL_TIME, json_line
+    from rollout_lib.runlog.runs import run_history
+
+    store = _open_store(store_url or (ctx.obj or {}).get("store"))
+    history = run_history(store, name)
+    if as_json:
+        for record in history:
+            click.echo(json_line(record))
+        return
+    if not history:
+        click.echo(f"run {name!r} in {store.root} has no recorded steps yet")
+        return
+    if columns:
+        shown = [column.strip() for column in columns.split(",") if column.strip()]
+    else:
+        present = {metric for record in history for metric in record}
+        shown = [column for column in COMPACT_COLUMNS if column in present]
+    with_time = any(WALL_TIME in record for record in history)
+    rows = [("step", *shown, *(("time",) if with_time else ()))]
+    for record in history:
+        rows.append((str(record["step"]), *(_number(record.get(column)) for column in shown),
+                     *((_when(record.get(WALL_TIME), "%m-%d %H:%M:%S"),) if with_time else ())))
+    _print_table(rows, right=range(len(shown) + 1))
+
+
+@runs_group.command("plot")
+@click.argument("name")
+@click.option("--store", "store_url", metavar="URL", help=_STORE_HELP)
+@click.option("--out", "out_path", metavar="PATH", help="the PNG to write [default: NAME-curves.png]")
+@click.pass_context
+def runs_plot(ctx: click.Context, name: str, store_url: str | None, out_path: str | None) -> None:
+    """Write run NAME's curves (loss, accuracy or reward, held-out metrics) as a PNG."""
+    from pathlib import Path
+
+    from rollout_lib.runlog.plot import plot_curves
+    from rollout_lib.runlog.runs import run_history
+
+    store = _open_store(store_url or (ctx.obj or {}).get("store"))
+    history = run_history(store, name)
+    if not history:
+        raise click.ClickException(f"run {name!r} in {store.root} has no recorded steps yet")
+    target = Path(out_path or f"{name}-curves.png")
+    target.write_bytes(plot_curves(history, f"{name} ({len(history)} steps)"))
+    click.echo(f"wrote {target}")
+
+
+def _number(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return str(value)
+
+
+def _when(seconds, fmt: str) -> str:
+    return time.strftime(fmt, time.localtime(seconds)) if isinstance(seconds, (int, float)) else "-"
+
+
+def _print_table(rows: list[tuple[str, ...]], right) -> None:
+    right = set(right)
+    widths = [max(len(row[index]) for row in rows) for index in range(len(rows[0]))]
+    for row in rows:
+        cells = [cell.rjust(width) if index in right else cell.ljust(width)
+                 for index, (cell, width) in enumerate(zip(row, widths))]
+        click.echo("  ".join(cells).rstrip())
