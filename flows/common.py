@@ -23,6 +23,7 @@ from prefect.filesystems import RemoteFileSystem
 from rollout_lib import step_events
 from rollout_lib.config.loading import load_config
 from rollout_lib.runlog.recorder import RunRecorder
+from rollout_lib.runlog.step_log import StepLog
 from rollout_lib.store import RESULTS_DIR
 from rollout_lib.trainer.segment import Segment, plan_segments
 from tasks.common import open_store
@@ -150,11 +151,13 @@ class CurvesArtifact:
 
 
 @contextmanager
-def recorded_run(cfg, total: int) -> Iterator[RunRecorder]:
+def recorded_run(cfg, total: int, log_steps: bool = True) -> Iterator[RunRecorder]:
     """The run's per-step metrics kept in its store as each step completes (and TensorBoard's event files when
-    `run.tensorboard`), for the length of the block: docs/runs.md."""
+    `run.tensorboard`), and a log line per step as often as runlog/step_log.py allows (`log_steps`: RL's flow logs
+    its heavier steps itself), for the length of the block: docs/runs.md."""
     with RunRecorder(open_store(cfg), cfg.run.name, total_steps=total, tensorboard=cfg.run.tensorboard) as recorder, \
-            step_events.subscribed(recorder.record):
+            step_events.subscribed(recorder.record), \
+            step_events.subscribed(StepLog(total) if log_steps else lambda step, metrics: None):
         yield recorder
 
 

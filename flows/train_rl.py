@@ -79,7 +79,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     history: list[dict] = []
     curves = CurvesArtifact(cfg, "train-rl")
     with ResidentTrainer() as resident, FrozenModels(cfg.run.store) as frozen_models, \
-            RewardLoops(cfg, frozen_models) as reward_loops, recorded_run(cfg, total):
+            RewardLoops(cfg, frozen_models) as reward_loops, recorded_run(cfg, total, log_steps=False):
         if cfg.frozen_models() or cfg.served_reward_models():
             for connected in connect_frozen_models_task(cfg, frozen_models, reward_loops):
                 logger.info("frozen model %s", connected)

@@ -18,6 +18,7 @@ import click
 
 from rollout_cli import stack
 from rollout_cli.config_cmd import ENTRY_POINTS, config_class, config_group
+from rollout_cli.follow import follow
 from rollout_cli.local_server import use_prefect_api
 from rollout_cli.runs import runs_group
 
@@ -339,3 +340,4 @@ def serve_stop(name: str | None) -> None:
 
 rollout.add_command(config_group)  # rollout config show|schema
 rollout.add_command(runs_group)  # rollout runs [show|plot NAME]
+rollout.add_command(follow)  # rollout follow FLOW_RUN_ID

@@ -348,3 +348,23 @@ def test_a_killed_run_keeps_its_steps_and_its_rerun_records_each_step_once(prefe
     assert lines[:8] == [json.loads(json.dumps(record)) for record in killed[:8]]  # the cached segment: untouched
     assert lines[8]["wall_time"] > killed[8]["wall_time"]  # step 9 was trained again
     assert [line["loss"] for line in lines[8:12]] == pytest.approx([record["loss"] for record in killed[8:12]])
+
+
+def test_step_lines_each_step_while_slow_and_throttled_while_fast(caplog):
+    import logging
+
+    from rollout_lib.runlog.step_log import StepLog
+
+    clock = iter([0.0, 20.0, 40.0, 40.1, 40.2, 40.3, 51.0, 51.1])  # slow, slow, fast x3, slow, last
+    steps = StepLog(total_steps=8, min_interval_s=10.0)
+    with caplog.at_level(logging.INFO, logger="rollout_lib.steps"), \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr("rollout_lib.runlog.step_log.time.monotonic", lambda: next(clock))
+        for step in range(1, 9):
+            steps(step, {"loss": 1.0 / step, "accuracy": 0.5, "tokens": 100})
+    lines = [record.getMessage() for record in caplog.records]
+    assert [line.split(":")[0] for line in lines] == ["step 1/8", "step 2/8", "step 3/8", "step 7/8", "step 8/8"]
+    assert lines[0] == "step 1/8: loss 1, accuracy 0.5"
+    assert lines[1] == "step 2/8: loss 0.5, accuracy 0.5, 5 tokens/s"  # 100 tokens in 20 s
+    assert lines[3].endswith(", 36 tokens/s")  # steps 4-7: 400 tokens in the 11 s since step 3's line
+    assert lines[4].endswith(", 1000 tokens/s")  # the last step is always logged
