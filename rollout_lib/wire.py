@@ -108,6 +108,11 @@ ROLLOUTS = pa.schema(
         # attribution as segments (TURN), and the episode as JSON {"state", "turns", "end"} (envs/episodes.py).
         pa.field("completion_turns", pa.list_(TURN), nullable=True),
         pa.field("episode", pa.string(), nullable=True),
+        # What the completions were sampled from: the live policy's state id (a checkpoint id or an RL pending-step
+        # record id: the weights the sampler ran, on the embedded sampler or the reloaded policy server), or for a
+        # frozen source `frozen:<identity>` (`served:<name>` for a server you run; the checkpoint id or content
+        # digest of a model rollout serves). Null only in hand-made tables.
+        pa.field("sampled_from", pa.string(), nullable=True),
     ]
 )
 

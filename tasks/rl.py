@@ -36,9 +36,9 @@ from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
-from rollout_lib.rl.sample import build_samplers, sample_rollouts
+from rollout_lib.rl.sample import build_samplers, reload_metrics, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
-from rollout_lib.sampling import SAMPLERS
+from rollout_lib.sampling import SAMPLERS, SamplingContext
 from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.trainer.identity import reward_model_contents
 from rollout_lib.trainer.resident import ResidentTrainer
@@ -139,7 +139,10 @@ def evaluate_task(config: RlConfig, prompts_ids: dict[str, str], eval_prompts_id
     store = open_store(config)
     policy = policy_at(policy_inputs(store, config, prompts_ids), policy_state, resident)
     settings = config.settings.policy_sampler
-    sampler = SAMPLERS[settings.type](settings, policy.model, policy.tokenizer)  # the policy, whatever trains it
+    context = SamplingContext(policy_state=policy_state, served_models=reward_loops.frozen_models,
+                              base_model=config.settings.base_model)
+    # The policy, on its own backend (embedded, or the run's policy server), whatever an env's rollouts come from.
+    sampler = SAMPLERS[settings.type](settings, policy.model, policy.tokenizer, context)
     metrics = evaluate_env(config, _env(config, env), store.get_table(eval_prompts_id, wire.PROMPTS), sampler,
                            reward_loops)
     return {"metrics": {**metrics, f"eval/{env}/eval_s": time.perf_counter() - started}}
@@ -175,10 +178,10 @@ def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str
                 resident: ResidentTrainer, frozen_models: FrozenModels) -> dict:
     started = time.perf_counter()
     policy = policy_at(policy_inputs(open_store(config), config, prompts_ids), policy_state, resident)
-    samplers = build_samplers(config, policy.model, policy.tokenizer, frozen_models)
+    samplers = build_samplers(config, policy.model, policy.tokenizer, frozen_models, policy_state=policy_state)
     rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step)
     return {"rollouts": open_store(config).put_table(rollouts),
-            "metrics": {**metrics, "sample_s": time.perf_counter() - started}}
+            "metrics": {**metrics, **reload_metrics(samplers.values()), "sample_s": time.perf_counter() - started}}
 
 
 @task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_reward_sources))

@@ -318,6 +318,7 @@ def test_arrow_round_trip():
             "reward_error": [None, None],
             "completion_turns": [None, None],
             "episode": [None, None],
+            "sampled_from": [None, None],
         },
         schema=wire.ROLLOUTS,
     )

@@ -52,7 +52,7 @@ def rollouts_table(rows: list[tuple[str, str]]) -> tuple[pa.Table, pa.Table]:
         "env": ["words"] * n, "group_index": list(range(n)), "prompt_ids": [[1]] * n, "completion_ids": [[2]] * n,
         "sampling_logprobs": [[-0.1]] * n, "completion_text": [c for _, c in rows], "answer": [None] * n,
         "info": [None] * n, "reward": [None] * n, "reward_error": [None] * n, "completion_turns": [None] * n,
-        "episode": [None] * n,
+        "episode": [None] * n, "sampled_from": [None] * n,
     }, schema=wire.ROLLOUTS)
     return rollouts, prompts_table
 

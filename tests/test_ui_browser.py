@@ -88,7 +88,8 @@ def test_a_finished_runs_curves_render_in_the_ui(prefect_server, browser, tmp_pa
                        "--set", "run.name=rm-curves", "--max-steps", "4", "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rm-curves-curves"])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rm-curves-curves"])))
     assert artifacts, "no curves artifact"
     artifact = max(artifacts, key=lambda found: found.created)
     assert "data:image/png;base64," in artifact.data

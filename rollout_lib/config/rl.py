@@ -4,6 +4,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
     [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval
     [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .reward_loop
     [algorithm.rl.policy_sampler]  how the live policy samples: { type = "hf", batch_size } (embedded transformers)
+                              | { type = "vllm", replicas, concurrency, timeout_s, probe_tolerance } (a vLLM
+                              policy server reloaded to each state, sampling/vllm.py)
     [[algorithm.rl.envs]]     name, prompts_per_step, system_prompt
       source   = { type = "jsonl_path", path = "..." } | { type = "reasoning_gym", dataset = "...", size, seed }
       sampler  = { source = "policy" } (default) | { source = <frozen model> }: where rollouts come from, the live
@@ -349,6 +351,7 @@ class RlConfig(EntryPointConfig):
         settings = super().training_settings()
         # The circuit breaker decides whether a step fails, never what a step that runs trains.
         settings["reward_loop"].pop("max_missing_fraction")
+        settings["policy_sampler"] = self.settings.policy_sampler.identity_settings()
         for dumped in settings["envs"]:
             dumped.pop("eval")  # evaluation watches the policy, it never changes it
         for env, dumped in zip(self.settings.envs, settings["envs"]):

@@ -1,5 +1,7 @@
 """The sample stage: every env's rollouts of a step, seeded per (seed, step, env), from the env's sampler: the live
-policy (the `policy_sampler` backend) or a frozen model (sampling/frozen.py, through a served pool)."""
+policy (the `policy_sampler` backend: embedded, or a policy server reloaded to the state) or a frozen model
+(sampling/frozen.py, through a served pool). Every row records what sampled it (`sampled_from`): the policy state
+id, or `frozen:<identity>`."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from rollout_lib.config.rl import RlConfig
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.episodes import EpisodeError
 from rollout_lib.rl.prompts import select_prompts
-from rollout_lib.sampling import SAMPLERS
+from rollout_lib.sampling import SAMPLERS, SamplingContext
 from rollout_lib.sampling.frozen import FrozenSampler
+from rollout_lib.serving.settings import ExternalModel
 from rollout_lib.trainer.determinism import derived_seed
 
 
@@ -21,23 +24,39 @@ def env_locator(index: int) -> str:
     return f"algorithm.rl.envs[{index}].sampler.source"
 
 
-def build_samplers(config: RlConfig, model, tokenizer, frozen_models=None) -> dict:
-    """The sampler of every env, by env name; envs on the live policy share one. `frozen_models`
-    (serving.frozen.FrozenModels) connects the frozen ones."""
+def build_samplers(config: RlConfig, model, tokenizer, frozen_models=None, policy_state: str | None = None) -> dict:
+    """The sampler of every env, by env name; envs on the live policy share one. `model` is the policy at
+    `policy_state` (recorded in the rollouts; the engine backend loads its server with it); `frozen_models`
+    (serving.frozen.FrozenModels) connects the frozen ones and owns the policy server."""
     samplers, policy_sampler = {}, None
+    context = SamplingContext(policy_state=policy_state, served_models=frozen_models,
+                              base_model=config.settings.base_model)
     for index, env in enumerate(config.settings.envs):
         frozen = env.sampler.frozen
         if frozen is None:
             if policy_sampler is None:
                 settings = config.settings.policy_sampler
-                policy_sampler = SAMPLERS[settings.type](settings, model, tokenizer)
+                policy_sampler = SAMPLERS[settings.type](settings, model, tokenizer, context)
             samplers[env.name] = policy_sampler
         else:
             if frozen_models is None:
                 raise ValueError(f"{env_locator(index)}: a frozen model needs the run's FrozenModels")
             pool = frozen_models.pool(frozen, tokenizer=tokenizer, where=env_locator(index))
-            samplers[env.name] = FrozenSampler(pool, tokenizer, frozen.concurrency)
+            samplers[env.name] = FrozenSampler(pool, tokenizer, frozen.concurrency,
+                                               sampled_from=frozen_identity(config, frozen))
     return samplers
+
+
+def frozen_identity(config: RlConfig, frozen) -> str:
+    """`sampled_from` of a frozen model's rollouts: what identifies its weights (as in the training identity), never
+    where it runs: `frozen:served:<name>` for a server you run, `frozen:checkpoint:<id>` or `frozen:<content
+    digest>` for one rollout serves."""
+    if isinstance(frozen, ExternalModel):
+        return f"frozen:served:{frozen.name}"
+    from rollout_lib.serving.references import content_identity
+    from rollout_lib.store import ObjectStore
+
+    return f"frozen:{content_identity(frozen.model, ObjectStore(config.run.store, config.run.storage_options or None))}"
 
 
 def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table],
@@ -73,3 +92,17 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
         metrics["turns_mean"] = float(np.mean([episode["turns"] for episode in multi_turn]))
         metrics["env_token_fraction"] = env_tokens / max(sum(lengths), 1)
     return rollouts, metrics
+
+
+def reload_metrics(samplers) -> dict:
+    """The policy server's work for a stage (engine backend only): seconds spent reloading and checking weights,
+    and the largest probe difference a reload left (serving/policy.py)."""
+    reports = {id(sampler): sampler for sampler in samplers if hasattr(sampler, "hold_reports")}
+    holds = [report for sampler in reports.values() for report in sampler.hold_reports if report.reloaded]
+    if not reports:
+        return {}
+    metrics = {"policy_server/reload_s": sum(report.seconds for report in holds),
+               "policy_server/reloads": len(holds)}
+    if holds:
+        metrics["policy_server/probe_diff"] = max(report.max_probe_diff for report in holds)
+    return metrics

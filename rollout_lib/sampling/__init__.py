@@ -1,10 +1,12 @@
 """Rollout generation: the Sampler interface (base.py) and its backends, one module each (hf.py: embedded
-transformers generate on the live policy). Importing this package registers every backend module in it."""
+transformers generate on the live policy; vllm.py: the live policy on a vLLM policy server, weights reloaded per
+state; frozen.py: a frozen model's pool, built per env, not a registered backend). Importing this package registers
+every backend module in it."""
 
 import importlib
 import pkgutil
 
-from rollout_lib.sampling.base import SAMPLERS, Sampler, SamplerSettings, SamplingParams
+from rollout_lib.sampling.base import SAMPLERS, Sampler, SamplerSettings, SamplingContext, SamplingParams
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
@@ -16,4 +18,5 @@ def sampler_settings_types() -> tuple[type[SamplerSettings], ...]:
     return tuple(SAMPLERS[name].settings_class for name in sorted(SAMPLERS))
 
 
-__all__ = ["SAMPLERS", "Sampler", "SamplerSettings", "SamplingParams", "sampler_settings_types"]
+__all__ = ["SAMPLERS", "Sampler", "SamplerSettings", "SamplingContext", "SamplingParams",
+           "sampler_settings_types"]

@@ -1,9 +1,11 @@
 """The sampler interface: prompts in, rollouts out (wire.PROMPTS -> wire.ROLLOUTS, rewards still null).
 
 A sampler is whatever produces completions: the embedded transformers `generate` on the live policy
-(`hf.py`), later a vLLM engine or an OpenAI-compatible endpoint. It registers its settings class by a `type`
+(`hf.py`), or the live policy on a vLLM policy server (`vllm.py`). It registers its settings class by a `type`
 name, like the algorithms, so a new backend is a new module in this package and nothing else changes: the
-config's `sampler` union is built from the registry, and the pipeline only calls `Sampler.sample`.
+config's `sampler` union is built from the registry, and the pipeline only calls `Sampler.sample`. What a backend
+needs besides the model and tokenizer comes in the stage's `SamplingContext` (the policy state id, the run's
+served models).
 
 What every sampler must guarantee:
 - one ROLLOUTS row per (prompt row, group index), prompt-major: rows `g = 0..group_size-1` of prompt 0 first;
@@ -11,7 +13,9 @@ What every sampler must guarantee:
   prompt), `completion_ids` the generated tokens up to and including the stop token, if one was produced;
 - `sampling_logprobs[t]` is the log-probability the sampler drew `completion_ids[t]` with, under the same
   temperature / top_p processing it sampled from;
-- the same (prompts, params, seed) on the same backend and hardware gives the same rows (CPU: bit-identical).
+- the same (prompts, params, seed) on the same backend and hardware gives the same rows (CPU: bit-identical; an
+  engine backend: the same tokens, logprobs within ~1e-5 unless requests go one at a time);
+- `sampled_from` names the weights the rows came from (the context's policy state id).
 
 A backend defines `generate` (continue token sequences by one model turn); `sample` renders the prompts and runs
 single-turn completions, or whole episodes for an env with an interaction (rollout_lib/envs): the same backend
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pyarrow as pa
@@ -49,19 +54,36 @@ class SamplerSettings(BaseModel):
     # Whether it samples from the policy being trained (then it is handed the live in-memory model).
     samples_live_policy: ClassVar[bool] = True
 
+    def identity_settings(self) -> dict:
+        """What of these settings enters the training identity: by default all (the embedded sampler's batch size
+        decides its seeds); a backend leaves out its resources (replicas, timeouts)."""
+        return self.model_dump(mode="json")
+
+
+@dataclass(frozen=True)
+class SamplingContext:
+    """What a sample stage knows besides the model: the policy state id the model is at (every rollouts row records
+    it as `sampled_from`), and the run's served models (serving.frozen.FrozenModels), through which a backend that
+    samples on an engine owns its policy server, and the base model reference that server starts from."""
+
+    policy_state: str | None = None
+    served_models: Any = None  # serving.frozen.FrozenModels
+    base_model: Any = None  # config.common.ModelRef: what the policy server loads at start (then reloaded)
+
 
 class Sampler(ABC):
-    """A backend is built once per sample stage as `cls(settings, model, tokenizer)`: the live policy's model
-    (which a remote backend ignores, or pushes to its engine) and the tokenizer that turns chat messages into
-    the prompt ids it reports."""
+    """A backend is built once per sample stage as `cls(settings, model, tokenizer, context)`: the live policy's
+    model (which a remote backend pushes to its engine), the tokenizer that turns chat messages into the prompt
+    ids it reports, and the stage's SamplingContext."""
 
     type_name: ClassVar[str]
     settings_class: ClassVar[type[SamplerSettings]]
 
-    def __init__(self, settings: SamplerSettings, model, tokenizer):
+    def __init__(self, settings: SamplerSettings, model, tokenizer, context: SamplingContext | None = None):
         self.settings = settings
         self.model = model
         self.tokenizer = tokenizer
+        self.context = context or SamplingContext()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -82,15 +104,16 @@ class Sampler(ABC):
         """ROLLOUTS rows (reward and reward_error null) for every PROMPTS row, `params.group_size` each; with an
         interaction (envs.base.Interaction), each row is a whole episode of at most `context_limit` tokens."""
         prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
+        sampled_from = self.context.policy_state
         if interaction is not None:
             return sample_episodes(self.generate, self.tokenizer, interaction, prompts, prompt_ids, params, seed,
                                    stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None)),
-                                   context_limit)
+                                   context_limit, sampled_from)
         # Prompt-major: the group of prompt 0, then of prompt 1, ...
         sequences = [ids for ids in prompt_ids for _ in range(params.group_size)]
         completions = [(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True))
                        for ids, logprobs in self.generate(sequences, params, seed)]
-        return rollouts_table(prompts, params.group_size, prompt_ids, completions)
+        return rollouts_table(prompts, params.group_size, prompt_ids, completions, sampled_from=sampled_from)
 
 
 SAMPLERS: dict[str, type[Sampler]] = {}
@@ -128,7 +151,8 @@ def sample_id(example_id: str, group_index: int) -> str:
 
 
 def sample_episodes(generate, tokenizer, interaction, prompts: pa.Table, prompt_ids: list[list[int]],
-                    params: SamplingParams, seed: int, stop_ids: list[int], context_limit: int | None) -> pa.Table:
+                    params: SamplingParams, seed: int, stop_ids: list[int], context_limit: int | None,
+                    sampled_from: str | None = None) -> pa.Table:
     """ROLLOUTS of whole episodes (envs/episodes.py), with their turns and episode records."""
     from rollout_lib.envs.episodes import run_episodes
 
@@ -139,14 +163,15 @@ def sample_episodes(generate, tokenizer, interaction, prompts: pa.Table, prompt_
     completions = [(e.completion_ids, e.logprobs, tokenizer.decode(e.completion_ids, skip_special_tokens=True))
                    for e in episodes]
     return rollouts_table(prompts, params.group_size, prompt_ids, completions,
-                          [(e.turns, e.record()) for e in episodes])
+                          [(e.turns, e.record()) for e in episodes], sampled_from=sampled_from)
 
 
 def rollouts_table(prompts: pa.Table, group_size: int, prompt_ids: list[list[int]],
                    completions: list[tuple[list[int], list[float | None], str]],
-                   episodes: list[tuple[list[dict], str]] | None = None) -> pa.Table:
+                   episodes: list[tuple[list[dict], str]] | None = None, *,
+                   sampled_from: str | None = None) -> pa.Table:
     """Assemble ROLLOUTS rows from per-prompt ids and prompt-major (ids, logprobs, text) completions, and for a
-    multi-turn env each one's (turns, episode record)."""
+    multi-turn env each one's (turns, episode record); `sampled_from`: what sampled them (wire.ROLLOUTS)."""
     rows = prompts.to_pylist()
     if len(completions) != len(rows) * group_size:
         raise ValueError(f"{len(completions)} completions for {len(rows)} prompts x group_size {group_size}")
@@ -172,6 +197,7 @@ def rollouts_table(prompts: pa.Table, group_size: int, prompt_ids: list[list[int
             "reward_error": None,
             "completion_turns": turns,
             "episode": episode,
+            "sampled_from": sampled_from,
         })
     return pa.Table.from_pylist(records, schema=wire.ROLLOUTS)
 

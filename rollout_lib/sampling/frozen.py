@@ -8,7 +8,9 @@ do not depend on how requests are batched, ordered or retried on another replica
 interruption samples the same tokens (its logprobs may differ in the last bits: the engine's float sums depend
 on batch composition, ../shared/notes/serving.md).
 
-Not registered as a policy backend: it is built per env for `sampler.source = <frozen model>`.
+Not registered as a policy backend: it is built per env for `sampler.source = <frozen model>`. Its rows record
+`sampled_from = "frozen:<identity>"` (rl/sample.py: the served name of a server you run, the checkpoint id or
+content digest of a model rollout serves): what identifies the weights, never where they run.
 """
 
 from __future__ import annotations
@@ -33,21 +35,22 @@ class FrozenSampler:
 
     samples_live_policy = False
 
-    def __init__(self, pool, tokenizer, concurrency: int):
+    def __init__(self, pool, tokenizer, concurrency: int, sampled_from: str | None = None):
         self.pool = pool
         self.tokenizer = tokenizer
         self.concurrency = concurrency
+        self.sampled_from = sampled_from
 
     def sample(self, prompts: pa.Table, params: SamplingParams, seed: int, interaction=None,
                context_limit: int | None = None) -> pa.Table:
         prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
         if interaction is not None:
             return sample_episodes(self.generate, self.tokenizer, interaction, prompts, prompt_ids, params, seed,
-                                   stop_token_ids(self.tokenizer), context_limit)
+                                   stop_token_ids(self.tokenizer), context_limit, self.sampled_from)
         generations = asyncio.run(self._generate_all(prompt_ids, params, seed))
         completions = [(g.token_ids, g.logprobs, self.tokenizer.decode(g.token_ids, skip_special_tokens=True))
                        for g in generations]
-        return rollouts_table(prompts, params.group_size, prompt_ids, completions)
+        return rollouts_table(prompts, params.group_size, prompt_ids, completions, sampled_from=self.sampled_from)
 
     def generate(self, sequences: list[list[int]], params: SamplingParams,
                  seed: int) -> list[tuple[list[int], list[float]]]:

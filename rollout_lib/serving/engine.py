@@ -10,6 +10,10 @@ vLLM lives in its own venv (it pins an older transformers): `.venv-vllm`, made b
 named by ROLLOUT_VLLM_PYTHON. The flags every server gets are the ones verified on these machines
 (../shared/notes/serving.md): fp32, eager, chunked prefill off (seeded requests crash the CPU engine with it) and
 prefix caching off (prompt logprobs must not depend on request order).
+
+A live-policy deployment (`live_policy=True`, serving/policy.py) also runs in vLLM's dev mode
+(VLLM_SERVER_DEV_MODE=1: POST /collective_rpc reloads its weights in place); its weights are whatever was last
+loaded into it, so it is never reused for a frozen model, nor a frozen one for a policy.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from rollout_lib.processes import cmdline_contains, free_ports, group_members, p
 from rollout_lib.serving.references import default_max_model_len, default_name, served_model_directory
 
 VLLM_PYTHON_ENV = "ROLLOUT_VLLM_PYTHON"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # opens /collective_rpc (weight reload) and other control endpoints
 RUNNERS = ("generate", "pooling")
 HOST = "127.0.0.1"  # never another interface: a dev-mode server exposes control endpoints
 STOP_GRACE_S = 15.0
@@ -98,6 +103,8 @@ class Deployment:
     # (`rollout serve start`). A deployment whose owner died without stopping it (SIGKILL) is an orphan: the
     # next user of the same model adopts it (serving/frozen.py), so it is stopped eventually.
     owner_pid: int | None = None
+    # Serves the policy being trained: dev mode on, weights reloaded in place (serving/policy.py).
+    live_policy: bool = False
 
     @property
     def orphaned(self) -> bool:
@@ -363,12 +370,14 @@ def _running(process: psutil.Process) -> bool:
 def start_deployment(reference, *, name: str | None = None, replicas: int = 1, port: int | None = None,
                      store_url: str | None = None, max_model_len: int | None = None, runner: str = "generate",
                      extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                     ready_timeout_s: float = 600.0, owner_pid: int | None = None) -> Deployment:
+                     ready_timeout_s: float = 600.0, owner_pid: int | None = None,
+                     live_policy: bool = False) -> Deployment:
     """Serve `reference` as `name` on `replicas` vLLM servers (the first on `port` if given, the others on free
     ports), started in parallel; return once every replica answers. A deployment of that name already running
     the same model directory with the same runner is reused as it is (dead replicas restarted); the same name
     serving anything else is an error. When a replica exits or the timeout passes, everything started is stopped
-    and EngineError names the URL and the end of its log."""
+    and EngineError names the URL and the end of its log. `live_policy`: a policy server, in dev mode (module
+    docstring)."""
     if runner not in RUNNERS:
         raise EngineError(f"runner {runner!r}: expected one of {', '.join(RUNNERS)}")
     if replicas < 1:
@@ -385,17 +394,20 @@ def start_deployment(reference, *, name: str | None = None, replicas: int = 1, p
             _drop(existing)
             existing = None
         if existing is not None:
-            if existing.model_dir != str(model_dir) or existing.runner != runner:
+            if (existing.model_dir != str(model_dir) or existing.runner != runner
+                    or existing.live_policy != live_policy):
+                what = "a live policy" if existing.live_policy else existing.runner
                 raise EngineError(f"served model name {name!r} is already running {existing.model_dir} "
-                                   f"({existing.runner}); stop it first (rollout serve stop {name}) or pick another "
-                                   "name")
+                                   f"({what}); stop it first (rollout serve stop {name}) or pick another name")
             return _restart_dead(existing, ready_timeout_s)
         if port is not None and not port_is_free(port):
             raise EngineError(f"cannot serve {name!r} at http://{HOST}:{port}: port {port} is already in use")
         ports = ([port] if port is not None else []) + [p for p in free_ports(replicas + 1) if p != port]
         deployment = Deployment(name=name, model=uri, model_dir=str(model_dir), runner=runner,
                                 max_model_len=max_model_len or default_max_model_len(model_dir),
-                                extra_args=list(extra_args), env=dict(env or {}), owner_pid=owner_pid)
+                                extra_args=list(extra_args),
+                                env={**(env or {}), **({DEV_MODE_ENV: "1"} if live_policy else {})},
+                                owner_pid=owner_pid, live_policy=live_policy)
         try:
             for i in range(replicas):
                 deployment.replicas.append(_launch(deployment, i, ports[i], replica_count=replicas))
@@ -427,6 +439,18 @@ def _drop(deployment: Deployment) -> None:
     EngineCore and Worker), delete its record."""
     _stop_groups(deployment.pids, grace_s=2.0)
     _record_path(deployment.name).unlink(missing_ok=True)
+
+
+def claim_orphan(name: str, owner_pid: int) -> Deployment | None:
+    """Make `owner_pid` the owner of the deployment `name` if it is still an orphan (its owner died), atomically: of
+    two processes that try, one gets it (and stops it when done), the other None."""
+    with _locked(name):
+        deployment = _read_record(name)
+        if deployment is None or not deployment.orphaned:
+            return None
+        deployment.owner_pid = owner_pid
+        _write_record(deployment)
+        return deployment
 
 
 def running_deployments() -> list[Deployment]:

@@ -13,6 +13,10 @@ error naming the setting, raised before any step samples or trains.
 
 The flow creates one `FrozenModels`, hands it to the tasks that need a frozen model (a resource, never part of a
 cache key: tasks.common.RESOURCE_PARAMETERS) and closes it at the end.
+
+It also owns the run's policy server (`policy_server`, serving/policy.py) when the live policy samples on the
+engine: a deployment of the base model in dev mode, started for this run (or a killed run's orphan of the same
+model adopted), never shared with frozen models or another run, and stopped by `close()`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import threading
 from rollout_lib.config.errors import ConfigError
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
+from rollout_lib.serving.policy import DEFAULT_TOLERANCE, PolicyServer
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.references import default_name, served_model_directory
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
@@ -40,6 +45,7 @@ class FrozenModels:
         self.described: dict[bytes, str] = {}  # per pool: "model 'name' at url, url" (for logs and errors)
         self._started: list[str] = []  # deployments this object started, stopped by close()
         self._lock = threading.Lock()  # tasks may run in threads of one flow process
+        self._policy_servers: dict[bytes, PolicyServer] = {}
 
     def pool(self, frozen: ExternalModel | ServedModel, *, tokenizer=None, where: str) -> EndpointPool:
         """The started pool of `frozen` (connecting on first use); `tokenizer`: the policy's, checked once."""
@@ -80,6 +86,37 @@ class FrozenModels:
                 self.described[key] = f"reward model {deployment.name!r} at {', '.join(deployment.base_urls)}"
             return pool
 
+    def policy_server(self, base_model, *, replicas: int = 1, max_model_len: int | None = None,
+                      timeout_s: float | None = 120.0, max_attempts: int = 3,
+                      tolerance: float = DEFAULT_TOLERANCE) -> PolicyServer:
+        """The run's policy server for `base_model` (a ModelRef), started on first use: a live-policy deployment
+        named `policy-<model>-<this pid>`, or an orphaned one of the same model (its run was killed) adopted.
+        What it holds is unknown until `PolicyServer.hold` reloads and checks it."""
+        key = canonical_json(["policy", base_model.uri, replicas, max_model_len])
+        with self._lock:
+            server = self._policy_servers.get(key)
+            if server is None:
+                store_url = base_model.store or self.store_url
+                model_dir = served_model_directory(base_model, store_url)
+                deployment = None
+                for running in engine.running_deployments():
+                    if (running.live_policy and running.orphaned and running.model_dir == str(model_dir)
+                            and len(running.replicas) == replicas):
+                        deployment = engine.claim_orphan(running.name, os.getpid())
+                        if deployment is not None:
+                            log.info("adopting policy server %s left by a killed run", running.name)
+                            deployment = engine.restart_dead_replicas(deployment)
+                            break
+                if deployment is None:
+                    name = f"policy-{default_name(base_model)[:60]}-{os.getpid()}"
+                    deployment = engine.start_deployment(base_model, name=name, replicas=replicas,
+                                                         store_url=store_url, max_model_len=max_model_len,
+                                                         owner_pid=os.getpid(), live_policy=True)
+                self._started.append(deployment.name)
+                server = PolicyServer(deployment, timeout_s=timeout_s, max_attempts=max_attempts, tolerance=tolerance)
+                self._policy_servers[key] = server
+            return server
+
     def _connect(self, frozen: ExternalModel | ServedModel) -> tuple[EndpointPool, str]:
         if isinstance(frozen, ExternalModel):
             urls, name = frozen.base_url, frozen.name
@@ -95,7 +132,7 @@ class FrozenModels:
                     runner: str):
         model_dir = served_model_directory(uri, store_url)
         for running in engine.running_deployments():
-            if running.model_dir == str(model_dir) and running.runner == runner:
+            if running.model_dir == str(model_dir) and running.runner == runner and not running.live_policy:
                 if running.orphaned:  # its run was killed before it could stop it: ours to stop now
                     self._started.append(running.name)
                 log.info("reusing served deployment %s for %s", running.name, uri)
@@ -121,6 +158,9 @@ class FrozenModels:
                 asyncio.run(pool.aclose())
             self._pools.clear()
             self.described.clear()
+            for server in self._policy_servers.values():
+                server.close()
+            self._policy_servers.clear()
             for name in self._started:
                 engine.stop_deployment(name)
             self._started.clear()

@@ -1,0 +1,122 @@
+"""The live policy sampled on a vLLM engine: the run's policy server (serving/policy.py), owned by the run's
+FrozenModels and reached through the stage's SamplingContext.
+
+Before a stage samples, the server is brought to the policy state the stage samples from
+(`SamplingContext.policy_state`): reloaded in place from the trainer's in-memory weights and verified with the
+probe (`probe_tolerance`, default 1e-3: serving/policy.py says why); a server that already holds that state (same
+state id, same replica processes) is not reloaded. A probe beyond the tolerance fails the stage, naming the
+replica's URL and the difference: nothing samples from unknown weights.
+
+Sampling then goes through the replica pool as the frozen sampler's does: prompts sent as token ids (the policy's
+chat template), one request per completion, seeded by (seed, sequence index). For a single-turn stage the
+sequence index is `row * group_size + group index`, so each completion's seed is a function of (seed, prompt
+row, group index) and the tokens do not depend on batching, request order or the replica that answered. The
+rollouts' `sampling_logprobs` are the engine's (rollout's servers report processed logprobs: the distribution
+each token was drawn from); they vary in the last bits with batch composition (../shared/notes/serving.md).
+
+A replica that dies mid-stage: the pool fails the requests over to another replica; those no replica could answer
+are sent again, with the same seeds, after the sampler restarted the dead replicas and reloaded (and checked) them,
+at most `max_recoveries` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Literal
+
+from pydantic import Field
+
+from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
+from rollout_lib.trainer.determinism import derived_seed
+
+log = logging.getLogger(__name__)
+
+
+class VllmSamplerSettings(SamplerSettings):
+    type: Literal["vllm"] = "vllm"
+    replicas: int = Field(1, ge=1)  # policy server replicas (the machine's cores are split between them)
+    concurrency: int = Field(32, ge=1)  # requests in flight from one stage
+    timeout_s: float = Field(120.0, gt=0)  # per request; must cover queueing behind `concurrency` others
+    max_attempts: int = Field(3, ge=1)  # one request, tried on distinct replicas
+    probe_tolerance: float = Field(1e-3, gt=0)  # max |served - trainer| probe logprob after a reload
+    max_recoveries: int = Field(2, ge=0)  # restarts of dead replicas within one stage
+
+    def identity_settings(self) -> dict:
+        # Replicas, concurrency, timeouts and the tolerance are resources or checks: they never decide which tokens
+        # are sampled (seeds are per completion), so changing them reuses every finished step.
+        return {"type": self.type}
+
+
+class VllmSampler(Sampler):
+    type_name = "vllm"
+    settings_class = VllmSamplerSettings
+
+    def __init__(self, settings: VllmSamplerSettings, model, tokenizer, context=None):
+        super().__init__(settings, model, tokenizer, context)
+        if self.context.served_models is None or self.context.base_model is None:
+            raise ValueError('algorithm.rl.policy_sampler: type = "vllm" samples on the run\'s policy server, and this '
+                             "stage was given none (SamplingContext.served_models and base_model)")
+        if self.context.policy_state is None:
+            raise ValueError('algorithm.rl.policy_sampler: type = "vllm" needs the policy state id it samples from '
+                             "(SamplingContext.policy_state): the server is loaded and checked per state")
+        self.server = self.context.served_models.policy_server(
+            self.context.base_model, replicas=settings.replicas, timeout_s=settings.timeout_s,
+            max_attempts=settings.max_attempts, tolerance=settings.probe_tolerance)
+        self.hold_reports: list = []  # serving.policy.HoldReport of every hold this sampler made (metrics, tests)
+
+    def _hold(self) -> None:
+        self.hold_reports.append(self.server.hold(self.context.policy_state, self.model, self.tokenizer))
+
+    def sample(self, prompts, params: SamplingParams, seed: int, interaction=None, context_limit: int | None = None):
+        self._hold()
+        return super().sample(prompts, params, seed, interaction=interaction, context_limit=context_limit)
+
+    def generate(self, sequences: list[list[int]], params: SamplingParams,
+                 seed: int) -> list[tuple[list[int], list[float]]]:
+        from rollout_lib.serving.client import ReplicaUnavailable
+        from rollout_lib.serving.pool import PoolUnavailable
+
+        if not self.server.holds(self.context.policy_state):  # a caller of generate alone (an episode's turn)
+            self._hold()
+        stops = stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+        seeds = [derived_seed("policy-engine", seed, index) for index in range(len(sequences))]
+        results: list[tuple[list[int], list[float]] | None] = [None] * len(sequences)
+        pending = list(range(len(sequences)))
+        for recovery in range(self.settings.max_recoveries + 1):
+            outcomes = asyncio.run(self._generate_some(pending, sequences, params, seeds, stops))
+            failed = []
+            for index, outcome in zip(pending, outcomes):
+                if isinstance(outcome, BaseException):
+                    if not isinstance(outcome, (PoolUnavailable, ReplicaUnavailable)):
+                        raise outcome
+                    failed.append((index, outcome))
+                else:
+                    results[index] = (outcome.token_ids, outcome.logprobs)
+            if not failed:
+                return results  # type: ignore[return-value]
+            error = failed[0][1]
+            if recovery == self.settings.max_recoveries:
+                raise error
+            restarted = self.server.recover()
+            if not restarted:  # no replica died (hung or overloaded): a restart would not help
+                raise error
+            log.warning("policy server %s: %d of %d requests failed (%s); restarted %s, reloading state %s and sending "
+                        "them again", self.server.name, len(failed), len(sequences), error, ", ".join(restarted),
+                        self.context.policy_state)
+            self._hold()
+            pending = [index for index, _ in failed]
+        raise AssertionError("unreachable")
+
+    async def _generate_some(self, indices: list[int], sequences: list[list[int]], params: SamplingParams,
+                             seeds: list[int], stops: list[int]) -> list:
+        gate = asyncio.Semaphore(self.settings.concurrency)
+        pool = self.server.pool
+
+        async def one(index: int):
+            async with gate:
+                return await pool.generate(sequences[index], max_tokens=params.max_tokens,
+                                           temperature=params.temperature, top_p=params.top_p, seed=seeds[index],
+                                           stop_token_ids=stops)
+
+        return await asyncio.gather(*(one(index) for index in indices), return_exceptions=True)

@@ -1,0 +1,232 @@
+"""The live policy on a vLLM engine: a deployment started from the base model in vLLM's dev mode, whose weights
+are reloaded in place to the policy state a sample stage samples from, and checked before anything samples.
+
+    server = frozen_models.policy_server(base_model, replicas=1)  # started (or an orphan adopted), run-owned
+    server.hold(state_id, model, tokenizer)  # every replica holds `model`'s weights, verified; no-op if it does
+    await server.pool.generate(...)          # an EndpointPool over the replicas
+    server.recover()                         # replicas died mid-step: restart them (they hold nothing until `hold`)
+
+Reload: the model's state dict -> `<state dir>/serve/<name>-weights/model.safetensors`, every tensor, with
+`lm_head.weight` written out even when it is tied to the input embeddings (transformers' `save_pretrained` drops it,
+and vLLM's CPU engine then keeps its output head on the *old* embeddings: 1.0 logprob off on the tiny Qwen2, 1.6 on
+SmolLM2, ../shared/notes/serving.md), then `POST /collective_rpc {"method": "reload_weights", "kwargs":
+{"weights_path": dir}}` on every replica that does not hold the state yet.
+
+Verification: a fixed probe sequence (PROBE_LENGTH token ids drawn once from a fixed seed) is scored by each
+reloaded replica (prompt logprobs, temperature 1) and by the trainer's own forward of the same weights; a replica
+whose logprobs differ by more than `tolerance` anywhere fails the step with a PolicyServerError naming its URL, the
+state and the difference. Default 1e-3: the same weights agree within 4.8e-7 on the tiny model and 3e-5..6e-5
+on SmolLM2-135M in fp32 (float sums in another order), while every wrong-weights case measured here was >= 0.038
+off (weights one 1e-3-scale random perturbation away: 0.038 tiny, 1.96 SmolLM2; a server one 0.05-scale step
+behind: 1.26; the tied-embeddings trap: 0.18..1.5): about 17x above the largest agreement, 38x below the smallest
+disagreement. What it cannot see: two states whose probe logprobs differ by less than the tolerance (a step at a
+tiny learning rate); the state id bookkeeping, not the probe, is what tells those apart.
+
+What a replica holds is remembered per (URL, process id): a restarted replica (same URL, new process) starts from
+the base model's files again, so it is reloaded on the next `hold`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rollout_lib.serving import engine
+from rollout_lib.serving.client import EndpointClient, ServingError
+from rollout_lib.serving.pool import EndpointPool
+
+log = logging.getLogger(__name__)
+
+PROBE_LENGTH = 48
+PROBE_SEED = 20261123
+DEFAULT_TOLERANCE = 1e-3
+RELOAD_TIMEOUT_S = 600.0  # a reload of a large model from disk; the per-request timeout of sampling is separate
+
+
+class PolicyServerError(RuntimeError):
+    """The policy server cannot be brought to the requested weights (a reload failed, or the probe disagrees)."""
+
+
+@dataclass
+class HoldReport:
+    """What `hold` did: the replicas it reloaded, the seconds reload + check took, the largest probe difference."""
+
+    reloaded: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    max_probe_diff: float | None = None
+
+
+def probe_ids(model, tokenizer, length: int = PROBE_LENGTH) -> list[int]:
+    """The fixed probe sequence: `length` token ids drawn from a fixed seed among the ids both the tokenizer and the
+    embeddings know (the server refuses ids past the tokenizer's), the same in every process and run."""
+    vocab_size = min(len(tokenizer), int(model.get_input_embeddings().weight.shape[0]))
+    return [int(token) for token in np.random.default_rng(PROBE_SEED).integers(0, vocab_size, size=length)]
+
+
+@torch.no_grad()
+def trainer_logprobs(model, token_ids: list[int]) -> list[float]:
+    """log p(token_ids[t] | token_ids[:t]), t = 1..n-1, by the in-memory model (eval mode, temperature 1)."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        return chosen.cpu().tolist()
+    finally:
+        model.train(was_training)
+
+
+def weight_tensors(model) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state dict as safetensors can write it (CPU, contiguous, no shared storage): a
+    tied `lm_head.weight` becomes its own copy of the embeddings instead of being dropped."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        tensors[name] = tensor
+    return tensors
+
+
+def write_weights(model, directory: os.PathLike) -> None:
+    """The model's weights as `directory/model.safetensors` (written beside, then renamed into place)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    staging = os.path.join(directory, f".model.safetensors.{os.getpid()}.tmp")
+    save_file(weight_tensors(model), staging)
+    os.replace(staging, os.path.join(directory, "model.safetensors"))
+
+
+class PolicyServer:
+    """A live-policy deployment (engine.py, `live_policy=True`) and the state each replica holds."""
+
+    def __init__(self, deployment: engine.Deployment, *, timeout_s: float | None = 120.0, max_attempts: int = 3,
+                 tolerance: float = DEFAULT_TOLERANCE):
+        self.deployment = deployment
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.tolerance = tolerance
+        self.weights_dir = engine.serve_dir() / f"{deployment.name}-weights"
+        self._holds: dict[str, tuple[int, str]] = {}  # base URL -> (pid, state id) it was loaded and checked with
+        self._lock = threading.Lock()
+        self.pool = self._new_pool()
+
+    @property
+    def name(self) -> str:
+        return self.deployment.name
+
+    @property
+    def urls(self) -> str:
+        return ", ".join(self.deployment.base_urls)
+
+    def _new_pool(self) -> EndpointPool:
+        return EndpointPool(self.deployment.base_urls, self.deployment.name, timeout_s=self.timeout_s,
+                            max_attempts=self.max_attempts)
+
+    def holds(self, state_id: str) -> bool:
+        """Whether every replica, as it runs now, was loaded with `state_id` and checked."""
+        return all(self._holds.get(replica.base_url) == (replica.pid, state_id)
+                   for replica in self.deployment.replicas)
+
+    def recover(self) -> list[str]:
+        """Restart the replicas whose process is gone (engine.restart_dead_replicas) and start a fresh pool (the old
+        one ejected them); the URLs restarted. They hold the base model until the next `hold` reloads them."""
+        with self._lock:
+            before = {replica.base_url: replica.pid for replica in self.deployment.replicas}
+            self.deployment = engine.restart_dead_replicas(self.deployment)
+            restarted = [replica.base_url for replica in self.deployment.replicas
+                         if before.get(replica.base_url) != replica.pid]
+            self._replace_pool()
+            return restarted
+
+    def _replace_pool(self) -> None:
+        old, self.pool = self.pool, self._new_pool()
+        asyncio.run(old.aclose())
+
+    def hold(self, state_id: str, model, tokenizer) -> HoldReport:
+        """Bring every replica to `model`'s weights, known as `state_id`: restart dead replicas, reload those that do
+        not hold the state, verify each reloaded one with the probe. PolicyServerError when a reload fails or a
+        replica's probe logprobs are off by more than the tolerance; nothing is remembered as held then."""
+        with self._lock:
+            report = HoldReport()
+            started = time.perf_counter()
+            if any(not replica.alive for replica in self.deployment.replicas):
+                self.deployment = engine.restart_dead_replicas(self.deployment)
+                self._replace_pool()
+            stale = [replica for replica in self.deployment.replicas
+                     if self._holds.get(replica.base_url) != (replica.pid, state_id)]
+            if not stale:
+                return report
+            write_weights(model, self.weights_dir)
+            for replica in stale:
+                self._holds.pop(replica.base_url, None)
+            report.reloaded = [replica.base_url for replica in stale]
+            report.max_probe_diff = self._verify(report.reloaded, state_id, model, tokenizer, reload=True)
+            for replica in stale:
+                self._holds[replica.base_url] = (replica.pid, state_id)
+            report.seconds = time.perf_counter() - started
+            log.info("policy server %s: reloaded %s with state %s in %.2f s (probe max |diff| %.2g)", self.name,
+                     ", ".join(report.reloaded), state_id, report.seconds, report.max_probe_diff)
+            return report
+
+    def check(self, state_id: str, model, tokenizer) -> float:
+        """Verify, without reloading, that every replica serves `model`'s weights (the probe); the largest
+        difference, or PolicyServerError naming the replica that does not."""
+        return self._verify(self.deployment.base_urls, state_id, model, tokenizer, reload=False)
+
+    def _verify(self, urls: list[str], state_id: str, model, tokenizer, *, reload: bool) -> float:
+        """(Reload, then) score the probe on each replica of `urls` and compare with the trainer's logprobs: the
+        largest difference, or PolicyServerError naming the first replica beyond the tolerance."""
+        probe = probe_ids(model, tokenizer)
+        expected = trainer_logprobs(model, probe)
+        diffs = asyncio.run(self._probe_all(urls, probe, expected, reload=reload))
+        for url, diff in zip(urls, diffs):
+            if diff > self.tolerance:
+                raise PolicyServerError(
+                    f"policy server {url} ({self.name!r}) does not hold policy state {state_id}"
+                    f"{' after reloading it' if reload else ''}: its logprobs of the {len(probe)}-token probe differ "
+                    f"from the trainer's by up to {diff:.3g} (tolerance {self.tolerance:g}); refusing to sample from "
+                    "unknown weights")
+        return max(diffs)
+
+    async def _probe_all(self, urls: list[str], probe: list[int], expected: list[float], *,
+                         reload: bool) -> list[float]:
+        async def one(url: str) -> float:
+            client = EndpointClient(url, self.name, timeout_s=RELOAD_TIMEOUT_S)
+            try:
+                if reload:
+                    try:
+                        await client.request("POST", "/collective_rpc", {
+                            "method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
+                    except ServingError as exc:
+                        raise PolicyServerError(f"policy server {url} ({self.name!r}): weight reload failed: "
+                                                f"{exc.detail}") from None
+                try:
+                    served = await client.score(probe)
+                except ServingError as exc:
+                    raise PolicyServerError(f"policy server {url} ({self.name!r}): scoring the probe failed: "
+                                            f"{exc.detail}") from None
+                return float(np.max(np.abs(np.asarray(served) - np.asarray(expected))))
+            finally:
+                await client.aclose()
+
+        return list(await asyncio.gather(*(one(url) for url in urls)))
+
+    def close(self) -> None:
+        """Close the pool and delete the weights directory (the deployment is stopped by its owner)."""
+        asyncio.run(self.pool.aclose())
+        shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -1,0 +1,308 @@
+"""The live policy on a vLLM engine (sampling/vllm.py, serving/policy.py): its settings and what enters the
+training identity, every rollout recording what sampled it, weight reload in place verified by a probe (tied
+embeddings included), the probe failing loudly on other weights, seeded sampling through the pool, a policy server
+killed mid-stage, and a `train rl` run on the engine.
+
+One policy server (tiny:qwen2, dev mode) serves the class below and is stopped after it; the `train rl` test after
+it starts its run's own. Never the session's `vllm_tiny`: reloading other weights into it would break other tests."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rollout_lib import wire
+from rollout_lib.config import ConfigError, RlConfig, load_config
+from rollout_lib.config.common import ModelRef
+from rollout_lib.envs import build_interaction
+from rollout_lib.envs.calculator import CalculatorSettings
+from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
+from rollout_lib.rl.sample import build_samplers, frozen_identity
+from rollout_lib.sampling import SAMPLERS, SamplingContext, SamplingParams
+from rollout_lib.sampling.base import encode_prompt
+from rollout_lib.sampling.vllm import VllmSampler, VllmSamplerSettings
+from rollout_lib.serving import engine, policy
+from rollout_lib.serving.frozen import FrozenModels
+from rollout_lib.serving.policy import PolicyServerError, trainer_logprobs
+from rollout_lib.serving.settings import ExternalModel, ServedModel
+from rollout_lib.trainer.identity import training_identity
+
+BASE = ModelRef(uri="tiny:qwen2")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rl_tiny(tmp_path, *overrides: str) -> RlConfig:
+    return load_config(RlConfig, ROOT / "configs/rl-tiny.toml", [f"run.store={tmp_path / 'store'}", *overrides])
+
+
+# --- settings and records, no server ----------------------------------------------------------------------------
+
+
+def test_the_engine_is_a_policy_sampler_type_and_only_the_type_enters_the_training_identity(tmp_path):
+    default = rl_tiny(tmp_path)
+    assert default.settings.policy_sampler.type == "hf"  # the embedded sampler stays the default
+    engine_run = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm" }')
+    assert isinstance(engine_run.settings.policy_sampler, VllmSamplerSettings)
+    assert engine_run.settings.policy_sampler.probe_tolerance == 1e-3
+    resized = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 2, concurrency = 4, '
+                                'timeout_s = 5, probe_tolerance = 1e-2, max_recoveries = 0 }')
+    assert training_identity(resized) == training_identity(engine_run) != training_identity(default)
+    with pytest.raises(ConfigError, match=r"algorithm\.rl\.policy_sampler\.replicas"):
+        rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 0 }')
+
+
+def test_every_rollout_records_what_sampled_it(tmp_path, tiny_model_dir):
+    """The embedded sampler: the policy state id given to the stage; a frozen source: its identity; the engine
+    sampler without the run's served models: a clear error, never a silent fallback."""
+    config = rl_tiny(tmp_path)
+    tokenizer = load_tokenizer(resolve_model(str(tiny_model_dir)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sampler = build_samplers(config, model, tokenizer, policy_state="f" * 64)["words"]
+    table = sampler.sample(prompts(), SamplingParams(group_size=2, max_tokens=4), seed=0)
+    assert table.column("sampled_from").to_pylist() == ["f" * 64] * 4
+    assert frozen_identity(config, ExternalModel(base_url="http://127.0.0.1:9", name="teacher")) == \
+        "frozen:served:teacher"
+    assert frozen_identity(config, ServedModel(model="tiny:qwen2")) == f"frozen:{model_content_digest(BASE)}"
+    with pytest.raises(ValueError, match='type = "vllm" samples on the run\'s policy server'):
+        VllmSampler(VllmSamplerSettings(), model, tokenizer, SamplingContext(policy_state="s"))
+
+
+# --- against a policy server ------------------------------------------------------------------------------------
+
+
+def perturbed(model, seed: int, scale: float = 0.05):
+    """A copy of `model` with every parameter moved (the tied embeddings, so the output head, included)."""
+    changed = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in changed.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+    return changed
+
+
+def prompts(n: int = 2) -> pa.Table:
+    rows = [{"example_id": f"e/{i}", "env": "e", "messages": [{"role": "user", "content": f"Say {i} things."}],
+             "answer": str(i), "info": None, "source_line": i + 1} for i in range(n)]
+    return pa.Table.from_pylist(rows, schema=wire.PROMPTS)
+
+
+@pytest.fixture(scope="class")
+def served(tiny_model_dir):
+    """A run's FrozenModels with its policy server started, the base policy and its tokenizer."""
+    tokenizer = load_tokenizer(resolve_model(str(tiny_model_dir)))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with FrozenModels() as frozen:
+        server = frozen.policy_server(BASE)
+        yield frozen, server, base, tokenizer
+    assert engine.find_deployment(server.name) is None  # stopped by close()
+
+
+@pytest.mark.slow
+class TestPolicyServer:
+    def test_a_reload_serves_the_trainers_weights_tied_embeddings_included(self, served):
+        _, server, base, tokenizer = served
+        deployment = engine.find_deployment(server.name)
+        assert deployment.live_policy and deployment.env[engine.DEV_MODE_ENV] == "1"
+        assert deployment.base_urls == server.deployment.base_urls
+        assert base.config.tie_word_embeddings  # the trap this guards against is live on the tiny model
+
+        model = perturbed(base, seed=1)
+        report = server.hold("state-a", model, tokenizer)
+        assert report.reloaded == server.deployment.base_urls and report.max_probe_diff < 1e-4
+        assert server.holds("state-a") and not server.holds("state-b")
+        # Another sequence than the probe (a chat prompt and a reply): served logprobs are the trainer's.
+        ids = encode_prompt(tokenizer, [{"role": "user", "content": "Count the waves."}])
+        ids += tokenizer("one two three, the sea", add_special_tokens=False)["input_ids"]
+        served_logprobs = asyncio.run(server.pool.score(ids))
+        assert max(abs(a - b) for a, b in zip(served_logprobs, trainer_logprobs(model, ids))) < 1e-4
+        # The weights file carries the output head, a copy of the new embeddings.
+        written = load_file(server.weights_dir / "model.safetensors")
+        assert torch.equal(written["lm_head.weight"], model.get_input_embeddings().weight)
+        # The same state again: nothing reloads.
+        assert server.hold("state-a", model, tokenizer).reloaded == []
+
+    def test_the_probe_fails_loudly_on_a_server_holding_other_weights(self, served, monkeypatch):
+        _, server, base, tokenizer = served
+        model = perturbed(base, seed=1)
+        server.hold("state-a", model, tokenizer)
+        other = perturbed(base, seed=2)
+        with pytest.raises(PolicyServerError) as raised:
+            server.check("state-other", other, tokenizer)
+        message = str(raised.value)
+        assert server.deployment.base_urls[0] in message and "state-other" in message
+        assert "differ from the trainer's by up to" in message and "tolerance 0.001" in message
+
+        # The tied-embeddings trap: weights written without lm_head (as save_pretrained writes them) leave the
+        # engine's output head on the old embeddings; the reload's own check refuses the state.
+        every_tensor = policy.weight_tensors
+        monkeypatch.setattr(policy, "weight_tensors", lambda model: {
+            name: tensor for name, tensor in every_tensor(model).items() if name != "lm_head.weight"})
+        with pytest.raises(PolicyServerError, match="does not hold policy state state-b after reloading it") as raised:
+            server.hold("state-b", other, tokenizer)
+        difference = re.search(r"differ from the trainer's by up to (\S+) \(tolerance", str(raised.value))
+        assert float(difference.group(1)) > 0.1
+        assert not server.holds("state-b") and not server.holds("state-a")  # nothing is taken as held
+        monkeypatch.setattr(policy, "weight_tensors", every_tensor)
+        assert server.hold("state-b", other, tokenizer).max_probe_diff < 1e-4  # the next hold reloads for real
+
+    def test_sampling_on_the_engine_keeps_the_rollouts_contract_and_records_the_state(self, served):
+        frozen, server, base, tokenizer = served
+        model = perturbed(base, seed=3)
+        context = SamplingContext(policy_state="state-c", served_models=frozen, base_model=BASE)
+        assert SAMPLERS["vllm"] is VllmSampler
+        sampler = VllmSampler(VllmSamplerSettings(), model, tokenizer, context)
+        assert sampler.server is server  # the run's one server
+        params = SamplingParams(group_size=3, max_tokens=8)
+        table = sampler.sample(prompts(), params, seed=11)
+        assert table.schema == wire.ROLLOUTS and table.num_rows == 6
+        assert table.column("sampled_from").to_pylist() == ["state-c"] * 6
+        assert [report.reloaded for report in sampler.hold_reports] == [server.deployment.base_urls]
+        rows = table.to_pylist()
+        for row in rows:
+            assert 1 <= len(row["completion_ids"]) <= 8 and len(row["sampling_logprobs"]) == len(row["completion_ids"])
+            # The engine's logprobs are those of the trainer's weights (temperature 1: the raw distribution).
+            full = row["prompt_ids"] + row["completion_ids"]
+            expected = trainer_logprobs(model, full)[len(row["prompt_ids"]) - 1:]
+            assert max(abs(a - b) for a, b in zip(row["sampling_logprobs"], expected)) < 1e-3
+        again = VllmSampler(VllmSamplerSettings(concurrency=1), model, tokenizer, context).sample(prompts(), params,
+                                                                                                  seed=11)
+        assert again.column("completion_ids").to_pylist() == table.column("completion_ids").to_pylist()
+        assert len({tuple(ids) for ids in table.column("completion_ids").to_pylist()}) > 1
+
+    def test_multi_turn_episodes_play_on_the_engine_reproducibly(self, served):
+        frozen, _, base, tokenizer = served
+        context = SamplingContext(policy_state="state-e", served_models=frozen, base_model=BASE)
+        sampler = VllmSampler(VllmSamplerSettings(), perturbed(base, seed=5), tokenizer, context)
+        params = SamplingParams(group_size=3, max_tokens=6)
+        interaction = build_interaction(CalculatorSettings())
+        first = sampler.sample(prompts(), params, 7, interaction=interaction, context_limit=128)
+        again = sampler.sample(prompts(), params, 7, interaction=interaction, context_limit=128)
+        assert first.column("completion_ids").equals(again.column("completion_ids")) and first.num_rows == 6
+        assert first.column("sampled_from").to_pylist() == ["state-e"] * 6
+        for row in first.to_pylist():
+            assert row["episode"] is not None and len(row["sampling_logprobs"]) == len(row["completion_ids"])
+            sampled = [i for turn in row["completion_turns"] if turn["sampled"]
+                       for i in range(turn["start"], turn["start"] + turn["length"])]
+            assert sampled and all(row["sampling_logprobs"][i] <= 0 for i in sampled)
+
+    def test_a_policy_server_killed_mid_stage_is_restarted_reloaded_and_the_stage_completes(self, served):
+        frozen, server, base, tokenizer = served
+        model = perturbed(base, seed=4)
+        context = SamplingContext(policy_state="state-d", served_models=frozen, base_model=BASE)
+        params = SamplingParams(group_size=4, max_tokens=8)
+        expected = VllmSampler(VllmSamplerSettings(), model, tokenizer, context).sample(prompts(), params, seed=5)
+
+        sampler = VllmSampler(VllmSamplerSettings(concurrency=2), model, tokenizer, context)
+        pool, calls, killed = server.pool, [], []
+        original = pool.generate
+
+        async def generate_then_kill(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:  # the third request of the stage: the server dies under it and its neighbours
+                pid = server.deployment.replicas[0].pid
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+            return await original(*args, **kwargs)
+
+        pool.generate = generate_then_kill
+        table = sampler.sample(prompts(), params, seed=5)
+        assert killed and server.deployment.replicas[0].pid != killed[0]  # restarted: a new process
+        assert server.pool is not pool and server.holds("state-d")
+        reloads = [report.reloaded for report in sampler.hold_reports]
+        assert reloads == [[], server.deployment.base_urls]  # held already; reloaded after the restart
+        assert table.column("completion_ids").to_pylist() == expected.column("completion_ids").to_pylist()
+        assert table.column("sampled_from").to_pylist() == ["state-d"] * 8
+
+
+@pytest.mark.slow
+def test_a_train_rl_run_samples_on_the_engine_and_records_each_state(prefect_server, tmp_path):
+    """rl-tiny for 3 steps with the policy on the engine, evaluated on held-out prompts on the engine too: every
+    step's rollouts name the state they were sampled from (the initial checkpoint, step 1's pending record, step
+    2's checkpoint), each state is loaded once and passed its probe, and the run stopped its policy server."""
+    from clirun import final_result, run_rollout
+
+    from rollout_lib.rl.policy import PENDING_STEP_KIND
+    from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.store import ObjectStore
+
+    store_root = tmp_path / "store"
+    completed = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--set",
+                            "algorithm.rl.budget.max_steps=3", "--set", "algorithm.rl.checkpoint_interval=2", "--set",
+                            'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 8 }',
+                            "--set", 'algorithm.rl.envs[0].eval={ source = { type = "jsonl_path", path = '
+                                     '"data/rlhf-heldout-prompts.jsonl" }, every = 2 }',
+                            "--set", f"run.store={store_root}", "--set", "run.name=rl-engine")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert len(final_result(completed)["reward_curve"]) == 3
+    store = ObjectStore(str(store_root))
+    steps = read_metrics(store, "rl-engine")
+    assert [record["step"] for record in steps] == [1, 2, 3]
+    # A new state every step, each loaded once: by the step that samples from it, or already by the held-out
+    # evaluation that ran on it (before step 1, after step 2), then not again; every reload within the tolerance.
+    assert [record["policy_server/reloads"] for record in steps] == [0, 1, 0]
+    assert steps[1]["policy_server/probe_diff"] < 1e-3
+    assert [record["step"] for record in steps if "eval/words/reward_mean" in record] == [2, 3]
+
+    sampled_from: set[str] = set()
+    for object_id in store.list_objects():
+        try:
+            table = store.get_table(object_id)
+        except (OSError, pa.ArrowInvalid):  # not an Arrow table
+            continue
+        if "sampled_from" in table.column_names and "completion_ids" in table.column_names:
+            values = set(table.column("sampled_from").to_pylist())
+            assert len(values) == 1 and None not in values, values
+            sampled_from |= values
+    assert len(sampled_from) == 3 and all(store.has(state) for state in sampled_from)
+    pending = [store.get_json(state) for state in sampled_from if _is_pending(store, state, PENDING_STEP_KIND)]
+    assert len(pending) == 1 and pending[0]["step"] == 1 and pending[0]["checkpoint"] in sampled_from
+    assert not [d for d in engine.running_deployments() if d.live_policy]  # the run stopped its server
+
+
+def _is_pending(store, object_id: str, kind: str) -> bool:
+    try:
+        return json.loads(store.get_bytes(object_id)).get("kind") == kind
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphaned_policy_server(prefect_server,
+                                                                                                  tmp_path):
+    """SIGKILL after step 2 trained: the killed run's policy server is left as an orphan; the rerun adopts it (no
+    second server), returns steps 1..2 from cache, re-samples step 3 with the same seeds after reloading the server,
+    and ends on the uninterrupted run's checkpoint. One request at a time: the engine's logprob bits depend on
+    batch composition, and grpo trains on them."""
+    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
+
+    common = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=3",
+              "--set", "algorithm.rl.checkpoint_interval=2",
+              "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 1 }']
+    reference = run_rollout(*common, "--set", f"run.store={tmp_path / 'uninterrupted'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = final_result(reference)
+
+    args = [*common, "--set", f"run.store={tmp_path / 'interrupted'}"]
+    run_until_then_kill(args, "train-step-2' - Finished", tmp_path / "killed.log")
+    orphans = [d for d in engine.running_deployments() if d.live_policy]
+    assert len(orphans) == 1 and orphans[0].orphaned
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed = final_result(rerun)
+    states = task_run_states(resumed["flow_run_id"])
+    assert [states[f"sample-step-{k}"] for k in (1, 2, 3)] == ["Cached", "Cached", "Completed"]
+    assert "adopting policy server " + orphans[0].name in rerun.stdout + rerun.stderr
+    assert resumed["checkpoint"] == expected["checkpoint"]
+    assert resumed["reward_curve"] == expected["reward_curve"]
+    assert not [d for d in engine.running_deployments() if d.live_policy]  # the adopter stopped it
