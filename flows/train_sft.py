@@ -9,6 +9,7 @@ one orchestration round trip per segment.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -84,10 +85,12 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
                         metrics[-1]["loss"], metrics[-1]["tokens/ce"], checkpoint)
 
         curves = CurvesArtifact(cfg, "train-sft")
+        train_started = time.perf_counter()
         checkpoint, history = train_in_segments(
             run_task(train_segment_task), cfg, data, initial, total=total,
             checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
             on_segment=report, recorder=recorder, curves=curves)
+        train_seconds = time.perf_counter() - train_started
         after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
@@ -98,7 +101,8 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
                              key=artifact_key(cfg.run.name, "summary"), description="train-sft summary")
     logger.info("final checkpoint %s", checkpoint)
     return {"checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
-            "last_metrics": history[-1], "data": {"tokenized": tokenized, "packed": packed}}
+            "last_metrics": history[-1], "data": {"tokenized": tokenized, "packed": packed},
+            "train_seconds": train_seconds}
 
 
 def _report_tokenized(logger, cfg: SftConfig, tokenized: dict, split: str) -> None:
