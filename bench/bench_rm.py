@@ -4,7 +4,7 @@ Both train the same model from the same initial weights on the same batches with
 learning-rate schedule. The flow's time covers its whole training loop (a Prefect task run per segment of
 `checkpoint_interval` steps, each ending with a snapshot, and the progress artifact); the bare loop is
 forward, Bradley-Terry loss, backward, clip, step, nothing else, plus one final save. Prints pairs/s of each and
-the ratio (target: flow >= 0.9x bare).
+the ratio (target: flow >= 0.95x bare, issue 15).
 
 Each measurement runs in a fresh process (model loading and the flow's data tasks are not timed), and the two
 kinds alternate `--repeats` times, bare first: on a shared 2-core machine a single pair of runs swings by +-8%
@@ -153,7 +153,7 @@ def main() -> None:
               f"flow {rates['flow'][-1]:6.1f} pairs/s ({seconds['flow']:.1f} s), ratio {ratios[-1]:.3f}", flush=True)
     print(f"  bare torch loop : {statistics.median(rates['bare']):8.1f} pairs/s (median)")
     print(f"  train-rm flow   : {statistics.median(rates['flow']):8.1f} pairs/s (median)")
-    print(f"  ratio flow/bare : {statistics.median(ratios):8.3f}  (median of pairs; target >= 0.9)")
+    print(f"  ratio flow/bare : {statistics.median(ratios):8.3f}  (median of pairs; target >= 0.95)")
 
 
 if __name__ == "__main__":
