@@ -2,7 +2,7 @@
 model on pairs that prefer responses closer to 12 words (data/make_rlhf_pairs.py), then grpo against it; the rule
 itself is watched as a weight-0 reward on the training rollouts and on held-out prompts (the env's `eval`).
 
-Measured (2 CPU cores, ~35 s; docs/rlhf.md has the whole curves): RM held-out pair accuracy 0.40 -> 0.89; the RM's
+Measured (2 CPU cores, ~35 s; docs/rlhf.md has the whole curves): RM held-out pair accuracy 0.91 (from the SFT checkpoint); the RM's
 score on the training rollouts 0.54 -> 7.57; the true reward 0.42 -> 0.90 (step 21) -> 0.79 (step 30), on held-out
 prompts 0.47 (step 5) -> 0.89 (step 20) -> 0.79 (step 30): past ~20 steps the policy overshoots 12 words, which the
 RM, trained only on pairs where the longer response won, keeps rewarding."""

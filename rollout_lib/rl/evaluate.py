@@ -48,10 +48,10 @@ def evaluate_env(config: RlConfig, env: EnvSettings, prompts: pa.Table, sampler,
         else reward_loops.for_env(env)
     results = loop.score(reward_inputs(rollouts, prompts))
     reward_loops.take_reward_model_metrics()  # the evaluation's reward-model counts are not the next step's
-    return eval_metrics(env.name, results, [len(ids) for ids in rollouts.column("completion_ids").to_pylist()])
+    return held_out_metrics(env.name, results, [len(ids) for ids in rollouts.column("completion_ids").to_pylist()])
 
 
-def eval_metrics(env_name: str, results: list, lengths: list[int]) -> dict[str, float | int | None]:
+def held_out_metrics(env_name: str, results: list, lengths: list[int]) -> dict[str, float | int | None]:
     present = [r.reward for r in results if r.reward is not None]
     prefix = f"eval/{env_name}"
     metrics: dict[str, float | int | None] = {
