@@ -108,3 +108,47 @@ def test_a_user_reward_function_gets_the_judge_client(vllm_tiny, tmp_path, monke
                                              r"is sync; a reward function that calls a judge is async"):
             score_rollouts(sync, rollouts_table(), {"words": prompts_table()}, loops)
     assert json.dumps(sync.training_settings())  # the judge's identity is plain JSON
+
+
+@pytest.mark.slow
+def test_a_judge_replica_killed_mid_step_fails_over_without_stalling(vllm_tiny):
+    """32 verdicts in flight on the two replicas; one replica is SIGKILLed: every rollout still gets the judge's
+    answer (here a verdict that does not parse, so the error carries the judge's text), none a 'no replica' error,
+    and the step ends in about the time the survivor needs, not a timeout."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from rollout_lib.reward.tables import reward_inputs
+    from rollout_lib.serving.settings import ExternalModel
+
+    vllm_tiny.ensure_running()
+    judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name, "timeout_s": 60.0}
+    config = rl_config([{"judge": judge, "max_tokens": 64}])
+    with FrozenModels() as frozen_models, RewardLoops(config, frozen_models) as loops:
+        loop = loops.for_env(config.settings.envs[0])
+        pool = frozen_models.pool(ExternalModel(**judge), where="test")
+        outcome: dict = {}
+
+        def score() -> None:
+            started = time.monotonic()
+            outcome["results"] = loop.score(reward_inputs(rollouts_table(32), prompts_table()))
+            outcome["seconds"] = time.monotonic() - started
+
+        worker = threading.Thread(target=score)
+        try:
+            worker.start()
+            deadline = time.monotonic() + 60
+            while not (sum(pool.outstanding.values()) >= 16 and pool.outstanding[pool.urls[0]] > 0):
+                assert time.monotonic() < deadline and worker.is_alive(), "the verdicts never went out"
+                time.sleep(0.05)
+            os.killpg(vllm_tiny.pids[0], signal.SIGKILL)
+            worker.join(timeout=120)
+        finally:
+            vllm_tiny.ensure_running()
+    assert not worker.is_alive(), "the step stalled"
+    results = outcome["results"]
+    assert len(results) == 32 and all(r.reward is None for r in results)
+    assert all("judge verdict does not parse" in r.error for r in results), {r.error for r in results}
+    assert pool.failures[pool.urls[0]] >= 1 and outcome["seconds"] < 60
