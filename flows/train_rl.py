@@ -47,7 +47,8 @@ from tasks.rl import (
 # Metrics shown per step in the UI table (and their column order); absent ones are left blank.
 METRIC_COLUMNS = (
     "step", "reward_mean", "reward_std", "missing_rewards", "advantage_mean", "advantage_std",
-    "zero_advantage_fraction", "trainable_samples", "loss", "loss/rl", "loss/ce", "loss/ref_kl", "rl/mismatch_kl", "ref_kl/kl",
+    "zero_advantage_fraction", "trainable_samples", "loss", "loss/rl", "loss/ce", "loss/ref_kl", "rl/mismatch_kl",
+    "ref_kl/kl",
     "rl/masked_fraction", "grad_norm", "lr", "tokens", "completion_len_mean", "sample_s", "score_s",
     "advantages_s", "pack_s", "train_s",
 )
@@ -55,7 +56,8 @@ STAGE_TIMES = ("sample_s", "score_s", "advantages_s", "pack_s", "train_s")
 # Columns only some runs have (multi-turn envs, reward models): in the table when a step reports them.
 OPTIONAL_METRIC_COLUMNS = (
     "turns_mean", "env_token_fraction", "truncated_fraction", "reward_model/scored", "reward_model/prompt_truncated",
-    "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long",
+    "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long", "off_policy_lag",
+    "behaviour/sampler_diff_max", "behaviour/sampler_kl",
 )
 
 
@@ -78,7 +80,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rl {cfg.run.name}: steps done")
     history: list[dict] = []
     curves = CurvesArtifact(cfg, "train-rl")
-    with ResidentTrainer() as resident, FrozenModels(cfg.run.store) as frozen_models, \
+    with ResidentTrainer(frozen_capacity=settings.max_off_policy_steps + 2) as resident, \
+            FrozenModels(cfg.run.store) as frozen_models, \
             RewardLoops(cfg, frozen_models) as reward_loops, recorded_run(cfg, total, log_steps=False):
         if cfg.frozen_models() or cfg.served_reward_models():
             for connected in connect_frozen_models_task(cfg, frozen_models, reward_loops):
@@ -88,11 +91,15 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         evaluations = {env.name: run_task(load_eval_prompts_task)(cfg, env.name)["prompts"]
                        for env in settings.envs if env.eval is not None}
 
+        in_flight: dict = {}  # off-policy runs: step -> its sample task's future (below)
+
         def evaluate(step: int) -> dict:
             """Held-out metrics of the policy now (`state`) for the envs whose evaluation is due at `step`."""
             found = {}
             for env in settings.envs:
                 if env.name in evaluations and (step % env.eval.every == 0 or step in (0, total)):
+                    for future in in_flight.values():
+                        future.wait()  # a policy server holds one state at a time: the evaluation's, next
                     found.update(run_task(evaluate_task)(cfg, prompts, evaluations[env.name], env.name, state, step,
                                                          resident, reward_loops)["metrics"])
             return found
@@ -101,18 +108,42 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         for name, value in eval_before.items():
             if name.endswith("/reward_mean"):
                 logger.info("held-out before training: %s %.3f", name, value)
+        # Off-policy steps (k > 0): step m samples from the state after step m-1-k, so the sampling of step n+k is
+        # submitted (a concurrent task run) before step n trains; sample runs are chained, one at a time, since
+        # the policy server holds one state. k = 0: each step samples from the state the step before produced.
+        off_policy = settings.max_off_policy_steps
+        states = {0: state}  # step -> the policy state after it
+
+        def sampling_state(step: int) -> str:
+            return states[max(0, step - 1 - off_policy)]
+
+        def submit_sampling(step: int) -> None:
+            if step <= total and step not in in_flight:
+                before = [in_flight[step - 1]] if step - 1 in in_flight else None
+                in_flight[step] = sample.submit(cfg, prompts, sampling_state(step), step, resident, frozen_models,
+                                                wait_for=before)
+
+        for ahead in range(1, off_policy + 1):
+            submit_sampling(ahead)
         started = time.perf_counter()
         for step in range(1, total + 1):
-            sampled = sample(cfg, prompts, state, step, resident, frozen_models)
+            if off_policy:
+                submit_sampling(step + off_policy)  # from states[step - 1]: sampled while this step trains
+                sampled = in_flight.pop(step).result()
+            else:
+                sampled = sample(cfg, prompts, state, step, resident, frozen_models)
             scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
-            samples = advantages(cfg, prompts, state, scored["rollouts"], step, resident, frozen_models)
+            samples = advantages(cfg, prompts, sampling_state(step), scored["rollouts"], step, resident,
+                                 frozen_models)
             packed = pack(cfg, samples["samples"], step)
             step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
             snapshot = step % settings.checkpoint_interval == 0 or step == total
             trained = train_step(cfg, prompts, state, packed["micro_batches"], step, snapshot, step_metrics,
                                  resident)
-            state = trained["state"]
+            state = states[step] = trained["state"]
             metrics = {**step_metrics, **trained["metrics"], **evaluate(step), "step": step}
+            if off_policy:  # optimizer steps between the weights that sampled and the weights trained
+                metrics["off_policy_lag"] = step - 1 - max(0, step - 1 - off_policy)
             history.append(metrics)
             step_events.publish(step, metrics)
             logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step, metrics["reward_mean"],

@@ -34,7 +34,7 @@ from rollout_lib.reward.locate import find_module_spec
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
 from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
 from rollout_lib.rl.pack import pack
-from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
+from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, sampling_policy, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, reload_metrics, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
@@ -177,7 +177,7 @@ def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels,
 def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
                 resident: ResidentTrainer, frozen_models: FrozenModels) -> dict:
     started = time.perf_counter()
-    policy = policy_at(policy_inputs(open_store(config), config, prompts_ids), policy_state, resident)
+    policy = sampling_policy(policy_inputs(open_store(config), config, prompts_ids), policy_state, resident)
     samplers = build_samplers(config, policy.model, policy.tokenizer, frozen_models, policy_state=policy_state)
     rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step)
     return {"rollouts": open_store(config).put_table(rollouts),
@@ -203,8 +203,9 @@ def advantages_task(config: RlConfig, prompts_ids: dict[str, str], policy_state:
     policy itself."""
     started = time.perf_counter()
     store = open_store(config)
-    policy = PolicyReference(lambda: policy_at(policy_inputs(store, config, prompts_ids), policy_state, resident),
-                             config.settings.base_model)
+    policy = PolicyReference(
+        lambda: sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident),
+        config.settings.base_model, state_id=policy_state)
     resources = algorithm_resources(config, frozen_models, _prompt_tables(config, prompts_ids), policy)
     samples, metrics = training_samples(config, store.get_table(scored_id, wire.ROLLOUTS), resources)
     return {"samples": store.put_table(samples), "metrics": {**metrics, "advantages_s": time.perf_counter() - started}}

@@ -13,6 +13,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
       sampling = { group_size, temperature, top_p, max_tokens }
       interaction = { type = "calculator" | "guess_number" | "custom", max_turns, ... }: multi-turn episodes
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
+      curriculum = { type = "difficulty_pools", easy_threshold, hard_threshold, easy_weight, hard_weight }:
+                 prompts drawn away from examples always solved or never solved (rollout_lib/rl/curriculum.py)
       [[algorithm.rl.envs.rewards]]  function = "number_match" | "pkg.module:attr", weight, kwargs
                                      | reward_model = "runs/rm/latest" | <checkpoint id> | <model ref>, weight,
                                        store, batch_size, max_length, engine = "embedded" | "vllm",
@@ -213,6 +215,25 @@ class EnvEvalSettings(StrictModel):
     max_prompts: int | None = Field(None, ge=1)  # the source's first N prompts (default: all)
 
 
+class DifficultyPoolsSettings(StrictModel):
+    """A difficulty-pool curriculum (rollout_lib/rl/curriculum.py): an example whose last group scored
+    >= easy_threshold in every sample is easy, one that scored <= hard_threshold in every sample is hard, any other
+    normal; a step draws its prompts with weight easy_weight, hard_weight and 1 (normal)."""
+
+    type: Literal["difficulty_pools"] = "difficulty_pools"
+    easy_threshold: float = 1.0  # every reward of the group >= it: easy (rewards in [0, 1]: solved every time)
+    hard_threshold: float = 0.0  # every reward <= it: hard (never solved)
+    easy_weight: float = Field(0.1, ge=0, le=1)  # draw weight of an easy example, a normal one's being 1
+    hard_weight: float = Field(0.3, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _thresholds_ordered(self) -> "DifficultyPoolsSettings":
+        if not self.hard_threshold < self.easy_threshold:
+            raise ValueError(f"hard_threshold ({self.hard_threshold}) must be < easy_threshold "
+                             f"({self.easy_threshold}): a group would be easy and hard at once")
+        return self
+
+
 class EnvSettings(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     source: PromptSource
@@ -225,6 +246,9 @@ class EnvSettings(StrictModel):
     interaction: InteractionChoice | None = None
     algo: AlgoChoice = Field(default_factory=lambda: ALGORITHMS["grpo"].settings_class())
     eval: EnvEvalSettings | None = None  # held-out evaluation every N steps (not part of the training identity)
+    # Which prompts a step draws: weighted by each example's difficulty pool (docs/environments.md, "Curriculum").
+    # None: a uniform draw; then absent from the settings' dump, so identities from before the setting stay.
+    curriculum: DifficultyPoolsSettings | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _trains_on_sampled_tokens(self) -> "EnvSettings":
@@ -273,8 +297,22 @@ class RlSettings(StrictModel):
     budget: BudgetSettings
     loss: RlLossSettings = RlLossSettings()
     policy_sampler: SamplerChoice = Field(default_factory=lambda: sampler_settings_types()[0]())
+    # Step n trains on rollouts sampled from the policy of step n-1-k (the initial policy while that is < 0), so
+    # step n+1 samples while step n trains (docs/algorithms.md, "Off-policy steps"). 0: the synchronous loop.
+    max_off_policy_steps: int = Field(0, ge=0, le=8)
+    # Where the importance ratio's behaviour logprobs come from: the sampler's report ("sampler"), or the
+    # trainer's forward of the rollouts under the weights they were sampled from ("trainer": bit-stable, so a
+    # rerun is byte-identical whatever the engine's batching). "auto": "trainer" when the policy samples on an
+    # engine or max_off_policy_steps > 0, else "sampler" (the embedded sampler's logprobs are the trainer's own).
+    behaviour_logprobs: Literal["auto", "sampler", "trainer"] = "auto"
     reward_loop: RewardLoopSettings = RewardLoopSettings()
     envs: list[EnvSettings] = Field(min_length=1)
+
+    @property
+    def recomputes_behaviour_logprobs(self) -> bool:
+        if self.behaviour_logprobs == "auto":
+            return self.policy_sampler.type != "hf" or self.max_off_policy_steps > 0
+        return self.behaviour_logprobs == "trainer"
 
     @property
     def packed(self) -> bool:
@@ -352,6 +390,8 @@ class RlConfig(EntryPointConfig):
         # The circuit breaker decides whether a step fails, never what a step that runs trains.
         settings["reward_loop"].pop("max_missing_fraction")
         settings["policy_sampler"] = self.settings.policy_sampler.identity_settings()
+        # What the logprobs are, not how it was spelt: "auto" and the value it resolves to are one training.
+        settings["behaviour_logprobs"] = "trainer" if self.settings.recomputes_behaviour_logprobs else "sampler"
         for dumped in settings["envs"]:
             dumped.pop("eval")  # evaluation watches the policy, it never changes it
         for env, dumped in zip(self.settings.envs, settings["envs"]):

@@ -14,6 +14,7 @@ from rollout_lib.algo.stamping import (
     stamp_training_samples,
 )
 from rollout_lib.config.rl import RlConfig
+from rollout_lib.rl.behaviour import recompute_behaviour_logprobs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 
 
@@ -30,10 +31,11 @@ class PolicyReference:
     model is rebuilt (or taken from the resident trainer) only when first asked for; `initial_model()` is the
     frozen base model, loaded once."""
 
-    def __init__(self, load_policy, base_model):
-        self._load_policy = load_policy  # () -> the trainer at the sampled state (rl.policy.policy_at)
+    def __init__(self, load_policy, base_model, state_id: str | None = None):
+        self._load_policy = load_policy  # () -> the policy at the sampled state (rl.policy.sampling_policy)
         self._base_model = base_model
         self._initial = None
+        self.state_id = state_id  # the sampled state's id, as the rollouts' `sampled_from` names it
 
     @property
     def model(self):
@@ -63,5 +65,12 @@ def training_samples(config: RlConfig, scored: pa.Table,
     advantages = assign_advantages(scored, algorithms)
     temperatures = {env.name: env.sampling.temperature for env in config.settings.envs}
     samples = stamp_training_samples(scored, advantages, algorithms, config.settings.max_seq_len, temperatures)
+    behaviour = {}
+    if config.settings.recomputes_behaviour_logprobs:
+        policy = resources.policy if resources is not None else None
+        if policy is None or policy.state_id is None:
+            raise ValueError("algorithm.rl.behaviour_logprobs: the trainer recomputes behaviour logprobs, and the "
+                             "advantages stage was given no policy at the sampled state (AlgorithmResources.policy)")
+        samples, behaviour = recompute_behaviour_logprobs(samples, scored, policy.model, policy.state_id)
     samples = asyncio.run(score_for_shipping(samples, algorithms))
-    return samples, advantage_metrics(samples)
+    return samples, {**advantage_metrics(samples), **behaviour}

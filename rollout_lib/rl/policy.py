@@ -6,11 +6,20 @@ RL trains one optimizer step per RL step (the next step samples from its result)
 the flow's `ResidentTrainer`; a process that has none at a state (a rerun after a crash) rebuilds it from the
 record chain: load the last checkpoint, replay the recorded steps. Replay needs no sampling: the micro-batches
 are in the store.
+
+Off-policy steps (`max_off_policy_steps = k > 0`): step n samples from the state of step n-1-k while the trainer
+trains step n-1 in the flow's main thread. Those stages read a `FrozenPolicy`, a copy of the model at that state
+(`sampling_policy`), never the live trainer: the training thread keeps a copy of every state it produces before
+it moves on (`train_policy_step`), and a stage that finds none (a rerun) rebuilds one from the store.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+from dataclasses import dataclass
+from typing import Any
+
 
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.config.rl import RlConfig
@@ -28,10 +37,31 @@ def policy_inputs(store: ObjectStore, config: RlConfig, prompts_ids: dict[str, s
                           {f"prompts/{env}": prompts_id for env, prompts_id in sorted(prompts_ids.items())})
 
 
+@dataclass(frozen=True)
+class FrozenPolicy:
+    """The policy's model at one state, detached from training: what off-policy stages sample and score with."""
+
+    state_id: str
+    model: Any
+    tokenizer: Any
+
+    @classmethod
+    def copy_of(cls, state_id: str, trainer: CausalLmTrainer) -> "FrozenPolicy":
+        model = copy.deepcopy(trainer.model).eval()
+        model.requires_grad_(False)
+        return cls(state_id, model, trainer.tokenizer)
+
+
+def off_policy_steps(inputs: TrainingInputs) -> int:
+    return inputs.config.settings.max_off_policy_steps
+
+
 def initial_policy(inputs: TrainingInputs, resident: ResidentTrainer) -> str:
     """Step 0 snapshotted (the base model, a fresh optimizer), and kept resident for the first sample stage."""
     trainer = CausalLmTrainer.initial(inputs, batches=RecordedBatches(inputs.store))
     resident.put(trainer.checkpoint_id, trainer)
+    if off_policy_steps(inputs):
+        resident.keep_frozen(trainer.checkpoint_id, FrozenPolicy.copy_of(trainer.checkpoint_id, trainer))
     return trainer.checkpoint_id
 
 
@@ -67,6 +97,19 @@ def policy_at(inputs: TrainingInputs, state_id: str, resident: ResidentTrainer) 
     return trainer
 
 
+def sampling_policy(inputs: TrainingInputs, state_id: str, resident: ResidentTrainer):
+    """The policy a stage samples (or scores behaviour logprobs) with at `state_id`: something with `.model` and
+    `.tokenizer`. Synchronous runs use the resident trainer itself; off-policy runs a FrozenPolicy (kept by the
+    training thread, or rebuilt here from the store without touching the resident trainer, which the training
+    thread may be updating)."""
+    if not off_policy_steps(inputs):
+        return policy_at(inputs, state_id, resident)
+    frozen = resident.frozen(state_id)
+    if frozen is None:
+        frozen = resident.keep_frozen(state_id, FrozenPolicy.copy_of(state_id, rebuild_policy(inputs, state_id)))
+    return frozen
+
+
 def train_policy_step(inputs: TrainingInputs, state_id: str, step: int, micro_batches_id: str,
                       resident: ResidentTrainer, *, snapshot: bool, snapshot_metrics: dict | None = None
                       ) -> tuple[str, dict]:
@@ -82,5 +125,8 @@ def train_policy_step(inputs: TrainingInputs, state_id: str, step: int, micro_ba
         new_state = inputs.store.put_json({"kind": PENDING_STEP_KIND, "checkpoint": trainer.checkpoint_id,
                                            "step": step, "micro_batches": micro_batches_id, "parent": state_id,
                                            "training_identity": inputs.identity})
+    if off_policy_steps(inputs):
+        # Before the trainer moves on: the later steps that sample from this state read this copy.
+        resident.keep_frozen(new_state, FrozenPolicy.copy_of(new_state, trainer))
     resident.put(new_state, trainer)
     return new_state, metrics

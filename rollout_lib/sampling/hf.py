@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
-from rollout_lib.trainer.determinism import derived_seed
+from rollout_lib.trainer.determinism import GLOBAL_RNG, derived_seed
 
 
 class HfSamplerSettings(SamplerSettings):
@@ -67,7 +67,7 @@ class HfSampler(Sampler):
         model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=pad_id)
         model.eval()
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with GLOBAL_RNG, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                         generation_config=config)

@@ -171,6 +171,8 @@ class PolicyServer:
                      if self._holds.get(replica.base_url) != (replica.pid, state_id)]
             if not stale:
                 return report
+            log.info("policy server %s: reloading %s to state %s", self.name,
+                     ", ".join(replica.base_url for replica in stale), state_id)
             write_weights(model, self.weights_dir)
             for replica in stale:
                 self._holds.pop(replica.base_url, None)

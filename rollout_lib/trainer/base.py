@@ -14,7 +14,7 @@ import torch
 
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
-from rollout_lib.trainer.determinism import seed_for_step
+from rollout_lib.trainer.determinism import GLOBAL_RNG, seed_for_step
 from rollout_lib.trainer.optim import lr_at, set_lr
 
 
@@ -86,8 +86,9 @@ class CheckpointedTrainer:
         settings = self.inputs.settings
         lr = lr_at(step, settings.optimizer, settings.budget.max_steps)
         set_lr(self.optimizer, lr)
-        torch.manual_seed(seed_for_step(self.inputs.config.run.seed, step))
-        metrics = self.run_step(step)
+        with GLOBAL_RNG:
+            torch.manual_seed(seed_for_step(self.inputs.config.run.seed, step))
+            metrics = self.run_step(step)
         self.step = step
         return {"step": step, "lr": lr, **metrics}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import blake3
 import numpy as np
@@ -10,6 +11,12 @@ import pyarrow as pa
 import torch
 
 from rollout_lib import wire
+
+
+# torch's default RNG is one per process. A stage that seeds it and draws from it (a training step's dropout, the
+# embedded sampler) holds this lock for the whole seed-and-draw, so a stage running in another thread (off-policy
+# sampling beside training) can never reseed it or draw from it in between.
+GLOBAL_RNG = threading.RLock()
 
 
 def use_deterministic_torch(threads: int) -> None:

@@ -1,0 +1,101 @@
+"""Behaviour logprobs recomputed by the trainer: the importance ratio's denominator, made bit-stable.
+
+The rl component's importance ratio is π_θ(token) / π_behaviour(token), where π_behaviour is the policy the token
+was sampled from. A sampler reports that logprob itself, but an engine's report is not bit-stable: vLLM's
+logprobs of the same tokens vary by ~1e-5 with batch composition (../shared/notes/serving.md), so a step
+re-sampled after a kill would train on other bits and a resumed run would end on another checkpoint. Here the
+trainer recomputes them instead: one forward of every policy-sampled sample under the weights it was sampled from
+(the sampling state, which the run holds or rebuilds bit-exactly from the store), in fixed chunks in row order, so
+the same rollouts always give the same bits. It also makes off-policy steps exact: with `max_off_policy_steps`
+> 0 the ratio is against the stale sampling state, as it should be, whatever the engine reported.
+
+The sampler's own logprobs are kept as a diagnostic: `behaviour/sampler_diff_max` and `behaviour/sampler_kl`
+(mean of r - 1 - log r, r = recomputed / reported) say how far the engine's numbers are from the trainer's; a
+large value means the server did not hold the weights it claimed, or sampled with other settings (top_p).
+
+Only tokens the policy sampled are replaced (`loss_mask`, on rows whose `sampled_from` is the sampling state);
+rollouts of frozen models keep their sampler's logprobs (those are the behaviour policy, and no trainer holds it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rollout_lib.packing import token_logprobs
+
+CHUNK_ROWS = 8  # samples per forward: fixed, so the bits never depend on how many samples a step has
+
+
+def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, model, state_id: str,
+                                 pad_token_id: int = 0) -> tuple[pa.Table, dict]:
+    """TRAINING_SAMPLES `samples` (one row per row of `rollouts`) with `inference_logprobs` recomputed by `model`
+    (the policy at `state_id`) on every row sampled from that state; and the diagnostics above."""
+    sampled_from = rollouts.column("sampled_from").to_pylist()
+    if len(sampled_from) != samples.num_rows:
+        raise ValueError(f"{samples.num_rows} training samples for {len(sampled_from)} rollouts")
+    rows = [row for row, source in enumerate(sampled_from) if source == state_id]
+    inference = samples.column("inference_logprobs").to_pylist()
+    if not rows:
+        return samples, {"behaviour/recomputed": 0}
+    input_ids = samples.column("input_ids").to_pylist()
+    loss_mask = samples.column("loss_mask").to_pylist()
+    temperatures = samples.column("temperatures").to_pylist()
+
+    recomputed = {}
+    for start in range(0, len(rows), CHUNK_ROWS):
+        chunk = rows[start:start + CHUNK_ROWS]
+        values = _forward(model, [input_ids[row] for row in chunk],
+                          [temperatures[row] or [1.0] * len(input_ids[row]) for row in chunk], pad_token_id)
+        recomputed.update(zip(chunk, values))
+
+    diffs, kl_terms = [], []
+    for row, values in recomputed.items():
+        updated = list(inference[row])
+        for position, member in enumerate(loss_mask[row]):
+            if member:
+                reported, mine = updated[position], float(values[position])
+                diffs.append(abs(mine - reported))
+                log_ratio = mine - reported
+                kl_terms.append(math.exp(log_ratio) - 1.0 - log_ratio)
+                updated[position] = mine
+        inference[row] = updated
+    index = samples.schema.get_field_index("inference_logprobs")
+    samples = samples.set_column(index, samples.schema.field(index),
+                                 pa.array(inference, type=samples.schema.field(index).type))
+    metrics = {"behaviour/recomputed": len(rows),
+               "behaviour/sampler_diff_max": max(diffs) if diffs else 0.0,
+               "behaviour/sampler_diff_mean": float(np.mean(diffs)) if diffs else 0.0,
+               "behaviour/sampler_kl": float(np.mean(kl_terms)) if kl_terms else 0.0}
+    return samples, metrics
+
+
+@torch.no_grad()
+def _forward(model, sequences: list[list[int]], temperatures: list[list[float]], pad_token_id: int) -> list[list]:
+    """Per-token logprobs of each sequence (position t: log p(token t | tokens before it); 0.0 at t = 0) under
+    `model` in eval mode, as a right-padded batch."""
+    device = next(model.parameters()).device
+    lengths = [len(ids) for ids in sequences]
+    width = max(lengths)
+    batch = {
+        "input_ids": torch.full((len(sequences), width), pad_token_id, dtype=torch.long),
+        "attention_mask": torch.zeros((len(sequences), width), dtype=torch.long),
+        "position_ids": torch.zeros((len(sequences), width), dtype=torch.long),
+    }
+    for row, ids in enumerate(sequences):
+        batch["input_ids"][row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        batch["attention_mask"][row, :len(ids)] = 1
+        batch["position_ids"][row, :len(ids)] = torch.arange(len(ids))
+    batch = {name: tensor.to(device) for name, tensor in batch.items()}
+    batch["temperatures"] = torch.as_tensor(np.concatenate([np.asarray(t, dtype=np.float32) for t in temperatures]),
+                                            device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        flat = token_logprobs(model, batch).float().cpu()
+    finally:
+        model.train(was_training)
+    return [part.tolist() for part in torch.split(flat, lengths)]

@@ -1,0 +1,232 @@
+"""Off-policy steps (`max_off_policy_steps = k`): step n trains on rollouts sampled from the state after step
+n-1-k, sampled while the step before trains; the trainer recomputes the behaviour logprobs (rl/behaviour.py), so
+a rerun after SIGKILL anywhere (sampling, a reload of the policy server, training) ends on the uninterrupted
+run's checkpoint id, on the engine at any concurrency too."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rollout_lib.config import ConfigError, RlConfig, load_config, validate_config
+from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
+from rollout_lib.rl.policy import FrozenPolicy, initial_policy, policy_at, policy_inputs, sampling_policy
+from rollout_lib.rl.prompts import load_prompts
+from rollout_lib.rl.sample import build_samplers, sample_rollouts
+from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer.identity import training_identity
+from rollout_lib.trainer.resident import ResidentTrainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rl_tiny(tmp_path, *overrides: str) -> RlConfig:
+    return load_config(RlConfig, ROOT / "configs/rl-tiny.toml", [f"run.store={tmp_path / 'store'}", *overrides])
+
+
+# --- settings ---------------------------------------------------------------------------------------------------
+
+def test_k_and_the_resolved_behaviour_logprobs_enter_the_identity_the_spelling_does_not(tmp_path):
+    synchronous = rl_tiny(tmp_path)
+    assert not synchronous.settings.recomputes_behaviour_logprobs  # embedded sampler, k = 0: today's loop
+    off_policy = rl_tiny(tmp_path, "algorithm.rl.max_off_policy_steps=1")
+    engine = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm" }')
+    assert off_policy.settings.recomputes_behaviour_logprobs and engine.settings.recomputes_behaviour_logprobs
+    assert training_identity(off_policy) != training_identity(synchronous)
+    # "auto" and what it resolves to are one training; another choice is another.
+    explicit = rl_tiny(tmp_path, "algorithm.rl.max_off_policy_steps=1", 'algorithm.rl.behaviour_logprobs="trainer"')
+    assert training_identity(explicit) == training_identity(off_policy)
+    reported = rl_tiny(tmp_path, "algorithm.rl.max_off_policy_steps=1", 'algorithm.rl.behaviour_logprobs="sampler"')
+    assert training_identity(reported) != training_identity(off_policy)
+    with pytest.raises(ConfigError, match=r"algorithm\.rl\.max_off_policy_steps"):
+        rl_tiny(tmp_path, "algorithm.rl.max_off_policy_steps=-1")
+    with pytest.raises(ConfigError, match=r"algorithm\.rl\.behaviour_logprobs"):
+        rl_tiny(tmp_path, 'algorithm.rl.behaviour_logprobs="engine"')
+
+
+def test_frozen_copies_are_bounded_and_survive_the_trainer_moving_on():
+    resident = ResidentTrainer(frozen_capacity=2)
+    resident.put("s1", "trainer")
+    for state in ("s0", "s1", "s2"):
+        assert resident.keep_frozen(state, f"copy-{state}") == f"copy-{state}"
+    assert resident.frozen("s0") is None and resident.frozen("s2") == "copy-s2"  # the oldest dropped
+    assert resident.keep_frozen("s2", "another") == "copy-s2"  # one copy per state: the first kept
+    assert resident.pop("s1") == "trainer" and resident.frozen("s1") == "copy-s1"  # training on keeps copies
+    resident.close()
+    assert resident.frozen("s1") is None
+
+
+# --- the behaviour logprobs, in process ------------------------------------------------------------------------
+
+def words_config(tiny_model_dir, **settings) -> RlConfig:
+    return validate_config(RlConfig, {
+        "run": {"name": "off-policy", "seed": 5, "store": "memory://unused"},
+        "algorithm": {"rl": {
+            "base_model": str(tiny_model_dir), "max_seq_len": 96, "checkpoint_interval": 1,
+            "optimizer": {"lr": 1e-2}, "budget": {"max_steps": 2},
+            "envs": [{"name": "words",
+                      "source": {"type": "jsonl_path", "path": str(ROOT / "data/rl-tiny-prompts.jsonl")},
+                      "prompts_per_step": 3, "sampling": {"group_size": 4, "max_tokens": 10},
+                      "algo": {"type": "grpo"}, "rewards": [{"function": "target_length", "kwargs": {"target": 4}}]}],
+            **settings,
+        }},
+    })
+
+
+def test_the_trainer_recomputes_behaviour_logprobs_bit_stably_and_only_for_policy_tokens(tiny_model_dir):
+    """Recomputed logprobs agree with the embedded sampler's own (same weights) within float noise, come out the
+    same bits every time, replace only sampled completion tokens of rows sampled from that state, and leave a
+    frozen model's rows as their sampler reported them."""
+    cfg = words_config(tiny_model_dir, behaviour_logprobs="trainer")
+    reported_cfg = words_config(tiny_model_dir, behaviour_logprobs="sampler")
+    store = ObjectStore("memory://off-policy-recompute")
+    prompts = {"words": load_prompts(cfg.settings.envs[0])}
+    run = policy_inputs(store, cfg, {"words": store.put_table(prompts["words"])})
+    with ResidentTrainer() as resident, RewardLoops(cfg) as loops:
+        state = initial_policy(run, resident)
+        policy = policy_at(run, state, resident)
+        rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer, policy_state=state),
+                                      prompts, 1)
+        scored, _ = score_rollouts(cfg, rollouts, prompts, loops)
+        # Two rows as if a frozen model had sampled them: their logprobs are that model's, never recomputed.
+        sources = scored.column("sampled_from").to_pylist()
+        sources[0] = sources[5] = "frozen:served:teacher"
+        scored = scored.set_column(scored.schema.get_field_index("sampled_from"), "sampled_from",
+                                   pa.array(sources, pa.string()))
+        reference = PolicyReference(lambda: policy_at(run, state, resident), cfg.settings.base_model, state_id=state)
+        recomputed, metrics = training_samples(cfg, scored, algorithm_resources(cfg, policy=reference))
+        again, _ = training_samples(cfg, scored, algorithm_resources(cfg, policy=reference))
+        reported, reported_metrics = training_samples(reported_cfg, scored)
+
+    assert recomputed.equals(again)  # bit for bit
+    assert metrics["behaviour/recomputed"] == scored.num_rows - 2
+    assert 0 < metrics["behaviour/sampler_diff_max"] < 1e-4 and metrics["behaviour/sampler_kl"] < 1e-8
+    assert "behaviour/recomputed" not in reported_metrics
+    mine, theirs = recomputed.to_pylist(), reported.to_pylist()
+    changed = 0
+    for row, (new, old) in enumerate(zip(mine, theirs)):
+        assert {k: v for k, v in new.items() if k != "inference_logprobs"} == \
+            {k: v for k, v in old.items() if k != "inference_logprobs"}
+        for member, value, before in zip(new["loss_mask"], new["inference_logprobs"], old["inference_logprobs"]):
+            if row in (0, 5) or not member:
+                assert value == before  # a frozen model's row, or a prompt token: as stamped
+            else:
+                assert value == pytest.approx(before, abs=1e-4)
+                changed += value != before
+    assert changed > 0  # recomputed, not copied
+
+
+def test_off_policy_stages_read_a_frozen_copy_never_the_training_trainer(tiny_model_dir):
+    cfg = words_config(tiny_model_dir, max_off_policy_steps=1)
+    store = ObjectStore("memory://off-policy-frozen")
+    prompts = {"words": load_prompts(cfg.settings.envs[0])}
+    run = policy_inputs(store, cfg, {"words": store.put_table(prompts["words"])})
+    with ResidentTrainer(frozen_capacity=3) as resident:
+        state = initial_policy(run, resident)
+        frozen = sampling_policy(run, state, resident)
+        assert isinstance(frozen, FrozenPolicy) and frozen.state_id == state
+        trainer = resident.get(state)
+        assert frozen.model is not trainer.model and not frozen.model.training
+        for name, tensor in trainer.model.state_dict().items():
+            assert tensor.equal(frozen.model.state_dict()[name])
+        with ResidentTrainer() as fresh:  # a rerun's process: no copy kept, rebuilt from the store, same bits
+            rebuilt = sampling_policy(run, state, fresh)
+            assert fresh.get(state) is None  # the trainer slot is left to the training thread
+        for name, tensor in rebuilt.model.state_dict().items():
+            assert tensor.equal(frozen.model.state_dict()[name])
+
+
+# --- the flow --------------------------------------------------------------------------------------------------
+
+def _steps_sampled_from(store: ObjectStore) -> Counter:
+    """How many rollouts tables were sampled from the state after each step (0: the initial policy)."""
+    found: Counter = Counter()
+    for object_id in store.list_objects():
+        try:
+            table = store.get_table(object_id)
+        except (OSError, pa.ArrowInvalid):
+            continue
+        if "sampled_from" in table.column_names and "completion_ids" in table.column_names \
+                and "reward" in table.column_names and table.column("reward").null_count == table.num_rows:
+            (state,) = set(table.column("sampled_from").to_pylist())
+            found[store.get_json(state)["step"]] += 1
+    return found
+
+
+def _state_after(store: ObjectStore, step: int) -> str:
+    for object_id in store.list_objects():
+        try:
+            record = json.loads(store.get_bytes(object_id))
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict) and record.get("step") == step and "training_identity" in record:
+            return object_id
+    raise AssertionError(f"no state after step {step}")
+
+
+HF_K1 = ["train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps", "5", "--set",
+         "algorithm.rl.checkpoint_interval=2", "--set", "algorithm.rl.max_off_policy_steps=1"]
+
+
+@pytest.mark.slow
+def test_k1_samples_one_step_stale_and_a_kill_mid_training_reruns_to_the_same_checkpoint(prefect_server, tmp_path):
+    """5 steps at k = 1: step 1 and 2 sample the initial policy, step n the state after n-2 (the rollouts record
+    it), the trainer recomputed every behaviour logprob; SIGKILLed as step 3 starts training, the rerun returns
+    what finished from cache and ends on the uninterrupted run's checkpoint."""
+    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
+
+    from rollout_lib.runlog.metrics_file import read_metrics
+
+    reference = run_rollout(*HF_K1, "--store", str(tmp_path / "uninterrupted"), "--name", "k1")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = final_result(reference)
+    store = ObjectStore(str(tmp_path / "uninterrupted"))
+    assert _steps_sampled_from(store) == Counter({0: 2, 1: 1, 2: 1, 3: 1})
+    steps = read_metrics(store, "k1")
+    assert [m["off_policy_lag"] for m in steps] == [0, 1, 1, 1, 1]
+    assert all(m["behaviour/recomputed"] == 32 for m in steps)
+    assert all(m["rl/mismatch_kl"] > 0 for m in steps[1:])  # stale rollouts: the ratio is off 1 from step 2
+
+    args = [*HF_K1, "--store", str(tmp_path / "interrupted")]
+    run_until_then_kill(args, "pack-step-3' - Finished", tmp_path / "killed.log")
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed = final_result(rerun)
+    states = task_run_states(resumed["flow_run_id"])
+    assert states["train-step-2"] == "Cached" and states["train-step-5"] == "Completed"
+    assert resumed["checkpoint"] == expected["checkpoint"]
+    assert resumed["reward_curve"] == expected["reward_curve"]
+
+
+ENGINE_K1 = [*HF_K1, "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 8 }']
+
+
+@pytest.mark.slow
+def test_k1_on_the_engine_a_kill_mid_reload_or_mid_sampling_reruns_to_the_same_checkpoint(prefect_server,
+                                                                                          tmp_path):
+    """The policy on the engine at k = 1, 8 requests in flight (the engine's logprob bits then vary with batch
+    composition; the trainer's recomputed ones do not): SIGKILLed while the server reloads the state after step 2,
+    and (another run) while step 4 samples from it; each rerun adopts the orphaned server and ends on the
+    uninterrupted run's checkpoint."""
+    from clirun import final_result, run_rollout, run_until_then_kill
+
+    from rollout_lib.serving import engine
+
+    reference = run_rollout(*ENGINE_K1, "--store", str(tmp_path / "uninterrupted"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = final_result(reference)
+    state = _state_after(ObjectStore(str(tmp_path / "uninterrupted")), 2)
+
+    for where, marker in (("reload", f"to state {state}"), ("sampling", f"with state {state}")):
+        args = [*ENGINE_K1, "--store", str(tmp_path / where)]
+        killed = run_until_then_kill(args, marker, tmp_path / f"killed-{where}.log")
+        assert "train-step-2' - Finished" in killed
+        rerun = run_rollout(*args)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert final_result(rerun)["checkpoint"] == expected["checkpoint"], where
+    assert not [d for d in engine.running_deployments() if d.live_policy]
