@@ -230,3 +230,25 @@ def test_k1_on_the_engine_a_kill_mid_reload_or_mid_sampling_reruns_to_the_same_c
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         assert final_result(rerun)["checkpoint"] == expected["checkpoint"], where
     assert not [d for d in engine.running_deployments() if d.live_policy]
+
+
+def test_model_loads_take_the_process_lock_so_threads_never_untie_each_others_weights():
+    """transformers swaps PreTrainedModel.tie_weights for a no-op class-wide while from_pretrained runs; two loads
+    in two threads (a sampling thread rebuilding a past state beside the training thread) could leave the no-op in
+    place for good, and every later model with an untied lm_head (seen: 'checkpoint weights do not fit the model:
+    missing lm_head.weight' on a k = 1 rerun). Every load waits for the lock."""
+    import threading
+
+    from rollout_lib.config.common import ModelRef
+    from rollout_lib.model.loading import FROM_PRETRAINED, load_causal_lm, resolve_model
+
+    resolved = resolve_model(ModelRef(uri="tiny:qwen2"))
+    loaded = []
+    with FROM_PRETRAINED:
+        loader = threading.Thread(target=lambda: loaded.append(load_causal_lm(resolved)))
+        loader.start()
+        loader.join(timeout=2.0)
+        assert loader.is_alive() and not loaded  # waiting for the lock
+    loader.join(timeout=60)
+    (model,) = loaded
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

@@ -16,6 +16,8 @@ for SmolLM2-135M on 2 cores), and every task process of a run would pay that aga
 
 from __future__ import annotations
 
+import threading
+
 import functools
 import importlib.util
 import os
@@ -212,9 +214,17 @@ def checkpoint_of(ref: ModelRef) -> str | None:
         raise
 
 
+# transformers' from_pretrained is not thread-safe: it swaps PreTrainedModel.tie_weights for a no-op class-wide while
+# it loads (initialization.no_tie_weights), so two loads in two threads can restore the no-op for good and leave
+# every later model with an untied lm_head. Off-policy RL loads in a sampling thread beside the training thread:
+# every load in the process takes this lock.
+FROM_PRETRAINED = threading.RLock()
+
+
 def _loading(what: str, resolved: ResolvedModel, fn, *args, **kwargs):
     try:
-        return fn(*args, **kwargs)
+        with FROM_PRETRAINED:
+            return fn(*args, **kwargs)
     except (OSError, ValueError) as exc:
         hint = "" if resolved.is_local else " (not a local directory; as a hub id it needs the hub or a populated cache)"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

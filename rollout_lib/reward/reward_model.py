@@ -254,11 +254,12 @@ def _sequence_classifier(ref: ModelRef, resolved):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from rollout_lib.model.loading import ModelLoadError
+    from rollout_lib.model.loading import FROM_PRETRAINED, ModelLoadError
 
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            resolved.source, dtype=torch.float32, output_loading_info=True, **resolved.from_pretrained_kwargs())
+        with FROM_PRETRAINED:
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                resolved.source, dtype=torch.float32, output_loading_info=True, **resolved.from_pretrained_kwargs())
     except (OSError, ValueError) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelLoadError(f"cannot load reward model {ref.uri!r} from {resolved.source!r}: {first_line}") from exc

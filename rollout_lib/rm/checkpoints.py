@@ -15,14 +15,17 @@ def load_reward_checkpoint(store: ObjectStore, reference: str):
     """(model, tokenizer) rebuilt from the store alone: the base model is not needed."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from rollout_lib.model.loading import FROM_PRETRAINED
+
     checkpoint_id = resolve_checkpoint(store, reference)
     manifest = read_manifest(store, checkpoint_id)
     if manifest.get("kind_of_model") != "reward_model":
         raise StoreError(f"checkpoint {checkpoint_id} is a {manifest.get('kind_of_model')!r}, not a reward model")
     with tempfile.TemporaryDirectory() as tmp:
         export_hf_directory(store, checkpoint_id, tmp)
-        tokenizer = AutoTokenizer.from_pretrained(tmp)
-        model = AutoModelForSequenceClassification.from_pretrained(tmp)
+        with FROM_PRETRAINED:
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+            model = AutoModelForSequenceClassification.from_pretrained(tmp)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

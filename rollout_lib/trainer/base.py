@@ -98,7 +98,8 @@ class CheckpointedTrainer:
     def initial(cls, inputs: TrainingInputs, **options) -> "CheckpointedTrainer":
         """Step 0 (the base model, any new head initialised from the seed), snapshotted so later steps replay.
         `options` go to the subclass's constructor."""
-        model, tokenizer, optimizer = cls.build(inputs)
+        with GLOBAL_RNG:  # build seeds the RNG (a new head's init): never while another thread trains
+            model, tokenizer, optimizer = cls.build(inputs)
         trainer = cls(inputs, model, tokenizer, optimizer, 0, None, save_model_files(inputs.store, model, tokenizer),
                       **options)
         trainer.snapshot(metrics={})
@@ -107,7 +108,8 @@ class CheckpointedTrainer:
     @classmethod
     def from_checkpoint(cls, inputs: TrainingInputs, checkpoint_id: str, **options) -> "CheckpointedTrainer":
         manifest = read_manifest(inputs.store, checkpoint_id)
-        model, tokenizer, optimizer = cls.build(inputs)
+        with GLOBAL_RNG:  # build seeds the RNG (a new head's init): never while another thread trains
+            model, tokenizer, optimizer = cls.build(inputs)
         restore_checkpoint(inputs.store, manifest, model, optimizer)
         return cls(inputs, model, tokenizer, optimizer, manifest["step"], checkpoint_id, manifest["model"], **options)
 
