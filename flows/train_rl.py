@@ -26,6 +26,7 @@ from flows.common import (
 )
 from rollout_lib import step_events
 from rollout_lib.config import RlConfig
+from rollout_lib.rl.curriculum import initial_state
 from rollout_lib.rl.score import RewardLoops
 from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.trainer.identity import training_identity
@@ -113,15 +114,21 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         # the policy server holds one state. k = 0: each step samples from the state the step before produced.
         off_policy = settings.max_off_policy_steps
         states = {0: state}  # step -> the policy state after it
+        # step -> the difficulty pools after it (envs with `curriculum`; rl/curriculum.py), fed back like states
+        pools = {0: open_store(cfg).put_json(initial_state())} if any(env.curriculum for env in settings.envs) \
+            else None
 
         def sampling_state(step: int) -> str:
             return states[max(0, step - 1 - off_policy)]
+
+        def sampling_pools(step: int) -> str | None:
+            return None if pools is None else pools[max(0, step - 1 - off_policy)]
 
         def submit_sampling(step: int) -> None:
             if step <= total and step not in in_flight:
                 before = [in_flight[step - 1]] if step - 1 in in_flight else None
                 in_flight[step] = sample.submit(cfg, prompts, sampling_state(step), step, resident, frozen_models,
-                                                wait_for=before)
+                                                sampling_pools(step), wait_for=before)
 
         for ahead in range(1, off_policy + 1):
             submit_sampling(ahead)
@@ -131,10 +138,12 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                 submit_sampling(step + off_policy)  # from states[step - 1]: sampled while this step trains
                 sampled = in_flight.pop(step).result()
             else:
-                sampled = sample(cfg, prompts, state, step, resident, frozen_models)
+                sampled = sample(cfg, prompts, state, step, resident, frozen_models, sampling_pools(step))
             scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
             samples = advantages(cfg, prompts, sampling_state(step), scored["rollouts"], step, resident,
-                                 frozen_models)
+                                 frozen_models, None if pools is None else pools[step - 1])
+            if pools is not None:
+                pools[step] = samples["curriculum"]
             packed = pack(cfg, samples["samples"], step)
             step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
             snapshot = step % settings.checkpoint_interval == 0 or step == total
@@ -158,8 +167,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     checkpoint = state
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
     optional = tuple(name for name in OPTIONAL_METRIC_COLUMNS if any(name in m for m in history))
-    optional += tuple(sorted({name for m in history for name in m if name.startswith(("eval/", "reward/"))
-                              and not name.endswith("eval_s")}))
+    optional += tuple(sorted({name for m in history for name in m
+                              if name.startswith(("eval/", "reward/", "curriculum/")) and not name.endswith("eval_s")}))
     metrics_table(cfg, "train-rl", history, METRIC_COLUMNS + optional)
     curves.update(final=True)
     create_markdown_artifact(_summary(cfg, checkpoint, history, eval_before),

@@ -32,6 +32,7 @@ from rollout_lib.config import RlConfig
 from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
 from rollout_lib.reward.locate import find_module_spec
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
+from rollout_lib.rl.curriculum import next_difficulty_pools
 from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, sampling_policy, train_policy_step
@@ -175,11 +176,14 @@ def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels,
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_interaction_sources))
 def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
-                resident: ResidentTrainer, frozen_models: FrozenModels) -> dict:
+                resident: ResidentTrainer, frozen_models: FrozenModels, curriculum: str | None = None) -> dict:
+    """`curriculum`: the id of the difficulty pools to draw prompts with (envs with `curriculum`), or None."""
     started = time.perf_counter()
-    policy = sampling_policy(policy_inputs(open_store(config), config, prompts_ids), policy_state, resident)
+    store = open_store(config)
+    policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident)
     samplers = build_samplers(config, policy.model, policy.tokenizer, frozen_models, policy_state=policy_state)
-    rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step)
+    rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step,
+                                        curriculum_state=None if curriculum is None else store.get_json(curriculum))
     return {"rollouts": open_store(config).put_table(rollouts),
             "metrics": {**metrics, **reload_metrics(samplers.values()), "sample_s": time.perf_counter() - started}}
 
@@ -197,18 +201,26 @@ def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, 
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_algorithm_sources))
 def advantages_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, scored_id: str, step: int,
-                    resident: ResidentTrainer, frozen_models: FrozenModels | None = None) -> dict:
+                    resident: ResidentTrainer, frozen_models: FrozenModels | None = None,
+                    curriculum: str | None = None) -> dict:
     """`frozen_models`: the run's, for algorithms that score samples with a frozen model at ship time; the prompts
     and the policy at `policy_state` (the weights the step sampled from), for those whose reference is the
-    policy itself."""
+    policy itself (and for the behaviour logprobs the trainer recomputes). `curriculum`: the id of the difficulty
+    pools after the step before; the result's `curriculum` is the id of the pools after this step's groups."""
     started = time.perf_counter()
     store = open_store(config)
     policy = PolicyReference(
         lambda: sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident),
         config.settings.base_model, state_id=policy_state)
     resources = algorithm_resources(config, frozen_models, _prompt_tables(config, prompts_ids), policy)
-    samples, metrics = training_samples(config, store.get_table(scored_id, wire.ROLLOUTS), resources)
-    return {"samples": store.put_table(samples), "metrics": {**metrics, "advantages_s": time.perf_counter() - started}}
+    scored = store.get_table(scored_id, wire.ROLLOUTS)
+    samples, metrics = training_samples(config, scored, resources)
+    result = {"samples": store.put_table(samples)}
+    if curriculum is not None:
+        pools, pool_metrics = next_difficulty_pools(config, store.get_json(curriculum), scored,
+                                                    _prompt_tables(config, prompts_ids))
+        result["curriculum"], metrics = store.put_json(pools), {**metrics, **pool_metrics}
+    return {**result, "metrics": {**metrics, "advantages_s": time.perf_counter() - started}}
 
 
 @task(name="pack", task_run_name="pack-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())

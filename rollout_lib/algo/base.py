@@ -22,6 +22,9 @@ entry point of the group "rollout.algorithms" (`plugins.py`). Its settings class
 with a literal `type`) and its `Algorithm` subclass register by their type name; the config's `algo` union is
 built from the registry, so nothing else changes.
 
+Shared math lives as plain functions at the end of this module: the group mean and std, and the length penalties
+(`length_penalty` of the group algorithms) that shape rewards before group normalisation.
+
 This package never imports `rollout_lib.config` (the config imports it, to build its `algo` union).
 """
 
@@ -29,11 +32,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 if TYPE_CHECKING:
     from rollout_lib.serving.frozen import FrozenModels
@@ -215,3 +218,112 @@ def sample_std(values: Sequence[float]) -> float:
         return 0.0
     center = mean(values)
     return math.sqrt(math.fsum((value - center) ** 2 for value in values) / (len(values) - 1))
+
+
+# --- length penalties: reward shaping before group normalisation ------------------------------------------------
+
+
+class OverlongPenalty(BaseModel):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to each scored sample's reward:
+    0 up to `max_len - buffer` completion tokens, then linear down to -coef at `max_len`, and -coef beyond."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["overlong"] = "overlong"
+    max_len: int = Field(ge=1)  # L_max: usually the env's sampling.max_tokens
+    buffer: int = Field(ge=1)  # L_cache: the soft-punishment interval before max_len
+    coef: float = Field(1.0, gt=0)  # the penalty at max_len (DAPO: 1, the size of its correctness reward)
+
+    @model_validator(mode="after")
+    def _buffer_fits(self) -> "OverlongPenalty":
+        if self.buffer > self.max_len:
+            raise ValueError(f"buffer ({self.buffer}) must be <= max_len ({self.max_len})")
+        return self
+
+
+class GroupRelativeLengthPenalty(BaseModel):
+    """Kimi k1.5's length reward (Kimi Team 2025, sec. 2.3.3), added to each scored sample's reward: within the
+    group, lambda = 0.5 - (len - min len) / (max len - min len); a correct sample (reward >= correct_threshold)
+    gets coef * lambda, any other coef * min(0, lambda). All lengths equal: 0."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["group_relative"] = "group_relative"
+    coef: float = Field(1.0, gt=0)
+    correct_threshold: float = 1.0  # a reward at or above it is a correct answer (rewards in [0, 1]: 1 = solved)
+
+
+def tagged_union(types: tuple[type[BaseModel], ...], what: str) -> Any:
+    """A union of settings classes chosen by their `type`; an unknown type names the ones that exist.
+
+    Tags are spelt `what(type)`: the config's error locator leaves such parts out of a pydantic error location,
+    so errors read `...algo.length_penalty.coef`, not `...algo.length_penalty.overlong.coef`."""
+    names = {cls.model_fields["type"].default: cls for cls in types}
+
+    def tag_of(value: Any) -> str | None:
+        name = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return f"{what}({name})" if name in names else None
+
+    members = tuple(Annotated[cls, Tag(f"{what}({name})")] for name, cls in names.items())
+    return Annotated[Union[members], Discriminator(  # noqa: UP007
+        tag_of, custom_error_type=f"unknown_{what}",
+        custom_error_message=f"`type` must be one of: {', '.join(sorted(names))}")]
+
+
+LengthPenalty = tagged_union((OverlongPenalty, GroupRelativeLengthPenalty), "length_penalty")
+# The `length_penalty` setting of a group algorithm: off (None) by default, and then absent from the settings'
+# dump, so the training identity of every run from before the setting is unchanged.
+OptionalLengthPenalty = Annotated[Union[LengthPenalty, None],  # noqa: UP007
+                                   Field(exclude_if=lambda value: value is None)]
+
+
+def overlong_penalty(length: int, max_len: int, buffer: int, coef: float = 1.0) -> float:
+    """DAPO: 0 for length <= max_len - buffer, -coef * (length - (max_len - buffer)) / buffer up to max_len,
+    -coef beyond it."""
+    excess = length - (max_len - buffer)
+    if excess <= 0:
+        return 0.0
+    return -coef * min(excess / buffer, 1.0)
+
+
+def group_relative_length_rewards(rewards: Sequence[float | None], lengths: Sequence[int], coef: float = 1.0,
+                                  correct_threshold: float = 1.0) -> list[float | None]:
+    """Kimi k1.5: coef * lambda for a correct sample, coef * min(0, lambda) otherwise, with lambda = 0.5 -
+    (len - min len) / (max len - min len) over the group's scored samples; None for a sample whose reward is
+    missing (it neither gets a length reward nor sets the group's range)."""
+    scored = [length for reward, length in zip(rewards, lengths) if reward is not None]
+    if not scored or max(scored) == min(scored):
+        return [None if reward is None else 0.0 for reward in rewards]
+    shortest, spread = min(scored), max(scored) - min(scored)
+    shaped: list[float | None] = []
+    for reward, length in zip(rewards, lengths):
+        if reward is None:
+            shaped.append(None)
+            continue
+        lam = 0.5 - (length - shortest) / spread
+        shaped.append(coef * (lam if reward >= correct_threshold else min(0.0, lam)))
+    return shaped
+
+
+def length_penalties(group: Group, settings: OverlongPenalty | GroupRelativeLengthPenalty) -> list[float | None]:
+    """What `settings` adds to each sample's reward (None where the reward is missing)."""
+    if isinstance(settings, OverlongPenalty):
+        return [None if reward is None else overlong_penalty(length, settings.max_len, settings.buffer, settings.coef)
+                for reward, length in zip(group.rewards, group.completion_lengths)]
+    if isinstance(settings, GroupRelativeLengthPenalty):
+        return group_relative_length_rewards(group.rewards, group.completion_lengths, settings.coef,
+                                             settings.correct_threshold)
+    raise TypeError(f"unknown length penalty {type(settings).__name__}")
+
+
+def with_length_penalty(group: Group, settings: OverlongPenalty | GroupRelativeLengthPenalty | None) -> Group:
+    """The group with each scored sample's reward shaped by its completion length: applied before group
+    normalisation, so the baseline (and std) are those of the shaped rewards. None: the group unchanged.
+
+    Lengths are `completion_lengths`: every completion token, those an environment wrote in a multi-turn episode
+    included."""
+    if settings is None:
+        return group
+    shaped = [None if reward is None else reward + penalty
+              for reward, penalty in zip(group.rewards, length_penalties(group, settings))]
+    return replace(group, rewards=shaped)

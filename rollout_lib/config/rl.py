@@ -220,7 +220,7 @@ class DifficultyPoolsSettings(StrictModel):
     >= easy_threshold in every sample is easy, one that scored <= hard_threshold in every sample is hard, any other
     normal; a step draws its prompts with weight easy_weight, hard_weight and 1 (normal)."""
 
-    type: Literal["difficulty_pools"] = "difficulty_pools"
+    type: Literal["difficulty_pools"]  # required: the curriculum's kind, as an algorithm's `type`
     easy_threshold: float = 1.0  # every reward of the group >= it: easy (rewards in [0, 1]: solved every time)
     hard_threshold: float = 0.0  # every reward <= it: hard (never solved)
     easy_weight: float = Field(0.1, ge=0, le=1)  # draw weight of an easy example, a normal one's being 1
@@ -390,8 +390,14 @@ class RlConfig(EntryPointConfig):
         # The circuit breaker decides whether a step fails, never what a step that runs trains.
         settings["reward_loop"].pop("max_missing_fraction")
         settings["policy_sampler"] = self.settings.policy_sampler.identity_settings()
-        # What the logprobs are, not how it was spelt: "auto" and the value it resolves to are one training.
-        settings["behaviour_logprobs"] = "trainer" if self.settings.recomputes_behaviour_logprobs else "sampler"
+        # What the logprobs are, not how it was spelt: "auto" and the value it resolves to are one training. At
+        # their defaults (k = 0, the sampler's logprobs) both are left out: the synchronous loop's identity is as
+        # it was before they existed.
+        settings.pop("behaviour_logprobs")
+        if self.settings.recomputes_behaviour_logprobs:
+            settings["behaviour_logprobs"] = "trainer"
+        if not settings["max_off_policy_steps"]:
+            settings.pop("max_off_policy_steps")
         for dumped in settings["envs"]:
             dumped.pop("eval")  # evaluation watches the policy, it never changes it
         for env, dumped in zip(self.settings.envs, settings["envs"]):

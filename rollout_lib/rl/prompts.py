@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pyarrow as pa
 
-from rollout_lib.config.rl import EnvSettings
+from rollout_lib.config.rl import DifficultyPoolsSettings, EnvSettings
 from rollout_lib.data import DataError, load_env_prompts
+from rollout_lib.rl.curriculum import draw_weights, weighted_draw
 from rollout_lib.trainer.determinism import derived_seed
 
 
@@ -30,8 +33,19 @@ def check_distinct_examples(prompt_tables: dict[str, pa.Table]) -> None:
             owner[example_id] = env
 
 
-def select_prompts(prompts: pa.Table, count: int, *, seed: int, step: int, env_index: int) -> pa.Table:
+def select_prompts(prompts: pa.Table, count: int, *, seed: int, step: int, env_index: int,
+                   difficulty: Mapping[str, str] | None = None,
+                   curriculum: DifficultyPoolsSettings | None = None) -> pa.Table:
     """`count` distinct prompts drawn at random for this (seed, step, env): any step's prompts are known without
-    replaying the steps before it."""
+    replaying the steps before it (and the curriculum state they are drawn with).
+
+    `difficulty`: the env's curriculum state (example_id -> "easy" | "hard", rl/curriculum.py), drawn with
+    `curriculum`'s weights. None, or a state with every example in one pool: the uniform draw, the same prompts as
+    without a curriculum."""
     rng = np.random.default_rng(derived_seed(seed, "prompts", step, env_index))
-    return prompts.take(rng.choice(prompts.num_rows, size=count, replace=False).tolist())
+    if difficulty is None:
+        return prompts.take(rng.choice(prompts.num_rows, size=count, replace=False).tolist())
+    if curriculum is None:
+        raise ValueError("select_prompts: a difficulty state is drawn with a curriculum's weights; none was given")
+    weights = draw_weights(prompts.column("example_id").to_pylist(), difficulty, curriculum)
+    return prompts.take(weighted_draw(rng, weights, count).tolist())

@@ -60,12 +60,23 @@ def frozen_identity(config: RlConfig, frozen) -> str:
 
 
 def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table],
-                    step: int) -> tuple[pa.Table, dict]:
-    """ROLLOUTS of every env for `step` (rewards null), and sampling metrics."""
-    parts = []
+                    step: int, curriculum_state: dict | None = None) -> tuple[pa.Table, dict]:
+    """ROLLOUTS of every env for `step` (rewards null), and sampling metrics.
+
+    `curriculum_state`: the difficulty pools to draw with (rl/curriculum.py, `{env: {example_id: pool}}`), read
+    by the envs that set `curriculum`; None: every env draws uniformly. Per such env, the metrics count the
+    prompts drawn from each pool (`curriculum/<env>/drawn_easy`, `/drawn_hard`)."""
+    parts, curriculum_metrics = [], {}
     for env_index, env in enumerate(config.settings.envs):
+        difficulty = None
+        if env.curriculum is not None and curriculum_state is not None:
+            difficulty = curriculum_state.get(env.name, {})
         chosen = select_prompts(prompt_tables[env.name], env.prompts_per_step, seed=config.run.seed, step=step,
-                                env_index=env_index)
+                                env_index=env_index, difficulty=difficulty, curriculum=env.curriculum)
+        if difficulty is not None:
+            pools = [difficulty.get(example_id) for example_id in chosen.column("example_id").to_pylist()]
+            curriculum_metrics[f"curriculum/{env.name}/drawn_easy"] = pools.count("easy")
+            curriculum_metrics[f"curriculum/{env.name}/drawn_hard"] = pools.count("hard")
         interaction = build_interaction(env.interaction) if env.interaction is not None else None
         try:
             parts.append(samplers[env.name].sample(chosen, env.sampling,
@@ -91,7 +102,7 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
                          for turn in turns or () if not turn["sampled"])
         metrics["turns_mean"] = float(np.mean([episode["turns"] for episode in multi_turn]))
         metrics["env_token_fraction"] = env_tokens / max(sum(lengths), 1)
-    return rollouts, metrics
+    return rollouts, {**metrics, **curriculum_metrics}
 
 
 def reload_metrics(samplers) -> dict:
