@@ -284,28 +284,33 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     each sequence gets FIRST_TOKEN_LOGPROB (0.0). Differentiable: use it inside the training step. With a
     `temperatures` stream, each token's logprob is of the distribution softmax(logits / its temperature).
     """
+    from rollout_lib.trainer.hardware import autocast_for, model_device
+
+    device = model_device(model)  # the model's device (trainer.hardware); the result lives there too
     padded = "attention_mask" in batch
-    input_ids = batch["input_ids"]
-    position_ids = batch["position_ids"]
+    input_ids = batch["input_ids"].to(device)
+    position_ids = batch["position_ids"].to(device)
     if padded:
-        real = batch["attention_mask"].bool()
-        outputs = model(
-            input_ids=input_ids, attention_mask=batch["attention_mask"], position_ids=position_ids, use_cache=False
-        )
+        attention_mask = batch["attention_mask"].to(device)
+        real = attention_mask.bool()
+        with autocast_for(model):
+            outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
     else:
         if input_ids.shape[0] != 1:
             raise ValueError(f"a packed batch has exactly one row, got input_ids of shape {tuple(input_ids.shape)}")
         real = torch.ones_like(input_ids, dtype=torch.bool)
         # No attention_mask and no cache: transformers then reads sequence boundaries from position_ids and
         # builds a block-diagonal causal mask (see the module docstring).
-        outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        with autocast_for(model):
+            outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
 
     logits = outputs.logits[:, :-1].float()
     temperatures = batch.get("temperatures")
     if temperatures is not None and bool((temperatures != 1.0).any()):
         # Token t is predicted by the logits at t - 1: scale those by the temperature token t was sampled at.
-        scale = torch.ones(input_ids.shape, dtype=logits.dtype)
-        scale[real] = temperatures.to(logits.dtype)
+        scale = torch.ones(input_ids.shape, dtype=logits.dtype, device=device)
+        scale[real] = temperatures.to(device=device, dtype=logits.dtype)
         logits = logits / scale[:, 1:].unsqueeze(-1)
     targets = input_ids[:, 1:].unsqueeze(-1)
     # gather - logsumexp avoids materialising a second [B, T, V] tensor for log_softmax.

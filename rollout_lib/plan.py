@@ -14,14 +14,25 @@ from rollout_lib.model.loading import locate_model
 
 def describe_plan(config) -> dict:
     if isinstance(config, RmConfig):
-        return _rm_plan(config)
+        return {**_rm_plan(config), "hardware": _hardware(config)}
     if isinstance(config, SftConfig):
-        return _sft_plan(config)
+        return {**_sft_plan(config), "hardware": _hardware(config)}
     if isinstance(config, RlConfig):
-        return _rl_plan(config)
+        return {**_rl_plan(config), "hardware": _hardware(config)}
     if isinstance(config, RlhfConfig):
         return _rlhf_plan(config)
     raise TypeError(f"no plan for {type(config).__name__}")
+
+
+def _hardware(config) -> dict:
+    """The entry point's hardware settings and the device they resolve to on this machine: a CUDA device it lacks,
+    or bf16 that would run on its CPU, fails here naming the setting (docs/hardware.md)."""
+    from rollout_lib.config.common import hardware_settings
+    from rollout_lib.trainer.hardware import resolve_hardware
+
+    settings = hardware_settings(config.settings)
+    return {**settings.model_dump(mode="json"),
+            "resolved_device": str(resolve_hardware(settings, config.hardware_locator).device)}
 
 
 def _rm_plan(config: RmConfig) -> dict:

@@ -1,11 +1,11 @@
-"""Settings blocks shared by every entry point (optimizer, budget, datasets, model references, run)."""
+"""Settings blocks shared by every entry point (optimizer, budget, datasets, model references, run, hardware)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rollout_lib.settings_base import ModelRef, StrictModel
 
@@ -62,6 +62,53 @@ class OptimizerSettings(StrictModel):
         if self.schedule == "constant":
             return None
         return self.decay_steps or max_steps
+
+
+class HardwareSettings(StrictModel):
+    """Where an entry point's models compute and in what precision (`[algorithm.<kind>.hardware]`, docs/hardware.md).
+
+    Every model the entry point trains, samples, scores or evaluates with goes to `device`; checkpoints are written
+    from CPU copies, so one trained anywhere loads anywhere. `precision = "bf16"`: forward passes under bf16
+    autocast, weights, gradients and optimizer state in fp32. `gradient_checkpointing`: activations recomputed in
+    backward (less memory, more time, the same numbers)."""
+
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")  # auto: CUDA when available, else CPU
+    # bf16 autocast on a CPU is slow on most CPUs and rounds differently from fp32: a config written for a GPU
+    # with device = "auto" must not silently run it on a CPU-only machine. Set this to mean it. (Declared before
+    # `precision`: its validator reads this.)
+    allow_cpu_bf16: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+    gradient_checkpointing: bool = False
+    # CUDA only: torch.use_deterministic_algorithms (and CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set). Off by
+    # default: slower, and an op with no deterministic CUDA kernel then raises. On CPU kernels are always pinned.
+    cuda_deterministic: bool = False
+
+    @field_validator("precision")
+    @classmethod
+    def _bf16_on_cpu_only_when_meant(cls, precision: str, info: ValidationInfo) -> str:
+        if precision == "bf16" and info.data.get("device") == "cpu" and not info.data.get("allow_cpu_bf16"):
+            raise ValueError('bf16 autocast on device = "cpu" is slow on most CPUs and not the vetted setting; '
+                             'use "fp32", or set allow_cpu_bf16 = true')
+        return precision
+
+    def identity_settings(self, device_type: str) -> dict | None:
+        """What of these settings decides the weights, given the device type `device` resolved to: the device type
+        (CPU and CUDA kernels round differently; not its index: cuda:0 and cuda:1 compute alike), the precision
+        and, on CUDA, deterministic kernels. None for fp32 on CPU, so a CPU run's identity is what it was before
+        these settings existed. gradient_checkpointing never enters: recomputing the forward pass in backward
+        gives the same bits (tests/test_hardware.py), only memory and time change."""
+        if device_type == "cpu" and self.precision == "fp32":
+            return None
+        material = {"device": device_type, "precision": self.precision}
+        if device_type == "cuda" and self.cuda_deterministic:
+            material["cuda_deterministic"] = True
+        return material
+
+
+def hardware_settings(settings) -> HardwareSettings:
+    """An entry point's hardware settings: its block's `hardware`, or the defaults for a block without one."""
+    hardware = getattr(settings, "hardware", None)
+    return hardware if isinstance(hardware, HardwareSettings) else HardwareSettings()
 
 
 class BudgetSettings(StrictModel):
@@ -122,6 +169,25 @@ class EntryPointConfig(StrictModel):
         NOT_TRAINING, the learning-rate schedule's horizon, the seed and the thread count. `run.name`, `run.store`
         and `run.storage_options` (credentials) never enter it."""
         settings = self.settings
-        block = settings.model_dump(mode="json", exclude=set(self.NOT_TRAINING) & set(type(settings).model_fields))
-        return {**block, "schedule_horizon": settings.optimizer.schedule_horizon(settings.budget.max_steps),
-                "seed": self.run.seed, "torch_threads": self.run.torch_threads}
+        # `hardware` enters resolved (`hardware_identity`), never as spelt: "auto" and the device it resolves to
+        # are one training, and gradient checkpointing is none at all.
+        block = settings.model_dump(
+            mode="json", exclude=(set(self.NOT_TRAINING) | {"hardware"}) & set(type(settings).model_fields))
+        trained = {**block, "schedule_horizon": settings.optimizer.schedule_horizon(settings.budget.max_steps),
+                   "seed": self.run.seed, "torch_threads": self.run.torch_threads}
+        hardware = self.hardware_identity()
+        if hardware is not None:  # absent for fp32 on CPU: identities of CPU runs are what they always were
+            trained["hardware"] = hardware
+        return trained
+
+    @property
+    def hardware_locator(self) -> str:
+        """Where the entry point's hardware settings are written (`algorithm.<kind>.hardware`)."""
+        return f"algorithm.{self.algorithm.kind}.hardware"
+
+    def hardware_identity(self) -> dict | None:
+        """The hardware settings as they decide the weights, "auto" resolved on this machine (trainer.hardware)."""
+        from rollout_lib.trainer.hardware import resolve_hardware
+
+        resolved = resolve_hardware(hardware_settings(self.settings), self.hardware_locator)
+        return hardware_settings(self.settings).identity_settings(resolved.device.type)

@@ -2,7 +2,7 @@
 prompt source, reward functions, sampling settings and algorithm (per env, as in prime-rl's seed 002).
 
     [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval
-    [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .reward_loop
+    [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .reward_loop / .hardware
     [algorithm.rl.policy_sampler]  how the live policy samples: { type = "hf", batch_size } (embedded transformers)
                               | { type = "vllm", replicas, concurrency, timeout_s, probe_tolerance } (a vLLM
                               policy server reloaded to each state, sampling/vllm.py)
@@ -35,6 +35,7 @@ from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, FrozenModel, Policy
 from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
+    HardwareSettings,
     JsonlDataset,
     ModelRef,
     OptimizerSettings,
@@ -306,6 +307,7 @@ class RlSettings(StrictModel):
     # engine or max_off_policy_steps > 0, else "sampler" (the embedded sampler's logprobs are the trainer's own).
     behaviour_logprobs: Literal["auto", "sampler", "trainer"] = "auto"
     reward_loop: RewardLoopSettings = RewardLoopSettings()
+    hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
     envs: list[EnvSettings] = Field(min_length=1)
 
     @property

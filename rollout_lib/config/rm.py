@@ -1,4 +1,5 @@
-"""`rollout train rm` settings, in the RM seed's TOML shape (`[algorithm.rm]`, `.optimizer`, `.budget`, `.dataset`)."""
+"""`rollout train rm` settings, in the RM seed's TOML shape (`[algorithm.rm]`, `.optimizer`, `.budget`, `.dataset`,
+`.hardware`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pydantic import Field, field_validator
 from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
+    HardwareSettings,
     JsonlDataset,
     ModelRef,
     OptimizerSettings,
@@ -30,6 +32,7 @@ class RmSettings(StrictModel):
     budget: BudgetSettings
     dataset: JsonlDataset
     eval_dataset: JsonlDataset | None = None  # held-out pairs: accuracy before and after training
+    hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
 
     @field_validator("head")
     @classmethod

@@ -1,5 +1,5 @@
 """`rollout train sft` settings, in the SFT seed's TOML shape (`[algorithm.sft]`, `.base_model`, `.dataset`,
-`.optimizer`, `.budget`, `.packing`; `loss_on = { kind = ... }`).
+`.optimizer`, `.budget`, `.packing`, `.hardware`; `loss_on = { kind = ... }`).
 
 Batching: `minibatch_size` examples make one optimizer step. With packing off they are split into
 `gradient_accumulation` micro-batches of `minibatch_size / gradient_accumulation` sequences, padded at collate
@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
+    HardwareSettings,
     JsonlDataset,
     ModelRef,
     OptimizerSettings,
@@ -52,6 +53,7 @@ class SftSettings(StrictModel):
     budget: BudgetSettings
     dataset: JsonlDataset
     eval_dataset: JsonlDataset | None = None  # held-out examples: loss per trained token before and after
+    hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
 
     @property
     def packed(self) -> bool:

@@ -125,9 +125,17 @@ def pad_right(sequences: list[list[int]], pad_token_id: int,
 def reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """One scalar per row. Decoders: the score head read at the last non-pad token, located from the attention
     mask (right padding), never by searching for the pad id, which breaks when pad == eos and a sequence ends in
-    eos. Encoders: the model's pooled ([CLS]) logits."""
-    if is_decoder_only(model):
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        last = attention_mask.sum(dim=1) - 1
-        return model.score(hidden[torch.arange(hidden.shape[0]), last]).squeeze(-1)
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+    eos. Encoders: the model's pooled ([CLS]) logits. Computed on the model's device and precision
+    (trainer.hardware); the scores are fp32, on that device."""
+    from rollout_lib.trainer.hardware import autocast_for, model_device
+
+    device = model_device(model)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    with autocast_for(model):
+        if is_decoder_only(model):
+            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            last = attention_mask.sum(dim=1) - 1
+            scores = model.score(hidden[torch.arange(hidden.shape[0], device=device), last]).squeeze(-1)
+        else:
+            scores = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+    return scores.float()

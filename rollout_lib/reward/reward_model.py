@@ -13,8 +13,8 @@ last real token (`model/reward.py`). An input longer than `max_length` loses the
 response that does not fit alone is a missing reward that says so. Both are counted (`take_counts`).
 
 Determinism: a rollout's score must not depend on which rollouts shared its batch, which depends on when calls
-arrive (other rewards finishing first, a rerun after a crash). fp32 kernels give a row the same bits in every batch
-of the same shape, but not across shapes (a row of a batch of 3 rounds differently from the same row in a batch of
+arrive (other rewards finishing first, a rerun after a crash). fp32 kernels on CPU give a row the same bits in every
+batch of the same shape, but not across shapes (a row of a batch of 3 rounds differently from the same row in a batch of
 8, by ~1e-8). So the shape of every forward pass follows from the row alone: `batch_size` rows (unused rows hold one
 pad token) of a length bucket chosen by the row's own length (powers of two from 32, capped at max_length).
 """
@@ -188,10 +188,11 @@ class ServedRewardModelScorer(_BatchingScorer):
         return outcomes
 
 
-def load_scorer(settings, frozen_models=None, where: str = "reward_model"):
+def load_scorer(settings, frozen_models=None, where: str = "reward_model", hardware=None):
     """The scorer of a reward's settings (config.rl.RewardModelSettings). `engine = "embedded"`: model and
-    tokenizer in fp32, on CPU, in this process. `engine = "vllm"`: the model served by rollout with vLLM's pooling
-    runner through `frozen_models` (serving.frozen.FrozenModels, the run's), only its tokenizer loaded here."""
+    tokenizer in this process, the model on `hardware` (trainer.hardware.ResolvedHardware, the run's; default CPU
+    in fp32). `engine = "vllm"`: the model served by rollout with vLLM's pooling runner through `frozen_models`
+    (serving.frozen.FrozenModels, the run's), only its tokenizer loaded here."""
     from rollout_lib.model.loading import load_tokenizer, resolve_model
 
     ref = settings.reward_model
@@ -209,7 +210,9 @@ def load_scorer(settings, frozen_models=None, where: str = "reward_model"):
                              f"{pool.max_model_len}")
         return ServedRewardModelScorer(pool, tokenizer, max_length=max_length, batch_size=settings.batch_size,
                                        name=name)
-    model = _sequence_classifier(ref, resolved)
+    from rollout_lib.trainer.hardware import CPU, place_model
+
+    model = place_model(_sequence_classifier(ref, resolved), hardware or CPU)
     max_length = settings.max_length or (manifest or {}).get("max_seq_len") or _max_positions(ref, model, tokenizer)
     return RewardModelScorer(model, tokenizer, max_length=max_length, batch_size=settings.batch_size, name=name)
 

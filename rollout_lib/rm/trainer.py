@@ -2,8 +2,8 @@
 
 Deterministic on CPU: the batch plan derives from the seed, each step seeds dropout from (seed, step), and the
 learning rate is a function of the step, so a run restored from a snapshot replays exactly what an uninterrupted
-run computed. Its inputs' data id is `tokenized` (wire.TOKENIZED_PAIRS); each step's pairs follow from the seed
-(`determinism.step_rows`), not from the run's length.
+run computed (on CUDA, see docs/hardware.md). Its inputs' data id is `tokenized` (wire.TOKENIZED_PAIRS); each
+step's pairs follow from the seed (`determinism.step_rows`), not from the run's length.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
 from rollout_lib.model.loading import load_reward_model, load_tokenizer, resolve_model
 from rollout_lib.rm.pairs import collate_pairs, forward_pairs
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
-from rollout_lib.trainer.determinism import step_rows, use_deterministic_torch
+from rollout_lib.trainer.determinism import step_rows
+from rollout_lib.trainer.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 
 
@@ -27,12 +28,14 @@ class RewardModelTrainer(CheckpointedTrainer):
 
     @classmethod
     def build(cls, inputs: TrainingInputs):
-        use_deterministic_torch(inputs.config.run.torch_threads)
+        hardware = hardware_of_config(inputs.config)
+        hardware.use_deterministic_kernels(inputs.config.run.torch_threads)
         resolved = resolve_model(inputs.settings.base_model)
         tokenizer = load_tokenizer(resolved)
         torch.manual_seed(inputs.config.run.seed)  # the new score head is initialised from the run's seed
         model = load_reward_model(resolved)
         model.config.pad_token_id = tokenizer.pad_token_id
+        place_model(model, hardware, trainable=True)  # before the optimizer: it holds the placed parameters
         optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
         return model, tokenizer, optimizer
 
@@ -48,7 +51,8 @@ class RewardModelTrainer(CheckpointedTrainer):
         batch = collate_pairs(self.pairs, rows, self.tokenizer.pad_token_id)
         self.model.train()
         r_chosen, r_rejected = forward_pairs(self.model, batch)
-        loss = bradley_terry_batch_mean(r_chosen, r_rejected, batch.margin, settings.center_rewards_coefficient)
+        margin = batch.margin.to(r_chosen.device) if batch.margin is not None else None
+        loss = bradley_terry_batch_mean(r_chosen, r_rejected, margin, settings.center_rewards_coefficient)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"loss is {loss.item()} (non-finite); weights not updated")
         self.optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,8 @@ by a clean config for the call, and top_k is off.
 
 Seeding: the global torch RNG is forked and seeded per generate call from (seed, chunk index), so a rerun with
 the same seed samples the same tokens on CPU and leaves the caller's RNG state untouched.
+
+Hardware: generation runs where the policy's weights are and in its precision (`trainer.hardware.place_model`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import Field
 
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
 from rollout_lib.trainer.determinism import GLOBAL_RNG, derived_seed
+from rollout_lib.trainer.hardware import autocast_for
 
 
 class HfSamplerSettings(SamplerSettings):
@@ -69,8 +72,9 @@ class HfSampler(Sampler):
         try:
             with GLOBAL_RNG, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                output = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                        generation_config=config)
+                with autocast_for(model):  # the precision the policy trains in (trainer.hardware)
+                    output = model.generate(input_ids=input_ids.to(device),
+                                            attention_mask=attention_mask.to(device), generation_config=config)
         finally:
             model.generation_config = model_defaults
             model.train(was_training)

@@ -18,7 +18,8 @@ def evaluate_nll(model, micro_batches: pa.Table, *, packed: bool, pad_token_id: 
     nll, tokens = 0.0, 0
     for row in micro_batches.to_pylist():
         batch = collate_micro_batch(row, packed=packed, pad_token_id=pad_token_id)
-        nll += masked_nll_sum(token_logprobs(model, batch), batch["ce_weights"]).item()
+        logprobs = token_logprobs(model, batch)  # on the model's device
+        nll += masked_nll_sum(logprobs, batch["ce_weights"].to(logprobs.device)).item()
         tokens += int((batch["ce_weights"] != 0).sum())
     loss = nll / tokens if tokens else float("nan")
     return {"loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"), "tokens": tokens}

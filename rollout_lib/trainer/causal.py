@@ -37,7 +37,7 @@ from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
-from rollout_lib.trainer.determinism import use_deterministic_torch
+from rollout_lib.trainer.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 
 
@@ -161,7 +161,7 @@ class CausalLmTrainer(CheckpointedTrainer):
 
     Its settings (SftSettings or RlSettings) give `base_model`, `optimizer`, `budget`, `packed` and
     `loss_kwargs()` (the rl/ref_kl loss settings; none for SFT). Packed micro-batches run per-sequence attention
-    (`model.packed_attention`)."""
+    (`model.packed_attention`). The model computes on the settings' `hardware` (trainer.hardware)."""
 
     kind_of_model = "causal_lm"
 
@@ -171,7 +171,8 @@ class CausalLmTrainer(CheckpointedTrainer):
 
     @classmethod
     def build(cls, inputs: TrainingInputs):
-        use_deterministic_torch(inputs.config.run.torch_threads)
+        hardware = hardware_of_config(inputs.config)
+        hardware.use_deterministic_kernels(inputs.config.run.torch_threads)
         resolved = resolve_model(inputs.settings.base_model)
         tokenizer = load_tokenizer(resolved)
         torch.manual_seed(inputs.config.run.seed)
@@ -179,6 +180,7 @@ class CausalLmTrainer(CheckpointedTrainer):
         model.config.pad_token_id = tokenizer.pad_token_id
         if inputs.settings.packed:
             use_packed_attention(model)  # attention per packed sequence, without the masked-out blocks
+        place_model(model, hardware, trainable=True)  # before the optimizer: it holds the placed parameters
         optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
         return model, tokenizer, optimizer
 

