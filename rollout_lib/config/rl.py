@@ -299,7 +299,7 @@ class RlSettings(StrictModel):
     loss: RlLossSettings = RlLossSettings()
     policy_sampler: SamplerChoice = Field(default_factory=lambda: sampler_settings_types()[0]())
     # Step n trains on rollouts sampled from the policy of step n-1-k (the initial policy while that is < 0), so
-    # step n+1 samples while step n trains (docs/algorithms.md, "Off-policy steps"). 0: the synchronous loop.
+    # step n+1 samples while step n trains (docs/serving.md, "Off-policy steps"). 0: the synchronous loop.
     max_off_policy_steps: int = Field(0, ge=0, le=8)
     # Where the importance ratio's behaviour logprobs come from: the sampler's report ("sampler"), or the
     # trainer's forward of the rollouts under the weights they were sampled from ("trainer": bit-stable, so a
