@@ -10,11 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
-from rollout_lib.trainer.determinism import GLOBAL_RNG, seed_for_step
+from rollout_lib.trainer.determinism import GLOBAL_RNG, seed_for_step, seed_torch
 from rollout_lib.trainer.optim import lr_at, set_lr
 
 
@@ -87,7 +85,7 @@ class CheckpointedTrainer:
         lr = lr_at(step, settings.optimizer, settings.budget.max_steps)
         set_lr(self.optimizer, lr)
         with GLOBAL_RNG:
-            torch.manual_seed(seed_for_step(self.inputs.config.run.seed, step))
+            seed_torch(seed_for_step(self.inputs.config.run.seed, step))
             metrics = self.run_step(step)
         self.step = step
         return {"step": step, "lr": lr, **metrics}

@@ -19,6 +19,15 @@ from rollout_lib import wire
 GLOBAL_RNG = threading.RLock()
 
 
+def seed_torch(seed: int) -> None:
+    """torch.manual_seed's effect on the CPU generator, without its per-call cost where no GPU is in use:
+    torch.manual_seed also queues a lazy seed for CUDA, XPU and MTIA, each capturing a Python stack trace (~0.5-1 ms
+    a call, as much as a whole tiny-model step). CUDA generators are seeded too when CUDA is available."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
 def use_deterministic_torch(threads: int) -> None:
     """Deterministic kernels, and a pinned thread count (`run.torch_threads`): CPU reductions split across
     threads round differently, so the same count is part of what makes checkpoints byte-identical."""
