@@ -5,6 +5,8 @@
 
 Unlike train-rm and train-sft, a task covers one step's stage: each step samples from the weights the step before
 produced, and sampling and scoring are heavy enough that a task per stage costs little (bench/bench_rl_stages.py).
+With `max_off_policy_steps = k > 0`, step n samples from the weights after step n-1-k, in a sample task submitted
+to run beside the training of the steps before it (docs/serving.md, "Off-policy steps").
 """
 
 from __future__ import annotations
@@ -133,35 +135,39 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         for ahead in range(1, off_policy + 1):
             submit_sampling(ahead)
         started = time.perf_counter()
-        for step in range(1, total + 1):
-            if off_policy:
-                submit_sampling(step + off_policy)  # from states[step - 1]: sampled while this step trains
-                sampled = in_flight.pop(step).result()
-            else:
-                sampled = sample(cfg, prompts, state, step, resident, frozen_models, sampling_pools(step))
-            scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
-            samples = advantages(cfg, prompts, sampling_state(step), scored["rollouts"], step, resident,
-                                 frozen_models, None if pools is None else pools[step - 1])
-            if pools is not None:
-                pools[step] = samples["curriculum"]
-            packed = pack(cfg, samples["samples"], step)
-            step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
-            snapshot = step % settings.checkpoint_interval == 0 or step == total
-            trained = train_step(cfg, prompts, state, packed["micro_batches"], step, snapshot, step_metrics,
-                                 resident)
-            state = states[step] = trained["state"]
-            metrics = {**step_metrics, **trained["metrics"], **evaluate(step), "step": step}
-            if off_policy:  # optimizer steps between the weights that sampled and the weights trained
-                metrics["off_policy_lag"] = step - 1 - max(0, step - 1 - off_policy)
-            history.append(metrics)
-            step_events.publish(step, metrics)
-            logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step, metrics["reward_mean"],
-                        metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
-                        " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
-                        f" -> checkpoint {state}" if snapshot else "")
-            progress.update(step)
-            if snapshot:
-                curves.update()
+        try:
+            for step in range(1, total + 1):
+                if off_policy:
+                    submit_sampling(step + off_policy)  # from states[step - 1]: sampled while this step trains
+                    sampled = in_flight.pop(step).result()
+                else:
+                    sampled = sample(cfg, prompts, state, step, resident, frozen_models, sampling_pools(step))
+                scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
+                samples = advantages(cfg, prompts, sampling_state(step), scored["rollouts"], step, resident,
+                                     frozen_models, None if pools is None else pools[step - 1])
+                if pools is not None:
+                    pools[step] = samples["curriculum"]
+                packed = pack(cfg, samples["samples"], step)
+                step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
+                snapshot = step % settings.checkpoint_interval == 0 or step == total
+                trained = train_step(cfg, prompts, state, packed["micro_batches"], step, snapshot, step_metrics,
+                                     resident)
+                state = states[step] = trained["state"]
+                metrics = {**step_metrics, **trained["metrics"], **evaluate(step), "step": step}
+                if off_policy:  # optimizer steps between the weights that sampled and the weights trained
+                    metrics["off_policy_lag"] = step - 1 - max(0, step - 1 - off_policy)
+                history.append(metrics)
+                step_events.publish(step, metrics)
+                logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step,
+                            metrics["reward_mean"], metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
+                            " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
+                            f" -> checkpoint {state}" if snapshot else "")
+                progress.update(step)
+                if snapshot:
+                    curves.update()
+        finally:
+            for future in in_flight.values():  # never stop the servers under a sampling task still running
+                future.wait()
         train_seconds = time.perf_counter() - started
 
     checkpoint = state
