@@ -75,14 +75,17 @@ def rollout() -> None:
               help="--set algorithm.<ENTRY_POINT>.budget.max_steps=N (rm, sft, rl: rlhf's stages have their own)")
 @click.option("--name", "run_name", metavar="NAME", help="--set run.name=NAME")
 @click.option("--store", "store_url", metavar="URL", help="--set run.store=URL (fsspec URL)")
+@click.option("--nproc", type=click.IntRange(min=1), metavar="N",
+              help="--set algorithm.<ENTRY_POINT>.hardware.nproc=N: train data-parallel in N processes (torchrun; "
+                   "sft and rm, docs/hardware.md)")
 @click.option("--dry-run", is_flag=True,
               help="validate settings, parse every dataset row, print the plan; load no model")
 @click.option("--quiet", is_flag=True, help="no progress bar and no summary on stderr (the JSON result stays)")
 def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_steps: int | None,
-          run_name: str | None, store_url: str | None, dry_run: bool, quiet: bool) -> int:
+          run_name: str | None, store_url: str | None, nproc: int | None, dry_run: bool, quiet: bool) -> int:
     """Run a training flow (rlhf: sft -> rm -> rl as one flow of three subflows, docs/rlhf.md).
 
-    --max-steps, --name and --store are the --set overrides they name, applied after the --set ones.
+    --max-steps, --name, --store and --nproc are the --set overrides they name, applied after the --set ones.
     A progress bar per run (rlhf: per stage) and a summary go to stderr (rollout_cli/progress.py), unless --quiet.
 
     It runs on the Prefect server of PREFECT_API_URL if set, else on the project-local one (started on first use).
@@ -90,7 +93,7 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
     from rollout_lib.config import load_config
     from rollout_lib.plan import describe_plan
 
-    overrides = (*overrides, *_shortcut_overrides(entry_point, max_steps, run_name, store_url))
+    overrides = (*overrides, *_shortcut_overrides(entry_point, max_steps, run_name, store_url, nproc))
     config = load_config(config_class(entry_point), config_path, list(overrides))
     plan = describe_plan(config)  # parses every dataset row and resolves the model reference: no model loads
     if dry_run:
@@ -129,16 +132,22 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
 
 
 def _shortcut_overrides(entry_point: str, max_steps: int | None, run_name: str | None,
-                        store_url: str | None) -> list[str]:
-    """The `--set` overrides that --max-steps, --name and --store stand for: validated, hashed and passed to the flow
-    as if typed with --set (strings quoted, so a name such as 123 stays a string)."""
+                        store_url: str | None, nproc: int | None = None) -> list[str]:
+    """The `--set` overrides that --max-steps, --name, --store and --nproc stand for: validated, hashed and passed to
+    the flow as if typed with --set (strings quoted, so a name such as 123 stays a string)."""
     import tomli_w
 
     if max_steps is not None and entry_point == "rlhf":
         raise click.UsageError(
             "--max-steps: rlhf trains three stages, each to its own budget; set one in a stage's overrides, e.g. "
             '[sft] overrides = ["algorithm.sft.budget.max_steps=4"] in the rlhf config', click.get_current_context())
+    if nproc is not None and entry_point == "rlhf":
+        raise click.UsageError(
+            "--nproc: rlhf trains three stages; set one in a stage's overrides, e.g. "
+            '[sft] overrides = ["algorithm.sft.hardware.nproc=2"] in the rlhf config', click.get_current_context())
     shortcuts = [] if max_steps is None else [f"algorithm.{entry_point}.budget.max_steps={max_steps}"]
+    if nproc is not None:
+        shortcuts.append(f"algorithm.{entry_point}.hardware.nproc={nproc}")
     for key, text in (("run.name", run_name), ("run.store", store_url)):
         if text is not None:
             shortcuts.append(f"{key}={tomli_w.dumps({'v': text}).removeprefix('v = ').rstrip()}")

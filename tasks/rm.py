@@ -17,6 +17,7 @@ from rollout_lib.rm.evaluate import evaluate_pairs
 from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
+from rollout_lib.trainer.data_parallel import data_parallel_segment
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
@@ -66,7 +67,8 @@ def train_segment_task(config: RmConfig, tokenized_id: str, checkpoint_id: str, 
     inputs = _inputs(config, tokenized_id)
     checkpoint, metrics, trainer = run_segment(
         inputs.store, inputs.identity, inputs.data_ids, Segment(first, last),
-        open_trainer=lambda: resident.pop(checkpoint_id) or RewardModelTrainer.from_checkpoint(inputs, checkpoint_id))
+        open_trainer=lambda: resident.pop(checkpoint_id) or RewardModelTrainer.from_checkpoint(inputs, checkpoint_id),
+        train_elsewhere=data_parallel_segment(RewardModelTrainer, inputs, checkpoint_id, resident))
     if trainer is not None:
         resident.put(checkpoint, trainer)
     return {"checkpoint": checkpoint, "metrics": metrics}

@@ -20,6 +20,7 @@ from rollout_lib.sft.evaluate import evaluate_nll
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
+from rollout_lib.trainer.data_parallel import data_parallel_segment
 from rollout_lib.trainer.determinism import plan_batches
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
@@ -110,8 +111,10 @@ def train_segment_task(config: SftConfig, samples_id: str, micro_batches_id: str
         return resident.pop(checkpoint_id) or CausalLmTrainer.from_checkpoint(
             inputs, checkpoint_id, batches=PlannedBatches(inputs.store, micro_batches_id, plan_id))
 
-    checkpoint, metrics, trainer = run_segment(inputs.store, inputs.identity, inputs.data_ids, Segment(first, last),
-                                               open_trainer)
+    checkpoint, metrics, trainer = run_segment(
+        inputs.store, inputs.identity, inputs.data_ids, Segment(first, last), open_trainer,
+        train_elsewhere=data_parallel_segment(CausalLmTrainer, inputs, checkpoint_id, resident,
+                                              batches=PlannedBatches(inputs.store, micro_batches_id, plan_id)))
     if trainer is not None:
         resident.put(checkpoint, trainer)
     return {"checkpoint": checkpoint, "metrics": metrics}

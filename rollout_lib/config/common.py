@@ -82,6 +82,17 @@ class HardwareSettings(StrictModel):
     # CUDA only: torch.use_deterministic_algorithms (and CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set). Off by
     # default: slower, and an op with no deterministic CUDA kernel then raises. On CPU kernels are always pinned.
     cuda_deterministic: bool = False
+    # Data parallelism (docs/hardware.md "Data parallel"): a training segment runs as this many processes on this
+    # machine (`torchrun --standalone`, gloo on CPU, nccl on CUDA: one GPU per process), each taking its share of
+    # every step's micro-batches, gradients summed across them. 1: in the flow's own process, as always.
+    nproc: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _one_gpu_per_process(self) -> "HardwareSettings":
+        if self.nproc > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f'nproc = {self.nproc} gives each process its own GPU (process i: cuda:i); use '
+                             f'device = "cuda" or "auto", not {self.device!r}')
+        return self
 
     @field_validator("precision")
     @classmethod
@@ -96,13 +107,17 @@ class HardwareSettings(StrictModel):
         (CPU and CUDA kernels round differently; not its index: cuda:0 and cuda:1 compute alike), the precision
         and, on CUDA, deterministic kernels. None for fp32 on CPU, so a CPU run's identity is what it was before
         these settings existed. gradient_checkpointing never enters: recomputing the forward pass in backward
-        gives the same bits (tests/test_hardware.py), only memory and time change."""
-        if device_type == "cpu" and self.precision == "fp32":
-            return None
-        material = {"device": device_type, "precision": self.precision}
+        gives the same bits (tests/test_hardware.py), only memory and time change. `nproc` enters when above 1:
+        gradients summed across processes add in another order than one process accumulating them, so the weights
+        agree with a 1-process run only within rounding (docs/hardware.md "Data parallel"), never bit for bit."""
+        material = {}
+        if device_type != "cpu" or self.precision != "fp32":
+            material = {"device": device_type, "precision": self.precision}
         if device_type == "cuda" and self.cuda_deterministic:
             material["cuda_deterministic"] = True
-        return material
+        if self.nproc > 1:
+            material["nproc"] = self.nproc
+        return material or None
 
 
 def hardware_settings(settings) -> HardwareSettings:

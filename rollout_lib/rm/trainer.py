@@ -45,9 +45,17 @@ class RewardModelTrainer(CheckpointedTrainer):
         return self.inputs.store.get_table(self.inputs.data_ids["tokenized"], wire.TOKENIZED_PAIRS).to_pydict()
 
     def run_step(self, step: int) -> dict[str, float]:
+        """One Bradley-Terry step over the step's pairs. Data-parallel (`self.data_parallel`), a rank trains pairs
+        rank, rank + N, ... and scales its batch mean by its share of the step's pairs, so the summed gradients are
+        those of the step's mean (a rank without a pair runs one pair scaled by zero); metrics are the step's."""
         settings = self.inputs.settings
         started = time.perf_counter()
         rows = step_rows(len(self.pairs["margin"]), settings.minibatch_size, self.inputs.config.run.seed, step)
+        share = 1.0
+        if self.data_parallel is not None:
+            mine = self.data_parallel.share_rows(rows)
+            share = len(mine) / len(rows)
+            rows = mine or rows[:1]  # nothing to train: a pair still runs forward and backward, scaled by zero
         batch = collate_pairs(self.pairs, rows, self.tokenizer.pad_token_id)
         if not self.model.training:  # a no-op walk over every module costs ~1 ms a step on a tiny model
             self.model.train()
@@ -56,16 +64,27 @@ class RewardModelTrainer(CheckpointedTrainer):
         loss = bradley_terry_batch_mean(r_chosen, r_rejected, margin, settings.center_rewards_coefficient)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"loss is {loss.item()} (non-finite); weights not updated")
+        if self.data_parallel is not None:
+            loss = loss * share
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.data_parallel is not None:
+            self.data_parallel.sum_gradients(self.model.parameters())
         grad_norm = clip_gradients(self.model.parameters(), settings.optimizer.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; weights not updated")
         self.optimizer.step()
+        metrics = {"loss": loss.item(), **pair_metrics(r_chosen.detach(), r_rejected.detach())}
+        if self.data_parallel is not None:  # this rank's share -> the step's: pair means weighted by pair counts
+            pairs = metrics["pairs"] if share else 0
+            summed = self.data_parallel.sum_numbers({"loss": metrics["loss"], "pairs": pairs,
+                                                     "accuracy": metrics["accuracy"] * pairs,
+                                                     "mean_margin": metrics["mean_margin"] * pairs})
+            metrics = {"loss": summed["loss"], "accuracy": summed["accuracy"] / summed["pairs"],
+                       "mean_margin": summed["mean_margin"] / summed["pairs"], "pairs": int(summed["pairs"])}
         elapsed = time.perf_counter() - started
         return {
-            "loss": loss.item(),
-            **pair_metrics(r_chosen.detach(), r_rejected.detach()),
+            **metrics,
             "grad_norm": grad_norm.item(),
-            "pairs_per_s": batch.size / elapsed,
+            "pairs_per_s": metrics["pairs"] / elapsed,
         }

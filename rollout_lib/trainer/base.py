@@ -51,6 +51,9 @@ def deterministic_metrics(metrics: dict) -> dict:
 
 class CheckpointedTrainer:
     kind_of_model: ClassVar[str]
+    # Set on each rank of a data-parallel segment (trainer.data_parallel.DataParallel): run_step then trains the
+    # rank's share of the step and sums counts and gradients over the ranks. None: one process trains it all.
+    data_parallel = None
 
     def __init__(self, inputs: TrainingInputs, model, tokenizer, optimizer, step: int, checkpoint_id: str | None,
                  model_files: dict):

@@ -24,6 +24,7 @@ The caller sets the learning rate and seeds the RNG (dropout) before calling.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Protocol
 
@@ -37,6 +38,7 @@ from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
+from rollout_lib.trainer.data_parallel import DataParallel
 from rollout_lib.trainer.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 
@@ -50,9 +52,12 @@ def train_on_micro_batches(
     pad_token_id: int,
     max_grad_norm: float | None,
     loss_kwargs: dict | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> dict[str, float]:
     """One optimizer step over `micro_batches`; returns its metrics. `loss_kwargs`: the rl and ref_kl components'
-    settings (`losses.component_loss`).
+    settings (`losses.component_loss`). `data_parallel`: this process is one rank of several; it trains its share
+    of `micro_batches` (every rank is given the whole step), N_c and the gradients are summed over the ranks and
+    the metrics are the step's, every rank's summed (trainer.data_parallel).
 
     Metrics: `loss` (the step's total) and `loss/<c>` per component, `tokens/<c>` (N_c), token-weighted
     component diagnostics (`rl/masked_fraction`, `ref_kl/kl`, ...), `grad_norm` (before clipping), `tokens`
@@ -63,10 +68,14 @@ def train_on_micro_batches(
     check_micro_batches(micro_batches)
     if micro_batches.num_rows == 0:
         raise ValueError("an optimizer step needs at least one micro-batch")
+    if data_parallel is not None:
+        micro_batches = data_parallel.share(micro_batches)
     batches = [collate_micro_batch(row, packed=packed, pad_token_id=pad_token_id)
                for row in micro_batches.to_pylist()]
     local_counts = [count_component_tokens(batch) for batch in batches]
     counts = {c: sum(local[c] for local in local_counts) for c in COMPONENTS}
+    if data_parallel is not None:
+        counts = data_parallel.sum_counts(counts)
 
     metrics: dict[str, float] = {"loss": 0.0, **{f"loss/{c}": 0.0 for c in COMPONENTS},
                                  **{f"tokens/{c}": counts[c] for c in COMPONENTS}}
@@ -95,6 +104,8 @@ def train_on_micro_batches(
                 elif what != "tokens":
                     weighted[name] = weighted.get(name, 0.0) + value * local[component]
         if any(counts.values()):
+            if data_parallel is not None:
+                data_parallel.sum_gradients(model.parameters())
             grad_norm = clip_gradients(model.parameters(), max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; weights not updated")
@@ -104,6 +115,13 @@ def train_on_micro_batches(
         # On success the gradients are spent; on failure none may leak into the next attempt.
         optimizer.zero_grad(set_to_none=True)
 
+    if data_parallel is not None:  # this rank's sums -> the step's (every rank has the same names)
+        local = {name: value for name, value in metrics.items() if not name.startswith("tokens/")}
+        summed = data_parallel.sum_numbers({**local, **{f"weighted:{n}": v for n, v in weighted.items()},
+                                            "tokens": tokens, "positions": positions, "ran": ran})
+        metrics.update({name: summed[name] for name in local})
+        weighted = {name: summed[f"weighted:{name}"] for name in weighted}
+        tokens, positions, ran = (int(summed[name]) for name in ("tokens", "positions", "ran"))
     elapsed = time.perf_counter() - started
     for name, total in weighted.items():
         metrics[name] = total / counts[name.partition("/")[0]]
@@ -131,8 +149,20 @@ class PlannedBatches:
     """SFT: every step's micro-batches in one table, and a plan of which rows each step trains on."""
 
     def __init__(self, store: ObjectStore, micro_batches_id: str, plan_id: str):
-        self.micro_batches = store.get_table(micro_batches_id, wire.MICRO_BATCHES)
-        self.plan = store.get_table(plan_id, wire.BATCH_PLAN)
+        self.ids = (store, micro_batches_id, plan_id)
+
+    @functools.cached_property
+    def micro_batches(self) -> pa.Table:  # read on first use: a data-parallel segment reads it in its workers only
+        store, micro_batches_id, _ = self.ids
+        return store.get_table(micro_batches_id, wire.MICRO_BATCHES)
+
+    @functools.cached_property
+    def plan(self) -> pa.Table:
+        store, _, plan_id = self.ids
+        return store.get_table(plan_id, wire.BATCH_PLAN)
+
+    def __reduce__(self):  # pickled as its ids (a data-parallel worker reloads the tables), never the tables
+        return PlannedBatches, self.ids
 
     def for_step(self, step: int) -> pa.Table:
         return self.micro_batches.take(self.plan.column("row_indices")[step - 1].as_py())
@@ -192,5 +222,5 @@ class CausalLmTrainer(CheckpointedTrainer):
         return train_on_micro_batches(
             self.model, self.optimizer, self.batches.for_step(step), packed=settings.packed,
             pad_token_id=self.tokenizer.pad_token_id, max_grad_norm=settings.optimizer.max_grad_norm,
-            loss_kwargs=settings.loss_kwargs(),
+            loss_kwargs=settings.loss_kwargs(), data_parallel=self.data_parallel,
         )

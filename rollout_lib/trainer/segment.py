@@ -88,16 +88,23 @@ def history_since(store: ObjectStore, checkpoint_id: str, first: int) -> list[di
 
 
 def run_segment(store: ObjectStore, identity: str, data_ids: dict[str, str], segment: Segment,
-                open_trainer: Callable[[], object]) -> tuple[str, list[dict], object | None]:
+                open_trainer: Callable[[], object],
+                train_elsewhere: Callable[[Segment], tuple[str, list[dict]]] | None = None,
+                ) -> tuple[str, list[dict], object | None]:
     """The checkpoint at the segment's last step and the segment's per-step metrics: from the chain index when
-    an earlier run already trained it, else trained now (`open_trainer()` gives the trainer at the segment's start)
-    and indexed. Returns (checkpoint id, metrics, the trainer if one was used, now at the segment's end)."""
+    an earlier run already trained it, else trained now (`open_trainer()` gives the trainer at the segment's start;
+    `train_elsewhere(segment)`, when given, trains it in other processes instead: data parallelism) and indexed.
+    Returns (checkpoint id, metrics, the trainer if one was used here, now at the segment's end)."""
     ref = chain_ref(identity, data_ids, segment.last)
     known = store.get_ref(ref)
     if known is not None and store.has(known):
         logger.info("steps %d-%d: checkpoint %s was already trained by an earlier run; reused", segment.first,
                     segment.last, known)
         return known, history_since(store, known, segment.first), None
+    if train_elsewhere is not None:
+        checkpoint, history = train_elsewhere(segment)
+        store.set_ref(ref, checkpoint)
+        return checkpoint, history, None
     trainer = open_trainer()
     checkpoint, history = train_segment(trainer, segment)
     store.set_ref(ref, checkpoint)

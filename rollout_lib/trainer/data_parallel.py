@@ -1,0 +1,204 @@
+"""Data parallelism: a training segment run by N processes (`torchrun`), each taking its share of every step.
+
+    rank r of N trains micro-batches r, r+N, r+2N, ... of a step (RM: pairs r, r+N, ...); every rank runs the
+        same number of them, a rank short of one runs a filler (the step's first micro-batch, every weight zero)
+    N_c   = all_reduce(SUM) of the ranks' component token counts [N_rl, N_ce, N_ref_kl], before any loss
+    grads = all_reduce(SUM) of the ranks' accumulated gradients, after their backward passes
+
+A rank's loss is Σ numerator_c / N_c over its own micro-batches with the step-global N_c, so the SUM of the ranks'
+gradients is the gradient one process accumulates over all of them. (DistributedDataParallel would AVERAGE them,
+a factor 1/N off: hence a plain all_reduce here, one flat buffer per step, after backward.) Every rank then clips
+and steps the same gradients from the same weights, so the weights stay identical on every rank without a
+broadcast, and rank 0 alone writes the snapshot. A filler runs forward and backward on a graph-attached zero, so
+every rank issues the same collectives whatever its share holds: a rank with nothing to train never hangs the
+others.
+
+`run_segment_in_processes` is the launching side: `torchrun --standalone --nproc_per_node N -m
+rollout_lib.trainer.segment_worker SPEC` from the segment's start checkpoint in the store; it returns the
+snapshot's checkpoint id and the per-step metrics, publishing each step as rank 0 reports it. A rank that dies
+(an exception, SIGKILL) makes torchrun stop the others; the segment then fails naming its steps and the rank, and
+a rerun trains it again from the same start checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from rollout_lib import step_events
+from rollout_lib.losses import COMPONENTS
+
+# Rank 0 prints one line per finished step, `STEP_MARKER {"step": n, "metrics": {...}}`, on its stdout.
+STEP_MARKER = "ROLLOUT_DATA_PARALLEL_STEP "
+# Test hook: "RANK:STEP" makes that rank SIGKILL itself as it starts that step (a rank dying mid-segment).
+KILL_RANK_ENV = "ROLLOUT_TEST_KILL_RANK_AT_STEP"
+WEIGHT_COLUMNS = ("rl_weights", "ce_weights", "ref_kl_weights")
+
+
+class DataParallelError(RuntimeError):
+    """The processes of a data-parallel segment failed; the message names the steps and the rank."""
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in the group (`rank` of `world_size`) and the device its collectives run on (gloo: CPU
+    tensors, nccl: CUDA ones)."""
+
+    rank: int
+    world_size: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def share(self, micro_batches: pa.Table) -> pa.Table:
+        """This rank's micro-batches of a step: rows rank, rank + N, ..., then fillers up to ceil(rows / N)."""
+        mine = micro_batches.take(pa.array(range(self.rank, micro_batches.num_rows, self.world_size), pa.int64()))
+        missing = -(-micro_batches.num_rows // self.world_size) - mine.num_rows
+        if missing:
+            filler = empty_micro_batch(micro_batches.slice(0, 1))
+            mine = pa.concat_tables([mine, *[filler] * missing])
+        return mine
+
+    def share_rows(self, rows: list[int]) -> list[int]:
+        """This rank's rows (pairs) of a step: rows[rank], rows[rank + N], ..."""
+        return rows[self.rank::self.world_size]
+
+    def sum_counts(self, counts: dict[str, int]) -> dict[str, int]:
+        """The step-global component token counts from each rank's own."""
+        totals = torch.tensor([counts[c] for c in COMPONENTS], dtype=torch.int64, device=self.device)
+        dist.all_reduce(totals)
+        return dict(zip(COMPONENTS, (int(n) for n in totals.tolist())))
+
+    def sum_numbers(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over the ranks (every rank passes the same names), in float64."""
+        names = sorted(values)
+        totals = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        return dict(zip(names, totals.tolist()))
+
+    def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Every trainable parameter's gradient summed over the ranks (a missing gradient counts as zero)."""
+        trainable = [p for p in parameters if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for parameter in trainable:
+            size = parameter.numel()
+            parameter.grad = flat[offset:offset + size].view_as(parameter).clone()
+            offset += size
+
+
+def empty_micro_batch(micro_batch: pa.Table) -> pa.Table:
+    """`micro_batch` with nothing to train: loss mask off and every component weight zero (it still runs forward
+    and backward, contributing exactly zero)."""
+    for name in ("loss_mask", *WEIGHT_COLUMNS):
+        index = micro_batch.schema.get_field_index(name)
+        kind = micro_batch.schema.field(name).type
+        zero = False if name == "loss_mask" else 0.0
+        column = pa.array([[zero] * len(tokens) for tokens in micro_batch.column(name).to_pylist()], kind)
+        micro_batch = micro_batch.set_column(index, micro_batch.schema.field(name), column)
+    return micro_batch
+
+
+# --- the launching side ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """What a rank needs to train a segment: the trainer class, its inputs (config, identity, data ids), the start
+    checkpoint, the steps, the trainer's options (picklable: `causal.PlannedBatches` reloads in the worker), and
+    the file rank 0 writes the result to."""
+
+    trainer_class: type
+    inputs: object  # trainer.base.TrainingInputs
+    checkpoint_id: str
+    first: int
+    last: int
+    options: dict
+    result_path: str
+
+
+def data_parallel_segment(trainer_class: type, inputs, checkpoint_id: str, resident, **options):
+    """For `segment.run_segment(train_elsewhere=...)`: None when the entry point's hardware says one process, else
+    a function training a segment in `nproc` processes from `checkpoint_id`. A resident trainer at that checkpoint
+    is dropped (the workers open it from the store)."""
+    from rollout_lib.config.common import hardware_settings
+
+    nproc = hardware_settings(inputs.settings).nproc
+    if nproc == 1:
+        return None
+
+    def train(segment) -> tuple[str, list[dict]]:
+        resident.pop(checkpoint_id)
+        return run_segment_in_processes(trainer_class, inputs, checkpoint_id, segment.first, segment.last, nproc,
+                                        **options)
+
+    return train
+
+
+def torchrun_command(nproc: int, spec_path: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "rollout_lib.trainer.segment_worker", spec_path]
+
+
+def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, first: int, last: int, nproc: int,
+                             **options) -> tuple[str, list[dict]]:
+    """Steps first..last from `checkpoint_id` as `nproc` torchrun processes; (the snapshot's id, per-step metrics).
+    Each finished step is published (step_events) as rank 0 reports it. Raises DataParallelError when a rank
+    fails."""
+    with tempfile.TemporaryDirectory(prefix="rollout-dp-") as workdir:
+        spec = SegmentSpec(trainer_class, inputs, checkpoint_id, first, last, options,
+                           os.path.join(workdir, "result.json"))
+        spec_path = os.path.join(workdir, "spec.pkl")
+        with open(spec_path, "wb") as out:
+            pickle.dump(spec, out)
+        tail: deque[str] = deque(maxlen=400)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", str(inputs.config.run.torch_threads))  # torchrun would set 1
+        process = subprocess.Popen(torchrun_command(nproc, spec_path), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env)
+        with process:
+            for line in process.stdout:
+                marker = line.find(STEP_MARKER)
+                if marker >= 0:
+                    reported = json.loads(line[marker + len(STEP_MARKER):])
+                    step_events.publish(reported["step"], reported["metrics"])
+                else:
+                    tail.append(line.rstrip("\n"))
+        if process.returncode != 0 or not os.path.exists(spec.result_path):
+            raise DataParallelError(_failure_message(first, last, nproc, process.returncode, list(tail)))
+        with open(spec.result_path) as result:
+            done = json.load(result)
+    return done["checkpoint"], done["history"]
+
+
+def _failure_message(first: int, last: int, nproc: int, returncode: int, tail: list[str]) -> str:
+    """Which rank failed and how, from torchrun's failure summary ("rank : 1 (local_rank: 1)", "exitcode : -9",
+    "traceback : Signal 9 (SIGKILL) received by PID ..."); the last lines of output when it has none."""
+    text = "\n".join(tail).split("Root Cause")[-1]  # torchrun lists the first failure last, under this title
+    ranks = re.findall(r"rank\s*:\s*(\d+) \(local_rank", text)
+    exitcodes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
+    causes = re.findall(r"traceback\s*:\s*(.+)", text)
+    where = f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed"
+    if ranks:
+        cause = causes[0].strip() if causes else f"exit code {exitcodes[0] if exitcodes else '?'}"
+        if cause.startswith("To enable traceback"):  # torchrun's placeholder: the worker's own error is above
+            errors = [line for line in tail if re.search(r"\b\w+(Error|Exception)\b:", line)
+                      and "ChildFailedError" not in line]
+            cause = errors[-1].strip() if errors else f"exit code {exitcodes[0] if exitcodes else '?'}"
+        message = f"{where}: rank {ranks[0]} exited with code {exitcodes[0] if exitcodes else '?'} ({cause})"
+    else:
+        message = f"{where}: torchrun exited with code {returncode}"
+    return (f"{message}; the segment's start checkpoint is in the store, so a rerun trains steps {first}-{last} "
+            f"again from it.\nlast output:\n" + "\n".join(tail[-20:]))
