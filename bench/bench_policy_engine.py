@@ -5,8 +5,8 @@
                moved a little before each step as an optimizer step would: the embedded transformers sampler
                (`type = "hf"`) vs the policy server (`type = "vllm"`), whose every step includes the reload (write
                the weights, reload in place, the 48-token probe). Useful tokens/s (completion tokens, EOS
-               included) and engine/embedded (target >= 2x on this machine). The server's start is reported
-               apart (once per run).
+               included) and engine/embedded (target >= 2x on this machine). The server's start and a warm-up
+               step 0 of each sampler are reported apart (once per run).
     overlap    steps per hour of `rollout train rl --config configs/rl-smollm2.toml` with max_off_policy_steps = 1
                vs 0, --overlap-steps steps each (evaluation off), from the runs' per-step wall times over steps 2..N
                (the first step carries the server's start); k=1 / k=0 (target >= 1.2x here).
@@ -66,7 +66,9 @@ def bench_sampling(args) -> dict:
         served.policy_server(base, timeout_s=600)
         start_s = time.perf_counter() - started
         print(f"policy server started in {start_s:.1f} s (not counted below)", flush=True)
-        for step in range(1, args.steps + 1):
+        # Step 0 warms both up (the engine's first requests compile its kernels, ~60 s on this CPU) and is not
+        # counted, as the server's start is not: both are once per run.
+        for step in range(0, args.steps + 1):
             nudge(model, step)
             for kind in ("hf", "vllm"):
                 settings = SAMPLERS[kind].settings_class(**({"batch_size": args.prompts * args.group}
@@ -77,8 +79,9 @@ def bench_sampling(args) -> dict:
                 rollouts = sampler.sample(prompts, params, seed=step)
                 seconds = time.perf_counter() - began
                 tokens = sum(len(ids) for ids in rollouts.column("completion_ids").to_pylist())
-                totals[kind][0] += tokens
-                totals[kind][1] += seconds
+                if step > 0:
+                    totals[kind][0] += tokens
+                    totals[kind][1] += seconds
                 reload = ""
                 if kind == "vllm":
                     report = sampler.hold_reports[-1]
