@@ -69,7 +69,7 @@ def bench_sampling(args) -> dict:
         # Step 0 warms both up (the engine's first requests compile its kernels, ~60 s on this CPU) and is not
         # counted, as the server's start is not: both are once per run.
         for step in range(0, args.steps + 1):
-            nudge(model, step)
+            nudge(model, step + 1)
             for kind in ("hf", "vllm"):
                 settings = SAMPLERS[kind].settings_class(**({"batch_size": args.prompts * args.group}
                                                             if kind == "hf" else {"timeout_s": 600}))
