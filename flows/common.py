@@ -81,6 +81,39 @@ def task_result_storage(store: str, storage_options: dict[str, Any]) -> Path | R
     return block
 
 
+@contextmanager
+def fan_out_runner(settings) -> Iterator[Any]:
+    """The run's task runner for per-sample fan-out (`run.task_runner`: config.common.TaskRunnerSettings), started
+    for the block: a prefect-dask DaskTaskRunner (a LocalCluster of this machine, or the scheduler at `address`)
+    or a prefect-ray RayTaskRunner; None for "thread" (the flow's own tasks do that work in its process). Tasks
+    submitted to it run in other processes, maybe other machines: their parameters travel pickled, and they store
+    their results in the run's result storage (RunTasks), which each worker must reach (docs/hardware.md)."""
+    if settings.type == "thread":
+        yield None
+        return
+    if settings.type == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if settings.address is not None:
+            runner = DaskTaskRunner(address=settings.address)
+        else:
+            cluster = {"threads_per_worker": settings.threads_per_worker, "dashboard_address": None}
+            if settings.n_workers is not None:
+                cluster["n_workers"] = settings.n_workers
+            runner = DaskTaskRunner(cluster_kwargs=cluster)
+    else:
+        try:
+            from prefect_ray import RayTaskRunner
+        except ImportError:
+            from rollout_lib.config.errors import ConfigError
+
+            raise ConfigError([("run.task_runner.type", "\"ray\" needs prefect-ray: pip install -e '.[ray]'")]) \
+                from None
+        runner = RayTaskRunner(address=settings.address)
+    with runner:
+        yield runner
+
+
 def artifact_key(*parts: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
     text = "-".join(parts).lower()

@@ -6,7 +6,8 @@
 Unlike train-rm and train-sft, a task covers one step's stage: each step samples from the weights the step before
 produced, and sampling and scoring are heavy enough that a task per stage costs little (bench/bench_rl_stages.py).
 With `max_off_policy_steps = k > 0`, step n samples from the weights after step n-1-k, in a sample task submitted
-to run beside the training of the steps before it (docs/serving.md, "Off-policy steps").
+to run beside the training of the steps before it (docs/serving.md, "Off-policy steps"). With `run.task_runner` of
+type dask or ray, a step's scoring fans out to that cluster in chunks (docs/hardware.md, "Task runners").
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flows.common import (
     Progress,
     RunTasks,
     artifact_key,
+    fan_out_runner,
     load_run_config,
     metrics_table,
     recorded_run,
@@ -43,6 +45,8 @@ from tasks.rl import (
     load_prompts_task,
     pack_task,
     sample_task,
+    score_chunk_task,
+    score_merge_task,
     score_task,
     train_step_task,
 )
@@ -85,7 +89,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     curves = CurvesArtifact(cfg, "train-rl")
     with ResidentTrainer(frozen_capacity=settings.max_off_policy_steps + 2) as resident, \
             FrozenModels(cfg.run.store) as frozen_models, \
-            RewardLoops(cfg, frozen_models) as reward_loops, recorded_run(cfg, total, log_steps=False):
+            RewardLoops(cfg, frozen_models) as reward_loops, fan_out_runner(cfg.run.task_runner) as runner, \
+            recorded_run(cfg, total, log_steps=False):
         if cfg.frozen_models() or cfg.served_reward_models():
             for connected in connect_frozen_models_task(cfg, frozen_models, reward_loops):
                 logger.info("frozen model %s", connected)
@@ -142,7 +147,10 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                     sampled = in_flight.pop(step).result()
                 else:
                     sampled = sample(cfg, prompts, state, step, resident, frozen_models, sampling_pools(step))
-                scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
+                if runner is None:
+                    scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
+                else:
+                    scored = score_in_chunks(run_task, runner, cfg, prompts, sampled["rollouts"], step)
                 samples = advantages(cfg, prompts, sampling_state(step), scored["rollouts"], step, resident,
                                      frozen_models, None if pools is None else pools[step - 1])
                 if pools is not None:
@@ -185,6 +193,20 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                    for name, value in eval_before.items() if name.endswith(("/reward_mean", "/pass_rate"))}
     return {"checkpoint": checkpoint, "steps": total, "reward_curve": rewards, "eval_curves": eval_curves,
             "last_metrics": history[-1], "train_seconds": train_seconds}
+
+
+def score_in_chunks(run_task: RunTasks, runner, cfg: RlConfig, prompts: dict[str, str], rollouts_id: str,
+                    step: int) -> dict:
+    """A step's scoring on the run's task runner (`run.task_runner`, type dask or ray): its rollouts in
+    `chunks` score-chunk tasks submitted together, then merged in row order here (score_merge_task): the result
+    score_task gives, table id and metrics alike."""
+    chunks = cfg.run.task_runner.score_chunks
+    score_chunk = run_task(score_chunk_task)
+    futures = [runner.submit(score_chunk, {"config": cfg, "prompts_ids": prompts, "rollouts_id": rollouts_id,
+                                           "step": step, "chunk": chunk, "chunks": chunks})
+               for chunk in range(chunks)]
+    chunk_ids = [future.result() for future in futures]  # a failed chunk raises its own error here
+    return run_task(score_merge_task)(cfg, rollouts_id, step, chunk_ids)
 
 
 def _summary(cfg: RlConfig, checkpoint: str, history: list[dict], eval_before: dict) -> str:

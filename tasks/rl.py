@@ -4,7 +4,9 @@ rollout_lib.rl, write the result and return its id (plus JSON metrics).
     connect-frozen-models                             (serve / reach each frozen model, check its tokenizer)
     sample-step-k      policy state k-1, prompts      -> rollouts           (the resident policy or a frozen
                                                                             model, seeded)
-    score-step-k       rollouts                       -> scored rollouts    (the reward loop)
+    score-step-k       rollouts                       -> scored rollouts    (the reward loop; with a dask or ray
+                                                                            task runner, score-step-k-chunk-i
+                                                                            tasks on its workers, then a merge)
     advantages-step-k  scored rollouts                -> training samples   (per-env algorithms, stamping)
     pack-step-k        training samples               -> micro-batches
     train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step; a snapshot
@@ -38,7 +40,14 @@ from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, sampling_policy, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, reload_metrics, sample_rollouts
-from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.rl.score import (
+    RewardLoops,
+    results_from_json,
+    results_json,
+    reward_results,
+    score_rollouts,
+    scored_rollouts,
+)
 from rollout_lib.sampling import SAMPLERS, SamplingContext
 from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.trainer.identity import reward_model_contents
@@ -195,6 +204,48 @@ def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, 
     store = open_store(config)
     rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
     scored, metrics = score_rollouts(config, rollouts, _prompt_tables(config, prompts_ids), reward_loops)
+    return {"rollouts": store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
+
+
+def chunk_rows(num_rows: int, chunk: int, chunks: int) -> tuple[int, int]:
+    """Rows [start, stop) of chunk `chunk` of `chunks`: contiguous, in order, sizes differing by one at most."""
+    return num_rows * chunk // chunks, num_rows * (chunk + 1) // chunks
+
+
+@task(name="score-chunk", task_run_name="score-step-{step}-chunk-{chunk}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=_reward_sources))
+def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int, chunk: int,
+                     chunks: int) -> str:
+    """The rewards of one chunk of a step's rollouts (chunk_rows), scored where the run's task runner put this
+    task (a Dask or Ray worker): with reward functions built here, since the flow's RewardLoops cannot travel.
+    Judges and reward models served over HTTP are reached from here; an embedded reward model loads here, once
+    per chunk. Returns the id of the chunk's results (JSON: rollout_lib.rl.score.results_json)."""
+    store = open_store(config)
+    rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
+    start, stop = chunk_rows(rollouts.num_rows, chunk, chunks)
+    with FrozenModels(config.run.store) as frozen_models, RewardLoops(config, frozen_models) as reward_loops:
+        results, reward_model_metrics = reward_results(config, rollouts.slice(start, stop - start),
+                                                       _prompt_tables(config, prompts_ids), reward_loops)
+    # Pairs, not an object: the store's JSON sorts keys, and the metrics keep score_task's order.
+    return store.put_json({"results": results_json(results),
+                           "reward_model_metrics": list(reward_model_metrics.items())})
+
+
+@task(name="score-merge", task_run_name="score-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=_reward_sources))
+def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: list[str]) -> dict:
+    """The step's scored rollouts from its chunks' results, concatenated in row order: the table (and its id)
+    and metrics score_task gives."""
+    started = time.perf_counter()
+    store = open_store(config)
+    rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
+    results, reward_model_metrics = [], {}
+    for chunk_id in chunk_ids:
+        chunk = store.get_json(chunk_id)
+        results.extend(results_from_json(chunk["results"]))
+        for name, count in chunk["reward_model_metrics"]:
+            reward_model_metrics[name] = reward_model_metrics.get(name, 0) + count
+    scored, metrics = scored_rollouts(config, rollouts, results, reward_model_metrics)
     return {"rollouts": store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
 
 

@@ -12,6 +12,40 @@ from rollout_lib.settings_base import ModelRef, StrictModel
 __all__ = ["ModelRef", "StrictModel"]  # defined in settings_base (importable without this package), used here
 
 
+class TaskRunnerSettings(StrictModel):
+    """Where a step's scoring fans out (docs/hardware.md, "Task runners"). "thread": in the flow's process, one
+    score task per step (the default). "dask" / "ray": the step's rollouts split into `chunks` score tasks run on a
+    Dask cluster (prefect-dask) or a Ray cluster (prefect-ray, the `ray` extra), each building its own reward
+    functions on its worker, merged in row order: the scored table, and every id after it, is the thread runner's."""
+
+    type: Literal["thread", "dask", "ray"] = "thread"
+    # A running cluster: a Dask scheduler ("tcp://host:8786") or a Ray address ("ray://head:10001", "auto").
+    # None: a cluster on this machine for the length of the run (a Dask LocalCluster, a local Ray instance).
+    address: str | None = None
+    n_workers: int | None = Field(None, ge=1)  # a Dask LocalCluster's worker processes (None: Dask's default)
+    threads_per_worker: int = Field(1, ge=1)  # a Dask LocalCluster's threads per worker process
+    chunks: int | None = Field(None, ge=1)  # score tasks per step; None: n_workers, or 4
+
+    @model_validator(mode="after")
+    def _settings_of_its_type(self) -> "TaskRunnerSettings":
+        local_cluster = {"n_workers": self.n_workers, "threads_per_worker": self.threads_per_worker != 1}
+        if self.type == "thread":
+            given = [name for name, value in {"address": self.address, **local_cluster,
+                                               "chunks": self.chunks}.items() if value]
+            if given:
+                raise ValueError(f"{', '.join(given)}: settings of a dask or ray task runner, not of type = \"thread\"")
+        elif self.address is not None or self.type == "ray":
+            given = [name for name, value in local_cluster.items() if value]
+            if given:
+                where = "a Ray task runner" if self.type == "ray" else "a Dask cluster at an address"
+                raise ValueError(f"{', '.join(given)}: settings of a Dask LocalCluster, not of {where}")
+        return self
+
+    @property
+    def score_chunks(self) -> int:
+        return self.chunks or self.n_workers or 4
+
+
 class RunSettings(StrictModel):
     name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     seed: int = 42
@@ -25,6 +59,8 @@ class RunSettings(StrictModel):
     # store, .rollout/tensorboard/<name> for a remote one). How a run is watched, never what it trains: like the
     # store, not in training_settings(), so turning it on reuses every finished step.
     tensorboard: bool = False
+    # Where per-sample fan-out (a step's scoring) runs: how fast, never what (not in training_settings()).
+    task_runner: TaskRunnerSettings = TaskRunnerSettings()
 
     @field_validator("store")
     @classmethod

@@ -14,6 +14,7 @@ from rollout_lib.reward.functions import resolve_reward_function
 from rollout_lib.reward.judge import JudgeClient, LlmJudge, WithJudge
 from rollout_lib.reward.loop import (
     RewardLoop,
+    RewardResult,
     is_async_callable,
     raise_if_all_missing,
     raise_if_too_many_missing,
@@ -83,7 +84,8 @@ class RewardLoops:
 
     def _judge_client(self, judge, max_tokens: int, temperature: float, where: str) -> JudgeClient:
         if self.frozen_models is None:
-            raise ValueError(f"{where}.judge: a judge needs the run's FrozenModels (RewardLoops(config, frozen_models))")
+            raise ValueError(f"{where}.judge: a judge needs the run's FrozenModels "
+                             "(RewardLoops(config, frozen_models))")
         return JudgeClient(self.frozen_models.pool(judge, where=f"{where}.judge"), max_tokens, temperature)
 
     def take_reward_model_metrics(self) -> dict[str, int]:
@@ -116,24 +118,41 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
     (the circuit breaker) when more than `reward_loop.max_missing_fraction` of them did not. With reward models,
     the metrics count what their inputs lost (`reward_model/prompt_truncated`, `reward_model/missing_too_long`,
     ...)."""
+    return scored_rollouts(config, rollouts, *reward_results(config, rollouts, prompt_tables, loops))
+
+
+def reward_results(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str, pa.Table],
+                   loops: RewardLoops) -> tuple[list[RewardResult], dict[str, int]]:
+    """Each rollout's RewardResult, row for row, and the reward models' counts (`reward_model/<count>`, none
+    without one). Every result depends on its own row alone: scoring the rows in chunks and concatenating the
+    results gives the same list (the fan-out of a dask or ray task runner)."""
     envs = rollouts.column("env").to_pylist()
     rows_by_env = {env.name: [i for i, name in enumerate(envs) if name == env.name] for env in config.settings.envs}
-
     env_loops = [loops.for_env(env) for env in config.settings.envs]  # outside the event loop: may connect a judge
 
-    async def score_all():
+    async def score_all():  # typed row indices: a chunk may hold no rows of an env
         return await asyncio.gather(*(
-            loop.ascore(reward_inputs(rollouts.take(rows_by_env[env.name]), prompt_tables[env.name]))
+            loop.ascore(reward_inputs(rollouts.take(pa.array(rows_by_env[env.name], pa.int64())),
+                                      prompt_tables[env.name]))
             for env, loop in zip(config.settings.envs, env_loops)
         ))
 
     results: list = [None] * rollouts.num_rows
-    metrics: dict = {}
-    results_by_env = dict(zip([env.name for env in config.settings.envs], asyncio.run(score_all())))
-    metrics.update(loops.take_reward_model_metrics())
-    for env_name, env_results in results_by_env.items():
-        for row, result in zip(rows_by_env[env_name], env_results):
+    for env, env_results in zip(config.settings.envs, asyncio.run(score_all())):
+        for row, result in zip(rows_by_env[env.name], env_results):
             results[row] = result
+    return results, loops.take_reward_model_metrics()
+
+
+def scored_rollouts(config: RlConfig, rollouts: pa.Table, results: list[RewardResult],
+                    reward_model_metrics: dict[str, int]) -> tuple[pa.Table, dict]:
+    """The rollouts with their rewards, and the step's reward metrics; raises when too many rewards are missing
+    (score_rollouts)."""
+    envs = rollouts.column("env").to_pylist()
+    results_by_env = {env.name: [result for result, name in zip(results, envs) if name == env.name]
+                      for env in config.settings.envs}
+    metrics: dict = dict(reward_model_metrics)
+    for env_name, env_results in results_by_env.items():
         if len(results_by_env) > 1:
             env_metrics = reward_metrics(env_results)
             metrics[f"reward_mean/{env_name}"] = env_metrics["reward_mean"]
@@ -148,6 +167,16 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
     metrics.update({"reward_mean": overall["reward_mean"], "reward_std": overall["reward_std"],
                     "missing_rewards": overall["n_missing"], "reward_errors": errors[:3]})
     return apply_rewards(rollouts, results), metrics
+
+
+def results_json(results: list[RewardResult]) -> list[dict]:
+    """RewardResults as JSON (a chunk's, in the store): floats round-trip exactly, and per_function stays in
+    function order (pairs: the store's JSON sorts keys)."""
+    return [{"reward": r.reward, "error": r.error, "per_function": list(r.per_function.items())} for r in results]
+
+
+def results_from_json(rows: list[dict]) -> list[RewardResult]:
+    return [RewardResult(row["reward"], row["error"], dict(row["per_function"])) for row in rows]
 
 
 def function_means(env_name: str | None, results: list) -> dict[str, float | None]:

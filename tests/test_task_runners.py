@@ -1,0 +1,172 @@
+"""`run.task_runner`: a step's scoring fanned out to a Dask cluster (prefect-dask) in chunks scores every rollout as
+the default thread runner's single score task does, so a run ends on the same checkpoint; the runner is how fast,
+never what, so it is in no identity or cache key."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from clirun import final_result, run_rollout, task_run_states
+from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash
+from rollout_lib.config.common import TaskRunnerSettings
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer.identity import training_identity
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = "configs/rl-tiny.toml"
+
+
+def rl_tiny(**overrides) -> RlConfig:
+    return load_config(RlConfig, str(ROOT / TINY), overrides)
+
+
+def test_the_thread_runner_is_the_default_and_takes_no_cluster_settings():
+    assert TaskRunnerSettings().type == "thread"
+    assert rl_tiny().run.task_runner == TaskRunnerSettings()
+    with pytest.raises(ConfigError, match=r"run\.task_runner.*address: settings of a dask or ray task runner"):
+        rl_tiny(**{"run.task_runner.address": "tcp://10.0.0.1:8786"})
+    with pytest.raises(ConfigError, match=r"run\.task_runner\.kind"):  # extra="forbid": a misspelt key is an error
+        rl_tiny(**{"run.task_runner.kind": "dask"})
+    with pytest.raises(ConfigError, match=r"run\.task_runner\.type"):
+        rl_tiny(**{"run.task_runner.type": "spark"})
+
+
+def test_cluster_settings_belong_to_the_cluster_they_start():
+    local = TaskRunnerSettings(type="dask", n_workers=2, threads_per_worker=2)
+    assert local.score_chunks == 2
+    assert TaskRunnerSettings(type="dask", address="tcp://10.0.0.1:8786", chunks=16).score_chunks == 16
+    assert TaskRunnerSettings(type="ray").score_chunks == 4
+    with pytest.raises(ValueError, match="n_workers: settings of a Dask LocalCluster, not of a Dask cluster at an"):
+        TaskRunnerSettings(type="dask", address="tcp://10.0.0.1:8786", n_workers=2)
+    with pytest.raises(ValueError, match="threads_per_worker: settings of a Dask LocalCluster, not of a Ray"):
+        TaskRunnerSettings(type="ray", threads_per_worker=4)
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        TaskRunnerSettings(type="dask", chunks=0)
+
+
+def test_the_task_runner_is_in_no_identity():
+    default = rl_tiny()
+    dask = rl_tiny(**{"run.task_runner.type": "dask", "run.task_runner.n_workers": 2, "run.task_runner.chunks": 3})
+    assert training_hash(dask) == training_hash(default)
+    assert training_identity(dask) == training_identity(default)
+    assert "task_runner" not in str(dask.training_settings())
+
+
+def test_chunked_scoring_merges_to_the_single_score_tasks_table_and_metrics(tmp_path):
+    import pyarrow as pa
+    from prefect.logging import disable_run_logger
+
+    from rollout_lib import wire
+    from rollout_lib.rl.score import RewardLoops
+    from tasks.rl import chunk_rows, score_chunk_task, score_merge_task, score_task
+
+    assert [chunk_rows(10, chunk, 3) for chunk in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    assert [chunk_rows(2, chunk, 4) for chunk in range(4)] == [(0, 0), (0, 1), (1, 1), (1, 2)]  # empty chunks too
+    config = rl_tiny(**{"run.store": str(tmp_path / "store")})
+    store = ObjectStore(config.run.store)
+    prompts = store.put_table(pa.Table.from_pylist([
+        {"example_id": example, "env": "words", "source_line": line, "answer": None, "info": None,
+         "messages": [{"role": "user", "content": "Say something."}]} for line, example in enumerate("ab")],
+        schema=wire.PROMPTS))
+    completions = ["one two", "one two three four five six seven eight nine ten eleven twelve", "", "x " * 30,
+                   "a b c", "the sea the sea the sea"]
+    rollouts = store.put_table(pa.Table.from_pylist([
+        {"sample_id": f"s{i}", "example_id": "ab"[i % 2], "env": "words", "group_index": i // 2, "prompt_ids": [1],
+         "completion_ids": [2], "sampling_logprobs": [-0.1], "completion_text": text, "answer": None, "info": None}
+        for i, text in enumerate(completions)], schema=wire.ROLLOUTS))
+    with disable_run_logger(), RewardLoops(config) as loops:
+        single = score_task.fn(config, {"words": prompts}, rollouts, 1, loops)
+    for chunks in (1, 4, 7):
+        chunk_ids = [score_chunk_task.fn(config, {"words": prompts}, rollouts, 1, chunk, chunks)
+                     for chunk in range(chunks)]
+        with disable_run_logger():
+            merged = score_merge_task.fn(config, rollouts, 1, chunk_ids)
+        assert merged["rollouts"] == single["rollouts"]
+        assert {k: v for k, v in merged["metrics"].items() if k != "score_s"} == \
+            {k: v for k, v in single["metrics"].items() if k != "score_s"}
+    assert store.get_table(single["rollouts"]).column("reward").to_pylist()[1] == 1.0  # 12 words: the target
+
+
+STEPS = ["--set", "algorithm.rl.budget.max_steps=2", "--set", "algorithm.rl.checkpoint_interval=2"]
+DASK = ["--set", "run.task_runner.type=dask", "--set", "run.task_runner.n_workers=2"]
+
+
+@pytest.fixture(scope="module")
+def thread_run(prefect_server, tmp_path_factory) -> tuple[dict, Path]:
+    """2 steps of rl-tiny on the default (thread) runner: its final result and its store."""
+    store = tmp_path_factory.mktemp("thread") / "store"
+    done = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store}", *STEPS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return final_result(done), store
+
+
+def chunk_states(states: dict) -> dict:
+    return {name: state for name, state in states.items() if name.startswith("score-step-")}
+
+
+@pytest.mark.slow
+def test_a_run_scored_on_a_dask_local_cluster_ends_on_the_default_runners_checkpoint(thread_run, tmp_path):
+    expected, thread_store = thread_run
+    dask = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={tmp_path / 'dask'}", *STEPS, *DASK)
+    assert dask.returncode == 0, dask.stderr[-3000:]
+    result = final_result(dask)
+    assert result["checkpoint"] == expected["checkpoint"]
+    assert result["reward_curve"] == expected["reward_curve"]
+    assert "Creating a new Dask cluster" in dask.stdout + dask.stderr
+    states = task_run_states(result["flow_run_id"])
+    assert chunk_states(states) == {f"score-step-{step}{chunk}": "Completed" for step in (1, 2)
+                                    for chunk in ("", "-chunk-0", "-chunk-1")}
+
+    # Every object the default run stored (rollouts, scored tables, samples, micro-batches, states, the
+    # checkpoint) is in the Dask run's store, byte for byte: the Dask run only adds its chunks' results.
+    def objects(store: Path) -> set[str]:
+        return {path.name for path in (store / "objects").glob("*/*")}
+
+    thread_objects, dask_objects = objects(thread_store), objects(tmp_path / "dask")
+    assert thread_objects <= dask_objects, sorted(thread_objects - dask_objects)[:5]
+    assert len(dask_objects - thread_objects) == 2 * 2  # 2 steps x 2 chunks
+    # The workers stored their tasks' results in the run's result storage: a rerun is all cache.
+    rerun = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={tmp_path / 'dask'}", *STEPS, *DASK)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
+    assert set(chunk_states(task_run_states(final_result(rerun)["flow_run_id"])).values()) == {"Cached"}
+
+
+@pytest.mark.slow
+def test_dask_workers_keep_their_results_in_an_s3_store(thread_run, s3_options):
+    """A team's set-up in small: the store (and so the result storage) in a bucket every worker reaches with the
+    run's storage_options (a moto server here)."""
+    import uuid
+
+    import fsspec
+
+    from s3server import BUCKET
+    from test_s3_results import toml_inline
+
+    expected, _ = thread_run
+    store_url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    done = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store_url}",
+                       "--set", f"run.storage_options={toml_inline(s3_options)}", *STEPS, *DASK)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = final_result(done)
+    assert result["checkpoint"] == expected["checkpoint"]
+    assert ObjectStore(store_url, s3_options).get_ref("runs/rl-tiny/latest") == expected["checkpoint"]
+    bucket = fsspec.filesystem("s3", skip_instance_cache=True, **s3_options)
+    results = bucket.find(f"{store_url.removeprefix('s3://')}/prefect-results")
+    states = task_run_states(result["flow_run_id"])
+    assert "score-step-2-chunk-1" in states and len(results) >= len(states), (len(results), sorted(states))
+
+
+def test_ray_without_its_extra_is_an_error_naming_the_setting():
+    if importlib.util.find_spec("prefect_ray") is not None:
+        pytest.skip("prefect-ray is installed here")
+    from flows.common import fan_out_runner
+
+    with pytest.raises(ConfigError, match=r"^run\.task_runner\.type: \"ray\" needs prefect-ray: pip install"):
+        with fan_out_runner(TaskRunnerSettings(type="ray")):
+            pass
+    with fan_out_runner(TaskRunnerSettings()) as runner:
+        assert runner is None  # the thread runner: the flow's own tasks, no cluster
