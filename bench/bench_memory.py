@@ -49,10 +49,9 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def measure(args, checkpointing: bool) -> dict:
-    """Build the SFT trainer and run `--steps` steps, in this process; the figures of one variant."""
-    import torch
-
+def sft_setup(args, store_root: str, hardware: dict):
+    """(inputs, batches, micro-batches table) of `--steps` SFT steps of configs/sft-smollm2.toml with the bench's sizes and `hardware`
+    (`algorithm.sft.hardware.<key>` overrides), their micro-batches in a store at `store_root`."""
     from rollout_lib.config import SftConfig, load_config
     from rollout_lib.data import load_examples
     from rollout_lib.model.loading import resolve_model
@@ -60,30 +59,39 @@ def measure(args, checkpointing: bool) -> dict:
     from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
     from rollout_lib.store import ObjectStore
     from rollout_lib.trainer.base import TrainingInputs
-    from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
+    from rollout_lib.trainer.causal import PlannedBatches
     from rollout_lib.trainer.determinism import plan_batches
-    from rollout_lib.trainer.hardware import is_checkpointing
     from rollout_lib.trainer.identity import training_identity
 
+    config = load_config(SftConfig, CONFIG, {
+        "algorithm.sft.base_model.uri": args.model, "algorithm.sft.budget.max_steps": args.steps,
+        "algorithm.sft.minibatch_size": args.examples_per_step,
+        "algorithm.sft.packing.max_seq_len": args.row_len, "algorithm.sft.eval_dataset": None,
+        "algorithm.sft.hardware.device": args.device, "run.store": store_root,
+        **{f"algorithm.sft.hardware.{key}": value for key, value in hardware.items()}})
+    settings = config.settings
+    store = ObjectStore(config.run.store)
+    samples = tokenize_examples(load_examples(settings.dataset.path), sft_tokenizer(resolve_model(
+        settings.base_model)), loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len,
+        source=settings.dataset.path).samples
+    plan = plan_batches(samples.num_rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
+    micro_batches, micro_plan = plan_micro_batches(samples, plan, settings)
+    inputs = TrainingInputs(store, config, training_identity(config),
+                            {"micro_batches": store.put_table(micro_batches), "plan": store.put_table(micro_plan)})
+    return inputs, PlannedBatches(store, inputs.data_ids["micro_batches"], inputs.data_ids["plan"]), micro_batches
+
+
+def measure(args, checkpointing: bool) -> dict:
+    """Build the SFT trainer and run `--steps` steps, in this process; the figures of one variant."""
+    import torch
+
+    from rollout_lib.trainer.causal import CausalLmTrainer
+    from rollout_lib.trainer.hardware import is_checkpointing
+
     with tempfile.TemporaryDirectory() as store_root:
-        config = load_config(SftConfig, CONFIG, {
-            "algorithm.sft.base_model.uri": args.model, "algorithm.sft.budget.max_steps": args.steps,
-            "algorithm.sft.minibatch_size": args.examples_per_step,
-            "algorithm.sft.packing.max_seq_len": args.row_len, "algorithm.sft.eval_dataset": None,
-            "algorithm.sft.hardware.device": args.device, "algorithm.sft.hardware.precision": args.precision,
-            "algorithm.sft.hardware.allow_cpu_bf16": True,
-            "algorithm.sft.hardware.gradient_checkpointing": checkpointing, "run.store": store_root})
-        settings = config.settings
-        store = ObjectStore(config.run.store)
-        samples = tokenize_examples(load_examples(settings.dataset.path), sft_tokenizer(resolve_model(
-            settings.base_model)), loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len,
-            source=settings.dataset.path).samples
-        plan = plan_batches(samples.num_rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
-        micro_batches, micro_plan = plan_micro_batches(samples, plan, settings)
-        inputs = TrainingInputs(store, config, training_identity(config),
-                                {"micro_batches": store.put_table(micro_batches), "plan": store.put_table(micro_plan)})
-        trainer = CausalLmTrainer.initial(inputs, batches=PlannedBatches(store, inputs.data_ids["micro_batches"],
-                                                                           inputs.data_ids["plan"]))
+        inputs, batches, micro_batches = sft_setup(args, store_root, {
+            "precision": args.precision, "allow_cpu_bf16": True, "gradient_checkpointing": checkpointing})
+        trainer = CausalLmTrainer.initial(inputs, batches=batches)
         assert is_checkpointing(trainer.model) == checkpointing
         cuda = trainer.model.device.type == "cuda"
         if cuda:
@@ -109,35 +117,11 @@ def measure(args, checkpointing: bool) -> dict:
 
 def measure_processes(args, nproc: int) -> dict:
     """Steps 1..N as one data-parallel segment of `nproc` torchrun processes; the figures of one variant."""
-    from rollout_lib.config import SftConfig, load_config
-    from rollout_lib.data import load_examples
-    from rollout_lib.model.loading import resolve_model
-    from rollout_lib.sft.batches import plan_micro_batches
-    from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
-    from rollout_lib.store import ObjectStore
-    from rollout_lib.trainer.base import TrainingInputs
-    from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
+    from rollout_lib.trainer.causal import CausalLmTrainer
     from rollout_lib.trainer.data_parallel import run_segment_in_processes
-    from rollout_lib.trainer.determinism import plan_batches
-    from rollout_lib.trainer.identity import training_identity
 
     with tempfile.TemporaryDirectory() as store_root:
-        config = load_config(SftConfig, CONFIG, {
-            "algorithm.sft.base_model.uri": args.model, "algorithm.sft.budget.max_steps": args.steps,
-            "algorithm.sft.minibatch_size": args.examples_per_step,
-            "algorithm.sft.packing.max_seq_len": args.row_len, "algorithm.sft.eval_dataset": None,
-            "algorithm.sft.hardware.device": args.device, "algorithm.sft.hardware.nproc": nproc,
-            "run.store": store_root})
-        settings = config.settings
-        store = ObjectStore(config.run.store)
-        samples = tokenize_examples(load_examples(settings.dataset.path), sft_tokenizer(resolve_model(
-            settings.base_model)), loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len,
-            source=settings.dataset.path).samples
-        plan = plan_batches(samples.num_rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
-        micro_batches, micro_plan = plan_micro_batches(samples, plan, settings)
-        inputs = TrainingInputs(store, config, training_identity(config),
-                                {"micro_batches": store.put_table(micro_batches), "plan": store.put_table(micro_plan)})
-        batches = PlannedBatches(store, inputs.data_ids["micro_batches"], inputs.data_ids["plan"])
+        inputs, batches, _ = sft_setup(args, store_root, {"nproc": nproc})
         start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
         started = time.perf_counter()
         _, history = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, args.steps, nproc, batches=batches)
