@@ -77,7 +77,7 @@ def rollout() -> None:
 @click.option("--store", "store_url", metavar="URL", help="--set run.store=URL (fsspec URL)")
 @click.option("--nproc", type=click.IntRange(min=1), metavar="N",
               help="--set algorithm.<ENTRY_POINT>.hardware.nproc=N: train data-parallel in N processes (torchrun; "
-                   "sft and rm, docs/hardware.md)")
+                   "sft, rm and rl, docs/hardware.md)")
 @click.option("--dry-run", is_flag=True,
               help="validate settings, parse every dataset row, print the plan; load no model")
 @click.option("--quiet", is_flag=True, help="no progress bar and no summary on stderr (the JSON result stays)")

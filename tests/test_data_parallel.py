@@ -161,7 +161,7 @@ def test_sft_two_processes_train_what_one_trains(tmp_path):
         CausalLmTrainer, one, two, segment_task, batches=batches)
     assert [m["tokens/ce"] for m in history] == [m["tokens/ce"] for m in single_history]  # N_ce summed over ranks
     assert_same_training(single_history, single_weights, history, dp_weights, initial)
-    assert history[0]["micro_batches"] == 4  # 3 and the filler
+    assert history[0]["micro_batches"] == 3  # rank 1's filler ran, but is no micro-batch of the step
 
 
 @pytest.mark.slow
@@ -236,7 +236,7 @@ def test_sigkill_of_one_rank_fails_the_run_clearly_and_the_rerun_resumes(prefect
     assert read_manifest(ObjectStore(str(store)), manifest["parent"])["step"] == 1
 
 
-def test_nproc_flag_is_the_hardware_override_and_rl_refuses_it():
+def test_nproc_flag_is_the_hardware_override():
     import click
 
     from rollout_cli.main import _shortcut_overrides
@@ -246,8 +246,9 @@ def test_nproc_flag_is_the_hardware_override_and_rl_refuses_it():
     assert _shortcut_overrides("rm", None, None, None, 2) == ["algorithm.rm.hardware.nproc=2"]
     with click.Context(click.Command("train")), pytest.raises(click.UsageError, match="--nproc: rlhf"):
         _shortcut_overrides("rlhf", None, None, None, 2)
-    with pytest.raises((ConfigError, ValueError), match="data-parallel RL training is not implemented yet"):
-        load_config(RlConfig, "configs/rl-tiny.toml", {"algorithm.rl.hardware.nproc": 2})
+    assert _shortcut_overrides("rl", None, None, None, 2) == ["algorithm.rl.hardware.nproc=2"]
+    rl = load_config(RlConfig, "configs/rl-tiny.toml", {"algorithm.rl.hardware.nproc": 2})
+    assert rl.settings.hardware.nproc == 2
     with pytest.raises((ConfigError, ValueError), match="each process its own GPU"):
         load_config(SftConfig, "configs/sft-tiny.toml", {"algorithm.sft.hardware.nproc": 2,
                                                          "algorithm.sft.hardware.device": "cuda:0"})

@@ -26,7 +26,7 @@ from __future__ import annotations
 import warnings
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
 from rollout_lib.algo.base import trains_env_tokens
@@ -309,14 +309,6 @@ class RlSettings(StrictModel):
     reward_loop: RewardLoopSettings = RewardLoopSettings()
     hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
     envs: list[EnvSettings] = Field(min_length=1)
-
-    @field_validator("hardware")
-    @classmethod
-    def _no_data_parallel_rl_yet(cls, hardware: HardwareSettings) -> HardwareSettings:
-        if hardware.nproc > 1:  # SFT and RM segments run data-parallel; RL's train step does not yet
-            raise ValueError(f"nproc = {hardware.nproc}: data-parallel RL training is not implemented yet "
-                             "(train-sft and train-rm support it, docs/hardware.md); use nproc = 1")
-        return hardware
 
     @property
     def recomputes_behaviour_logprobs(self) -> bool:

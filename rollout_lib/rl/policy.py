@@ -11,6 +11,10 @@ Off-policy steps (`max_off_policy_steps = k > 0`): step n samples from the state
 trains step n-1 in the flow's main thread. Those stages read a `FrozenPolicy`, a copy of the model at that state
 (`sampling_policy`), never the live trainer: the training thread keeps a copy of every state it produces before
 it moves on (`train_policy_step`), and a stage that finds none (a rerun) rebuilds one from the store.
+
+Data-parallel training (`hardware.nproc = N > 1`): the trainer lives in N torchrun processes for the whole run
+(rl/policy_group.py), which train each step and write its new state; this process keeps only frozen copies of the
+states, loaded from the weights the group exports, and samples, scores and evaluates with those.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.config.common import hardware_settings
 from rollout_lib.config.rl import RlConfig
+from rollout_lib.rl.policy_group import PolicyGroup
+from rollout_lib.trainer.identity import training_identity
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, RecordedBatches
@@ -56,9 +62,22 @@ def off_policy_steps(inputs: TrainingInputs) -> int:
     return inputs.config.settings.max_off_policy_steps
 
 
+def data_parallel_processes(inputs: TrainingInputs) -> int:
+    """How many processes train the policy: above 1, a PolicyGroup's (this process holds frozen copies only)."""
+    return hardware_settings(inputs.settings).nproc
+
+
+def policy_group(inputs: TrainingInputs, resident: ResidentTrainer) -> PolicyGroup:
+    """The run's data-parallel processes, kept (and closed) by the flow's resident."""
+    return resident.resource("policy_group", lambda: PolicyGroup(inputs, data_parallel_processes(inputs)))
+
+
 def initial_policy(inputs: TrainingInputs, resident: ResidentTrainer) -> str:
     """Step 0 snapshotted (the base model, a fresh optimizer), and kept resident for the first sample stage."""
     trainer = CausalLmTrainer.initial(inputs, batches=RecordedBatches(inputs.store))
+    if data_parallel_processes(inputs) > 1:  # the group opens it from the store; sampling reads a frozen copy
+        resident.keep_frozen(trainer.checkpoint_id, FrozenPolicy.copy_of(trainer.checkpoint_id, trainer))
+        return trainer.checkpoint_id
     resident.put(trainer.checkpoint_id, trainer)
     if off_policy_steps(inputs):
         resident.keep_frozen(trainer.checkpoint_id, FrozenPolicy.copy_of(trainer.checkpoint_id, trainer))
@@ -76,10 +95,12 @@ def pending_steps(store: ObjectStore, state_id: str) -> tuple[str, dict[int, str
         state_id = record["parent"]
 
 
-def rebuild_policy(inputs: TrainingInputs, state_id: str) -> CausalLmTrainer:
-    """The trainer at `state_id` from the store alone: its checkpoint, then the pending steps replayed."""
+def rebuild_policy(inputs: TrainingInputs, state_id: str, data_parallel=None) -> CausalLmTrainer:
+    """The trainer at `state_id` from the store alone: its checkpoint, then the pending steps replayed (on one rank
+    of a data-parallel group, `data_parallel`: replayed by every rank together, as they were trained)."""
     checkpoint_id, batches = pending_steps(inputs.store, state_id)
     trainer = CausalLmTrainer.from_checkpoint(inputs, checkpoint_id, batches=RecordedBatches(inputs.store, batches))
+    trainer.data_parallel = data_parallel
     if batches:
         logger.info("no resident policy at this state: replaying steps %d..%d from checkpoint %s", min(batches),
                     max(batches), checkpoint_id)
@@ -89,7 +110,10 @@ def rebuild_policy(inputs: TrainingInputs, state_id: str) -> CausalLmTrainer:
 
 
 def policy_at(inputs: TrainingInputs, state_id: str, resident: ResidentTrainer) -> CausalLmTrainer:
-    """The policy at `state_id`, not advanced: the resident one, or rebuilt and made resident."""
+    """The policy at `state_id`, not advanced: the resident one, or rebuilt and made resident (data-parallel
+    training: a frozen copy, as `sampling_policy`)."""
+    if data_parallel_processes(inputs) > 1:
+        return sampling_policy(inputs, state_id, resident)
     trainer = resident.get(state_id)
     if trainer is None:
         trainer = rebuild_policy(inputs, state_id)
@@ -101,11 +125,15 @@ def sampling_policy(inputs: TrainingInputs, state_id: str, resident: ResidentTra
     """The policy a stage samples (or scores behaviour logprobs) with at `state_id`: something with `.model` and
     `.tokenizer`. Synchronous runs use the resident trainer itself; off-policy runs a FrozenPolicy (kept by the
     training thread, or rebuilt here from the store without touching the resident trainer, which the training
-    thread may be updating)."""
-    if not off_policy_steps(inputs):
+    thread may be updating). Data-parallel training: always a FrozenPolicy, from the group's export when missing."""
+    data_parallel = data_parallel_processes(inputs) > 1
+    if not off_policy_steps(inputs) and not data_parallel:
         return policy_at(inputs, state_id, resident)
     frozen = resident.frozen(state_id)
-    if frozen is None:
+    if frozen is None and data_parallel:
+        group = policy_group(inputs, resident)
+        frozen = resident.keep_frozen(state_id, group.frozen_copy(state_id, group.export(state_id)))
+    elif frozen is None:
         frozen = resident.keep_frozen(state_id, FrozenPolicy.copy_of(state_id, rebuild_policy(inputs, state_id)))
     return frozen
 
@@ -116,17 +144,30 @@ def train_policy_step(inputs: TrainingInputs, state_id: str, step: int, micro_ba
     """Train step `step` of the policy at `state_id` on `micro_batches_id`. Returns (the new state: a checkpoint
     id when `snapshot`, else a pending-step record id; the step's metrics). `snapshot_metrics` (the whole step's
     metrics) go into the checkpoint's manifest beside the train metrics."""
+    if data_parallel_processes(inputs) > 1:
+        group = policy_group(inputs, resident)
+        new_state, metrics, weights = group.train(state_id, step, micro_batches_id, snapshot=snapshot,
+                                                  snapshot_metrics=snapshot_metrics)
+        resident.keep_frozen(new_state, group.frozen_copy(new_state, weights))
+        return new_state, metrics
     trainer = resident.pop(state_id) or rebuild_policy(inputs, state_id)
     trainer.batches.record(step, micro_batches_id)
     metrics = trainer.train_step(step)
-    if snapshot:
-        new_state = trainer.snapshot({**(snapshot_metrics or {}), **metrics})
-    else:
-        new_state = inputs.store.put_json({"kind": PENDING_STEP_KIND, "checkpoint": trainer.checkpoint_id,
-                                           "step": step, "micro_batches": micro_batches_id, "parent": state_id,
-                                           "training_identity": inputs.identity})
+    new_state = record_new_state(inputs, trainer, state_id, step, micro_batches_id, snapshot=snapshot,
+                                 snapshot_metrics={**(snapshot_metrics or {}), **metrics})
     if off_policy_steps(inputs):
         # Before the trainer moves on: the later steps that sample from this state read this copy.
         resident.keep_frozen(new_state, FrozenPolicy.copy_of(new_state, trainer))
     resident.put(new_state, trainer)
     return new_state, metrics
+
+
+def record_new_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: str, step: int,
+                     micro_batches_id: str, *, snapshot: bool, snapshot_metrics: dict) -> str:
+    """The state `trainer` reached by training step `step` from `state_id`, written to the store: a checkpoint
+    (`snapshot`; its manifest keeps `snapshot_metrics`) or a pending-step record."""
+    if snapshot:
+        return trainer.snapshot(snapshot_metrics)
+    return inputs.store.put_json({"kind": PENDING_STEP_KIND, "checkpoint": trainer.checkpoint_id, "step": step,
+                                  "micro_batches": micro_batches_id, "parent": state_id,
+                                  "training_identity": inputs.identity})

@@ -62,13 +62,16 @@ def train_on_micro_batches(
     Metrics: `loss` (the step's total) and `loss/<c>` per component, `tokens/<c>` (N_c), token-weighted
     component diagnostics (`rl/masked_fraction`, `ref_kl/kl`, ...), `grad_norm` (before clipping), `tokens`
     (real tokens run through the model), `positions` (including padding), `nonpad_fraction`, `micro_batches`
-    (run) and `tokens_per_s` (real tokens per second of forward, backward and optimizer step).
+    (trained) and `tokens_per_s` (real tokens per second of forward, backward and optimizer step); a data-parallel
+    filler counts in none of them.
     """
     started = time.perf_counter()
     check_micro_batches(micro_batches)
     if micro_batches.num_rows == 0:
         raise ValueError("an optimizer step needs at least one micro-batch")
+    real = micro_batches.num_rows  # micro-batches of the step this process trains; after them, fillers
     if data_parallel is not None:
+        real = len(data_parallel.share_rows(list(range(micro_batches.num_rows))))
         micro_batches = data_parallel.share(micro_batches)
     batches = [collate_micro_batch(row, packed=packed, pad_token_id=pad_token_id)
                for row in micro_batches.to_pylist()]
@@ -93,9 +96,10 @@ def train_on_micro_batches(
                 raise NonFiniteLossError(f"micro-batch {index}: loss is {loss.item()} (non-finite); "
                                          "weights not updated")
             loss.backward()
-            ran += 1
-            tokens += int(batch["sequence_lengths"].sum())
-            positions += int(batch["input_ids"].numel())
+            if index < real:  # a filler's forward and backward are not work the step asked for
+                ran += 1
+                tokens += int(batch["sequence_lengths"].sum())
+                positions += int(batch["input_ids"].numel())
             metrics["loss"] += parts.pop("loss/total")
             for name, value in parts.items():
                 component, _, what = name.partition("/")

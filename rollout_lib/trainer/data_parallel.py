@@ -177,20 +177,23 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
                 else:
                     tail.append(line.rstrip("\n"))
         if process.returncode != 0 or not os.path.exists(spec.result_path):
-            raise DataParallelError(_failure_message(first, last, nproc, process.returncode, list(tail)))
+            raise DataParallelError(failure_message(
+                f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed", process.returncode,
+                list(tail), f"the segment's start checkpoint is in the store, so a rerun trains steps {first}-{last} "
+                "again from it"))
         with open(spec.result_path) as result:
             done = json.load(result)
     return done["checkpoint"], done["history"]
 
 
-def _failure_message(first: int, last: int, nproc: int, returncode: int, tail: list[str]) -> str:
-    """Which rank failed and how, from torchrun's failure summary ("rank : 1 (local_rank: 1)", "exitcode : -9",
-    "traceback : Signal 9 (SIGKILL) received by PID ..."); the last lines of output when it has none."""
-    text = "\n".join(tail).split("Root Cause")[-1]  # torchrun lists the first failure last, under this title
+def failure_message(where: str, returncode: int | None, tail: list[str], rerun: str) -> str:
+    """`where`: which rank failed and how, from torchrun's failure summary ("rank : 1 (local_rank: 1)",
+    "exitcode : -9", "traceback : Signal 9 (SIGKILL) received by PID ..."), else the last lines of output; then
+    what a rerun does (`rerun`) and the last output."""
+    text = _root_cause(tail)
     ranks = re.findall(r"rank\s*:\s*(\d+) \(local_rank", text)
     exitcodes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
     causes = re.findall(r"traceback\s*:\s*(.+)", text)
-    where = f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed"
     if ranks:
         cause = causes[0].strip() if causes else f"exit code {exitcodes[0] if exitcodes else '?'}"
         if cause.startswith("To enable traceback"):  # torchrun's placeholder: the worker's own error is above
@@ -200,5 +203,14 @@ def _failure_message(first: int, last: int, nproc: int, returncode: int, tail: l
         message = f"{where}: rank {ranks[0]} exited with code {exitcodes[0] if exitcodes else '?'} ({cause})"
     else:
         message = f"{where}: torchrun exited with code {returncode}"
-    return (f"{message}; the segment's start checkpoint is in the store, so a rerun trains steps {first}-{last} "
-            f"again from it.\nlast output:\n" + "\n".join(tail[-20:]))
+    return f"{message}; {rerun}.\nlast output:\n" + "\n".join(tail[-20:])
+
+
+def _root_cause(tail: list[str]) -> str:
+    return "\n".join(tail).split("Root Cause")[-1]  # torchrun lists the first failure last, under this title
+
+
+def root_cause_rank(tail: list[str]) -> int | None:
+    """The rank torchrun's failure summary names as the first to fail, if it names one."""
+    found = re.search(r"rank\s*:\s*(\d+) \(local_rank", _root_cause(tail))
+    return int(found.group(1)) if found else None

@@ -10,13 +10,16 @@ past, while the trainer trains on the next one in another thread: the resident a
 of recent states' models (`keep_frozen`, `frozen`), made by the training thread before the trainer moves on, so
 the sampling thread never reads weights that are being updated. Frozen copies are guarded by a lock; the trainer
 slot is only ever used by the flow's training thread.
+
+It also holds **resources** a trainer needs across tasks and closes them with itself (`resource`): data-parallel
+RL's group of training processes (rl/policy_group.py), whose trainer lives outside this process.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 TrainerT = TypeVar("TrainerT")
 
@@ -27,6 +30,7 @@ class ResidentTrainer(Generic[TrainerT]):
         self._trainer: TrainerT | None = None
         self._frozen: OrderedDict[str, Any] = OrderedDict()  # state id -> frozen copy, oldest first
         self._frozen_capacity = frozen_capacity
+        self._resources: dict[str, Any] = {}  # name -> something with close()
         self._lock = threading.Lock()
 
     def get(self, state_id: str) -> TrainerT | None:
@@ -58,10 +62,20 @@ class ResidentTrainer(Generic[TrainerT]):
         with self._lock:
             return self._frozen.get(state_id)
 
+    def resource(self, name: str, make: Callable[[], Any]) -> Any:
+        """The resource kept under `name`, made by `make()` on first use; closed by `close`."""
+        with self._lock:
+            if name not in self._resources:
+                self._resources[name] = make()
+            return self._resources[name]
+
     def close(self) -> None:
         self._state_id = self._trainer = None
         with self._lock:
             self._frozen.clear()
+            resources, self._resources = list(self._resources.values()), {}
+        for resource in resources:
+            resource.close()
 
     def __enter__(self) -> "ResidentTrainer[TrainerT]":
         return self

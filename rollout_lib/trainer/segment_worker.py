@@ -26,8 +26,9 @@ from rollout_lib.trainer.hardware import hardware_of_config
 from rollout_lib.trainer.segment import TrainStepError
 
 
-@record
-def main(argv: list[str] | None = None) -> None:
+def join_group(argv: list[str] | None) -> tuple[object, DataParallel]:
+    """(the spec this rank was started with: the pickled file torchrun's command line names, this rank's place in
+    the process group), the group joined (gloo on CPU; on CUDA, nccl with this rank on its local rank's GPU)."""
     (spec_path,) = argv if argv is not None else sys.argv[1:]
     with open(spec_path, "rb") as spec_file:
         spec = pickle.load(spec_file)
@@ -37,10 +38,17 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)  # "cuda" (no index) in the settings now means this rank's GPU
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return spec, DataParallel(rank, world_size, device)
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    spec, data_parallel = join_group(argv)
+    rank = data_parallel.rank
     try:
         trainer = spec.trainer_class.from_checkpoint(spec.inputs, spec.checkpoint_id, **spec.options)
-        trainer.data_parallel = DataParallel(rank, world_size, device)
-        kill_at = _kill_step(rank)
+        trainer.data_parallel = data_parallel
+        kill_at = kill_step(rank)
         history = []
         for step in range(spec.first, spec.last + 1):
             if step == kill_at:
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def _kill_step(rank: int) -> int | None:
+def kill_step(rank: int) -> int | None:
     """The step this rank SIGKILLs itself at (the test hook data_parallel.KILL_RANK_ENV = "RANK:STEP")."""
     target = os.environ.get(KILL_RANK_ENV)
     if not target:

@@ -1,0 +1,218 @@
+"""Data-parallel RL training: the policy's trainer lives in N torchrun processes for the whole run.
+
+RL trains one optimizer step per RL step, and the next step samples from its result, so a process per step (what
+train-sft and train-rm do per segment, trainer/data_parallel.py) would pay torchrun's start and a rebuild of the
+trainer every step. Here the ranks start once, on the first train step, and stay:
+
+    flow process                                  torchrun --standalone --nproc_per_node N
+    (samples, scores, evaluates with a frozen       -m rollout_lib.rl.policy_worker SPEC
+     copy of each state; writes nothing it          rank r: the trainer (weights + optimizer state) at the
+     did not compute)                                 current state; trains its share of each step's micro-
+           |  one JSON line per command, to every     batches (trainer.data_parallel: counts and gradients
+           |  rank (a localhost socket each);         summed over the ranks); rank 0 writes the new state
+           |  rank 0's reply carries the result       (a pending-step record or a snapshot) and the weights
+           v                                          file the flow loads its frozen copy from
+
+Commands: `train` (step n from a parent state: the ranks rebuild that state from the store first if they are
+elsewhere, replaying its pending steps data-parallel, so the bits match the first time), `export` (the weights of
+a state the flow has no copy of: after a crash, a rerun) and `stop`. The flow process holds no trainer, only
+frozen copies (rl/policy.py `FrozenPolicy`) built from the exported files, bit for bit what rank 0 trained.
+
+A rank that fails (an exception, SIGKILL) makes torchrun stop the others; the command then raises
+DataParallelError naming the step and the rank, the group is gone, and the next command (a rerun's) starts a new
+one, which rebuilds the state it is asked for from the store.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import pickle
+import select
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from safetensors.torch import load_file
+
+from rollout_lib.trainer.base import TrainingInputs
+from rollout_lib.trainer.checkpoint import load_model_weights
+from rollout_lib.trainer.data_parallel import DataParallelError, failure_message, root_cause_rank
+from rollout_lib.trainer.determinism import GLOBAL_RNG
+
+logger = logging.getLogger(__name__)
+
+# How long the ranks may take to start and connect (importing torch and transformers, under load), and to stop.
+CONNECT_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every rank is started with (pickled into a file torchrun's command line names)."""
+
+    inputs: TrainingInputs
+    port: int  # the flow's localhost socket the ranks connect to
+
+
+class PolicyGroup:
+    """The N processes training the policy (started on first use), and the flow's side of their commands."""
+
+    def __init__(self, inputs: TrainingInputs, nproc: int):
+        self.inputs = inputs
+        self.nproc = nproc
+        self._workdir = tempfile.TemporaryDirectory(prefix="rollout-rl-dp-")
+        self._process: subprocess.Popen | None = None
+        self._ranks: list = []  # rank -> its socket's file (JSON lines both ways)
+        self._tail: deque[str] = deque(maxlen=400)
+        self._lock = threading.Lock()  # one command at a time (off-policy runs ask from two threads)
+        self._skeleton = None  # a model to copy frozen copies from (the trainer's build, weights replaced)
+        self._exports = 0
+
+    # --- the commands -----------------------------------------------------------------------------------------
+
+    def train(self, parent: str, step: int, micro_batches_id: str, *, snapshot: bool,
+              snapshot_metrics: dict | None) -> tuple[str, dict, str]:
+        """Step `step` from state `parent`. Returns (the new state's id, the step's metrics, the weights file of
+        the new state, for `frozen_copy`)."""
+        path = self._export_path()
+        reply = self._command(f"train step {step}", {
+            "op": "train", "parent": parent, "step": step, "micro_batches": micro_batches_id, "snapshot": snapshot,
+            "snapshot_metrics": snapshot_metrics or {}, "export": path})
+        return reply["state"], reply["metrics"], path
+
+    def export(self, state_id: str) -> str:
+        """The weights file of `state_id` (the ranks rebuild it from the store when they are elsewhere)."""
+        path = self._export_path()
+        self._command(f"export of state {state_id}", {"op": "export", "state": state_id, "export": path})
+        return path
+
+    def frozen_copy(self, state_id: str, weights_path: str):
+        """A FrozenPolicy of `state_id` from its exported weights file (deleted once loaded)."""
+        from rollout_lib.rl.policy import FrozenPolicy
+        from rollout_lib.trainer.causal import CausalLmTrainer
+
+        if self._skeleton is None:
+            with GLOBAL_RNG:  # build seeds the RNG: never while another thread trains or samples
+                model, tokenizer, _ = CausalLmTrainer.build(self.inputs)
+            self._skeleton = FrozenPolicy(state_id, model.eval().requires_grad_(False), tokenizer)
+        model = copy.deepcopy(self._skeleton.model)
+        try:
+            load_model_weights(model, load_file(weights_path, device=str(next(model.parameters()).device)))
+        finally:
+            os.unlink(weights_path)
+        return FrozenPolicy(state_id, model, self._skeleton.tokenizer)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._process is not None and self._process.poll() is None:
+                try:
+                    self._send({"op": "stop"})
+                    self._process.wait(timeout=STOP_TIMEOUT_S)
+                except (OSError, subprocess.TimeoutExpired):
+                    self._process.kill()
+                    self._process.wait()
+            self._forget()
+        self._workdir.cleanup()
+
+    # --- the processes ----------------------------------------------------------------------------------------
+
+    def _export_path(self) -> str:
+        self._exports += 1
+        return os.path.join(self._workdir.name, f"weights-{self._exports}.safetensors")
+
+    def _command(self, what: str, command: dict) -> dict:
+        with self._lock:
+            if self._process is None:
+                self._start()
+            try:
+                self._send(command)
+            except OSError:  # a rank is gone since the last command
+                raise self._failed(what, []) from None
+            replies, errors = [], []
+            for rank, channel in enumerate(self._ranks):
+                line = channel.readline()
+                if not line:
+                    break  # the rank is gone: torchrun's summary says how
+                reply = json.loads(line)
+                (errors if "error" in reply else replies).append((rank, reply))
+            if errors or len(replies) < self.nproc:
+                raise self._failed(what, errors)
+            return replies[0][1]
+
+    def _send(self, command: dict) -> None:
+        line = json.dumps(command) + "\n"
+        for channel in self._ranks:
+            channel.write(line)
+            channel.flush()
+
+    def _start(self) -> None:
+        from rollout_lib.trainer.data_parallel import torchrun_command
+
+        listener = socket.create_server(("127.0.0.1", 0))
+        spec_path = os.path.join(self._workdir.name, "spec.pkl")
+        with open(spec_path, "wb") as out:
+            pickle.dump(GroupSpec(self.inputs, listener.getsockname()[1]), out)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", str(self.inputs.config.run.torch_threads))  # torchrun would set 1
+        command = torchrun_command(self.nproc, spec_path)
+        command[command.index("rollout_lib.trainer.segment_worker")] = "rollout_lib.rl.policy_worker"
+        self._tail.clear()
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, text=True, env=env)
+        threading.Thread(target=self._keep_output, args=(self._process,), daemon=True).start()
+        logger.info("data-parallel policy training: %d processes (torchrun pid %d)", self.nproc, self._process.pid)
+        ranks: dict[int, object] = {}
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        with listener:
+            while len(ranks) < self.nproc:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    raise self._failed("the start of the data-parallel policy processes", [])
+                if select.select([listener], [], [], 1.0)[0]:
+                    connection, _ = listener.accept()
+                    channel = connection.makefile("rw", encoding="utf-8")
+                    ranks[json.loads(channel.readline())["rank"]] = channel
+        self._ranks = [ranks[rank] for rank in range(self.nproc)]
+
+    def _keep_output(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            self._tail.append(line.rstrip("\n"))
+            logger.debug("policy group: %s", line.rstrip("\n"))
+
+    def _failed(self, what: str, errors: list[tuple[int, dict]]) -> DataParallelError:
+        """The group's failure as an error naming `what` and the rank; the processes are stopped and forgotten,
+        so the next command starts new ones."""
+        process = self._process
+        try:
+            returncode = process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            returncode = process.wait()
+        time.sleep(0.2)  # the output thread's last lines
+        tail = list(self._tail)
+        self._forget()
+        where = f"{what}: data-parallel policy training ({self.nproc} processes) failed"
+        rerun = "the steps before it are in the store, so a rerun trains from the last of them"
+        # The rank that failed first, as torchrun tells it: the others may report errors of their own (a
+        # collective whose peer vanished) before torchrun stops them.
+        first = root_cause_rank(tail)
+        reported = dict(errors)
+        if first in reported or (first is None and errors):
+            rank = first if first in reported else errors[0][0]
+            return DataParallelError(f"{where}: rank {rank}: {reported[rank]['error']}; {rerun}.")
+        return DataParallelError(failure_message(where, returncode, tail, rerun))
+
+    def _forget(self) -> None:
+        for channel in self._ranks:
+            try:
+                channel.close()
+            except OSError:
+                pass
+        self._ranks, self._process = [], None
+

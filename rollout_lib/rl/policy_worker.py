@@ -1,0 +1,109 @@
+"""One rank of data-parallel RL training (rl/policy_group.py), as torchrun starts it:
+
+    torchrun --standalone --nproc_per_node N -m rollout_lib.rl.policy_worker SPEC
+
+SPEC: a pickled policy_group.GroupSpec. The rank connects to the flow's localhost socket, says its rank, then runs
+the flow's commands (one JSON line each, the same to every rank) in lockstep with the others and answers each with
+one line: `{"state", "metrics"}` (rank 0's is the one the flow reads), or `{"error"}` before it exits non-zero, which
+makes torchrun stop the other ranks. On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import rollout_lib.config  # noqa: F401 - first, as every entry point imports it (trainer.hardware needs it loaded)
+from rollout_lib.rl.policy import record_new_state, rebuild_policy
+from rollout_lib.trainer.checkpoint import model_weights
+from rollout_lib.trainer.data_parallel import DataParallel
+from rollout_lib.trainer.segment_worker import join_group, kill_step
+
+
+class PolicyRank:
+    """This rank's trainer and the state it is at; every rank holds the same weights and optimizer state."""
+
+    def __init__(self, inputs, data_parallel: DataParallel):
+        self.inputs = inputs
+        self.data_parallel = data_parallel
+        self.trainer = None
+        self.state_id: str | None = None
+        self.kill_at = kill_step(data_parallel.rank)
+
+    def at(self, state_id: str):
+        """The trainer at `state_id`: the one held, or rebuilt from the store (its pending steps replayed on every
+        rank together, data-parallel, so the replay reaches the bits the first run did)."""
+        if state_id != self.state_id:
+            self.trainer = self.state_id = None  # a failed rebuild leaves nothing half-built behind
+            self.trainer = rebuild_policy(self.inputs, state_id, data_parallel=self.data_parallel)
+            self.state_id = state_id
+        return self.trainer
+
+    def train(self, command: dict) -> dict:
+        step = command["step"]
+        trainer = self.at(command["parent"])
+        self.trainer = self.state_id = None  # until the step has finished
+        if step == self.kill_at:  # test hook (data_parallel.KILL_RANK_ENV): this rank dies as the step starts
+            os.kill(os.getpid(), signal.SIGKILL)
+        trainer.batches.record(step, command["micro_batches"])
+        metrics = trainer.train_step(step)
+        new_state = [None, None]  # (the new state, the checkpoint it descends from), decided by rank 0
+        if self.data_parallel.rank == 0:
+            new_state = [record_new_state(self.inputs, trainer, command["parent"], step, command["micro_batches"],
+                                          snapshot=command["snapshot"],
+                                          snapshot_metrics={**command["snapshot_metrics"], **metrics}),
+                         trainer.checkpoint_id]
+        dist.broadcast_object_list(new_state, src=0)
+        if trainer.checkpoint_id != new_state[1]:  # the snapshot rank 0 wrote: later records name it
+            trainer.checkpoint_id, trainer.snapshot_step = new_state[1], trainer.step
+        self.trainer, self.state_id = trainer, new_state[0]
+        self.export(command["export"])
+        return {"state": self.state_id, "metrics": metrics}
+
+    def export(self, path: str) -> None:
+        """Rank 0 writes the weights of the state held (safetensors, tied duplicates left out)."""
+        if self.data_parallel.rank == 0:
+            save_file(model_weights(self.trainer.model), path + ".partial", {"format": "pt"})
+            os.replace(path + ".partial", path)
+        dist.barrier()
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    spec, data_parallel = join_group(argv)
+    channel = socket.create_connection(("127.0.0.1", spec.port)).makefile("rw", encoding="utf-8")
+    try:
+        channel.write(json.dumps({"rank": data_parallel.rank}) + "\n")
+        channel.flush()
+        policy = PolicyRank(spec.inputs, data_parallel)
+        for line in channel:
+            command = json.loads(line)
+            try:
+                if command["op"] == "stop":
+                    break
+                if command["op"] == "train":
+                    reply = policy.train(command)
+                else:  # "export"
+                    policy.at(command["state"])
+                    policy.export(command["export"])
+                    reply = {"state": command["state"]}
+            except Exception as exc:
+                where = f"step {command['step']}: " if "step" in command else ""
+                channel.write(json.dumps({"error": f"{where}{type(exc).__name__}: {exc}"}) + "\n")
+                channel.flush()
+                raise
+            channel.write(json.dumps(reply) + "\n")
+            channel.flush()
+    finally:
+        channel.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
