@@ -1,10 +1,11 @@
-"""`run.task_runner`: a step's scoring fanned out to a Dask cluster (prefect-dask) in chunks scores every rollout as
-the default thread runner's single score task does, so a run ends on the same checkpoint; the runner is how fast,
-never what, so it is in no identity or cache key."""
+"""`run.task_runner`: a step's scoring fanned out to a Dask cluster (prefect-dask) or a local Ray instance
+(prefect-ray) in chunks scores every rollout as the default thread runner's single score task does, so a run ends
+on the same checkpoint; the runner is how fast, never what, so it is in no identity or cache key."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,24 @@ def test_a_run_scored_on_a_dask_local_cluster_ends_on_the_default_runners_checkp
     assert set(chunk_states(task_run_states(final_result(rerun)["flow_run_id"])).values()) == {"Cached"}
 
 
+RAY = ["--set", "run.task_runner.type=ray", "--set", "run.task_runner.chunks=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("prefect_ray") is None, reason="the ray extra (scripts/setup.sh --test)")
+def test_a_run_scored_on_a_local_ray_cluster_ends_on_the_default_runners_checkpoint(thread_run, tmp_path):
+    expected, _ = thread_run
+    ray = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={tmp_path / 'ray'}", *STEPS, *RAY)
+    assert ray.returncode == 0, ray.stderr[-3000:]
+    result = final_result(ray)
+    assert result["checkpoint"] == expected["checkpoint"]
+    assert result["reward_curve"] == expected["reward_curve"]
+    assert "Started a local Ray instance" in ray.stdout + ray.stderr
+    states = task_run_states(result["flow_run_id"])
+    assert chunk_states(states) == {f"score-step-{step}{chunk}": "Completed" for step in (1, 2)
+                                    for chunk in ("", "-chunk-0", "-chunk-1")}
+
+
 @pytest.mark.slow
 def test_dask_workers_keep_their_results_in_an_s3_store(thread_run, s3_options):
     """A team's set-up in small: the store (and so the result storage) in a bucket every worker reaches with the
@@ -160,10 +179,10 @@ def test_dask_workers_keep_their_results_in_an_s3_store(thread_run, s3_options):
     assert "score-step-2-chunk-1" in states and len(results) >= len(states), (len(results), sorted(states))
 
 
-def test_ray_without_its_extra_is_an_error_naming_the_setting():
-    if importlib.util.find_spec("prefect_ray") is not None:
-        pytest.skip("prefect-ray is installed here")
+def test_ray_without_its_extra_is_an_error_naming_the_setting(monkeypatch):
     from flows.common import fan_out_runner
+
+    monkeypatch.setitem(sys.modules, "prefect_ray", None)  # as if not installed: importing it raises ImportError
 
     with pytest.raises(ConfigError, match=r"^run\.task_runner\.type: \"ray\" needs prefect-ray: pip install"):
         with fan_out_runner(TaskRunnerSettings(type="ray")):
