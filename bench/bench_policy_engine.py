@@ -63,7 +63,10 @@ def bench_sampling(args) -> dict:
     totals = {"hf": [0, 0.0], "vllm": [0, 0.0]}
     with FrozenModels(store) as served:
         started = time.perf_counter()
-        served.policy_server(base, timeout_s=600)
+        engine_settings = SAMPLERS["vllm"].settings_class(dtype=args.engine_dtype, compile=args.compile)
+        served.policy_server(base, timeout_s=600, extra_args=engine_settings.server_args(),
+                             tolerance=engine_settings.tolerance,
+                             probe_dtype=torch.bfloat16 if args.engine_dtype == "bfloat16" else torch.float32)
         start_s = time.perf_counter() - started
         print(f"policy server started in {start_s:.1f} s (not counted below)", flush=True)
         # Step 0 warms both up (the engine's first requests compile its kernels, ~60 s on this CPU) and is not
@@ -71,8 +74,10 @@ def bench_sampling(args) -> dict:
         for step in range(0, args.steps + 1):
             nudge(model, step + 1)
             for kind in ("hf", "vllm"):
-                settings = SAMPLERS[kind].settings_class(**({"batch_size": args.prompts * args.group}
-                                                            if kind == "hf" else {"timeout_s": 600}))
+                settings = SAMPLERS[kind].settings_class(**(
+                    {"batch_size": args.prompts * args.group} if kind == "hf" else
+                    {"timeout_s": 600, "concurrency": args.prompts * args.group, "dtype": args.engine_dtype,
+                     "compile": args.compile, "probe_tolerance": args.probe_tolerance}))
                 context = SamplingContext(policy_state=f"bench-step-{step}", served_models=served, base_model=base)
                 sampler = SAMPLERS[kind](settings, model, tokenizer, context)
                 began = time.perf_counter()
@@ -134,6 +139,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--overlap-steps", type=int, default=6)
+    parser.add_argument("--engine-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the policy server's dtype (policy_sampler.dtype)")
+    parser.add_argument("--compile", action="store_true", help="the policy server compiled (policy_sampler.compile)")
+    parser.add_argument("--probe-tolerance", type=float, default=None)
     parser.add_argument("--skip-sampling", action="store_true")
     parser.add_argument("--skip-overlap", action="store_true")
     args = parser.parse_args()

@@ -54,12 +54,30 @@ def test_the_engine_is_a_policy_sampler_type_and_only_the_type_enters_the_traini
     assert default.settings.policy_sampler.type == "hf"  # the embedded sampler stays the default
     engine_run = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm" }')
     assert isinstance(engine_run.settings.policy_sampler, VllmSamplerSettings)
-    assert engine_run.settings.policy_sampler.probe_tolerance == 1e-3
+    assert engine_run.settings.policy_sampler.tolerance == 1e-3
     resized = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 2, concurrency = 4, '
                                 'timeout_s = 5, probe_tolerance = 1e-2, max_recoveries = 0 }')
     assert training_identity(resized) == training_identity(engine_run) != training_identity(default)
     with pytest.raises(ConfigError, match=r"algorithm\.rl\.policy_sampler\.replicas"):
         rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 0 }')
+
+
+def test_the_engines_precision_and_compilation_are_server_flags_and_enter_the_identity(tmp_path):
+    fp32 = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "float32", compile = false }')
+    assert fp32.settings.policy_sampler.server_args() == []  # engine.SERVER_FLAGS: float32, eager
+    bf16 = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "bfloat16" }')
+    compiled = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "bfloat16", compile = true }')
+    assert bf16.settings.policy_sampler.server_args() == ["--dtype", "bfloat16"]  # after SERVER_FLAGS: last wins
+    assert compiled.settings.policy_sampler.server_args() == ["--dtype", "bfloat16", "--no-enforce-eager"]
+    assert bf16.settings.policy_sampler.tolerance == 1.0  # bfloat16 rounding: serving/policy.py
+    assert rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "bfloat16", '
+                             'probe_tolerance = 0.5 }').settings.policy_sampler.tolerance == 0.5
+    # They decide the sampled tokens: each its own identity; the defaults spelt out change nothing.
+    identities = {training_identity(config) for config in (fp32, bf16, compiled)}
+    assert len(identities) == 3 and training_identity(fp32) == training_identity(
+        rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm" }'))
+    with pytest.raises(ConfigError, match=r"algorithm\.rl\.policy_sampler\.dtype"):
+        rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "float16" }')
 
 
 def test_every_rollout_records_what_sampled_it(tmp_path, tiny_model_dir):

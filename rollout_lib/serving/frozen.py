@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import Sequence
 
 from rollout_lib.config.errors import ConfigError
 from rollout_lib.serving.settings import ExternalModel, ServedModel
@@ -88,11 +89,13 @@ class FrozenModels:
 
     def policy_server(self, base_model, *, replicas: int = 1, max_model_len: int | None = None,
                       timeout_s: float | None = 120.0, max_attempts: int = 3,
-                      tolerance: float = DEFAULT_TOLERANCE) -> PolicyServer:
+                      tolerance: float = DEFAULT_TOLERANCE, extra_args: Sequence[str] = (),
+                      probe_dtype=None) -> PolicyServer:
         """The run's policy server for `base_model` (a ModelRef), started on first use: a live-policy deployment
         named `policy-<model>-<this pid>`, or an orphaned one of the same model (its run was killed) adopted.
-        What it holds is unknown until `PolicyServer.hold` reloads and checks it."""
-        key = canonical_json(["policy", base_model.uri, replicas, max_model_len])
+        What it holds is unknown until `PolicyServer.hold` reloads and checks it. `extra_args`: server flags
+        (engine.start_deployment), e.g. the engine's dtype; an orphan is adopted only if started with the same."""
+        key = canonical_json(["policy", base_model.uri, replicas, max_model_len, list(extra_args)])
         with self._lock:
             server = self._policy_servers.get(key)
             if server is None:
@@ -101,7 +104,7 @@ class FrozenModels:
                 deployment = None
                 for running in engine.running_deployments():
                     if (running.live_policy and running.orphaned and running.model_dir == str(model_dir)
-                            and len(running.replicas) == replicas):
+                            and len(running.replicas) == replicas and running.extra_args == list(extra_args)):
                         deployment = engine.claim_orphan(running.name, os.getpid())
                         if deployment is not None:
                             log.info("adopting policy server %s left by a killed run", running.name)
@@ -111,9 +114,11 @@ class FrozenModels:
                     name = f"policy-{default_name(base_model)[:60]}-{os.getpid()}"
                     deployment = engine.start_deployment(base_model, name=name, replicas=replicas,
                                                          store_url=store_url, max_model_len=max_model_len,
-                                                         owner_pid=os.getpid(), live_policy=True)
+                                                         owner_pid=os.getpid(), live_policy=True,
+                                                         extra_args=extra_args)
                 self._started.append(deployment.name)
-                server = PolicyServer(deployment, timeout_s=timeout_s, max_attempts=max_attempts, tolerance=tolerance)
+                server = PolicyServer(deployment, timeout_s=timeout_s, max_attempts=max_attempts, tolerance=tolerance,
+                                      **({"probe_dtype": probe_dtype} if probe_dtype is not None else {}))
                 self._policy_servers[key] = server
             return server
 

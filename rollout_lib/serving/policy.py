@@ -22,6 +22,11 @@ behind: 1.26; the tied-embeddings trap: 0.18..1.5): about 17x above the largest 
 disagreement. What it cannot see: two states whose probe logprobs differ by less than the tolerance (a step at a
 tiny learning rate); the state id bookkeeping, not the probe, is what tells those apart.
 
+A bfloat16 engine (`policy_sampler.dtype`) is compared with the trainer's weights rounded to bfloat16 and a
+tolerance of 1.0 (BF16_PROBE_TOLERANCE): its own rounding of activations leaves the same weights up to 0.55 apart
+on SmolLM2's random-token probe (mean 0.09; against the fp32 forward, 1.06), so in bfloat16 the probe catches a
+wrong model or a gross reload failure, not a state one small step away.
+
 What a replica holds is remembered per (URL, process id): a restarted replica (same URL, new process) starts from
 the base model's files again, so it is reloaded on the next `hold`.
 """
@@ -29,6 +34,7 @@ the base model's files again, so it is reloaded on the next `hold`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import shutil
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 PROBE_LENGTH = 48
 PROBE_SEED = 20261123
 DEFAULT_TOLERANCE = 1e-3
+BF16_PROBE_TOLERANCE = 1.0  # a bfloat16 engine against the trainer's weights in bfloat16 (module docstring)
 RELOAD_TIMEOUT_S = 600.0  # a reload of a large model from disk; the per-request timeout of sampling is separate
 
 
@@ -115,11 +122,12 @@ class PolicyServer:
     """A live-policy deployment (engine.py, `live_policy=True`) and the state each replica holds."""
 
     def __init__(self, deployment: engine.Deployment, *, timeout_s: float | None = 120.0, max_attempts: int = 3,
-                 tolerance: float = DEFAULT_TOLERANCE):
+                 tolerance: float = DEFAULT_TOLERANCE, probe_dtype: torch.dtype = torch.float32):
         self.deployment = deployment
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.tolerance = tolerance
+        self.probe_dtype = probe_dtype  # the engine's dtype: the trainer's side of the probe is computed in it
         self.weights_dir = engine.serve_dir() / f"{deployment.name}-weights"
         self._holds: dict[str, tuple[int, str]] = {}  # base URL -> (pid, state id) it was loaded and checked with
         self._lock = threading.Lock()
@@ -194,7 +202,10 @@ class PolicyServer:
         """(Reload, then) score the probe on each replica of `urls` and compare with the trainer's logprobs: the
         largest difference, or PolicyServerError naming the first replica beyond the tolerance."""
         probe = probe_ids(model, tokenizer)
-        expected = trainer_logprobs(model, probe)
+        if self.probe_dtype == torch.float32:
+            expected = trainer_logprobs(model, probe)
+        else:  # the weights rounded as the engine rounds them (a copy: the trainer's model stays fp32)
+            expected = trainer_logprobs(copy.deepcopy(model).to(self.probe_dtype), probe)
         diffs = asyncio.run(self._probe_all(urls, probe, expected, reload=reload))
         for url, diff in zip(urls, diffs):
             if diff > self.tolerance:
