@@ -48,8 +48,8 @@ class VllmSamplerSettings(SamplerSettings):
     # the behaviour/sampler_* metrics see the difference (docs/serving.md, "Engine precision").
     dtype: Literal["float32", "bfloat16"] = "float32"
     compile: bool = False  # torch.compile the engine's model (no --enforce-eager): slower start, faster steps
-    # max |served - trainer| probe logprob after a reload; default 1e-3 in float32, 1.0 in bfloat16 (whose
-    # rounding alone moves the probe's logprobs by up to ~0.55: serving/policy.py)
+    # max |served - trainer| probe logprob after a reload; default 1e-3 in float32, 2.0 in bfloat16 (whose
+    # rounding alone moved the probe's logprobs by up to 0.98 in a 25-step run: serving/policy.py)
     probe_tolerance: float | None = Field(None, gt=0)
     max_recoveries: int = Field(2, ge=0)  # restarts of dead replicas within one stage
 

@@ -23,9 +23,10 @@ disagreement. What it cannot see: two states whose probe logprobs differ by less
 tiny learning rate); the state id bookkeeping, not the probe, is what tells those apart.
 
 A bfloat16 engine (`policy_sampler.dtype`) is compared with the trainer's weights rounded to bfloat16 and a
-tolerance of 1.0 (BF16_PROBE_TOLERANCE): its own rounding of activations leaves the same weights up to 0.55 apart
-on SmolLM2's random-token probe (mean 0.09; against the fp32 forward, 1.06), so in bfloat16 the probe catches a
-wrong model or a gross reload failure, not a state one small step away.
+tolerance of 2.0 (BF16_PROBE_TOLERANCE): its own rounding of activations leaves the same weights up to 0.55 apart
+on SmolLM2's random-token probe (mean 0.09; against the fp32 forward, 1.06), and 20 reloads of a 25-step run
+measured 0.22-0.98, so in bfloat16 the probe catches a wrong model or a grossly failed reload, not a state one
+small step away, nor (unlike fp32) the tied-embeddings trap (1.5 on SmolLM2).
 
 What a replica holds is remembered per (URL, process id): a restarted replica (same URL, new process) starts from
 the base model's files again, so it is reloaded on the next `hold`.
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 PROBE_LENGTH = 48
 PROBE_SEED = 20261123
 DEFAULT_TOLERANCE = 1e-3
-BF16_PROBE_TOLERANCE = 1.0  # a bfloat16 engine against the trainer's weights in bfloat16 (module docstring)
+BF16_PROBE_TOLERANCE = 2.0  # a bfloat16 engine against the trainer's weights in bfloat16 (module docstring)
 RELOAD_TIMEOUT_S = 600.0  # a reload of a large model from disk; the per-request timeout of sampling is separate
 
 
