@@ -161,8 +161,7 @@ class PolicyGroup:
             pickle.dump(GroupSpec(self.inputs, listener.getsockname()[1]), out)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", str(self.inputs.config.run.torch_threads))  # torchrun would set 1
-        command = torchrun_command(self.nproc, spec_path)
-        command[command.index("rollout_lib.trainer.segment_worker")] = "rollout_lib.rl.policy_worker"
+        command = torchrun_command(self.nproc, spec_path, module="rollout_lib.rl.policy_worker")
         self._tail.clear()
         self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, text=True, env=env)

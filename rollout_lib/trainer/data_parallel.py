@@ -147,9 +147,9 @@ def data_parallel_segment(trainer_class: type, inputs, checkpoint_id: str, resid
     return train
 
 
-def torchrun_command(nproc: int, spec_path: str) -> list[str]:
+def torchrun_command(nproc: int, spec_path: str, module: str = "rollout_lib.trainer.segment_worker") -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "rollout_lib.trainer.segment_worker", spec_path]
+            "-m", module, spec_path]
 
 
 def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, first: int, last: int, nproc: int,
