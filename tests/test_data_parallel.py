@@ -181,25 +181,33 @@ def test_rm_two_processes_train_what_one_trains(tmp_path):
         assert dp["mean_margin"] == pytest.approx(single["mean_margin"], rel=1e-4, abs=1e-6)
 
 
+def finished_within(seconds: float, what: str, work):
+    """`work()`'s result, run in a thread: fails the test if it has not returned after `seconds` (a hang), and
+    re-raises what it raised."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert not thread.is_alive(), f"{what} hung"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
 @pytest.mark.slow
 def test_a_rank_with_only_empty_micro_batches_does_not_hang(tmp_path):
     # One micro-batch a step: rank 1 gets nothing but fillers, every step.
     one, batches = sft_inputs(sft_config(str(tmp_path / "store"), 1, 2, 1))
     two, _ = sft_inputs(sft_config(str(tmp_path / "store"), 2, 2, 1))
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["result"] = one_and_two_processes(CausalLmTrainer, one, two, batches=batches)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout=240)
-    assert not thread.is_alive(), "the data-parallel segment hung"
-    assert "error" not in outcome, outcome.get("error")
-    single_history, single_weights, history, dp_weights, initial = outcome["result"]
+    single_history, single_weights, history, dp_weights, initial = finished_within(
+        240, "the data-parallel segment", lambda: one_and_two_processes(CausalLmTrainer, one, two, batches=batches))
     assert_same_training(single_history, single_weights, history, dp_weights, initial)
 
 

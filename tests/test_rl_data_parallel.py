@@ -11,7 +11,6 @@ lr 1e-2: Adam divides by the gradient's running magnitude, so rounding in near-z
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from rollout_lib.trainer.checkpoint import read_manifest
 from rollout_lib.trainer.data_parallel import KILL_RANK_ENV
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
+from test_data_parallel import finished_within
 
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHT_ATOL = 1e-6
@@ -90,22 +90,11 @@ def test_two_processes_train_what_one_trains(tmp_path):
 @pytest.mark.slow
 def test_a_rank_with_only_empty_micro_batches_does_not_hang(tmp_path):
     one_batch = ["algorithm.rl.packing=false", "algorithm.rl.sequences_per_micro_batch=32"]  # 4 x 8 samples
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["one"] = run_in_process(str(tmp_path / "one"), 1, 2, *one_batch)
-            outcome["two"] = run_in_process(str(tmp_path / "two"), 2, 2, *one_batch)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout=300)
-    assert not thread.is_alive(), "data-parallel RL training hung"
-    assert "error" not in outcome, outcome.get("error")
-    assert all(m["micro_batches"] == 1 for m in outcome["two"]["history"])  # rank 1: a filler, every step
-    assert_same_training(outcome["one"], outcome["two"])
+    one, two = finished_within(300, "data-parallel RL training", lambda: (
+        run_in_process(str(tmp_path / "one"), 1, 2, *one_batch),
+        run_in_process(str(tmp_path / "two"), 2, 2, *one_batch)))
+    assert all(m["micro_batches"] == 1 for m in two["history"])  # rank 1: a filler, every step
+    assert_same_training(one, two)
 
 
 # --- through the flow: `rollout train rl --nproc 2`, a rank SIGKILLed, the rerun -----------------------------------

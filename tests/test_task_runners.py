@@ -108,18 +108,26 @@ def chunk_states(states: dict) -> dict:
     return {name: state for name, state in states.items() if name.startswith("score-step-")}
 
 
-@pytest.mark.slow
-def test_a_run_scored_on_a_dask_local_cluster_ends_on_the_default_runners_checkpoint(thread_run, tmp_path):
-    expected, thread_store = thread_run
-    dask = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={tmp_path / 'dask'}", *STEPS, *DASK)
-    assert dask.returncode == 0, dask.stderr[-3000:]
-    result = final_result(dask)
+def run_on_a_cluster(store: Path, runner: list[str], started: str, expected: dict) -> dict:
+    """2 rl-tiny steps scored in 2 chunks a step on the runner `runner` stands for: the run's result, checked to
+    end on the thread runner's checkpoint and reward curve (`expected`), with every chunk task run and `started`
+    (the runner's line saying it started a cluster) in its output."""
+    done = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store}", *STEPS, *runner)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = final_result(done)
     assert result["checkpoint"] == expected["checkpoint"]
     assert result["reward_curve"] == expected["reward_curve"]
-    assert "Creating a new Dask cluster" in dask.stdout + dask.stderr
+    assert started in done.stdout + done.stderr
     states = task_run_states(result["flow_run_id"])
     assert chunk_states(states) == {f"score-step-{step}{chunk}": "Completed" for step in (1, 2)
                                     for chunk in ("", "-chunk-0", "-chunk-1")}
+    return result
+
+
+@pytest.mark.slow
+def test_a_run_scored_on_a_dask_local_cluster_ends_on_the_default_runners_checkpoint(thread_run, tmp_path):
+    expected, thread_store = thread_run
+    run_on_a_cluster(tmp_path / "dask", DASK, "Creating a new Dask cluster", expected)
 
     # Every object the default run stored (rollouts, scored tables, samples, micro-batches, states, the
     # checkpoint) is in the Dask run's store, byte for byte: the Dask run only adds its chunks' results.
@@ -143,15 +151,7 @@ RAY = ["--set", "run.task_runner.type=ray", "--set", "run.task_runner.chunks=2"]
 @pytest.mark.skipif(importlib.util.find_spec("prefect_ray") is None, reason="the ray extra (scripts/setup.sh --test)")
 def test_a_run_scored_on_a_local_ray_cluster_ends_on_the_default_runners_checkpoint(thread_run, tmp_path):
     expected, _ = thread_run
-    ray = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={tmp_path / 'ray'}", *STEPS, *RAY)
-    assert ray.returncode == 0, ray.stderr[-3000:]
-    result = final_result(ray)
-    assert result["checkpoint"] == expected["checkpoint"]
-    assert result["reward_curve"] == expected["reward_curve"]
-    assert "Started a local Ray instance" in ray.stdout + ray.stderr
-    states = task_run_states(result["flow_run_id"])
-    assert chunk_states(states) == {f"score-step-{step}{chunk}": "Completed" for step in (1, 2)
-                                    for chunk in ("", "-chunk-0", "-chunk-1")}
+    run_on_a_cluster(tmp_path / "ray", RAY, "Started a local Ray instance", expected)
 
 
 @pytest.mark.slow

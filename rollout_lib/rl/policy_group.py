@@ -26,6 +26,7 @@ one, which rebuilds the state it is asked for from the store.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import os
@@ -73,7 +74,7 @@ class PolicyGroup:
         self._tail: deque[str] = deque(maxlen=400)
         self._lock = threading.Lock()  # one command at a time (off-policy runs ask from two threads)
         self._skeleton = None  # a model to copy frozen copies from (the trainer's build, weights replaced)
-        self._exports = 0
+        self._exports = itertools.count(1)  # next() is atomic: two threads never get one file name
 
     # --- the commands -----------------------------------------------------------------------------------------
 
@@ -124,8 +125,7 @@ class PolicyGroup:
     # --- the processes ----------------------------------------------------------------------------------------
 
     def _export_path(self) -> str:
-        self._exports += 1
-        return os.path.join(self._workdir.name, f"weights-{self._exports}.safetensors")
+        return os.path.join(self._workdir.name, f"weights-{next(self._exports)}.safetensors")
 
     def _command(self, what: str, command: dict) -> dict:
         with self._lock:
