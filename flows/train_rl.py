@@ -32,6 +32,7 @@ from flows.common import (
 from rollout_lib import step_events
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.curriculum import initial_state
+from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.rl.score import RewardLoops
 from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.trainer.identity import training_identity
@@ -88,7 +89,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rl {cfg.run.name}: steps done")
     history: list[dict] = []
     curves = CurvesArtifact(cfg, "train-rl")
-    with ResidentTrainer(frozen_capacity=settings.max_off_policy_steps + 2) as resident, \
+    schedule = OffPolicySchedule(settings.max_off_policy_steps)
+    with ResidentTrainer(frozen_capacity=schedule.frozen_capacity) as resident, \
             FrozenModels(cfg.run.store) as frozen_models, \
             RewardLoops(cfg, frozen_models) as reward_loops, fan_out_runner(cfg.run.task_runner) as runner, \
             recorded_run(cfg, total, log_steps=False):
@@ -117,43 +119,40 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         for name, value in eval_before.items():
             if name.endswith("/reward_mean"):
                 logger.info("held-out before training: %s %.3f", name, value)
-        # Off-policy steps (k > 0): step m samples from the state after step m-1-k, so the sampling of step n+k is
-        # submitted (a concurrent task run) before step n trains; sample runs are chained, one at a time, since
-        # the policy server holds one state. k = 0: each step samples from the state the step before produced.
-        off_policy = settings.max_off_policy_steps
+        # Off-policy steps (k > 0): step m samples from the state after step m-1-k (rl/schedule.py), so the sampling
+        # of step n+k is submitted (a concurrent task run) before step n trains; sample runs are chained, one at a
+        # time, since the policy server holds one state. k = 0: each step samples from the state before it.
         states = {0: state}  # step -> the policy state after it
         # step -> the difficulty pools after it (envs with `curriculum`; rl/curriculum.py), fed back like states
         pools = {0: open_store(cfg).put_json(initial_state())} if any(env.curriculum for env in settings.envs) \
             else None
 
-        def sampling_state(step: int) -> str:
-            return states[max(0, step - 1 - off_policy)]
-
         def sampling_pools(step: int) -> str | None:
-            return None if pools is None else pools[max(0, step - 1 - off_policy)]
+            return None if pools is None else pools[schedule.sampled_after(step)]
 
         def submit_sampling(step: int) -> None:
-            if step <= total and step not in in_flight:
-                before = [in_flight[step - 1]] if step - 1 in in_flight else None
-                in_flight[step] = sample.submit(cfg, prompts, sampling_state(step), step, resident, frozen_models,
-                                                sampling_pools(step), wait_for=before)
+            before = [in_flight[step - 1]] if step - 1 in in_flight else None
+            in_flight[step] = sample.submit(cfg, prompts, states[schedule.sampled_after(step)], step, resident,
+                                            frozen_models, sampling_pools(step), wait_for=before)
 
-        for ahead in range(1, off_policy + 1):
+        for ahead in schedule.first_submissions(total):
             submit_sampling(ahead)
         started = time.perf_counter()
         try:
             for step in range(1, total + 1):
-                if off_policy:
-                    submit_sampling(step + off_policy)  # from states[step - 1]: sampled while this step trains
-                    sampled = in_flight.pop(step).result()
-                else:
+                if schedule.synchronous:
                     sampled = sample(cfg, prompts, state, step, resident, frozen_models, sampling_pools(step))
+                else:
+                    ahead = schedule.submitted_while_training(step, total)
+                    if ahead is not None:
+                        submit_sampling(ahead)  # from states[step - 1]: sampled while this step trains
+                    sampled = in_flight.pop(step).result()
                 if runner is None:
                     scored = score(cfg, prompts, sampled["rollouts"], step, reward_loops)
                 else:
                     scored = score_in_chunks(run_task, runner, cfg, prompts, sampled["rollouts"], step)
-                samples = advantages(cfg, prompts, sampling_state(step), scored["rollouts"], step, resident,
-                                     frozen_models, None if pools is None else pools[step - 1])
+                samples = advantages(cfg, prompts, states[schedule.sampled_after(step)], scored["rollouts"], step,
+                                     resident, frozen_models, None if pools is None else pools[step - 1])
                 if pools is not None:
                     pools[step] = samples["curriculum"]
                 packed = pack(cfg, samples["samples"], step)
@@ -163,8 +162,8 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                                      resident)
                 state = states[step] = trained["state"]
                 metrics = {**step_metrics, **trained["metrics"], **evaluate(step), "step": step}
-                if off_policy:  # optimizer steps between the weights that sampled and the weights trained
-                    metrics["off_policy_lag"] = step - 1 - max(0, step - 1 - off_policy)
+                if not schedule.synchronous:  # optimizer steps between the weights that sampled and those trained
+                    metrics["off_policy_lag"] = schedule.lag(step)
                 history.append(metrics)
                 step_events.publish(step, metrics)
                 logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step,

@@ -254,6 +254,12 @@ def count_component_tokens(*micro_batches: Mapping[str, Tensor]) -> dict[str, in
     return counts
 
 
+def loss_tokens(streams: Mapping[str, Tensor]) -> Tensor:
+    """[T] bool: the tokens some component trains on, the only ones whose logprobs the loss reads."""
+    masks = _component_masks(streams)
+    return masks["rl"] | masks["ce"] | masks["ref_kl"]
+
+
 def component_loss(
     logprobs: Tensor,
     streams: Mapping[str, Tensor],
@@ -291,6 +297,11 @@ def component_loss(
     metrics: dict[str, float] = {}
 
     inference_logprobs = streams["inference_logprobs"].to(logprobs.dtype)
+    # NaN (wire.TRAINING_SAMPLES): sampled by the very state being trained, so the behaviour logprob is this
+    # forward's own, detached (behaviour_logprobs = "training_forward": ratio 1, no trust-region mask, no KL).
+    on_policy = torch.isnan(inference_logprobs)
+    if bool(on_policy.any()):
+        inference_logprobs = torch.where(on_policy, logprobs.detach(), inference_logprobs)
     numerators: dict[str, tuple[Tensor, dict[str, float]]] = {}
     if token_counts.get("rl", 0):
         numerators["rl"] = rl_loss_terms(

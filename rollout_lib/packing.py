@@ -30,6 +30,8 @@ turns the detection off and lets attention cross sequence boundaries. tests/test
 from __future__ import annotations
 
 import bisect
+import functools
+import inspect
 from collections.abc import Sequence
 
 import numpy as np
@@ -277,12 +279,19 @@ def collate_micro_batch(row: dict, *, packed: bool, pad_token_id: int) -> dict[s
     return batch
 
 
-def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                   needed: torch.Tensor | None = None) -> torch.Tensor:
     """log p(input_ids[t] | earlier tokens of the same sequence) per real token, [T], in packed order.
 
     Works on either layout from `collate_micro_batch` and gives the same values for both. The first token of
     each sequence gets FIRST_TOKEN_LOGPROB (0.0). Differentiable: use it inside the training step. With a
     `temperatures` stream, each token's logprob is of the distribution softmax(logits / its temperature).
+
+    `needed` ([T] bool, packed order): the tokens whose logprob the caller reads; the others get
+    FIRST_TOKEN_LOGPROB. The output head and the softmax then run only at the positions that predict a needed
+    token (transformers' `logits_to_keep`, as TRL keeps only completion logits): on a policy's vocabulary
+    (49k on SmolLM2) those [positions, vocab] logits are a large share of a step's time and memory, and prompt
+    tokens need none of them. Values at needed tokens equal the full computation's up to float rounding.
     """
     from rollout_lib.trainer.hardware import autocast_for, model_device
 
@@ -291,34 +300,61 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     input_ids = batch["input_ids"].to(device)
     position_ids = batch["position_ids"].to(device)
     if padded:
-        attention_mask = batch["attention_mask"].to(device)
-        real = attention_mask.bool()
-        with autocast_for(model):
-            outputs = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
+        real = batch["attention_mask"].to(device).bool()
+        inputs = {"attention_mask": batch["attention_mask"].to(device)}
     else:
         if input_ids.shape[0] != 1:
             raise ValueError(f"a packed batch has exactly one row, got input_ids of shape {tuple(input_ids.shape)}")
         real = torch.ones_like(input_ids, dtype=torch.bool)
         # No attention_mask and no cache: transformers then reads sequence boundaries from position_ids and
         # builds a block-diagonal causal mask (see the module docstring).
-        with autocast_for(model):
-            outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        inputs = {}
+    # Prediction positions: logits at t - 1 predict token t (t >= 1).
+    kept = None
+    if needed is not None and _accepts_logits_to_keep(model):
+        wanted = torch.zeros(input_ids.shape, dtype=torch.bool, device=device)
+        wanted[real] = needed.to(device=device, dtype=torch.bool)
+        kept = wanted[:, 1:].any(dim=0).nonzero().squeeze(-1)  # one index set for every row of a padded batch
+        inputs["logits_to_keep"] = kept
+    with autocast_for(model):
+        outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **inputs)
 
-    logits = outputs.logits[:, :-1].float()
+    logits = outputs.logits.float() if kept is not None else outputs.logits[:, :-1].float()
+    targets = input_ids[:, 1:] if kept is None else input_ids[:, 1:][:, kept]
     temperatures = batch.get("temperatures")
     if temperatures is not None and bool((temperatures != 1.0).any()):
         # Token t is predicted by the logits at t - 1: scale those by the temperature token t was sampled at.
         scale = torch.ones(input_ids.shape, dtype=logits.dtype, device=device)
         scale[real] = temperatures.to(device=device, dtype=logits.dtype)
-        logits = logits / scale[:, 1:].unsqueeze(-1)
-    targets = input_ids[:, 1:].unsqueeze(-1)
+        scale = scale[:, 1:] if kept is None else scale[:, 1:][:, kept]
+        logits = logits / scale.unsqueeze(-1)
     # gather - logsumexp avoids materialising a second [B, T, V] tensor for log_softmax.
-    predicted = torch.gather(logits, -1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    chosen = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if kept is None:
+        predicted = chosen
+    else:
+        predicted = torch.full(targets.shape[:1] + (input_ids.shape[1] - 1,), FIRST_TOKEN_LOGPROB,
+                               dtype=chosen.dtype, device=device)
+        predicted = predicted.index_copy(1, kept, chosen)
     # Position 0 of a row is never predicted; pad it so position t holds the logprob of token t.
     predicted = torch.nn.functional.pad(predicted, (1, 0), value=FIRST_TOKEN_LOGPROB)
 
     flat = predicted[real]
     # In the packed layout the logit before a sequence start belongs to the previous sequence: discard it.
     sequence_starts = position_ids[real] == 0
-    return flat.masked_fill(sequence_starts, FIRST_TOKEN_LOGPROB)
+    flat = flat.masked_fill(sequence_starts, FIRST_TOKEN_LOGPROB)
+    return flat if needed is None else flat.masked_fill(~needed.to(device=device, dtype=torch.bool),
+                                                        FIRST_TOKEN_LOGPROB)
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (every causal LM of transformers 5 we load does)."""
+    return _forward_takes_logits_to_keep(type(model))
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False

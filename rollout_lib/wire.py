@@ -147,6 +147,9 @@ TRAINING_SAMPLES = pa.schema(
         pa.field("ce_weights", pa.list_(pa.float32()), nullable=True),
         pa.field("ref_kl_weights", pa.list_(pa.float32()), nullable=True),
         pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),
+        # The behaviour policy's logprob of each token (the importance ratio's denominator). NaN: the behaviour
+        # policy is the state this step trains from, so the trainer takes the training forward's own detached
+        # logprob (behaviour_logprobs = "training_forward", rl/behaviour.py; ratio exactly 1).
         pa.field("inference_logprobs", pa.list_(pa.float32()), nullable=True),
         # The temperature each token was sampled at: the trainer divides that token's logits by it, so its
         # logprobs are those of the distribution the sampler drew from (importance ratio 1 on-policy).

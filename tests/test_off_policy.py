@@ -5,6 +5,7 @@ run's checkpoint id, on the engine at any concurrency too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -36,7 +37,7 @@ def test_k_and_the_resolved_behaviour_logprobs_enter_the_identity_the_spelling_d
     assert not synchronous.settings.recomputes_behaviour_logprobs  # embedded sampler, k = 0: today's loop
     off_policy = rl_tiny(tmp_path, "algorithm.rl.max_off_policy_steps=1")
     engine = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm" }')
-    assert off_policy.settings.recomputes_behaviour_logprobs and engine.settings.recomputes_behaviour_logprobs
+    assert off_policy.settings.recomputes_behaviour_logprobs and not engine.settings.recomputes_behaviour_logprobs
     assert training_identity(off_policy) != training_identity(synchronous)
     # "auto" and what it resolves to are one training; another choice is another.
     explicit = rl_tiny(tmp_path, "algorithm.rl.max_off_policy_steps=1", 'algorithm.rl.behaviour_logprobs="trainer"')
@@ -47,6 +48,14 @@ def test_k_and_the_resolved_behaviour_logprobs_enter_the_identity_the_spelling_d
         rl_tiny(tmp_path, "algorithm.rl.max_off_policy_steps=-1")
     with pytest.raises(ConfigError, match=r"algorithm\.rl\.behaviour_logprobs"):
         rl_tiny(tmp_path, 'algorithm.rl.behaviour_logprobs="engine"')
+    # On the engine at k = 0 the training forward's own logprobs are the behaviour's: that path is recorded.
+    assert engine.settings.behaviour_logprobs_source == "training_forward"
+    assert engine.training_settings()["behaviour_logprobs"] == "training_forward"
+    recomputing = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm" }',
+                          'algorithm.rl.behaviour_logprobs="trainer"')
+    assert training_identity(recomputing) != training_identity(engine)
+    with pytest.raises(ConfigError, match=r"algorithm\.rl.*training_forward.*max_off_policy_steps = 0"):
+        rl_tiny(tmp_path, "algorithm.rl.max_off_policy_steps=1", 'algorithm.rl.behaviour_logprobs="training_forward"')
 
 
 def test_frozen_copies_are_bounded_and_survive_the_trainer_moving_on():
@@ -78,13 +87,12 @@ def words_config(tiny_model_dir, **settings) -> RlConfig:
     })
 
 
-def test_the_trainer_recomputes_behaviour_logprobs_bit_stably_and_only_for_policy_tokens(tiny_model_dir):
-    """Recomputed logprobs agree with the embedded sampler's own (same weights) within float noise, come out the
-    same bits every time, replace only sampled completion tokens of rows sampled from that state, and leave a
-    frozen model's rows as their sampler reported them."""
-    cfg = words_config(tiny_model_dir, behaviour_logprobs="trainer")
-    reported_cfg = words_config(tiny_model_dir, behaviour_logprobs="sampler")
-    store = ObjectStore("memory://off-policy-recompute")
+@contextlib.contextmanager
+def sampled_step(cfg: RlConfig, store_url: str, frozen_rows: tuple[int, ...]):
+    """The initial policy of `cfg` (embedded sampler) and one step of its scored rollouts, with `frozen_rows`
+    marked as a frozen model's (their logprobs are that model's: never recomputed nor replaced). Yields (policy,
+    scored, reference) inside the resident trainer's lifetime."""
+    store = ObjectStore(store_url)
     prompts = {"words": load_prompts(cfg.settings.envs[0])}
     run = policy_inputs(store, cfg, {"words": store.put_table(prompts["words"])})
     with ResidentTrainer() as resident, RewardLoops(cfg) as loops:
@@ -93,12 +101,23 @@ def test_the_trainer_recomputes_behaviour_logprobs_bit_stably_and_only_for_polic
         rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer, policy_state=state),
                                       prompts, 1)
         scored, _ = score_rollouts(cfg, rollouts, prompts, loops)
-        # Two rows as if a frozen model had sampled them: their logprobs are that model's, never recomputed.
         sources = scored.column("sampled_from").to_pylist()
-        sources[0] = sources[5] = "frozen:served:teacher"
+        for row in frozen_rows:
+            sources[row] = "frozen:served:teacher"
         scored = scored.set_column(scored.schema.get_field_index("sampled_from"), "sampled_from",
                                    pa.array(sources, pa.string()))
-        reference = PolicyReference(lambda: policy_at(run, state, resident), cfg.settings.base_model, state_id=state)
+        yield policy, scored, PolicyReference(lambda: policy_at(run, state, resident), cfg.settings.base_model,
+                                              state_id=state)
+
+
+def test_the_trainer_recomputes_behaviour_logprobs_bit_stably_and_only_for_policy_tokens(tiny_model_dir):
+    """Recomputed logprobs agree with the embedded sampler's own (same weights) within float noise, come out the
+    same bits every time, replace only sampled completion tokens of rows sampled from that state, and leave a
+    frozen model's rows as their sampler reported them."""
+    cfg = words_config(tiny_model_dir, behaviour_logprobs="trainer")
+    reported_cfg = words_config(tiny_model_dir, behaviour_logprobs="sampler")
+    # Two rows as if a frozen model had sampled them: their logprobs are that model's, never recomputed.
+    with sampled_step(cfg, "memory://off-policy-recompute", frozen_rows=(0, 5)) as (_, scored, reference):
         recomputed, metrics = training_samples(cfg, scored, algorithm_resources(cfg, policy=reference))
         again, _ = training_samples(cfg, scored, algorithm_resources(cfg, policy=reference))
         reported, reported_metrics = training_samples(reported_cfg, scored)
@@ -119,6 +138,55 @@ def test_the_trainer_recomputes_behaviour_logprobs_bit_stably_and_only_for_polic
                 assert value == pytest.approx(before, abs=1e-4)
                 changed += value != before
     assert changed > 0  # recomputed, not copied
+
+
+def test_the_training_forwards_own_logprobs_train_what_the_recompute_trains(tiny_model_dir):
+    """k = 0: the shortcut (behaviour_logprobs = "training_forward": policy tokens marked NaN, the loss takes its
+    own forward's detached logprobs) trains the same step as the recompute, within float rounding (the recompute's
+    padded no-grad batch vs the packed training batch): same loss, same gradient norm, same weights; a frozen
+    model's rows keep their sampler's logprobs in both."""
+    import copy
+    import math
+
+    from rollout_lib.rl.pack import pack
+    from rollout_lib.trainer.causal import train_on_micro_batches
+    from rollout_lib.trainer.optim import build_optimizer
+
+    configs = {mode: words_config(tiny_model_dir, behaviour_logprobs=mode) for mode in ("trainer", "training_forward")}
+    cfg = configs["trainer"]
+    with sampled_step(cfg, "memory://off-policy-training-forward", frozen_rows=(3,)) as (policy, scored, reference):
+        results = {}
+        for mode, mode_cfg in configs.items():
+            samples, metrics = training_samples(mode_cfg, scored, algorithm_resources(mode_cfg, policy=reference))
+            model = copy.deepcopy(policy.model)
+            micro_batches, _ = pack(mode_cfg, samples)
+            step = train_on_micro_batches(model, build_optimizer(model.parameters(), mode_cfg.settings.optimizer),
+                                          micro_batches, packed=True, pad_token_id=policy.tokenizer.pad_token_id,
+                                          max_grad_norm=1.0, loss_kwargs=mode_cfg.settings.loss_kwargs())
+            results[mode] = (samples, metrics, step, model)
+
+    marked, marked_metrics, shortcut, shortcut_model = results["training_forward"]
+    _, recompute_metrics, recompute, recompute_model = results["trainer"]
+    assert marked_metrics["behaviour/training_forward"] == scored.num_rows - 1
+    assert "behaviour/recomputed" not in marked_metrics and recompute_metrics["behaviour/recomputed"] > 0
+    for row, sample in enumerate(marked.to_pylist()):
+        for member, value in zip(sample["loss_mask"], sample["inference_logprobs"]):
+            assert math.isnan(value) == (member and row != 3)  # the frozen row keeps its sampler's logprobs
+    assert shortcut["rl/ratio_mean"] == 1.0 and shortcut["rl/mismatch_kl"] == 0.0  # exactly on-policy
+    assert shortcut["rl/masked_fraction"] == recompute["rl/masked_fraction"] == 0.0
+    assert shortcut["loss"] == pytest.approx(recompute["loss"], rel=1e-5, abs=1e-7)
+    assert shortcut["grad_norm"] == pytest.approx(recompute["grad_norm"], rel=1e-4)
+    moved = 0.0
+    for (name, mine), theirs in zip(shortcut_model.state_dict().items(), recompute_model.state_dict().values()):
+        assert torch_allclose(mine, theirs), name
+        moved = max(moved, float((mine - policy.model.state_dict()[name]).abs().max()))
+    assert moved > 1e-4  # the step trained: the agreement is not two untouched copies
+
+
+def torch_allclose(a, b) -> bool:
+    import torch
+
+    return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6))
 
 
 def test_off_policy_stages_read_a_frozen_copy_never_the_training_trainer(tiny_model_dir):

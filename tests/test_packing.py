@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rollout_lib.config  # noqa: F401  first: trainer.hardware <-> config import circle (issue 29) when run alone
 from rollout_lib.model.tiny import build_tiny_qwen2
 from rollout_lib.packing import (
     STREAM_COLUMNS,
@@ -403,6 +404,33 @@ def test_packed_logprobs_equal_one_by_one(tiny_dir, attn_implementation):
     starts = [0, 9, 13]
     assert packed[starts].tolist() == [0.0, 0.0, 0.0]  # a first token has no prediction: logprob 0 by convention
     assert (packed[[t for t in range(19) if t not in starts]] < 0).all()
+
+
+def test_logprobs_of_needed_tokens_only_equal_the_full_computation_and_their_gradient(tiny_dir):
+    """`needed`: the output head runs only at positions predicting a needed token (logits_to_keep); those values and
+    the gradient of a loss over them match the full computation within float rounding, in both layouts and with
+    per-token temperatures; every other token reads FIRST_TOKEN_LOGPROB."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    row = _three_sequence_bin()
+    total = sum(row["sequence_lengths"])
+    row["temperatures"] = [0.7] * total
+    needed = torch.zeros(total, dtype=torch.bool)
+    needed[[2, 3, 4, 7, 8, 11, 12, 16, 17, 18]] = True  # some tokens of each sequence, none of their first
+    for packed in (True, False):
+        batch = collate_micro_batch(row, packed=packed, pad_token_id=PAD)
+        results = []
+        for subset in (None, needed):
+            model.zero_grad(set_to_none=True)
+            logprobs = token_logprobs(model, batch, needed=subset)
+            (-(logprobs * needed).sum()).backward()
+            results.append((logprobs.detach(), model.lm_head.weight.grad.clone(),
+                            model.model.layers[0].mlp.up_proj.weight.grad.clone()))
+        (full, *full_grads), (part, *part_grads) = results
+        torch.testing.assert_close(part[needed], full[needed], atol=1e-6, rtol=0)
+        assert (part[~needed] == 0.0).all() and (full[~needed] != 0.0).any()  # the others were not computed
+        for mine, reference in zip(part_grads, full_grads):
+            torch.testing.assert_close(mine, reference, atol=1e-5 * float(reference.abs().max()), rtol=1e-4)
+            assert reference.abs().max() > 0
 
 
 def test_attention_would_leak_without_packed_detection(tiny_dir):

@@ -32,7 +32,7 @@ from rollout_lib.rl.sample import build_samplers, frozen_identity
 from rollout_lib.sampling import SAMPLERS, SamplingContext, SamplingParams
 from rollout_lib.sampling.base import encode_prompt
 from rollout_lib.sampling.vllm import VllmSampler, VllmSamplerSettings
-from rollout_lib.serving import engine, policy
+from rollout_lib.serving import engine, weight_sync
 from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.serving.policy import PolicyServerError, trainer_logprobs
 from rollout_lib.serving.settings import ExternalModel, ServedModel
@@ -124,6 +124,7 @@ def served(tiny_model_dir):
         server = frozen.policy_server(BASE)
         yield frozen, server, base, tokenizer
     assert engine.find_deployment(server.name) is None  # stopped by close()
+    assert not engine.weights_dir(server.name).exists()  # its weights file in shared memory freed
 
 
 @pytest.mark.slow
@@ -145,7 +146,7 @@ class TestPolicyServer:
         served_logprobs = asyncio.run(server.pool.score(ids))
         assert max(abs(a - b) for a, b in zip(served_logprobs, trainer_logprobs(model, ids))) < 1e-4
         # The weights file carries the output head, a copy of the new embeddings.
-        written = load_file(server.weights_dir / "model.safetensors")
+        written = load_file(server.weights.path)
         assert torch.equal(written["lm_head.weight"], model.get_input_embeddings().weight)
         # The same state again: nothing reloads.
         assert server.hold("state-a", model, tokenizer).reloaded == []
@@ -163,15 +164,15 @@ class TestPolicyServer:
 
         # The tied-embeddings trap: weights written without lm_head (as save_pretrained writes them) leave the
         # engine's output head on the old embeddings; the reload's own check refuses the state.
-        every_tensor = policy.weight_tensors
-        monkeypatch.setattr(policy, "weight_tensors", lambda model: {
+        every_tensor = weight_sync.state_tensors
+        monkeypatch.setattr(weight_sync, "state_tensors", lambda model: {
             name: tensor for name, tensor in every_tensor(model).items() if name != "lm_head.weight"})
         with pytest.raises(PolicyServerError, match="does not hold policy state state-b after reloading it") as raised:
             server.hold("state-b", other, tokenizer)
         difference = re.search(r"differ from the trainer's by up to (\S+) \(tolerance", str(raised.value))
         assert float(difference.group(1)) > 0.1
         assert not server.holds("state-b") and not server.holds("state-a")  # nothing is taken as held
-        monkeypatch.setattr(policy, "weight_tensors", every_tensor)
+        monkeypatch.setattr(weight_sync, "state_tensors", every_tensor)
         assert server.hold("state-b", other, tokenizer).max_probe_diff < 1e-4  # the next hold reloads for real
 
     def test_sampling_on_the_engine_keeps_the_rollouts_contract_and_records_the_state(self, served):
@@ -300,9 +301,12 @@ def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphane
                                                                                                   tmp_path):
     """SIGKILL after step 2 trained: the killed run's policy server is left as an orphan; the rerun adopts it (no
     second server), returns steps 1..2 from cache, re-samples step 3 with the same seeds after reloading the server,
-    and ends on the uninterrupted run's checkpoint. One request at a time: the engine's logprob bits depend on
-    batch composition, and grpo trains on them."""
+    and ends on the uninterrupted run's checkpoint. One request at a time: which token a seed draws may depend on
+    the engine's batch composition (its logits vary in the last bits)."""
     from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
+
+    from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.store import ObjectStore
 
     common = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=3",
               "--set", "algorithm.rl.checkpoint_interval=2",
@@ -310,6 +314,11 @@ def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphane
     reference = run_rollout(*common, "--set", f"run.store={tmp_path / 'uninterrupted'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = final_result(reference)
+    # k = 0 on the engine: the behaviour logprobs are the training forward's own (no recompute forward), and the
+    # rerun below still ends on the same checkpoint.
+    steps = read_metrics(ObjectStore(str(tmp_path / "uninterrupted")), "rl-tiny")
+    assert all(m["behaviour/training_forward"] == 32 and "behaviour/recomputed" not in m for m in steps)
+    assert all(m["rl/ratio_mean"] == 1.0 for m in steps)
 
     args = [*common, "--set", f"run.store={tmp_path / 'interrupted'}"]
     run_until_then_kill(args, "train-step-2' - Finished", tmp_path / "killed.log")

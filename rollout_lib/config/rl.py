@@ -301,20 +301,38 @@ class RlSettings(StrictModel):
     # Step n trains on rollouts sampled from the policy of step n-1-k (the initial policy while that is < 0), so
     # step n+1 samples while step n trains (docs/serving.md, "Off-policy steps"). 0: the synchronous loop.
     max_off_policy_steps: int = Field(0, ge=0, le=8)
-    # Where the importance ratio's behaviour logprobs come from: the sampler's report ("sampler"), or the
-    # trainer's forward of the rollouts under the weights they were sampled from ("trainer": bit-stable, so a
-    # rerun is byte-identical whatever the engine's batching). "auto": "trainer" when the policy samples on an
-    # engine or max_off_policy_steps > 0, else "sampler" (the embedded sampler's logprobs are the trainer's own).
-    behaviour_logprobs: Literal["auto", "sampler", "trainer"] = "auto"
+    # Where the importance ratio's behaviour logprobs come from: the sampler's report ("sampler"); the trainer's
+    # forward of the rollouts under the weights they were sampled from ("trainer": bit-stable, so a rerun is
+    # byte-identical whatever the engine's batching); or, on-policy (k = 0), the training forward's own detached
+    # logprobs ("training_forward": the state that sampled is the state being trained, so the recompute is the
+    # training forward again; the ratio is exactly 1 and no extra forward runs, rl/behaviour.py). "auto":
+    # "training_forward" on an engine at k = 0, "trainer" when max_off_policy_steps > 0, else "sampler" (the
+    # embedded sampler's logprobs are the trainer's own).
+    behaviour_logprobs: Literal["auto", "sampler", "trainer", "training_forward"] = "auto"
     reward_loop: RewardLoopSettings = RewardLoopSettings()
     hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
     envs: list[EnvSettings] = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _training_forward_is_on_policy(self) -> "RlSettings":
+        if self.behaviour_logprobs == "training_forward" and self.max_off_policy_steps:
+            raise ValueError("behaviour_logprobs: \"training_forward\" takes the behaviour logprobs from the state "
+                             "being trained, which samples only with max_off_policy_steps = 0; use \"trainer\" "
+                             "(or \"auto\") for off-policy steps")
+        return self
+
+    @property
+    def behaviour_logprobs_source(self) -> str:
+        """The resolved source: "sampler", "trainer" (recomputed at the advantages stage) or "training_forward"."""
+        if self.behaviour_logprobs != "auto":
+            return self.behaviour_logprobs
+        if self.max_off_policy_steps > 0:
+            return "trainer"
+        return "training_forward" if self.policy_sampler.type != "hf" else "sampler"
+
     @property
     def recomputes_behaviour_logprobs(self) -> bool:
-        if self.behaviour_logprobs == "auto":
-            return self.policy_sampler.type != "hf" or self.max_off_policy_steps > 0
-        return self.behaviour_logprobs == "trainer"
+        return self.behaviour_logprobs_source == "trainer"
 
     @property
     def packed(self) -> bool:
@@ -396,8 +414,8 @@ class RlConfig(EntryPointConfig):
         # their defaults (k = 0, the sampler's logprobs) both are left out: the synchronous loop's identity is as
         # it was before they existed.
         settings.pop("behaviour_logprobs")
-        if self.settings.recomputes_behaviour_logprobs:
-            settings["behaviour_logprobs"] = "trainer"
+        if self.settings.behaviour_logprobs_source != "sampler":
+            settings["behaviour_logprobs"] = self.settings.behaviour_logprobs_source
         if not settings["max_off_policy_steps"]:
             settings.pop("max_off_policy_steps")
         for dumped in settings["envs"]:

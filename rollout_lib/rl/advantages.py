@@ -14,7 +14,7 @@ from rollout_lib.algo.stamping import (
     stamp_training_samples,
 )
 from rollout_lib.config.rl import RlConfig
-from rollout_lib.rl.behaviour import recompute_behaviour_logprobs
+from rollout_lib.rl.behaviour import mark_training_forward, recompute_behaviour_logprobs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 
 
@@ -66,11 +66,15 @@ def training_samples(config: RlConfig, scored: pa.Table,
     temperatures = {env.name: env.sampling.temperature for env in config.settings.envs}
     samples = stamp_training_samples(scored, advantages, algorithms, config.settings.max_seq_len, temperatures)
     behaviour = {}
-    if config.settings.recomputes_behaviour_logprobs:
+    source = config.settings.behaviour_logprobs_source
+    if source != "sampler":
         policy = resources.policy if resources is not None else None
         if policy is None or policy.state_id is None:
-            raise ValueError("algorithm.rl.behaviour_logprobs: the trainer recomputes behaviour logprobs, and the "
-                             "advantages stage was given no policy at the sampled state (AlgorithmResources.policy)")
-        samples, behaviour = recompute_behaviour_logprobs(samples, scored, policy.model, policy.state_id)
+            raise ValueError(f"algorithm.rl.behaviour_logprobs: {source!r} needs the state the rollouts were "
+                             "sampled from, and the advantages stage was given none (AlgorithmResources.policy)")
+        if source == "trainer":
+            samples, behaviour = recompute_behaviour_logprobs(samples, scored, policy.model, policy.state_id)
+        else:  # "training_forward": the sampled state is the trained one (k = 0); nothing to run here
+            samples, behaviour = mark_training_forward(samples, scored, policy.state_id)
     samples = asyncio.run(score_for_shipping(samples, algorithms))
     return samples, {**advantage_metrics(samples), **behaviour}

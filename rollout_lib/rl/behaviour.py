@@ -15,6 +15,16 @@ large value means the server did not hold the weights it claimed, or sampled wit
 
 Only tokens the policy sampled are replaced (`loss_mask`, on rows whose `sampled_from` is the sampling state);
 rollouts of frozen models keep their sampler's logprobs (those are the behaviour policy, and no trainer holds it).
+
+On-policy (`max_off_policy_steps = 0`) the recompute is work the math does not need: the state that sampled is
+the state the step trains from, so the training forward computes the very same logprobs (TRL's GRPO takes its
+`old_per_token_logps` the same way at one iteration per batch). `behaviour_logprobs = "training_forward"` marks
+those tokens NaN instead (`mark_training_forward`), and the loss takes its own forward's detached logprobs there
+(losses.component_loss): the ratio is exactly 1, no token is outside the trust region, the KL term is 0, and the
+gradient is that of the recompute path up to the float rounding between a padded no-grad batch and the packed
+training batch. Bit-stable like the recompute (the training forward is deterministic), one forward a step cheaper.
+What it gives up: the behaviour/sampler_* diagnostics (nothing recomputes the engine's numbers; the reload probe
+still checks the engine's weights).
 """
 
 from __future__ import annotations
@@ -34,10 +44,7 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, model, s
                                  pad_token_id: int = 0) -> tuple[pa.Table, dict]:
     """TRAINING_SAMPLES `samples` (one row per row of `rollouts`) with `inference_logprobs` recomputed by `model`
     (the policy at `state_id`) on every row sampled from that state; and the diagnostics above."""
-    sampled_from = rollouts.column("sampled_from").to_pylist()
-    if len(sampled_from) != samples.num_rows:
-        raise ValueError(f"{samples.num_rows} training samples for {len(sampled_from)} rollouts")
-    rows = [row for row, source in enumerate(sampled_from) if source == state_id]
+    rows = _rows_sampled_from(samples, rollouts, state_id)
     inference = samples.column("inference_logprobs").to_pylist()
     if not rows:
         return samples, {"behaviour/recomputed": 0}
@@ -49,7 +56,8 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, model, s
     for start in range(0, len(rows), CHUNK_ROWS):
         chunk = rows[start:start + CHUNK_ROWS]
         values = _forward(model, [input_ids[row] for row in chunk],
-                          [temperatures[row] or [1.0] * len(input_ids[row]) for row in chunk], pad_token_id)
+                          [temperatures[row] or [1.0] * len(input_ids[row]) for row in chunk],
+                          [loss_mask[row] for row in chunk], pad_token_id)
         recomputed.update(zip(chunk, values))
 
     diffs, kl_terms = [], []
@@ -63,9 +71,7 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, model, s
                 kl_terms.append(math.exp(log_ratio) - 1.0 - log_ratio)
                 updated[position] = mine
         inference[row] = updated
-    index = samples.schema.get_field_index("inference_logprobs")
-    samples = samples.set_column(index, samples.schema.field(index),
-                                 pa.array(inference, type=samples.schema.field(index).type))
+    samples = _with_inference_logprobs(samples, inference)
     metrics = {"behaviour/recomputed": len(rows),
                "behaviour/sampler_diff_max": max(diffs) if diffs else 0.0,
                "behaviour/sampler_diff_mean": float(np.mean(diffs)) if diffs else 0.0,
@@ -73,10 +79,37 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, model, s
     return samples, metrics
 
 
+def mark_training_forward(samples: pa.Table, rollouts: pa.Table, state_id: str) -> tuple[pa.Table, dict]:
+    """TRAINING_SAMPLES `samples` with `inference_logprobs` NaN on every token the policy sampled (`loss_mask`) on
+    rows sampled from `state_id`, the state the step trains from: the trainer takes its own forward's there."""
+    rows = set(_rows_sampled_from(samples, rollouts, state_id))
+    if not rows:
+        return samples, {"behaviour/training_forward": 0}
+    inference = samples.column("inference_logprobs").to_pylist()
+    loss_mask = samples.column("loss_mask").to_pylist()
+    for row in rows:
+        inference[row] = [math.nan if member else value for member, value in zip(loss_mask[row], inference[row])]
+    return _with_inference_logprobs(samples, inference), {"behaviour/training_forward": len(rows)}
+
+
+def _rows_sampled_from(samples: pa.Table, rollouts: pa.Table, state_id: str) -> list[int]:
+    sampled_from = rollouts.column("sampled_from").to_pylist()
+    if len(sampled_from) != samples.num_rows:
+        raise ValueError(f"{samples.num_rows} training samples for {len(sampled_from)} rollouts")
+    return [row for row, source in enumerate(sampled_from) if source == state_id]
+
+
+def _with_inference_logprobs(samples: pa.Table, inference: list) -> pa.Table:
+    index = samples.schema.get_field_index("inference_logprobs")
+    return samples.set_column(index, samples.schema.field(index),
+                              pa.array(inference, type=samples.schema.field(index).type))
+
+
 @torch.no_grad()
-def _forward(model, sequences: list[list[int]], temperatures: list[list[float]], pad_token_id: int) -> list[list]:
-    """Per-token logprobs of each sequence (position t: log p(token t | tokens before it); 0.0 at t = 0) under
-    `model` in eval mode, as a right-padded batch."""
+def _forward(model, sequences: list[list[int]], temperatures: list[list[float]], masks: list[list[bool]],
+             pad_token_id: int) -> list[list]:
+    """Per-token logprobs of each sequence (position t: log p(token t | tokens before it); 0.0 at t = 0 and where
+    `masks` is false: only those are read) under `model` in eval mode, as a right-padded batch."""
     device = next(model.parameters()).device
     lengths = [len(ids) for ids in sequences]
     width = max(lengths)
@@ -95,7 +128,8 @@ def _forward(model, sequences: list[list[int]], temperatures: list[list[float]],
     was_training = model.training
     model.eval()
     try:
-        flat = token_logprobs(model, batch).float().cpu()
+        needed = torch.as_tensor(np.concatenate([np.asarray(mask, dtype=bool) for mask in masks]), device=device)
+        flat = token_logprobs(model, batch, needed=needed).float().cpu()
     finally:
         model.train(was_training)
     return [part.tolist() for part in torch.split(flat, lengths)]

@@ -1,141 +1,149 @@
-"""The policy's training state across RL steps: a checkpoint, or a pending step on top of one.
+"""Where the policy's trainer lives during an RL run, and what the other stages read it through: three modes
+behind one interface, picked once per run from its settings (`policy_mode`).
 
-RL trains one optimizer step per RL step (the next step samples from its result), and snapshots every
-`checkpoint_interval` steps. Between snapshots a policy state is a small *pending-step record* in the store:
-(the last checkpoint, the step, the micro-batches it trained on, the previous state). The live trainer stays in
-the flow's `ResidentTrainer`; a process that has none at a state (a rerun after a crash) rebuilds it from the
-record chain: load the last checkpoint, replay the recorded steps. Replay needs no sampling: the micro-batches
-are in the store.
+    InProcess           k = 0, one process: the flow's ResidentTrainer holds the trainer; sampling, the
+                        behaviour logprobs and evaluation read the trainer itself (nothing else changes it then).
+    InProcessFrozen     k > 0, one process: step n samples from the state of step n-1-k while the trainer trains
+                        step n-1 in the flow's main thread (rl/schedule.py), so those stages read a FrozenPolicy,
+                        a copy of the model at that state, never the live trainer: the training thread keeps a
+                        copy of every state it produces before it moves on, and a stage that finds none (a rerun)
+                        rebuilds one from the store.
+    DataParallel        hardware.nproc = N > 1: the trainer lives in N torchrun processes for the whole run
+                        (rl/policy_group.py), which train each step and write its new state; this process keeps
+                        only frozen copies of the states, loaded from the weights the group exports.
 
-Off-policy steps (`max_off_policy_steps = k > 0`): step n samples from the state of step n-1-k while the trainer
-trains step n-1 in the flow's main thread. Those stages read a `FrozenPolicy`, a copy of the model at that state
-(`sampling_policy`), never the live trainer: the training thread keeps a copy of every state it produces before
-it moves on (`train_policy_step`), and a stage that finds none (a rerun) rebuilds one from the store.
-
-Data-parallel training (`hardware.nproc = N > 1`): the trainer lives in N torchrun processes for the whole run
-(rl/policy_group.py), which train each step and write its new state; this process keeps only frozen copies of the
-states, loaded from the weights the group exports, and samples, scores and evaluates with those.
+States are checkpoints or pending-step records (rl/policy_state.py); a process with nothing resident at a state
+rebuilds it from the store, bit for bit.
 """
 
 from __future__ import annotations
 
-import copy
-import logging
-from dataclasses import dataclass
-from typing import Any
-
-
 from rollout_lib.config.common import hardware_settings
-from rollout_lib.config.rl import RlConfig
 from rollout_lib.rl.policy_group import PolicyGroup
-from rollout_lib.trainer.identity import training_identity
-from rollout_lib.store import ObjectStore
+from rollout_lib.rl.policy_state import (  # noqa: F401  (re-exported: the API of a run's policy)
+    PENDING_STEP_KIND,
+    FrozenPolicy,
+    pending_steps,
+    policy_inputs,
+    rebuild_policy,
+    record_new_state,
+)
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, RecordedBatches
 from rollout_lib.trainer.resident import ResidentTrainer
 
-PENDING_STEP_KIND = "rollout.rl.pending_step/v1"
-logger = logging.getLogger(__name__)
+
+class InProcess:
+    """k = 0, one process: the resident trainer is the policy every stage reads."""
+
+    def initial(self, inputs: TrainingInputs, resident: ResidentTrainer) -> str:
+        """Step 0 snapshotted (the base model, a fresh optimizer), and kept resident for the first sample stage."""
+        trainer = CausalLmTrainer.initial(inputs, batches=RecordedBatches(inputs.store))
+        resident.put(trainer.checkpoint_id, trainer)
+        self._keep(trainer.checkpoint_id, trainer, resident)
+        return trainer.checkpoint_id
+
+    def at(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer):
+        """The policy at `state_id`, not advanced: the resident trainer, or rebuilt and made resident."""
+        trainer = resident.get(state_id)
+        if trainer is None:
+            trainer = rebuild_policy(inputs, state_id)
+            resident.put(state_id, trainer)
+        return trainer
+
+    def for_sampling(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer):
+        """What a stage samples (or scores behaviour logprobs) with at `state_id`: something with `.model` and
+        `.tokenizer`."""
+        return self.at(inputs, state_id, resident)
+
+    def train(self, inputs: TrainingInputs, state_id: str, step: int, micro_batches_id: str,
+              resident: ResidentTrainer, *, snapshot: bool, snapshot_metrics: dict) -> tuple[str, dict]:
+        trainer = resident.pop(state_id) or rebuild_policy(inputs, state_id)
+        trainer.batches.record(step, micro_batches_id)
+        metrics = trainer.train_step(step)
+        new_state = record_new_state(inputs, trainer, state_id, step, micro_batches_id, snapshot=snapshot,
+                                     snapshot_metrics={**snapshot_metrics, **metrics})
+        self._keep(new_state, trainer, resident)
+        resident.put(new_state, trainer)
+        return new_state, metrics
+
+    def _keep(self, state_id: str, trainer: CausalLmTrainer, resident: ResidentTrainer) -> None:
+        """Nothing: no stage reads a state the trainer has moved past."""
 
 
-def policy_inputs(store: ObjectStore, config: RlConfig, prompts_ids: dict[str, str]) -> TrainingInputs:
-    return TrainingInputs(store, config, training_identity(config),
-                          {f"prompts/{env}": prompts_id for env, prompts_id in sorted(prompts_ids.items())})
+class InProcessFrozen(InProcess):
+    """k > 0, one process: stages read frozen copies, made before the trainer moves on."""
+
+    def for_sampling(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer):
+        frozen = resident.frozen(state_id)
+        if frozen is None:  # a rerun: rebuilt from the store without touching the resident trainer, which the
+            # training thread may be updating
+            frozen = resident.keep_frozen(state_id, FrozenPolicy.copy_of(state_id, rebuild_policy(inputs, state_id)))
+        return frozen
+
+    def _keep(self, state_id: str, trainer: CausalLmTrainer, resident: ResidentTrainer) -> None:
+        resident.keep_frozen(state_id, FrozenPolicy.copy_of(state_id, trainer))
 
 
-@dataclass(frozen=True)
-class FrozenPolicy:
-    """The policy's model at one state, detached from training: what off-policy stages sample and score with."""
+class DataParallel:
+    """nproc > 1: the trainer lives in the run's PolicyGroup; this process holds frozen copies only."""
 
-    state_id: str
-    model: Any
-    tokenizer: Any
+    def __init__(self, nproc: int):
+        self.nproc = nproc
 
-    @classmethod
-    def copy_of(cls, state_id: str, trainer: CausalLmTrainer) -> "FrozenPolicy":
-        model = copy.deepcopy(trainer.model).eval()
-        model.requires_grad_(False)
-        return cls(state_id, model, trainer.tokenizer)
+    def group(self, inputs: TrainingInputs, resident: ResidentTrainer) -> PolicyGroup:
+        """The run's data-parallel processes, kept (and closed) by the flow's resident."""
+        return resident.resource("policy_group", lambda: PolicyGroup(inputs, self.nproc))
+
+    def initial(self, inputs: TrainingInputs, resident: ResidentTrainer) -> str:
+        trainer = CausalLmTrainer.initial(inputs, batches=RecordedBatches(inputs.store))
+        # the group opens it from the store; sampling reads a frozen copy
+        resident.keep_frozen(trainer.checkpoint_id, FrozenPolicy.copy_of(trainer.checkpoint_id, trainer))
+        return trainer.checkpoint_id
+
+    def at(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer):
+        return self.for_sampling(inputs, state_id, resident)
+
+    def for_sampling(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer):
+        frozen = resident.frozen(state_id)
+        if frozen is None:  # a rerun: the group exports the state (rebuilding it from the store if it must)
+            group = self.group(inputs, resident)
+            frozen = resident.keep_frozen(state_id, group.frozen_copy(state_id, group.export(state_id)))
+        return frozen
+
+    def train(self, inputs: TrainingInputs, state_id: str, step: int, micro_batches_id: str,
+              resident: ResidentTrainer, *, snapshot: bool, snapshot_metrics: dict) -> tuple[str, dict]:
+        group = self.group(inputs, resident)
+        new_state, metrics, weights = group.train(state_id, step, micro_batches_id, snapshot=snapshot,
+                                                  snapshot_metrics=snapshot_metrics)
+        resident.keep_frozen(new_state, group.frozen_copy(new_state, weights))
+        return new_state, metrics
 
 
-def off_policy_steps(inputs: TrainingInputs) -> int:
-    return inputs.config.settings.max_off_policy_steps
+def policy_mode(inputs: TrainingInputs) -> InProcess | DataParallel:
+    """The run's mode, from its settings: data-parallel processes, else in process (with frozen copies if k > 0)."""
+    nproc = hardware_settings(inputs.settings).nproc
+    if nproc > 1:
+        return DataParallel(nproc)
+    return InProcessFrozen() if inputs.config.settings.max_off_policy_steps else InProcess()
 
 
-def data_parallel_processes(inputs: TrainingInputs) -> int:
-    """How many processes train the policy: above 1, a PolicyGroup's (this process holds frozen copies only)."""
-    return hardware_settings(inputs.settings).nproc
-
-
-def policy_group(inputs: TrainingInputs, resident: ResidentTrainer) -> PolicyGroup:
-    """The run's data-parallel processes, kept (and closed) by the flow's resident."""
-    return resident.resource("policy_group", lambda: PolicyGroup(inputs, data_parallel_processes(inputs)))
+# --- the run's policy, whatever its mode (what tasks/rl.py calls) ------------------------------------------------
 
 
 def initial_policy(inputs: TrainingInputs, resident: ResidentTrainer) -> str:
-    """Step 0 snapshotted (the base model, a fresh optimizer), and kept resident for the first sample stage."""
-    trainer = CausalLmTrainer.initial(inputs, batches=RecordedBatches(inputs.store))
-    if data_parallel_processes(inputs) > 1:  # the group opens it from the store; sampling reads a frozen copy
-        resident.keep_frozen(trainer.checkpoint_id, FrozenPolicy.copy_of(trainer.checkpoint_id, trainer))
-        return trainer.checkpoint_id
-    resident.put(trainer.checkpoint_id, trainer)
-    if off_policy_steps(inputs):
-        resident.keep_frozen(trainer.checkpoint_id, FrozenPolicy.copy_of(trainer.checkpoint_id, trainer))
-    return trainer.checkpoint_id
+    """Step 0 snapshotted (the base model, a fresh optimizer); its checkpoint id."""
+    return policy_mode(inputs).initial(inputs, resident)
 
 
-def pending_steps(store: ObjectStore, state_id: str) -> tuple[str, dict[int, str]]:
-    """(the checkpoint under `state_id`, step -> micro-batches id of every pending step on top of it)."""
-    batches: dict[int, str] = {}
-    while True:
-        record = store.get_json(state_id)
-        if record.get("kind") != PENDING_STEP_KIND:
-            return state_id, batches
-        batches[record["step"]] = record["micro_batches"]
-        state_id = record["parent"]
-
-
-def rebuild_policy(inputs: TrainingInputs, state_id: str, data_parallel=None) -> CausalLmTrainer:
-    """The trainer at `state_id` from the store alone: its checkpoint, then the pending steps replayed (on one rank
-    of a data-parallel group, `data_parallel`: replayed by every rank together, as they were trained)."""
-    checkpoint_id, batches = pending_steps(inputs.store, state_id)
-    trainer = CausalLmTrainer.from_checkpoint(inputs, checkpoint_id, batches=RecordedBatches(inputs.store, batches))
-    trainer.data_parallel = data_parallel
-    if batches:
-        logger.info("no resident policy at this state: replaying steps %d..%d from checkpoint %s", min(batches),
-                    max(batches), checkpoint_id)
-    for step in sorted(batches):
-        trainer.train_step(step)
-    return trainer
-
-
-def policy_at(inputs: TrainingInputs, state_id: str, resident: ResidentTrainer) -> CausalLmTrainer:
-    """The policy at `state_id`, not advanced: the resident one, or rebuilt and made resident (data-parallel
-    training: a frozen copy, as `sampling_policy`)."""
-    if data_parallel_processes(inputs) > 1:
-        return sampling_policy(inputs, state_id, resident)
-    trainer = resident.get(state_id)
-    if trainer is None:
-        trainer = rebuild_policy(inputs, state_id)
-        resident.put(state_id, trainer)
-    return trainer
+def policy_at(inputs: TrainingInputs, state_id: str, resident: ResidentTrainer):
+    """The policy at `state_id`, not advanced (something with `.model` and `.tokenizer`)."""
+    return policy_mode(inputs).at(inputs, state_id, resident)
 
 
 def sampling_policy(inputs: TrainingInputs, state_id: str, resident: ResidentTrainer):
-    """The policy a stage samples (or scores behaviour logprobs) with at `state_id`: something with `.model` and
-    `.tokenizer`. Synchronous runs use the resident trainer itself; off-policy runs a FrozenPolicy (kept by the
-    training thread, or rebuilt here from the store without touching the resident trainer, which the training
-    thread may be updating). Data-parallel training: always a FrozenPolicy, from the group's export when missing."""
-    data_parallel = data_parallel_processes(inputs) > 1
-    if not off_policy_steps(inputs) and not data_parallel:
-        return policy_at(inputs, state_id, resident)
-    frozen = resident.frozen(state_id)
-    if frozen is None and data_parallel:
-        group = policy_group(inputs, resident)
-        frozen = resident.keep_frozen(state_id, group.frozen_copy(state_id, group.export(state_id)))
-    elif frozen is None:
-        frozen = resident.keep_frozen(state_id, FrozenPolicy.copy_of(state_id, rebuild_policy(inputs, state_id)))
-    return frozen
+    """The policy a stage samples (or scores behaviour logprobs) with at `state_id`."""
+    return policy_mode(inputs).for_sampling(inputs, state_id, resident)
 
 
 def train_policy_step(inputs: TrainingInputs, state_id: str, step: int, micro_batches_id: str,
@@ -144,30 +152,5 @@ def train_policy_step(inputs: TrainingInputs, state_id: str, step: int, micro_ba
     """Train step `step` of the policy at `state_id` on `micro_batches_id`. Returns (the new state: a checkpoint
     id when `snapshot`, else a pending-step record id; the step's metrics). `snapshot_metrics` (the whole step's
     metrics) go into the checkpoint's manifest beside the train metrics."""
-    if data_parallel_processes(inputs) > 1:
-        group = policy_group(inputs, resident)
-        new_state, metrics, weights = group.train(state_id, step, micro_batches_id, snapshot=snapshot,
-                                                  snapshot_metrics=snapshot_metrics)
-        resident.keep_frozen(new_state, group.frozen_copy(new_state, weights))
-        return new_state, metrics
-    trainer = resident.pop(state_id) or rebuild_policy(inputs, state_id)
-    trainer.batches.record(step, micro_batches_id)
-    metrics = trainer.train_step(step)
-    new_state = record_new_state(inputs, trainer, state_id, step, micro_batches_id, snapshot=snapshot,
-                                 snapshot_metrics={**(snapshot_metrics or {}), **metrics})
-    if off_policy_steps(inputs):
-        # Before the trainer moves on: the later steps that sample from this state read this copy.
-        resident.keep_frozen(new_state, FrozenPolicy.copy_of(new_state, trainer))
-    resident.put(new_state, trainer)
-    return new_state, metrics
-
-
-def record_new_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: str, step: int,
-                     micro_batches_id: str, *, snapshot: bool, snapshot_metrics: dict) -> str:
-    """The state `trainer` reached by training step `step` from `state_id`, written to the store: a checkpoint
-    (`snapshot`; its manifest keeps `snapshot_metrics`) or a pending-step record."""
-    if snapshot:
-        return trainer.snapshot(snapshot_metrics)
-    return inputs.store.put_json({"kind": PENDING_STEP_KIND, "checkpoint": trainer.checkpoint_id, "step": step,
-                                  "micro_batches": micro_batches_id, "parent": state_id,
-                                  "training_identity": inputs.identity})
+    return policy_mode(inputs).train(inputs, state_id, step, micro_batches_id, resident, snapshot=snapshot,
+                                     snapshot_metrics=snapshot_metrics or {})

@@ -16,7 +16,7 @@ trainer every step. Here the ranks start once, on the first train step, and stay
 Commands: `train` (step n from a parent state: the ranks rebuild that state from the store first if they are
 elsewhere, replaying its pending steps data-parallel, so the bits match the first time), `export` (the weights of
 a state the flow has no copy of: after a crash, a rerun) and `stop`. The flow process holds no trainer, only
-frozen copies (rl/policy.py `FrozenPolicy`) built from the exported files, bit for bit what rank 0 trained.
+frozen copies (rl/policy_state.py `FrozenPolicy`) built from the exported files, bit for bit what rank 0 trained.
 
 A rank that fails (an exception, SIGKILL) makes torchrun stop the others; the command then raises
 DataParallelError naming the step and the rank, the group is gone, and the next command (a rerun's) starts a new
@@ -42,7 +42,9 @@ from dataclasses import dataclass
 
 from safetensors.torch import load_file
 
+from rollout_lib.rl.policy_state import FrozenPolicy
 from rollout_lib.trainer.base import TrainingInputs
+from rollout_lib.trainer.causal import CausalLmTrainer
 from rollout_lib.trainer.checkpoint import load_model_weights
 from rollout_lib.trainer.data_parallel import DataParallelError, failure_message, root_cause_rank
 from rollout_lib.trainer.determinism import GLOBAL_RNG
@@ -96,9 +98,6 @@ class PolicyGroup:
 
     def frozen_copy(self, state_id: str, weights_path: str):
         """A FrozenPolicy of `state_id` from its exported weights file (deleted once loaded)."""
-        from rollout_lib.rl.policy import FrozenPolicy
-        from rollout_lib.trainer.causal import CausalLmTrainer
-
         if self._skeleton is None:
             with GLOBAL_RNG:  # build seeds the RNG: never while another thread trains or samples
                 model, tokenizer, _ = CausalLmTrainer.build(self.inputs)

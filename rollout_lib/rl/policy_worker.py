@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import rollout_lib.config  # noqa: F401 - first, as every entry point imports it (trainer.hardware needs it loaded)
-from rollout_lib.rl.policy import record_new_state, rebuild_policy
+from rollout_lib.rl.policy_state import rebuild_policy, record_new_state
 from rollout_lib.trainer.checkpoint import model_weights
 from rollout_lib.trainer.data_parallel import DataParallel
 from rollout_lib.trainer.segment_worker import join_group, kill_step

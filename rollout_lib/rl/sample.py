@@ -113,6 +113,7 @@ def reload_metrics(samplers) -> dict:
     if not reports:
         return {}
     metrics = {"policy_server/reload_s": sum(report.seconds for report in holds),
+               "policy_server/write_s": sum(report.write_seconds for report in holds),
                "policy_server/reloads": len(holds)}
     if holds:
         metrics["policy_server/probe_diff"] = max(report.max_probe_diff for report in holds)

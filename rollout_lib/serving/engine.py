@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -141,6 +143,25 @@ def serve_dir() -> Path:
 
 def _record_path(name: str) -> Path:
     return serve_dir() / f"{name}.json"
+
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def weights_dir(name: str) -> Path:
+    """Where a live-policy deployment's replicas reload their weights from (serving/weight_sync.py): shared memory
+    (tmpfs) when the machine has it, one directory per state directory and deployment, so a rerun that adopts an
+    orphaned server writes where it reads and stopping the deployment frees the memory; else beside its record."""
+    if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK):
+        digest = hashlib.blake2b(str(serve_dir().resolve()).encode(), digest_size=6).hexdigest()
+        return SHARED_MEMORY / f"rollout-{digest}" / f"{name}-weights"
+    return serve_dir() / f"{name}-weights"
+
+
+def _forget(name: str) -> None:
+    """Delete a stopped deployment's record and its weights file."""
+    _record_path(name).unlink(missing_ok=True)
+    shutil.rmtree(weights_dir(name), ignore_errors=True)
 
 
 def _read_record(name: str) -> Deployment | None:
@@ -438,7 +459,7 @@ def _drop(deployment: Deployment) -> None:
     """Forget a deployment none of whose servers runs: stop what is left of its groups (a killed API server's
     EngineCore and Worker), delete its record."""
     _stop_groups(deployment.pids, grace_s=2.0)
-    _record_path(deployment.name).unlink(missing_ok=True)
+    _forget(deployment.name)
 
 
 def claim_orphan(name: str, owner_pid: int) -> Deployment | None:
@@ -466,7 +487,7 @@ def stop_deployment(name: str, grace_s: float = STOP_GRACE_S) -> Deployment | No
     if deployment is None:
         return None
     _stop_groups(deployment.pids, grace_s)
-    _record_path(name).unlink(missing_ok=True)
+    _forget(name)
     return deployment
 
 
@@ -476,7 +497,7 @@ def stop_all(grace_s: float = STOP_GRACE_S) -> list[Deployment]:
     deployments = [deployment for deployment in map(_read_record, names) if deployment is not None]
     _stop_groups([pid for deployment in deployments for pid in deployment.pids], grace_s)
     for deployment in deployments:
-        _record_path(deployment.name).unlink(missing_ok=True)
+        _forget(deployment.name)
     return deployments
 
 

@@ -6,11 +6,12 @@ are reloaded in place to the policy state a sample stage samples from, and check
     await server.pool.generate(...)          # an EndpointPool over the replicas
     server.recover()                         # replicas died mid-step: restart them (they hold nothing until `hold`)
 
-Reload: the model's state dict -> `<state dir>/serve/<name>-weights/model.safetensors`, every tensor, with
-`lm_head.weight` written out even when it is tied to the input embeddings (transformers' `save_pretrained` drops it,
-and vLLM's CPU engine then keeps its output head on the *old* embeddings: 1.0 logprob off on the tiny Qwen2, 1.6 on
-SmolLM2, ../shared/notes/serving.md), then `POST /collective_rpc {"method": "reload_weights", "kwargs":
-{"weights_path": dir}}` on every replica that does not hold the state yet.
+Reload: the model's state dict -> a safetensors file in shared memory, rewritten in place each step
+(serving/weight_sync.py), every tensor, with `lm_head.weight` written out even when it is tied to the input
+embeddings (transformers' `save_pretrained` drops it, and vLLM's CPU engine then keeps its output head on the *old*
+embeddings: 1.0 logprob off on the tiny Qwen2, 1.6 on SmolLM2, ../shared/notes/serving.md), then `POST
+/collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` on every replica that does not hold
+the state yet.
 
 Verification: a fixed probe sequence (PROBE_LENGTH token ids drawn once from a fixed seed) is scored by each
 reloaded replica (prompt logprobs, temperature 1) and by the trainer's own forward of the same weights; a replica
@@ -37,8 +38,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ import torch
 from rollout_lib.serving import engine
 from rollout_lib.serving.client import EndpointClient, ServingError
 from rollout_lib.serving.pool import EndpointPool
+from rollout_lib.serving.weight_sync import SharedWeightsFile
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,12 @@ class PolicyServerError(RuntimeError):
 
 @dataclass
 class HoldReport:
-    """What `hold` did: the replicas it reloaded, the seconds reload + check took, the largest probe difference."""
+    """What `hold` did: the replicas it reloaded, the seconds write + reload + check took (and the write's alone),
+    the largest probe difference."""
 
     reloaded: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    write_seconds: float = 0.0
     max_probe_diff: float | None = None
 
 
@@ -94,31 +96,6 @@ def trainer_logprobs(model, token_ids: list[int]) -> list[float]:
         model.train(was_training)
 
 
-def weight_tensors(model) -> dict[str, torch.Tensor]:
-    """Every tensor of the model's state dict as safetensors can write it (CPU, contiguous, no shared storage): a
-    tied `lm_head.weight` becomes its own copy of the embeddings instead of being dropped."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().to("cpu").contiguous()
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer in seen:
-            tensor = tensor.clone()
-        seen.add(tensor.untyped_storage().data_ptr())
-        tensors[name] = tensor
-    return tensors
-
-
-def write_weights(model, directory: os.PathLike) -> None:
-    """The model's weights as `directory/model.safetensors` (written beside, then renamed into place)."""
-    from safetensors.torch import save_file
-
-    os.makedirs(directory, exist_ok=True)
-    staging = os.path.join(directory, f".model.safetensors.{os.getpid()}.tmp")
-    save_file(weight_tensors(model), staging)
-    os.replace(staging, os.path.join(directory, "model.safetensors"))
-
-
 class PolicyServer:
     """A live-policy deployment (engine.py, `live_policy=True`) and the state each replica holds."""
 
@@ -129,7 +106,8 @@ class PolicyServer:
         self.max_attempts = max_attempts
         self.tolerance = tolerance
         self.probe_dtype = probe_dtype  # the engine's dtype: the trainer's side of the probe is computed in it
-        self.weights_dir = engine.serve_dir() / f"{deployment.name}-weights"
+        # The weights the replicas reload from: a file in shared memory, rewritten in place (serving/weight_sync.py)
+        self.weights = SharedWeightsFile(engine.weights_dir(deployment.name))
         self._holds: dict[str, tuple[int, str]] = {}  # base URL -> (pid, state id) it was loaded and checked with
         self._lock = threading.Lock()
         self.pool = self._new_pool()
@@ -182,7 +160,8 @@ class PolicyServer:
                 return report
             log.info("policy server %s: reloading %s to state %s", self.name,
                      ", ".join(replica.base_url for replica in stale), state_id)
-            write_weights(model, self.weights_dir)
+            self.weights.write(model)
+            report.write_seconds = time.perf_counter() - started
             for replica in stale:
                 self._holds.pop(replica.base_url, None)
             report.reloaded = [replica.base_url for replica in stale]
@@ -190,8 +169,9 @@ class PolicyServer:
             for replica in stale:
                 self._holds[replica.base_url] = (replica.pid, state_id)
             report.seconds = time.perf_counter() - started
-            log.info("policy server %s: reloaded %s with state %s in %.2f s (probe max |diff| %.2g)", self.name,
-                     ", ".join(report.reloaded), state_id, report.seconds, report.max_probe_diff)
+            log.info("policy server %s: reloaded %s with state %s in %.2f s (weights written in %.2f s; probe max "
+                     "|diff| %.2g)", self.name, ", ".join(report.reloaded), state_id, report.seconds,
+                     report.write_seconds, report.max_probe_diff)
             return report
 
     def check(self, state_id: str, model, tokenizer) -> float:
@@ -225,7 +205,7 @@ class PolicyServer:
                 if reload:
                     try:
                         await client.request("POST", "/collective_rpc", {
-                            "method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
+                            "method": "reload_weights", "kwargs": {"weights_path": str(self.weights.directory)}})
                     except ServingError as exc:
                         raise PolicyServerError(f"policy server {url} ({self.name!r}): weight reload failed: "
                                                 f"{exc.detail}") from None
@@ -243,4 +223,4 @@ class PolicyServer:
     def close(self) -> None:
         """Close the pool and delete the weights directory (the deployment is stopped by its owner)."""
         asyncio.run(self.pool.aclose())
-        shutil.rmtree(self.weights_dir, ignore_errors=True)
+        self.weights.remove()

@@ -32,7 +32,7 @@ import pyarrow as pa
 import torch
 
 from rollout_lib import wire
-from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens
+from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens, loss_tokens
 from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
 from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
@@ -90,7 +90,7 @@ def train_on_micro_batches(
     optimizer.zero_grad(set_to_none=True)
     try:
         for index, (batch, local) in enumerate(zip(batches, local_counts)):
-            logprobs = token_logprobs(model, batch)
+            logprobs = token_logprobs(model, batch, needed=loss_tokens(batch))  # no logits for prompt tokens
             loss, parts = component_loss(logprobs, batch, counts, **(loss_kwargs or {}))
             if not torch.isfinite(loss):
                 raise NonFiniteLossError(f"micro-batch {index}: loss is {loss.item()} (non-finite); "

@@ -1,0 +1,107 @@
+"""Shipping the trainer's weights to a policy server on this machine: one safetensors file in shared memory,
+rewritten in place after each step.
+
+The engine reloads from a directory of safetensors (serving/policy.py). Writing that file with `save_file` every
+step serialises the whole model through two copies and a fresh file (538 MB for SmolLM2-135M in fp32). Here the
+first write is safetensors' own (so the format is the library's, not ours); every later write checks that the
+model's tensors still have the file's names, dtypes and shapes and copies each tensor's bytes into its slot of the
+memory-mapped file: one memcpy per tensor, no allocation, no new file. A model whose layout changed gets a fresh
+file. The directory lives in /dev/shm (tmpfs: memory, never the disk) where the machine has it
+(serving/engine.py: weights_dir, removed when the deployment stops).
+
+Every tensor of the state dict is written, a tied `lm_head.weight` included (transformers' `save_pretrained` drops
+it, and vLLM then keeps its output head on the old embeddings: ../shared/notes/serving.md).
+
+Nothing reads the file while it is rewritten: the policy server writes, then asks its replicas to reload, then
+probes them, under one lock; a reload that saw a half-written file (a crash mid-write) fails its probe.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+WEIGHTS_FILE = "model.safetensors"
+def state_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's state dict on the CPU, contiguous: every entry, tied ones included, as its own name."""
+    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
+
+
+class SharedWeightsFile:
+    """`directory/model.safetensors`, kept mapped and rewritten in place while the model's layout stays the same."""
+
+    def __init__(self, directory: os.PathLike):
+        self.directory = Path(directory)
+        self.path = self.directory / WEIGHTS_FILE
+        self._map: mmap.mmap | None = None
+        self._slots: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # name -> (dtype, shape, begin, end)
+
+    def write(self, model) -> str:
+        """Write the model's weights; returns "in place" or "new file" (what it took)."""
+        tensors = state_tensors(model)
+        if self._map is not None and self._fits(tensors):
+            for name, tensor in tensors.items():
+                _, _, begin, end = self._slots[name]
+                self._map[begin:end] = _bytes_of(tensor)
+            return "in place"
+        self._new_file(tensors)
+        return "new file"
+
+    def _fits(self, tensors: dict[str, torch.Tensor]) -> bool:
+        return tensors.keys() == self._slots.keys() and all(
+            (_dtype_name(tensor), tuple(tensor.shape)) == self._slots[name][:2] for name, tensor in tensors.items())
+
+    def _new_file(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        self.close()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        staging = self.directory / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
+        # safetensors refuses tensors that share storage: a tied lm_head is written as its own copy.
+        seen: set[int] = set()
+        unshared = {}
+        for name, tensor in tensors.items():
+            pointer = tensor.untyped_storage().data_ptr()
+            unshared[name] = tensor.clone() if pointer in seen else tensor
+            seen.add(pointer)
+        save_file(unshared, str(staging))
+        os.replace(staging, self.path)
+        with open(self.path, "r+b") as handle:
+            self._map = mmap.mmap(handle.fileno(), 0)
+        (header_length,) = struct.unpack("<Q", self._map[:8])
+        header = json.loads(self._map[8:8 + header_length])
+        base = 8 + header_length
+        self._slots = {name: (entry["dtype"], tuple(entry["shape"]), base + entry["data_offsets"][0],
+                              base + entry["data_offsets"][1])
+                       for name, entry in header.items() if name != "__metadata__"}
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        self._slots = {}
+
+    def remove(self) -> None:
+        self.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# safetensors' dtype names (its header's "dtype"), for the dtypes a model's state dict holds
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                torch.bool: "BOOL"}
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy (a contiguous CPU tensor viewed as bytes)."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
