@@ -60,7 +60,7 @@ def sft_setup(args, store_root: str, hardware: dict):
     from rollout_lib.store import ObjectStore
     from rollout_lib.trainer.base import TrainingInputs
     from rollout_lib.trainer.causal import PlannedBatches
-    from rollout_lib.trainer.determinism import plan_batches
+    from rollout_lib.determinism import plan_batches
     from rollout_lib.trainer.identity import training_identity
 
     config = load_config(SftConfig, CONFIG, {
@@ -86,7 +86,7 @@ def measure(args, checkpointing: bool) -> dict:
     import torch
 
     from rollout_lib.trainer.causal import CausalLmTrainer
-    from rollout_lib.trainer.hardware import is_checkpointing
+    from rollout_lib.hardware import is_checkpointing
 
     with tempfile.TemporaryDirectory() as store_root:
         inputs, batches, micro_batches = sft_setup(args, store_root, {

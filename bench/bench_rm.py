@@ -47,7 +47,7 @@ def bare_loop(config, steps: int) -> float:
     from rollout_lib.rm.trainer import RewardModelTrainer
     from rollout_lib.store import ObjectStore
     from rollout_lib.trainer.base import TrainingInputs
-    from rollout_lib.trainer.determinism import plan_batches, seed_for_step
+    from rollout_lib.determinism import plan_batches, seed_for_step
     from rollout_lib.trainer.optim import lr_at, set_lr
 
     settings = config.settings
@@ -76,7 +76,7 @@ def bare_loop(config, steps: int) -> float:
         optimizer.step()
     with tempfile.TemporaryDirectory() as tmp:
         from safetensors.torch import save_file
-        from rollout_lib.trainer.checkpoint import model_weights
+        from rollout_lib.checkpoint import model_weights
 
         save_file(model_weights(model), f"{tmp}/model.safetensors")
     return time.perf_counter() - started

@@ -56,8 +56,8 @@ def bare_loop(config) -> dict:
     from rollout_lib.data import load_examples
     from rollout_lib.model.loading import load_causal_lm, resolve_model
     from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
-    from rollout_lib.trainer.checkpoint import model_weights
-    from rollout_lib.trainer.determinism import plan_batches, seed_for_step
+    from rollout_lib.checkpoint import model_weights
+    from rollout_lib.determinism import plan_batches, seed_for_step
     from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
 
     settings = config.settings

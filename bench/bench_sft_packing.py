@@ -37,7 +37,7 @@ from rollout_lib.model.packed_attention import use_packed_attention  # noqa: E40
 from rollout_lib.sft.batches import micro_batches_of, padding_stats  # noqa: E402
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples  # noqa: E402
 from rollout_lib.trainer.causal import train_on_micro_batches  # noqa: E402
-from rollout_lib.trainer.determinism import plan_batches  # noqa: E402
+from rollout_lib.determinism import plan_batches  # noqa: E402
 from rollout_lib.trainer.optim import build_optimizer  # noqa: E402
 
 

@@ -149,7 +149,6 @@ def main() -> None:
 
     import torch
 
-    import rollout_lib.config  # noqa: F401  (import order: trainer.hardware <-> config, issue 29)
     from rollout_lib.config.common import ModelRef
     from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
     from rollout_lib.model.packed_attention import use_packed_attention

@@ -50,6 +50,7 @@ from tasks.rl import (
     score_chunk_task,
     score_merge_task,
     score_task,
+    snapshot_task,
     train_step_task,
 )
 
@@ -98,22 +99,49 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
             for connected in connect_frozen_models_task(cfg, frozen_models, reward_loops):
                 logger.info("frozen model %s", connected)
         prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in settings.envs}
-        state = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
+        state = checkpoint = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
         evaluations = {env.name: run_task(load_eval_prompts_task)(cfg, env.name)["prompts"]
                        for env in settings.envs if env.eval is not None}
 
         in_flight: dict = {}  # off-policy runs: step -> its sample task's future (below)
 
+        def due(step: int) -> list[str]:
+            return [env.name for env in settings.envs
+                    if env.name in evaluations and (step % env.eval.every == 0 or step in (0, total))]
+
         def evaluate(step: int) -> dict:
             """Held-out metrics of the policy now (`state`) for the envs whose evaluation is due at `step`."""
             found = {}
-            for env in settings.envs:
-                if env.name in evaluations and (step % env.eval.every == 0 or step in (0, total)):
-                    for future in in_flight.values():
-                        future.wait()  # a policy server holds one state at a time: the evaluation's, next
-                    found.update(run_task(evaluate_task)(cfg, prompts, evaluations[env.name], env.name, state, step,
-                                                         resident, reward_loops)["metrics"])
+            for env in due(step):
+                for future in in_flight.values():
+                    future.wait()  # a policy server holds one state at a time: the evaluation's, next
+                found.update(run_task(evaluate_task)(cfg, prompts, evaluations[env], env, state, step, resident,
+                                                     reward_loops)["metrics"])
             return found
+
+        # On an engine at k = 0 the evaluation of state n runs beside step n+1's sample, score, advantages and pack
+        # stages: the policy server holds state n for both (one reload), and the engine batches both requests. It
+        # is waited for before step n+1 trains (it reads the trainer at state n), and step n's record with it.
+        overlap_evaluation = schedule.synchronous and settings.policy_sampler.type != "hf"
+
+        def submit_evaluations(step: int) -> list:
+            return [run_task(evaluate_task).submit(cfg, prompts, evaluations[env], env, state, step, resident,
+                                                   reward_loops) for env in due(step)]
+
+        def finish(step: int, metrics: dict, checkpoint: str | None, evaluating: list = ()) -> None:
+            """Record step `step`: its held-out metrics (from `evaluating`, when they ran beside the next step),
+            the metrics file and UI table, the log line, the progress and (at a snapshot) the curves."""
+            for future in evaluating:
+                metrics.update(future.result()["metrics"])
+            history.append(metrics)
+            step_events.publish(step, metrics)
+            logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step,
+                        metrics["reward_mean"], metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
+                        " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
+                        f" -> checkpoint {checkpoint}" if checkpoint else "")
+            progress.update(step)
+            if checkpoint:
+                curves.update()
 
         eval_before = evaluate(0)
         for name, value in eval_before.items():
@@ -138,6 +166,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         for ahead in schedule.first_submissions(total):
             submit_sampling(ahead)
         started = time.perf_counter()
+        unfinished = None  # (finish's arguments) of the step whose evaluation runs beside this one
         try:
             for step in range(1, total + 1):
                 if schedule.synchronous:
@@ -157,28 +186,29 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                     pools[step] = samples["curriculum"]
                 packed = pack(cfg, samples["samples"], step)
                 step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
-                snapshot = step % settings.checkpoint_interval == 0 or step == total
-                trained = train_step(cfg, prompts, state, packed["micro_batches"], step, snapshot, step_metrics,
-                                     resident)
+                if unfinished is not None:
+                    finish(*unfinished)
+                    unfinished = None
+                trained = train_step(cfg, prompts, state, packed["micro_batches"], step, resident)
                 state = states[step] = trained["state"]
-                metrics = {**step_metrics, **trained["metrics"], **evaluate(step), "step": step}
+                snapshot = step % settings.checkpoint_interval == 0 or step == total
+                if snapshot:
+                    checkpoint = run_task(snapshot_task)(cfg, prompts, state, step,
+                                                         {**step_metrics, **trained["metrics"]}, resident)
+                metrics = {**step_metrics, **trained["metrics"], "step": step}
                 if not schedule.synchronous:  # optimizer steps between the weights that sampled and those trained
                     metrics["off_policy_lag"] = schedule.lag(step)
-                history.append(metrics)
-                step_events.publish(step, metrics)
-                logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step,
-                            metrics["reward_mean"], metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
-                            " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
-                            f" -> checkpoint {state}" if snapshot else "")
-                progress.update(step)
-                if snapshot:
-                    curves.update()
+                if overlap_evaluation and step < total and due(step):
+                    unfinished = (step, metrics, checkpoint if snapshot else None, submit_evaluations(step))
+                else:
+                    finish(step, {**metrics, **evaluate(step)}, checkpoint if snapshot else None)
         finally:
-            for future in in_flight.values():  # never stop the servers under a sampling task still running
-                future.wait()
+            for future in [*in_flight.values(), *(unfinished[3] if unfinished else ())]:
+                future.wait()  # never stop the servers under a sampling or evaluation task still running
+            if unfinished is not None and all(future.state.is_completed() for future in unfinished[3]):
+                finish(*unfinished)  # a step after it failed: its own record is still written
         train_seconds = time.perf_counter() - started
 
-    checkpoint = state
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
     optional = tuple(name for name in OPTIONAL_METRIC_COLUMNS if any(name in m for m in history))
     optional += tuple(sorted({name for m in history for name in m

@@ -193,7 +193,7 @@ def score(checkpoint: str, data_path: str, store_url: str, max_seq_len: int) -> 
 def export(checkpoint: str, out_dir: str, store_url: str) -> None:
     """Write a checkpoint as a Hugging Face directory."""
     from rollout_lib.store import ObjectStore
-    from rollout_lib.trainer.checkpoint import export_hf_directory, resolve_checkpoint
+    from rollout_lib.checkpoint import export_hf_directory, resolve_checkpoint
 
     store = ObjectStore(store_url)
     print(export_hf_directory(store, resolve_checkpoint(store, checkpoint), out_dir))

@@ -47,6 +47,7 @@ from rollout_lib.wire import (
     TRAINING_SAMPLES,
     conform,
 )
+from rollout_lib.hardware import autocast_for, model_device
 
 FIRST_TOKEN_LOGPROB = 0.0
 # Streams that say how much a token counts in a loss; all must be zero on a sequence's first token.
@@ -293,9 +294,8 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     (49k on SmolLM2) those [positions, vocab] logits are a large share of a step's time and memory, and prompt
     tokens need none of them. Values at needed tokens equal the full computation's up to float rounding.
     """
-    from rollout_lib.trainer.hardware import autocast_for, model_device
 
-    device = model_device(model)  # the model's device (trainer.hardware); the result lives there too
+    device = model_device(model)  # the model's device (hardware.py); the result lives there too
     padded = "attention_mask" in batch
     input_ids = batch["input_ids"].to(device)
     position_ids = batch["position_ids"].to(device)

@@ -10,6 +10,9 @@ from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 from rollout_lib.data import load_examples, load_pairs
 from rollout_lib.model.loading import locate_model
+from rollout_lib.errors import ConfigError
+from rollout_lib.hardware import hardware_settings, resolve_hardware
+from rollout_lib.store import ObjectStore, StoreError
 
 
 def describe_plan(config) -> dict:
@@ -27,8 +30,6 @@ def describe_plan(config) -> dict:
 def _hardware(config) -> dict:
     """The entry point's hardware settings and the device they resolve to on this machine: a CUDA device it lacks,
     or bf16 that would run on its CPU, fails here naming the setting (docs/hardware.md)."""
-    from rollout_lib.config.common import hardware_settings
-    from rollout_lib.trainer.hardware import resolve_hardware
 
     settings = hardware_settings(config.settings)
     return {**settings.model_dump(mode="json"),
@@ -158,7 +159,6 @@ def _frozen_model_contents(config: RlConfig) -> dict[str, str]:
     id or content digest). A reference that resolves nowhere (a teacher's `runs/<name>/latest` not trained yet)
     fails here, naming its setting, as it would at the start of the run. No server is contacted."""
     from rollout_lib.serving.references import content_identity
-    from rollout_lib.store import ObjectStore
     from rollout_lib.trainer.identity import training_identity
 
     training_identity(config)  # raises the one-line error for a reference that resolves nowhere
@@ -180,10 +180,8 @@ def _reward_model_contents(config: RlConfig) -> dict[str, str]:
     """Each reward model's identity (a checkpoint id or content digest), checked as far as it can be without loading
     it: a reference that resolves nowhere, a checkpoint that is not a reward model's, a local model that is no
     sequence classifier fail here, naming their setting."""
-    from rollout_lib.config.errors import ConfigError
     from rollout_lib.model.loading import ModelLoadError
     from rollout_lib.reward.reward_model import check_reward_model
-    from rollout_lib.store import StoreError
     from rollout_lib.trainer.identity import reward_model_contents
 
     found = config.reward_models()

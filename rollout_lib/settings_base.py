@@ -1,12 +1,12 @@
-"""The two settings shapes every part of the library shares, in a module that imports nothing of rollout_lib: the
+"""The settings shapes every part of the library shares (and the tagged union that picks one by its `type`), in a module that imports nothing of rollout_lib: the
 config package builds its algorithm union from the algorithm registry, and algorithms' settings (a teacher is a
 frozen model, rollout_lib/serving/settings.py) need these without importing the config package back."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 
 class StrictModel(BaseModel):
@@ -33,3 +33,20 @@ class ModelRef(StrictModel):
     def _from_string(cls, value: Any) -> Any:
         # `base_model = "..."` (RM seed) and `[...base_model] uri = "..."` (SFT seed) are both the seed's shape.
         return {"uri": value} if isinstance(value, str) else value
+
+
+def tagged_union(types: tuple[type[BaseModel], ...], what: str) -> Any:
+    """A union of settings classes chosen by their `type` (or `kind`); an unknown type names the ones that exist.
+
+    Tags are spelt `what(type)`: pydantic puts the tag into error locations, and the config's error locator leaves
+    such parts out, so errors read `algorithm.rl.envs[0].algo.std_eps`, not `...algo.grpo.std_eps`."""
+    names = {cls.model_fields["type"].default: cls for cls in types}
+
+    def tag_of(value: Any) -> str | None:
+        name = value.get("type", value.get("kind")) if isinstance(value, dict) else getattr(value, "type", None)
+        return f"{what}({name})" if name in names else None
+
+    members = tuple(Annotated[cls, Tag(f"{what}({name})")] for name, cls in names.items())
+    return Annotated[Union[members], Discriminator(  # noqa: UP007
+        tag_of, custom_error_type=f"unknown_{what}",
+        custom_error_message=f"`type` must be one of: {', '.join(sorted(names))}")]

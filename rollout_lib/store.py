@@ -44,7 +44,14 @@ from safetensors.torch import save_file as _st_save_file
 
 from rollout_lib import wire
 
-_ID_RE = re.compile(r"[0-9a-f]{64}")
+# A content id: the blake3 of an object's bytes in hex. The one place its shape is written down.
+CONTENT_ID_PATTERN = "[0-9a-f]{64}"
+_ID_RE = re.compile(CONTENT_ID_PATTERN)
+
+
+def is_content_id(text: object) -> bool:
+    """Whether `text` has the shape of a content id (a checkpoint id, an object id)."""
+    return isinstance(text, str) and _ID_RE.fullmatch(text) is not None
 _REF_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _PARALLEL_HASH_BYTES = 1 << 20  # above this, blake3's multithreading pays for itself (large weight files)
 _REMOTE_REVERIFY_MAX_BYTES = 16 << 20  # a remote object this small is re-read on put; a larger one is size-checked

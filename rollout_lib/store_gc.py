@@ -32,11 +32,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rollout_lib.store import CHAIN_INDEX_REFS, RESULTS_DIR, ObjectStore, StoredFile, StoreError
+from rollout_lib.store import CHAIN_INDEX_REFS, CONTENT_ID_PATTERN, RESULTS_DIR, ObjectStore, StoredFile, StoreError
 
 DEFAULT_GRACE_HOURS = 24.0
 
-_NAMED_ID_RE = re.compile(rb"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+_NAMED_ID_RE = re.compile(rb"(?<![0-9a-f])" + CONTENT_ID_PATTERN.encode() + rb"(?![0-9a-f])")
 _JSON_SNIFF_BYTES = 16
 
 

@@ -9,8 +9,9 @@ rollout_lib.rl, write the result and return its id (plus JSON metrics).
                                                                             tasks on its workers, then a merge)
     advantages-step-k  scored rollouts                -> training samples   (per-env algorithms, stamping)
     pack-step-k        training samples               -> micro-batches
-    train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step; a snapshot
-                                                                            every checkpoint_interval steps)
+    train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step)
+    snapshot-step-k    policy state k                 -> checkpoint         (every checkpoint_interval steps
+                                                                            and at the last)
     evaluate-env-step-k  policy state k, held-out prompts -> eval metrics  (envs with `eval`: before step 1,
                                                                             every `eval.every` steps, at the end)
 
@@ -37,7 +38,14 @@ from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, trai
 from rollout_lib.rl.curriculum import next_difficulty_pools
 from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
 from rollout_lib.rl.pack import pack
-from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, sampling_policy, train_policy_step
+from rollout_lib.rl.policy import (
+    initial_policy,
+    policy_at,
+    policy_inputs,
+    sampling_policy,
+    snapshot_policy,
+    train_policy_step,
+)
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, reload_metrics, sample_rollouts
 from rollout_lib.rl.score import (
@@ -283,15 +291,21 @@ def pack_task(config: RlConfig, samples_id: str, step: int) -> dict:
             "metrics": {**metrics, "pack_s": time.perf_counter() - started}}
 
 
-@task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(ignore=("step_metrics",)))
+@task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
 def train_step_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, micro_batches_id: str,
-                    step: int, snapshot: bool, step_metrics: dict, resident: ResidentTrainer) -> dict:
-    """One optimizer step; with `snapshot`, the new state is a checkpoint whose manifest keeps `step_metrics`
-    (the sample/score/advantages/pack metrics of the step: consequences of the other inputs, so not keyed)."""
+                    step: int, resident: ResidentTrainer) -> dict:
+    """One optimizer step: the new policy state (a step record: its id never depends on when the run snapshots)."""
     started = time.perf_counter()
     inputs = policy_inputs(open_store(config), config, prompts_ids)
-    state, metrics = train_policy_step(inputs, policy_state, step, micro_batches_id, resident, snapshot=snapshot,
-                                       snapshot_metrics=step_metrics)
-    return {"state": state, "checkpoint": state if snapshot else None,
-            "metrics": {**metrics, "train_s": time.perf_counter() - started}}
+    state, metrics = train_policy_step(inputs, policy_state, step, micro_batches_id, resident)
+    return {"state": state, "metrics": {**metrics, "train_s": time.perf_counter() - started}}
+
+
+@task(name="snapshot", task_run_name="snapshot-step-{step}", cache_policy=NO_CACHE, retries=0)
+def snapshot_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int, step_metrics: dict,
+                  resident: ResidentTrainer) -> str:
+    """The checkpoint of `policy_state` for the run's interval: found in the store's index (a rerun: the trainer
+    in hand, if any, adopts it as its last snapshot), else written and indexed (rl/policy_state.py); its manifest
+    keeps `step_metrics`. Not cached: the index is its cache, and a lookup also tells the resident trainer."""
+    inputs = policy_inputs(open_store(config), config, prompts_ids)
+    return snapshot_policy(inputs, policy_state, resident, step_metrics)

@@ -36,6 +36,6 @@ def reward_curve_in_process(config_name: str, overrides: list[str], steps: int) 
             scored, reward_metrics = score_rollouts(cfg, rollouts, prompts, reward_loops)
             samples, _ = training_samples(cfg, scored)
             micro_batches, _ = pack(cfg, samples)
-            state, _ = train_policy_step(run, state, step, store.put_table(micro_batches), resident, snapshot=False)
+            state, _ = train_policy_step(run, state, step, store.put_table(micro_batches), resident)
             curve.append(round(reward_metrics["reward_mean"], 3))
     return curve, scored

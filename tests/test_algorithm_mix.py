@@ -102,8 +102,7 @@ def test_a_run_of_grpo_and_opd_trains_both_in_mixed_micro_batches(tmp_path, vllm
             envs = dict(zip(samples.column("sample_id").to_pylist(), samples.column("env").to_pylist()))
             mixed = [row for row in micro_batches.to_pylist() if len({envs[i] for i in row["sample_ids"]}) == 2]
             norms = component_grad_norms(policy.model, mixed[0]) if mixed else None
-            state, metrics = train_policy_step(run, state, step, store.put_table(micro_batches), resident,
-                                               snapshot=False)
+            state, metrics = train_policy_step(run, state, step, store.put_table(micro_batches), resident)
             steps.append({"samples": samples, "micro_batches": micro_batches, "metrics": metrics,
                           "advantage_metrics": advantage_metrics, "grad_norms": norms})
         trained = policy_at(run, state, resident).model.state_dict()

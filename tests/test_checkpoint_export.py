@@ -10,7 +10,7 @@ import torch
 from clirun import run_rollout
 from rollout_lib.rm.checkpoints import load_reward_checkpoint
 from rollout_lib.store import ObjectStore, StoreError
-from rollout_lib.trainer.checkpoint import CHECKPOINT_KIND, export_hf_directory
+from rollout_lib.checkpoint import CHECKPOINT_KIND, export_hf_directory
 
 BAD_NAMES = ["../escaped.txt", "/tmp/rollout-absolute-escape.txt", "sub/dir.txt", "..", ".", "", "a\\b.txt",
              "config.json", "model.safetensors"]

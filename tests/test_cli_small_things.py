@@ -16,7 +16,7 @@ from rollout_cli.config_cmd import config_class
 from rollout_cli.main import _shortcut_overrides, main
 from rollout_lib.config import load_config, validate_config
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.checkpoint import export_hf_directory, save_checkpoint, save_model_files
+from rollout_lib.checkpoint import export_hf_directory, save_checkpoint, save_model_files
 
 TINY_CONFIGS = {"rm": "configs/rm-tiny.toml", "sft": "configs/sft-tiny.toml", "rl": "configs/rl-tiny.toml",
                 "rlhf": "configs/rlhf-tiny.toml"}

@@ -18,7 +18,7 @@ from rollout_lib.config.rl import DifficultyPoolsSettings
 from rollout_lib.rl.curriculum import draw_weights, initial_state, pool_of, state_json, update_state, weighted_draw
 from rollout_lib.rl.prompts import select_prompts
 from rollout_lib.rl.sample import sample_rollouts
-from rollout_lib.trainer.determinism import derived_seed
+from rollout_lib.determinism import derived_seed
 
 ROOT = Path(__file__).resolve().parent.parent
 POOLS = DifficultyPoolsSettings(type="difficulty_pools")  # easy: every reward >= 1.0; hard: every reward <= 0.0

@@ -30,14 +30,14 @@ from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
-from rollout_lib.trainer.checkpoint import read_manifest
+from rollout_lib.checkpoint import read_manifest
 from rollout_lib.trainer.data_parallel import (
     KILL_RANK_ENV,
     DataParallel,
     empty_micro_batch,
     run_segment_in_processes,
 )
-from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.determinism import plan_batches
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, chain_ref, train_segment
@@ -249,7 +249,7 @@ def test_nproc_flag_is_the_hardware_override():
 
     from rollout_cli.main import _shortcut_overrides
     from rollout_lib.config import RlConfig
-    from rollout_lib.config.errors import ConfigError
+    from rollout_lib.errors import ConfigError
 
     assert _shortcut_overrides("rm", None, None, None, 2) == ["algorithm.rm.hardware.nproc=2"]
     with click.Context(click.Command("train")), pytest.raises(click.UsageError, match="--nproc: rlhf"):

@@ -99,7 +99,7 @@ def test_deployment_run_completes_with_tasks_artifacts_and_checkpoint(worker_sta
 
     checkpoint = final_checkpoint(store)
     from rollout_lib.store import ObjectStore
-    from rollout_lib.trainer.checkpoint import read_manifest
+    from rollout_lib.checkpoint import read_manifest
 
     manifest = read_manifest(ObjectStore(str(store)), checkpoint)
     assert manifest["step"] == STEPS

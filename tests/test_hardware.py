@@ -12,7 +12,7 @@ import torch
 
 from rollout_lib import wire
 from rollout_lib.config import ConfigError, RmConfig, SftConfig, load_config, training_hash
-from rollout_lib.config.common import HardwareSettings, hardware_settings
+from rollout_lib.hardware import HardwareSettings, hardware_settings
 from rollout_lib.data import load_examples, load_pairs
 from rollout_lib.model.loading import ResolvedModel, load_tokenizer
 from rollout_lib.packing import collate_micro_batch, token_logprobs
@@ -26,9 +26,9 @@ from rollout_lib.sft.tokenize import tokenize_examples
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
-from rollout_lib.trainer.checkpoint import read_manifest
-from rollout_lib.trainer.determinism import plan_batches
-from rollout_lib.trainer.hardware import CPU, hardware_of, is_checkpointing, resolve_hardware
+from rollout_lib.checkpoint import read_manifest
+from rollout_lib.determinism import plan_batches
+from rollout_lib.hardware import CPU, hardware_of, is_checkpointing, resolve_hardware
 from rollout_lib.trainer.identity import training_identity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -332,7 +332,7 @@ def test_gpu_rl_pieces_sample_score_and_train_on_cuda(tiny_model_dir):
     from rollout_lib.reward.reward_model import load_scorer
     from rollout_lib.sampling import SamplingParams
     from rollout_lib.sampling.hf import HfSampler, HfSamplerSettings
-    from rollout_lib.trainer.hardware import resolve_hardware
+    from rollout_lib.hardware import resolve_hardware
 
     rm = rm_run(tiny_model_dir, "hardware.device=cuda")
     rm_checkpoint, _ = train(RewardModelTrainer.initial(rm), steps=1)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rollout_lib.config  # noqa: F401  first: trainer.hardware <-> config import circle (issue 29) when run alone
 from rollout_lib.model.tiny import build_tiny_qwen2
 from rollout_lib.packing import (
     STREAM_COLUMNS,

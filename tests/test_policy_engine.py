@@ -247,11 +247,11 @@ class TestPolicyServer:
 @pytest.mark.slow
 def test_a_train_rl_run_samples_on_the_engine_and_records_each_state(prefect_server, tmp_path):
     """rl-tiny for 3 steps with the policy on the engine, evaluated on held-out prompts on the engine too: every
-    step's rollouts name the state they were sampled from (the initial checkpoint, step 1's pending record, step
-    2's checkpoint), each state is loaded once and passed its probe, and the run stopped its policy server."""
+    step's rollouts name the state they were sampled from (the initial checkpoint, step 1's and step 2's records),
+    each state is loaded once and passed its probe, and the run stopped its policy server."""
     from clirun import final_result, run_rollout
 
-    from rollout_lib.rl.policy import PENDING_STEP_KIND
+    from rollout_lib.rl.policy import STEP_STATE_KIND
     from rollout_lib.runlog.metrics_file import read_metrics
     from rollout_lib.store import ObjectStore
 
@@ -284,12 +284,14 @@ def test_a_train_rl_run_samples_on_the_engine_and_records_each_state(prefect_ser
             assert len(values) == 1 and None not in values, values
             sampled_from |= values
     assert len(sampled_from) == 3 and all(store.has(state) for state in sampled_from)
-    pending = [store.get_json(state) for state in sampled_from if _is_pending(store, state, PENDING_STEP_KIND)]
-    assert len(pending) == 1 and pending[0]["step"] == 1 and pending[0]["checkpoint"] in sampled_from
+    records = {store.get_json(state)["step"]: store.get_json(state) for state in sampled_from
+               if _is_record(store, state, STEP_STATE_KIND)}
+    assert sorted(records) == [1, 2]  # step records, whatever the snapshots: the initial checkpoint, then 1 and 2
+    assert records[1]["parent"] in sampled_from and records[2]["parent"] in sampled_from
     assert not [d for d in engine.running_deployments() if d.live_policy]  # the run stopped its server
 
 
-def _is_pending(store, object_id: str, kind: str) -> bool:
+def _is_record(store, object_id: str, kind: str) -> bool:
     try:
         return json.loads(store.get_bytes(object_id)).get("kind") == kind
     except (ValueError, UnicodeDecodeError, AttributeError):

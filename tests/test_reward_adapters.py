@@ -12,7 +12,7 @@ import pytest
 
 from rollout_lib import wire
 from rollout_lib.config import RlConfig, validate_config
-from rollout_lib.config.errors import ConfigError
+from rollout_lib.errors import ConfigError
 from rollout_lib.reward.functions import RewardInput, check_reward_function, resolve_reward_function
 from rollout_lib.reward.loop import RewardLoop, RewardResult, is_async_callable
 from rollout_lib.reward.results import (

@@ -218,7 +218,7 @@ def test_overlong_inputs_lose_prompt_tokens_and_a_response_too_long_is_a_missing
 @pytest.mark.slow
 def test_a_reference_that_resolves_nowhere_or_to_no_reward_model_fails_at_plan_time(trained_rm, tmp_path):
     from rollout_lib.plan import describe_plan
-    from rollout_lib.trainer.checkpoint import read_manifest
+    from rollout_lib.checkpoint import read_manifest
 
     store, checkpoint = trained_rm
     missing = 'algorithm.rl.envs[0].rewards=[{ reward_model = "runs/rm-missing/latest" }]'
@@ -245,7 +245,7 @@ def test_a_reference_that_resolves_nowhere_or_to_no_reward_model_fails_at_plan_t
 def test_moving_the_ref_to_another_checkpoint_changes_the_score_key_and_the_training_identity(trained_rm, tmp_path):
     import shutil
 
-    from rollout_lib.trainer.checkpoint import read_manifest
+    from rollout_lib.checkpoint import read_manifest
     from rollout_lib.trainer.identity import training_identity
     from tasks.rl import _reward_sources
 
@@ -267,7 +267,7 @@ def test_moving_the_ref_to_another_checkpoint_changes_the_score_key_and_the_trai
 def test_train_rl_with_the_reward_model_as_its_reward(trained_rm, tmp_path):
     """Two steps of configs/rl-tiny.toml through the CLI and Prefect, rewarded by the reward model alone; run again
     in another store, reaching the reward model's store by `store`, it ends on the same checkpoint."""
-    from rollout_lib.trainer.checkpoint import read_manifest
+    from rollout_lib.checkpoint import read_manifest
 
     store, _ = trained_rm
 

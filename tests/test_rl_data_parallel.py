@@ -19,12 +19,12 @@ import torch
 from rollout_lib.config import RlConfig, load_config
 from rollout_lib.rl.advantages import training_samples
 from rollout_lib.rl.pack import pack
-from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
+from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, snapshot_policy, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.checkpoint import read_manifest
+from rollout_lib.checkpoint import read_manifest
 from rollout_lib.trainer.data_parallel import KILL_RANK_ENV
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
@@ -52,12 +52,13 @@ def run_in_process(store: str, nproc: int, steps: int, *overrides: str) -> dict:
             rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer), prompts, step)
             scored, reward_metrics = score_rollouts(cfg, rollouts, prompts, reward_loops)
             micro_batches, _ = pack(cfg, training_samples(cfg, scored)[0])
-            state, metrics = train_policy_step(run, state, step, store_.put_table(micro_batches), resident,
-                                               snapshot=step % 2 == 0 or step == steps)
+            state, metrics = train_policy_step(run, state, step, store_.put_table(micro_batches), resident)
+            if step % 2 == 0 or step == steps:
+                checkpoint = snapshot_policy(run, state, resident, metrics)
             rewards.append(reward_metrics["reward_mean"])
             history.append(metrics)
         held = {name: tensor.clone() for name, tensor in policy_at(run, state, resident).model.state_dict().items()}
-    manifest = read_manifest(store_, state)
+    manifest = read_manifest(store_, checkpoint)
     return {"rewards": rewards, "history": history, "held": held, "identity": manifest["training_identity"],
             "weights": store_.get_tensors(manifest["weights"]),
             "initial": store_.get_tensors(read_manifest(store_, initial)["weights"]), "config": cfg}
@@ -151,7 +152,7 @@ def test_a_failing_step_names_the_rank_and_its_error_and_the_next_command_starts
     try:
         with pytest.raises(DataParallelError, match=r"train step 1: data-parallel policy training \(2 processes\) "
                                                     r"failed: rank \d: step 1: .*" + "0" * 64):
-            group.train(start, 1, "0" * 64, snapshot=False, snapshot_metrics=None)  # no such micro-batches
+            group.train(start, 1, "0" * 64)  # no such micro-batches
         frozen = group.frozen_copy(start, group.export(start))  # a new group, at the same weights
         assert all(torch.equal(frozen.model.state_dict()[name], tensor)
                    for name, tensor in store.get_tensors(read_manifest(store, start)["weights"]).items())

@@ -13,12 +13,12 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from clirun import ROOT, final_result, run_rollout, run_until_then_kill, task_run_states
 from rollout_lib.store import ObjectStore
+from rollout_lib.checkpoint import read_manifest
 
 pytestmark = pytest.mark.slow
 
 CONFIG = ["train", "rl", "--config", "configs/rl-tiny.toml"]
 STAGES = ("sample", "score", "advantages", "pack", "train")
-
 
 
 def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(prefect_server, tmp_path):
@@ -65,6 +65,22 @@ def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(pre
     assert states["sample-step-9"] == "Completed"
     # The policy state since the last snapshot (steps 6..8) was replayed in-process to sample step 9.
     assert "replaying steps 6..8 from checkpoint" in rerun.stdout + rerun.stderr
+
+    # Another snapshot interval trains nothing again: states are step records whatever the snapshots, so every
+    # stage comes back Cached and only the snapshots (every 3 steps now, and the last) are written, of the same
+    # weights (the final checkpoint names other parents, so it is another checkpoint of the same bits).
+    every_3 = run_rollout(*args, "--set", "algorithm.rl.checkpoint_interval=3")
+    assert every_3.returncode == 0, every_3.stderr[-3000:]
+    moved = final_result(every_3)
+    states = task_run_states(moved["flow_run_id"])
+    for name in [f"{stage}-step-{k}" for stage in STAGES for k in range(1, 21)]:
+        assert states[name] == "Cached", (name, states[name])
+    assert sorted(name for name in states if name.startswith("snapshot-")) == sorted(
+        f"snapshot-step-{k}" for k in (3, 6, 9, 12, 15, 18, 20))
+    assert moved["reward_curve"] == curve
+    store_ = ObjectStore(str(store))
+    assert moved["checkpoint"] != expected
+    assert read_manifest(store_, moved["checkpoint"])["weights"] == read_manifest(store_, expected)["weights"]
 
 
 def test_a_step_where_every_reward_fails_fails_the_run_with_one_line(prefect_server, tmp_path):

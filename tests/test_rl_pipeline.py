@@ -3,6 +3,8 @@ missing rewards, a step where every reward fails, and replay of the policy state
 
 from __future__ import annotations
 
+from unittest.mock import ANY
+
 import json
 
 import pytest
@@ -13,7 +15,14 @@ from rollout_lib.config import RlConfig, validate_config
 from rollout_lib.reward.results import AllRewardsFailedError
 from rollout_lib.rl.advantages import training_samples
 from rollout_lib.rl.pack import pack
-from rollout_lib.rl.policy import initial_policy, pending_steps, policy_at, policy_inputs, train_policy_step
+from rollout_lib.rl.policy import (
+    initial_policy,
+    pending_steps,
+    policy_at,
+    policy_inputs,
+    snapshot_policy,
+    train_policy_step,
+)
 from rollout_lib.rl.prompts import check_distinct_examples, load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
 from rollout_lib.rl.score import RewardLoops, score_rollouts
@@ -77,14 +86,13 @@ def run_for(cfg: RlConfig, store: ObjectStore) -> tuple[TrainingInputs, dict]:
     return policy_inputs(store, cfg, ids), prompts
 
 
-def one_step(cfg, run, prompts, state, step, resident, loops, *, snapshot=False):
+def one_step(cfg, run, prompts, state, step, resident, loops):
     policy = policy_at(run, state, resident)
     rollouts, sample_metrics = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer), prompts, step)
     scored, reward_metrics = score_rollouts(cfg, rollouts, prompts, loops)
     samples, advantage_metrics = training_samples(cfg, scored)
     micro_batches, _ = pack(cfg, samples)
-    state, train_metrics = train_policy_step(run, state, step, run.store.put_table(micro_batches), resident,
-                                             snapshot=snapshot)
+    state, train_metrics = train_policy_step(run, state, step, run.store.put_table(micro_batches), resident)
     return state, {**sample_metrics, **reward_metrics, **advantage_metrics, **train_metrics,
                    "rollouts_table": rollouts, "scored_table": scored, "samples_table": samples,
                    "micro_batches_table": micro_batches}
@@ -138,8 +146,8 @@ def test_replay_from_the_last_snapshot_reaches_the_same_weights(tmp_path, tiny_m
         state, out = one_step(cfg, run, prompts, state, step, resident, reward_loops(cfg))
         history.append(out)
     live_weights = {k: v.clone() for k, v in policy_at(run, state, resident).model.state_dict().items()}
-    # The pending-step records chain back to the step-0 snapshot and name each step's micro-batches.
-    base, batches = pending_steps(run.store, state)
+    # The step records chain back to the step-0 snapshot and name each step's micro-batches.
+    base, batches = pending_steps(run.store, state, cfg.settings.checkpoint_interval)
     assert base == start and sorted(batches) == [1, 2]
 
     resident.close()  # a new process: nothing in memory
@@ -154,14 +162,17 @@ def test_replay_from_the_last_snapshot_reaches_the_same_weights(tmp_path, tiny_m
         "completion_ids").to_pylist()
 
     # A snapshot at step 3, then a checkpoint id that does not depend on the store it was written to.
-    checkpoint, out = one_step(cfg, run, prompts, state, 3, resident, reward_loops(cfg), snapshot=True)
+    state, out = one_step(cfg, run, prompts, state, 3, resident, reward_loops(cfg))
     history.append(out)
-    assert pending_steps(run.store, checkpoint) == (checkpoint, {})
+    checkpoint = snapshot_policy(run, state, resident, {})
+    interval = cfg.settings.checkpoint_interval
+    assert pending_steps(run.store, state, interval) == (checkpoint, {})  # the run's schedule: rebuilt from it
+    assert pending_steps(run.store, state, 3) == (start, {1: ANY, 2: ANY, 3: ANY})  # another's never uses it
     other_run, _ = run_for(cfg, ObjectStore("memory://rl-pipeline-d"))
     with ResidentTrainer() as other_resident:
         other_state = initial_policy(other_run, other_resident)
         for step, out in zip((1, 2, 3), history):
             other_state, _ = train_policy_step(other_run, other_state, step,
-                                               other_run.store.put_table(out["micro_batches_table"]),
-                                               other_resident, snapshot=step == 3)
-    assert other_state == checkpoint
+                                               other_run.store.put_table(out["micro_batches_table"]), other_resident)
+        assert other_state == state  # a state's id is what was trained, whatever the store
+        assert snapshot_policy(other_run, other_state, other_resident, {}) == checkpoint

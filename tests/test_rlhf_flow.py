@@ -15,7 +15,7 @@ from clirun import ROOT, final_result, metrics_table, run_rollout, run_until_the
 from rollout_lib.config import ConfigError, RlConfig, RlhfConfig, load_config
 from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.checkpoint import read_manifest
+from rollout_lib.checkpoint import read_manifest
 from rollout_lib.trainer.identity import training_identity
 
 CONFIG = ["train", "rlhf", "--config", "configs/rlhf-tiny.toml"]

@@ -21,7 +21,7 @@ from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.runlog.runs import headline, list_runs, run_history, run_summary
 from rollout_lib.runlog.tensorboard import TensorBoardLog
 from rollout_lib.store import ObjectStore, StoreError
-from rollout_lib.trainer.checkpoint import CHECKPOINT_KIND
+from rollout_lib.checkpoint import CHECKPOINT_KIND
 
 RUN = "metrics-run"
 

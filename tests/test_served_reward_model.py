@@ -23,7 +23,7 @@ from rollout_lib.reward.reward_model import load_scorer
 from rollout_lib.serving import engine
 from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.checkpoint import read_manifest
+from rollout_lib.checkpoint import read_manifest
 
 pytestmark = pytest.mark.slow
 

@@ -150,7 +150,7 @@ def tiny_checkpoint(store: ObjectStore):
     """A real checkpoint (what a training run stores) of tiny:qwen2 with its (tied) embeddings changed, so serving
     the base model instead would show; returns its id and the model."""
     from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
-    from rollout_lib.trainer.checkpoint import save_checkpoint, save_model_files
+    from rollout_lib.checkpoint import save_checkpoint, save_model_files
 
     resolved = resolve_model("tiny:qwen2")
     model, tokenizer = load_causal_lm(resolved), load_tokenizer(resolved)

@@ -27,8 +27,8 @@ from rollout_lib.sft.tokenize import tokenize_examples
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import NonFiniteLossError, TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches, train_on_micro_batches
-from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
-from rollout_lib.trainer.determinism import plan_batches
+from rollout_lib.checkpoint import export_hf_directory, read_manifest
+from rollout_lib.determinism import plan_batches
 from rollout_lib.trainer.identity import training_identity
 from rollout_lib.trainer.segment import plan_segments, train_segment
 

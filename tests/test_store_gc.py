@@ -15,10 +15,10 @@ import torch
 
 from clirun import final_result, run_rollout, task_run_states
 from rollout_cli.main import main as rollout_main
-from rollout_lib.rl.policy import PENDING_STEP_KIND
+from rollout_lib.rl.policy import STEP_STATE_KIND
 from rollout_lib.store import ObjectNotFoundError, ObjectStore, StoreError
 from rollout_lib.store_gc import _looks_like_json, collect_garbage, plan_gc
-from rollout_lib.trainer.checkpoint import save_checkpoint
+from rollout_lib.checkpoint import save_checkpoint
 from s3server import BUCKET
 
 HOUR = 3600.0
@@ -61,7 +61,7 @@ def table(values: list[int]) -> pa.Table:
 
 
 class Run:
-    """A store holding one finished run, its RL-style pending step, an abandoned run and cache entries."""
+    """A store holding one finished run, an RL-style step record, an abandoned run and cache entries."""
 
     def __init__(self, store: ObjectStore):
         self.store = store
@@ -73,9 +73,8 @@ class Run:
         self.step0 = checkpoint(store, 0, None, model_files, data)
         self.step1 = checkpoint(store, 1, self.step0, model_files, data)
         self.micro_batches = store.put_table(table([7, 7]))
-        self.pending = store.put_json({"kind": PENDING_STEP_KIND, "checkpoint": self.step1, "step": 2,
-                                       "micro_batches": self.micro_batches, "parent": self.step1,
-                                       "settings_hash": "0" * 64})
+        self.pending = store.put_json({"kind": STEP_STATE_KIND, "step": 2, "micro_batches": self.micro_batches,
+                                       "parent": self.step1, "training_identity": "0" * 64})
         self.latest = checkpoint(store, 3, self.pending, model_files, data)
         store.set_ref("runs/a/latest", self.latest)
         store.claim_run("a", "identity-a")

@@ -36,7 +36,9 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout_lib.settings_base import tagged_union
 
 if TYPE_CHECKING:
     from rollout_lib.serving.frozen import FrozenModels
@@ -251,23 +253,6 @@ class GroupRelativeLengthPenalty(BaseModel):
     type: Literal["group_relative"] = "group_relative"
     coef: float = Field(1.0, gt=0)
     correct_threshold: float = 1.0  # a reward at or above it is a correct answer (rewards in [0, 1]: 1 = solved)
-
-
-def tagged_union(types: tuple[type[BaseModel], ...], what: str) -> Any:
-    """A union of settings classes chosen by their `type`; an unknown type names the ones that exist.
-
-    Tags are spelt `what(type)`: the config's error locator leaves such parts out of a pydantic error location,
-    so errors read `...algo.length_penalty.coef`, not `...algo.length_penalty.overlong.coef`."""
-    names = {cls.model_fields["type"].default: cls for cls in types}
-
-    def tag_of(value: Any) -> str | None:
-        name = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return f"{what}({name})" if name in names else None
-
-    members = tuple(Annotated[cls, Tag(f"{what}({name})")] for name, cls in names.items())
-    return Annotated[Union[members], Discriminator(  # noqa: UP007
-        tag_of, custom_error_type=f"unknown_{what}",
-        custom_error_message=f"`type` must be one of: {', '.join(sorted(names))}")]
 
 
 LengthPenalty = tagged_union((OverlongPenalty, GroupRelativeLengthPenalty), "length_penalty")

@@ -50,7 +50,7 @@ class OnPolicySelfDistillation(Algorithm):
         self._initial_model = None
 
     async def score(self, samples: pa.Table) -> pa.Table:
-        from rollout_lib.sampling.base import encode_prompt
+        from rollout_lib.model.chat import encode_prompt
 
         tokenizer = self.resources.tokenizer
         rows_by_example = self._prompt_rows(samples.column("env")[0].as_py() if samples.num_rows else "")

@@ -1,6 +1,6 @@
 """Validated, hashed settings per entry point."""
 
-from rollout_lib.config.errors import ConfigError
+from rollout_lib.errors import ConfigError
 from rollout_lib.config.loading import apply_overrides, load_config, training_hash, validate_config
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.config.rlhf import RlhfConfig

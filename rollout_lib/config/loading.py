@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import blake3
 from pydantic import BaseModel, ValidationError
 
-from rollout_lib.config.errors import ConfigError, from_validation_error, locator
+from rollout_lib.errors import ConfigError, from_validation_error, locator
 from rollout_lib.store import canonical_json
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)

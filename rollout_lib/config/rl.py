@@ -49,28 +49,12 @@ from rollout_lib.losses import (
     DEFAULT_REF_KL_KL_COEF,
 )
 from rollout_lib.sampling import SamplingParams, sampler_settings_types
+from rollout_lib.settings_base import tagged_union
 
 
-def _tagged_union(types: tuple[type, ...], what: str) -> Any:
-    """A union of settings classes chosen by their `type`; an unknown type names the ones that exist.
-
-    Tags are spelt `what(type)`: pydantic puts the tag into error locations, and the config's error locator
-    leaves such parts out, so errors read `algorithm.rl.envs[0].algo.std_eps`, not `...algo.grpo.std_eps`."""
-    names = {cls.model_fields["type"].default: cls for cls in types}
-
-    def tag_of(value: Any) -> str | None:
-        name = value.get("type", value.get("kind")) if isinstance(value, dict) else getattr(value, "type", None)
-        return f"{what}({name})" if name in names else None
-
-    members = tuple(Annotated[cls, Tag(f"{what}({name})")] for name, cls in names.items())
-    return Annotated[Union[members], Discriminator(  # noqa: UP007
-        tag_of, custom_error_type=f"unknown_{what}",
-        custom_error_message=f"`type` must be one of: {', '.join(sorted(names))}")]
-
-
-AlgoChoice = _tagged_union(algo_settings_types(), "algo")
-SamplerChoice = _tagged_union(sampler_settings_types(), "sampler")
-InteractionChoice = _tagged_union(interaction_settings_types(), "interaction")
+AlgoChoice = tagged_union(algo_settings_types(), "algo")
+SamplerChoice = tagged_union(sampler_settings_types(), "sampler")
+InteractionChoice = tagged_union(interaction_settings_types(), "interaction")
 
 
 class ReasoningGymSource(StrictModel):
@@ -83,7 +67,7 @@ class ReasoningGymSource(StrictModel):
     config: dict[str, Any] = Field(default_factory=dict)  # further dataset kwargs (difficulty knobs)
 
 
-PromptSource = _tagged_union((JsonlDataset, ReasoningGymSource), "source")
+PromptSource = tagged_union((JsonlDataset, ReasoningGymSource), "source")
 
 
 class RewardFunctionSettings(StrictModel):

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from rollout_lib.config.common import EntryPointConfig, RunSettings, StrictModel
-from rollout_lib.config.errors import ConfigError
+from rollout_lib.errors import ConfigError
 from rollout_lib.config.loading import apply_overrides, load_config, parse_override, read_toml
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.config.rm import RmConfig

@@ -18,7 +18,7 @@ from typing import Any
 
 from rollout_lib.envs.base import EnvReply, Interaction
 from rollout_lib.envs.render import TemplateMismatchError, render_env_reply
-from rollout_lib.trainer.determinism import derived_seed
+from rollout_lib.determinism import derived_seed
 
 class EpisodeError(ValueError):
     """An episode could not go on: the interaction failed or broke its contract, or the chat template cannot extend

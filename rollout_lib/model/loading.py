@@ -21,7 +21,6 @@ import threading
 import functools
 import importlib.util
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -29,7 +28,9 @@ from pathlib import Path
 
 import blake3
 
-from rollout_lib.config.common import ModelRef
+from rollout_lib.checkpoint import export_hf_directory, read_manifest
+from rollout_lib.settings_base import ModelRef
+from rollout_lib.store import ObjectStore, StoreError, is_content_id
 
 
 class ModelLoadError(RuntimeError):
@@ -179,17 +180,11 @@ def locate_model(ref: ModelRef | str) -> ResolvedModel:
         return ResolvedModel(str(path.resolve()), gguf_file=ref.gguf_file, revision=ref.revision)
     checkpoint_id = checkpoint_of(ref)
     if checkpoint_id is not None:
-        from rollout_lib.serving.references import _exported_checkpoint
-        from rollout_lib.store import ObjectStore
-
-        return ResolvedModel(str(_exported_checkpoint(ObjectStore(ref.store), checkpoint_id, uri)))
+        return ResolvedModel(str(exported_checkpoint(ObjectStore(ref.store), checkpoint_id, uri)))
     if uri.startswith((".", "/", "~")) or uri.count("/") > 1:
         where = f", and no checkpoint ref of that name in {ref.store}" if ref.store else ""
         raise ModelLoadError(f"model reference {uri!r}: no such local directory{where}")
     return ResolvedModel(uri, gguf_file=ref.gguf_file, revision=ref.revision)
-
-
-_CHECKPOINT_ID = re.compile(r"[0-9a-f]{64}")
 
 
 def checkpoint_of(ref: ModelRef) -> str | None:
@@ -198,13 +193,12 @@ def checkpoint_of(ref: ModelRef) -> str | None:
     uri = ref.uri
     if Path(uri).expanduser().is_dir():
         return None
-    if _CHECKPOINT_ID.fullmatch(uri):
+    if is_content_id(uri):
         if ref.store is None:
             raise ModelLoadError(f"model reference {uri!r} is a checkpoint id, but no store was given to find it in")
         return uri
     if ref.store is None or "/" not in uri or uri.startswith((".", "/", "~")) or ":" in uri:
         return None
-    from rollout_lib.store import ObjectStore, StoreError
 
     try:
         return ObjectStore(ref.store).get_ref(uri)
@@ -260,3 +254,30 @@ def load_causal_lm(resolved: ResolvedModel, *, dtype=None):
 
     return _loading("causal LM", resolved, AutoModelForCausalLM.from_pretrained, resolved.source,
                     dtype=dtype or torch.float32, **resolved.from_pretrained_kwargs())
+
+
+def exported_checkpoint(store: ObjectStore, checkpoint_id: str, uri: str) -> Path:
+    """The checkpoint as a Hugging Face directory in the rollout cache: exported once (staged, then renamed into
+    place, so a directory under its final name is always complete) and reused."""
+    target = rollout_cache_dir() / "served" / checkpoint_id
+    if target.is_dir():
+        return target
+    try:
+        read_manifest(store, checkpoint_id)
+    except StoreError as exc:
+        shown = repr(uri) if uri == checkpoint_id else f"{uri!r} ({checkpoint_id})"
+        raise StoreError(f"model reference {shown}: {exc}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".exporting-", dir=target.parent))
+    try:
+        export_hf_directory(store, checkpoint_id, staging)
+        for path in [staging, *staging.iterdir()]:  # mkdtemp makes it private; the cache is for everyone
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        try:
+            staging.rename(target)
+        except OSError:  # another process exported it first
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

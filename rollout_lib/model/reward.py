@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from rollout_lib.hardware import autocast_for, model_device
 
 
 def is_decoder_only(model) -> bool:
@@ -126,8 +127,7 @@ def reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     """One scalar per row. Decoders: the score head read at the last non-pad token, located from the attention
     mask (right padding), never by searching for the pad id, which breaks when pad == eos and a sequence ends in
     eos. Encoders: the model's pooled ([CLS]) logits. Computed on the model's device and precision
-    (trainer.hardware); the scores are fp32, on that device."""
-    from rollout_lib.trainer.hardware import autocast_for, model_device
+    (hardware.py); the scores are fp32, on that device."""
 
     device = model_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)

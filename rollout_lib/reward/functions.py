@@ -16,42 +16,12 @@ import functools
 import inspect
 import json
 import math
-import numbers
 import re
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
-@dataclass(frozen=True)
-class RewardInput:
-    """Everything a reward function may look at for one rollout."""
-
-    prompt: list[dict]  # chat messages [{role, content}, ...]
-    completion_text: str
-    answer: str | None = None
-    info: dict = field(default_factory=dict)  # parsed from the JSON `info` column of PROMPTS / ROLLOUTS
-    env: str = ""
-    # Multi-turn envs: completion_text is the policy's last turn; `turns` every message after the prompt
-    # ({role, content}: the policy's turns as "assistant", then what the environment wrote), and `state` the
-    # episode's final state (envs.base.Interaction). Single-turn: turns holds the one completion, state is empty.
-    turns: list[dict] = field(default_factory=list)
-    state: dict = field(default_factory=dict)
-
-
-def as_score(value: Any) -> float:
-    """The float a reward function's return value stands for; anything else is the function's bug."""
-    if isinstance(value, dict):
-        if "score" not in value:
-            raise ValueError(f"reward dict has no 'score' key (keys: {sorted(value)})")
-        value = value["score"]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real: numpy scalars too
-        # bool is an int subclass; a True that slips through is almost always a missing float() somewhere.
-        raise TypeError(f"reward must be a float or {{'score': float}}, got {type(value).__name__}: {value!r}")
-    score = float(value)
-    if not math.isfinite(score):
-        # A NaN would poison every group mean it touches; treat it as a failed reward instead.
-        raise ValueError(f"reward is not finite: {score}")
-    return score
+from rollout_lib.reward.contract import RewardInput, as_score  # noqa: F401  (the contract, re-exported)
+from rollout_lib.reward.locate import check_reference, import_reference
+from rollout_lib.reward.verl import adapt_verl_function, is_verl_style
 
 
 # --- built-ins -----------------------------------------------------------------------------------------------
@@ -166,7 +136,6 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[.
     function (first parameters data_source, solution_str, ground_truth) comes back wrapped by `verl.py`.
     """
     if ":" in spec:
-        from rollout_lib.reward.locate import import_reference
 
         target: Any = import_reference(spec, what="reward function")
     else:
@@ -187,7 +156,6 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[.
         except ValueError:
             pass  # no introspectable signature (some C callables): let the call itself complain
     if ":" in spec:
-        from rollout_lib.reward.verl import adapt_verl_function, is_verl_style
 
         if is_verl_style(target):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info, ...)
             return adapt_verl_function(target, kwargs, spec)
@@ -198,7 +166,6 @@ def check_reward_function(spec: str, kwargs: dict | None = None) -> None:
     """What plan time checks (config validation, `--dry-run`): a built-in is resolved; a user's import path is
     found and read without running its module (`locate.py`), which happens only when the reward loop starts."""
     if ":" in spec:
-        from rollout_lib.reward.locate import check_reference
 
         check_reference(spec, kwargs, what="reward function")
     else:

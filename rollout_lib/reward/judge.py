@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from rollout_lib.reward.functions import RewardInput
+from rollout_lib.reward.contract import RewardInput
 
 PLACEHOLDERS = re.compile(r"\{(prompt|response|answer)\}")
 

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollout_lib.reward.verl import is_verl_parameter_list, verl_kwargs_problem
+
 
 def check_reference(spec: str, kwargs: dict | None = None, *, what: str = "reward function") -> None:
     """Raise ValueError (naming `what` and `spec`) when the module cannot be found, the attribute is not defined at
@@ -130,7 +132,6 @@ def top_level_bindings(tree: ast.Module) -> dict[str, ast.AST]:
 
 
 def _check_kwargs(named: str, function: ast.FunctionDef | ast.AsyncFunctionDef, kwargs: dict) -> None:
-    from rollout_lib.reward.verl import is_verl_parameter_list, verl_kwargs_problem
 
     arguments = function.args
     if is_verl_parameter_list([a.arg for a in [*arguments.posonlyargs, *arguments.args]]):

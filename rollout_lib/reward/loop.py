@@ -19,13 +19,11 @@ error text; it never crashes the step. Use `raise_if_all_missing` to fail a step
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import math
 import os
 from typing import Any, Callable, Sequence
 
-from rollout_lib.reward.functions import RewardInput, as_score
+from rollout_lib.reward.contract import RewardInput, as_score, function_name, is_async_callable  # noqa: F401
 from rollout_lib.reward.pool import RewardTimeout, SyncWorkerPool, WorkerFunctionError
 from rollout_lib.reward.results import (  # re-exported: the loop's vocabulary
     AllRewardsFailedError,
@@ -52,25 +50,6 @@ __all__ = [
 ]
 
 DEFAULT_KILL_GRACE_S = 1.0
-
-
-def is_async_callable(fn: Any) -> bool:
-    """True when calling fn returns an awaitable by construction: `async def`, a bound async method, a
-    functools.partial of one (at any depth), or an instance whose `__call__` is `async def`."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if inspect.iscoroutinefunction(fn):  # also sees through bound methods
-        return True
-    if isinstance(fn, type):  # calling a class constructs an instance, whatever its __call__ is
-        return False
-    return inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))
-
-
-def function_name(fn: Any) -> str:
-    """A readable name for metrics and errors: the underlying function's name, through partials."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _unique_names(functions: Sequence[Callable[..., Any]]) -> list[str]:

@@ -29,8 +29,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rollout_lib.reward.functions import RewardInput
+from rollout_lib.reward.contract import RewardInput
 from rollout_lib.settings_base import ModelRef
+from rollout_lib.checkpoint import read_manifest
+from rollout_lib.hardware import CPU, place_model
+from rollout_lib.store import ObjectStore, StoreError
 
 SMALLEST_BUCKET = 32
 COUNTS = ("scored", "prompt_truncated", "prompt_tokens_dropped", "missing_too_long")
@@ -190,7 +193,7 @@ class ServedRewardModelScorer(_BatchingScorer):
 
 def load_scorer(settings, frozen_models=None, where: str = "reward_model", hardware=None):
     """The scorer of a reward's settings (config.rl.RewardModelSettings). `engine = "embedded"`: model and
-    tokenizer in this process, the model on `hardware` (trainer.hardware.ResolvedHardware, the run's; default CPU
+    tokenizer in this process, the model on `hardware` (hardware.ResolvedHardware, the run's; default CPU
     in fp32). `engine = "vllm"`: the model served by rollout with vLLM's pooling runner through `frozen_models`
     (serving.frozen.FrozenModels, the run's), only its tokenizer loaded here."""
     from rollout_lib.model.loading import load_tokenizer, resolve_model
@@ -210,7 +213,6 @@ def load_scorer(settings, frozen_models=None, where: str = "reward_model", hardw
                              f"{pool.max_model_len}")
         return ServedRewardModelScorer(pool, tokenizer, max_length=max_length, batch_size=settings.batch_size,
                                        name=name)
-    from rollout_lib.trainer.hardware import CPU, place_model
 
     model = place_model(_sequence_classifier(ref, resolved), hardware or CPU)
     max_length = settings.max_length or (manifest or {}).get("max_seq_len") or _max_positions(ref, model, tokenizer)
@@ -221,8 +223,6 @@ def reward_checkpoint_manifest(ref: ModelRef) -> dict | None:
     """The manifest of the checkpoint `ref` names (None: it names no checkpoint); a checkpoint that is not a
     reward model (a policy of train-sft or train-rl) is an error: its weights have no score head."""
     from rollout_lib.model.loading import ModelLoadError, checkpoint_of
-    from rollout_lib.store import ObjectStore, StoreError
-    from rollout_lib.trainer.checkpoint import read_manifest
 
     checkpoint_id = checkpoint_of(ref)
     if checkpoint_id is None:

@@ -7,7 +7,7 @@ import json
 import pyarrow as pa
 
 from rollout_lib import wire
-from rollout_lib.reward.functions import RewardInput
+from rollout_lib.reward.contract import RewardInput
 from rollout_lib.reward.results import RewardResult
 
 

@@ -20,10 +20,9 @@ imports it when it unpickles an adapter.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from rollout_lib.reward.functions import RewardInput
+from rollout_lib.reward.contract import RewardInput, is_async_callable
 
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")  # how a verl-style function is recognised
 EXTRA_INFO = "extra_info"
@@ -58,8 +57,6 @@ def is_verl_style(fn: Any) -> bool:
 
 def adapt_verl_function(compute_score: Callable[..., Any], kwargs: dict | None, spec: str) -> Callable[..., Any]:
     """compute_score wrapped to take one RewardInput: a sync or an async adapter, as compute_score is."""
-    from rollout_lib.reward.loop import is_async_callable  # here: workers unpickling an adapter skip the loop
-
     kwargs = dict(kwargs or {})
     problem = verl_kwargs_problem(kwargs)
     if problem:

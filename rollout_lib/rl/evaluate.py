@@ -19,7 +19,7 @@ from rollout_lib.data import load_env_prompts
 from rollout_lib.envs import build_interaction
 from rollout_lib.rl.score import RewardLoops, function_means
 from rollout_lib.reward.tables import reward_inputs
-from rollout_lib.trainer.determinism import derived_seed
+from rollout_lib.determinism import derived_seed
 
 PASS = 1.0 - 1e-9  # a reward of 1 (up to rounding) passes
 

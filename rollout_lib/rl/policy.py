@@ -12,21 +12,23 @@ behind one interface, picked once per run from its settings (`policy_mode`).
                         (rl/policy_group.py), which train each step and write its new state; this process keeps
                         only frozen copies of the states, loaded from the weights the group exports.
 
-States are checkpoints or pending-step records (rl/policy_state.py); a process with nothing resident at a state
-rebuilds it from the store, bit for bit.
+States are the initial checkpoint or step records, snapshots a checkpoint indexed under a state
+(rl/policy_state.py); a process with nothing resident at a state rebuilds it from the store, bit for bit.
 """
 
 from __future__ import annotations
 
-from rollout_lib.config.common import hardware_settings
+from rollout_lib.hardware import hardware_settings
 from rollout_lib.rl.policy_group import PolicyGroup
 from rollout_lib.rl.policy_state import (  # noqa: F401  (re-exported: the API of a run's policy)
-    PENDING_STEP_KIND,
+    STEP_STATE_KIND,
     FrozenPolicy,
+    checkpoint_of,
     pending_steps,
     policy_inputs,
     rebuild_policy,
-    record_new_state,
+    record_step_state,
+    snapshot_state,
 )
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, RecordedBatches
@@ -57,15 +59,20 @@ class InProcess:
         return self.at(inputs, state_id, resident)
 
     def train(self, inputs: TrainingInputs, state_id: str, step: int, micro_batches_id: str,
-              resident: ResidentTrainer, *, snapshot: bool, snapshot_metrics: dict) -> tuple[str, dict]:
+              resident: ResidentTrainer) -> tuple[str, dict]:
         trainer = resident.pop(state_id) or rebuild_policy(inputs, state_id)
         trainer.batches.record(step, micro_batches_id)
         metrics = trainer.train_step(step)
-        new_state = record_new_state(inputs, trainer, state_id, step, micro_batches_id, snapshot=snapshot,
-                                     snapshot_metrics={**snapshot_metrics, **metrics})
+        new_state = record_step_state(inputs, state_id, step, micro_batches_id)
         self._keep(new_state, trainer, resident)
         resident.put(new_state, trainer)
         return new_state, metrics
+
+    def snapshot(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer, metrics: dict) -> str:
+        indexed = checkpoint_of(inputs.store, state_id, inputs.config.settings.checkpoint_interval)
+        if indexed is not None and resident.get(state_id) is None:
+            return indexed  # nothing resident to tell about it: a rebuild finds it in the index
+        return snapshot_state(inputs, self.at(inputs, state_id, resident), state_id, metrics)
 
     def _keep(self, state_id: str, trainer: CausalLmTrainer, resident: ResidentTrainer) -> None:
         """Nothing: no stage reads a state the trainer has moved past."""
@@ -112,12 +119,14 @@ class DataParallel:
         return frozen
 
     def train(self, inputs: TrainingInputs, state_id: str, step: int, micro_batches_id: str,
-              resident: ResidentTrainer, *, snapshot: bool, snapshot_metrics: dict) -> tuple[str, dict]:
+              resident: ResidentTrainer) -> tuple[str, dict]:
         group = self.group(inputs, resident)
-        new_state, metrics, weights = group.train(state_id, step, micro_batches_id, snapshot=snapshot,
-                                                  snapshot_metrics=snapshot_metrics)
+        new_state, metrics, weights = group.train(state_id, step, micro_batches_id)
         resident.keep_frozen(new_state, group.frozen_copy(new_state, weights))
         return new_state, metrics
+
+    def snapshot(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer, metrics: dict) -> str:
+        return self.group(inputs, resident).snapshot(state_id, metrics)
 
 
 def policy_mode(inputs: TrainingInputs) -> InProcess | DataParallel:
@@ -147,10 +156,13 @@ def sampling_policy(inputs: TrainingInputs, state_id: str, resident: ResidentTra
 
 
 def train_policy_step(inputs: TrainingInputs, state_id: str, step: int, micro_batches_id: str,
-                      resident: ResidentTrainer, *, snapshot: bool, snapshot_metrics: dict | None = None
-                      ) -> tuple[str, dict]:
-    """Train step `step` of the policy at `state_id` on `micro_batches_id`. Returns (the new state: a checkpoint
-    id when `snapshot`, else a pending-step record id; the step's metrics). `snapshot_metrics` (the whole step's
-    metrics) go into the checkpoint's manifest beside the train metrics."""
-    return policy_mode(inputs).train(inputs, state_id, step, micro_batches_id, resident, snapshot=snapshot,
-                                     snapshot_metrics=snapshot_metrics or {})
+                      resident: ResidentTrainer) -> tuple[str, dict]:
+    """Train step `step` of the policy at `state_id` on `micro_batches_id`: (the new state's id, a step record;
+    the step's metrics)."""
+    return policy_mode(inputs).train(inputs, state_id, step, micro_batches_id, resident)
+
+
+def snapshot_policy(inputs: TrainingInputs, state_id: str, resident: ResidentTrainer, metrics: dict) -> str:
+    """The checkpoint of the policy at `state_id`: the one indexed already, else written now (its manifest keeps
+    `metrics`, the step's) and indexed."""
+    return policy_mode(inputs).snapshot(inputs, state_id, resident, metrics)

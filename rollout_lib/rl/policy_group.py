@@ -14,8 +14,8 @@ trainer every step. Here the ranks start once, on the first train step, and stay
            v                                          file the flow loads its frozen copy from
 
 Commands: `train` (step n from a parent state: the ranks rebuild that state from the store first if they are
-elsewhere, replaying its pending steps data-parallel, so the bits match the first time), `export` (the weights of
-a state the flow has no copy of: after a crash, a rerun) and `stop`. The flow process holds no trainer, only
+elsewhere, replaying its steps data-parallel, so the bits match the first time), `snapshot` (rank 0 checkpoints a
+state), `export` (the weights of a state the flow has no copy of: after a crash, a rerun) and `stop`. The flow process holds no trainer, only
 frozen copies (rl/policy_state.py `FrozenPolicy`) built from the exported files, bit for bit what rank 0 trained.
 
 A rank that fails (an exception, SIGKILL) makes torchrun stop the others; the command then raises
@@ -45,9 +45,9 @@ from safetensors.torch import load_file
 from rollout_lib.rl.policy_state import FrozenPolicy
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer
-from rollout_lib.trainer.checkpoint import load_model_weights
+from rollout_lib.checkpoint import load_model_weights
 from rollout_lib.trainer.data_parallel import DataParallelError, failure_message, root_cause_rank
-from rollout_lib.trainer.determinism import GLOBAL_RNG
+from rollout_lib.determinism import GLOBAL_RNG
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +80,18 @@ class PolicyGroup:
 
     # --- the commands -----------------------------------------------------------------------------------------
 
-    def train(self, parent: str, step: int, micro_batches_id: str, *, snapshot: bool,
-              snapshot_metrics: dict | None) -> tuple[str, dict, str]:
+    def train(self, parent: str, step: int, micro_batches_id: str) -> tuple[str, dict, str]:
         """Step `step` from state `parent`. Returns (the new state's id, the step's metrics, the weights file of
         the new state, for `frozen_copy`)."""
         path = self._export_path()
         reply = self._command(f"train step {step}", {
-            "op": "train", "parent": parent, "step": step, "micro_batches": micro_batches_id, "snapshot": snapshot,
-            "snapshot_metrics": snapshot_metrics or {}, "export": path})
+            "op": "train", "parent": parent, "step": step, "micro_batches": micro_batches_id, "export": path})
         return reply["state"], reply["metrics"], path
+
+    def snapshot(self, state_id: str, metrics: dict) -> str:
+        """The checkpoint of `state_id` (rank 0 writes it, or finds it indexed; every rank adopts it)."""
+        return self._command(f"snapshot of state {state_id}", {"op": "snapshot", "state": state_id,
+                                                                "metrics": metrics})["checkpoint"]
 
     def export(self, state_id: str) -> str:
         """The weights file of `state_id` (the ranks rebuild it from the store when they are elsewhere)."""

@@ -1,10 +1,20 @@
-"""A policy state of an RL run, as the store records it: a checkpoint, or a pending step on top of one.
+"""A policy state of an RL run, as the store records it, and how a process rebuilds the trainer at one.
 
-RL trains one optimizer step per RL step (the next step samples from its result), and snapshots every
-`checkpoint_interval` steps. Between snapshots a policy state is a small *pending-step record* in the store:
-(the last checkpoint, the step, the micro-batches it trained on, the previous state). A process that holds no
-trainer at a state (a rerun after a crash) rebuilds it from the record chain: load the last checkpoint, replay the
-recorded steps. Replay needs no sampling: the micro-batches are in the store.
+RL trains one optimizer step per RL step (the next step samples from its result). The state after step n is a
+small *step record* in the store: (the state before, the step, the micro-batches it trained on, the training
+identity); the state after step 0 is the initial checkpoint. A state's id therefore depends only on what was
+trained, never on when the run snapshots: changing `checkpoint_interval` reuses every finished step (their task
+keys are made of state ids) instead of retraining all steps after the first snapshot that moved.
+
+Snapshots are separate: every `checkpoint_interval` steps (and at the last) the run writes a checkpoint of the
+state and indexes it under the state's id and the interval (`chains/rl-state-<id>-every-<N>`, a cache like
+trainer/segment.py's chain index: `rollout gc` may drop an entry whose checkpoint it deletes). A checkpoint names
+its parent (the snapshot before it), so runs of another interval have other checkpoints of the same weights: each
+interval indexes its own. A process that holds no trainer at a state (a rerun after a crash) rebuilds it from the
+store: walk the records back to the newest state the run's own schedule snapshots (a multiple of its interval, or
+step 0) that has a checkpoint of that interval, load that, replay the recorded steps after it. Replay needs no
+sampling (the micro-batches are in the store), and the next checkpoint names the parent an uninterrupted run of
+the same interval would have named.
 
 `FrozenPolicy` is the model at one state, detached from training: what off-policy stages and data-parallel runs
 sample and score with (rl/policy.py decides when).
@@ -18,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lib.config.rl import RlConfig
-from rollout_lib.store import ObjectStore
+from rollout_lib.store import CHAIN_INDEX_REFS, ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, RecordedBatches
 from rollout_lib.trainer.identity import training_identity
 
-PENDING_STEP_KIND = "rollout.rl.pending_step/v1"
+STEP_STATE_KIND = "rollout.rl.step_state/v1"
 logger = logging.getLogger(__name__)
 
 
@@ -47,21 +57,41 @@ class FrozenPolicy:
         return cls(state_id, model, trainer.tokenizer)
 
 
-def pending_steps(store: ObjectStore, state_id: str) -> tuple[str, dict[int, str]]:
-    """(the checkpoint under `state_id`, step -> micro-batches id of every pending step on top of it)."""
+def snapshot_ref(state_id: str, checkpoint_interval: int) -> str:
+    """The index entry of a state's checkpoint in runs that snapshot every `checkpoint_interval` steps."""
+    return f"{CHAIN_INDEX_REFS}rl-state-{state_id}-every-{checkpoint_interval}"
+
+
+def checkpoint_of(store: ObjectStore, state_id: str, checkpoint_interval: int) -> str | None:
+    """The checkpoint of a state: itself for the initial checkpoint, the one indexed for the interval for a step
+    record; None when it has none (or the index names a checkpoint that is gone)."""
+    if store.get_json(state_id).get("kind") != STEP_STATE_KIND:
+        return state_id
+    checkpoint = store.get_ref(snapshot_ref(state_id, checkpoint_interval))
+    return checkpoint if checkpoint is not None and store.has(checkpoint) else None
+
+
+def pending_steps(store: ObjectStore, state_id: str, checkpoint_interval: int) -> tuple[str, dict[int, str]]:
+    """(the checkpoint to rebuild `state_id` from, step -> micro-batches id of every step after it): the newest
+    state on the chain whose step is on the run's snapshot schedule (a multiple of `checkpoint_interval`) and has a
+    checkpoint of that interval, else the initial checkpoint."""
     batches: dict[int, str] = {}
     while True:
         record = store.get_json(state_id)
-        if record.get("kind") != PENDING_STEP_KIND:
+        if record.get("kind") != STEP_STATE_KIND:
             return state_id, batches
+        if record["step"] % checkpoint_interval == 0:
+            checkpoint = checkpoint_of(store, state_id, checkpoint_interval)
+            if checkpoint is not None:
+                return checkpoint, batches
         batches[record["step"]] = record["micro_batches"]
         state_id = record["parent"]
 
 
 def rebuild_policy(inputs: TrainingInputs, state_id: str, data_parallel=None) -> CausalLmTrainer:
-    """The trainer at `state_id` from the store alone: its checkpoint, then the pending steps replayed (on one rank
+    """The trainer at `state_id` from the store alone: a checkpoint, then the steps after it replayed (on one rank
     of a data-parallel group, `data_parallel`: replayed by every rank together, as they were trained)."""
-    checkpoint_id, batches = pending_steps(inputs.store, state_id)
+    checkpoint_id, batches = pending_steps(inputs.store, state_id, inputs.config.settings.checkpoint_interval)
     trainer = CausalLmTrainer.from_checkpoint(inputs, checkpoint_id, batches=RecordedBatches(inputs.store, batches))
     trainer.data_parallel = data_parallel
     if batches:
@@ -72,12 +102,25 @@ def rebuild_policy(inputs: TrainingInputs, state_id: str, data_parallel=None) ->
     return trainer
 
 
-def record_new_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: str, step: int,
-                     micro_batches_id: str, *, snapshot: bool, snapshot_metrics: dict) -> str:
-    """The state `trainer` reached by training step `step` from `state_id`, written to the store: a checkpoint
-    (`snapshot`; its manifest keeps `snapshot_metrics`) or a pending-step record."""
-    if snapshot:
-        return trainer.snapshot(snapshot_metrics)
-    return inputs.store.put_json({"kind": PENDING_STEP_KIND, "checkpoint": trainer.checkpoint_id, "step": step,
-                                  "micro_batches": micro_batches_id, "parent": state_id,
-                                  "training_identity": inputs.identity})
+def record_step_state(inputs: TrainingInputs, state_id: str, step: int, micro_batches_id: str) -> str:
+    """The id of the state reached by training step `step` from `state_id` on `micro_batches_id` (written)."""
+    return inputs.store.put_json({"kind": STEP_STATE_KIND, "parent": state_id, "step": step,
+                                  "micro_batches": micro_batches_id, "training_identity": inputs.identity})
+
+
+def snapshot_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: str, metrics: dict) -> str:
+    """The checkpoint of `trainer` (at `state_id`) for the run's interval: the one indexed already (then the
+    trainer adopts it, so its next checkpoint names it as parent, as a run that wrote it would have), else written
+    now (its manifest keeps `metrics`) and indexed."""
+    interval = inputs.config.settings.checkpoint_interval
+    checkpoint = checkpoint_of(inputs.store, state_id, interval)
+    if checkpoint is None:
+        checkpoint = trainer.snapshot(metrics)
+        inputs.store.set_ref(snapshot_ref(state_id, interval), checkpoint)
+    adopt_snapshot(trainer, checkpoint)
+    return checkpoint
+
+
+def adopt_snapshot(trainer: CausalLmTrainer, checkpoint_id: str) -> None:
+    """Make `checkpoint_id` (a checkpoint of the trainer's current weights) the snapshot it descends from."""
+    trainer.checkpoint_id, trainer.snapshot_step = checkpoint_id, trainer.step

@@ -4,7 +4,7 @@
 
 SPEC: a pickled policy_group.GroupSpec. The rank connects to the flow's localhost socket, says its rank, then runs
 the flow's commands (one JSON line each, the same to every rank) in lockstep with the others and answers each with
-one line: `{"state", "metrics"}` (rank 0's is the one the flow reads), or `{"error"}` before it exits non-zero, which
+one line: `{"state", "metrics"}` or `{"checkpoint"}` (rank 0's is the one the flow reads), or `{"error"}` before it exits non-zero, which
 makes torchrun stop the other ranks. On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
 """
 
@@ -19,9 +19,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 
-import rollout_lib.config  # noqa: F401 - first, as every entry point imports it (trainer.hardware needs it loaded)
-from rollout_lib.rl.policy_state import rebuild_policy, record_new_state
-from rollout_lib.trainer.checkpoint import model_weights
+from rollout_lib.rl.policy_state import adopt_snapshot, rebuild_policy, record_step_state, snapshot_state
+from rollout_lib.checkpoint import model_weights
 from rollout_lib.trainer.data_parallel import DataParallel
 from rollout_lib.trainer.segment_worker import join_group, kill_step
 
@@ -53,18 +52,23 @@ class PolicyRank:
             os.kill(os.getpid(), signal.SIGKILL)
         trainer.batches.record(step, command["micro_batches"])
         metrics = trainer.train_step(step)
-        new_state = [None, None]  # (the new state, the checkpoint it descends from), decided by rank 0
-        if self.data_parallel.rank == 0:
-            new_state = [record_new_state(self.inputs, trainer, command["parent"], step, command["micro_batches"],
-                                          snapshot=command["snapshot"],
-                                          snapshot_metrics={**command["snapshot_metrics"], **metrics}),
-                         trainer.checkpoint_id]
+        new_state = [None]
+        if self.data_parallel.rank == 0:  # one writer
+            new_state = [record_step_state(self.inputs, command["parent"], step, command["micro_batches"])]
         dist.broadcast_object_list(new_state, src=0)
-        if trainer.checkpoint_id != new_state[1]:  # the snapshot rank 0 wrote: later records name it
-            trainer.checkpoint_id, trainer.snapshot_step = new_state[1], trainer.step
         self.trainer, self.state_id = trainer, new_state[0]
         self.export(command["export"])
         return {"state": self.state_id, "metrics": metrics}
+
+    def snapshot(self, command: dict) -> dict:
+        """Rank 0 checkpoints the state (or finds it indexed); every rank adopts that checkpoint."""
+        trainer = self.at(command["state"])
+        checkpoint = [None]
+        if self.data_parallel.rank == 0:
+            checkpoint = [snapshot_state(self.inputs, trainer, command["state"], command["metrics"])]
+        dist.broadcast_object_list(checkpoint, src=0)
+        adopt_snapshot(trainer, checkpoint[0])
+        return {"checkpoint": checkpoint[0]}
 
     def export(self, path: str) -> None:
         """Rank 0 writes the weights of the state held (safetensors, tied duplicates left out)."""
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                     break
                 if command["op"] == "train":
                     reply = policy.train(command)
+                elif command["op"] == "snapshot":
+                    reply = policy.snapshot(command)
                 else:  # "export"
                     policy.at(command["state"])
                     policy.export(command["export"])

@@ -10,7 +10,7 @@ import pyarrow as pa
 from rollout_lib.config.rl import DifficultyPoolsSettings, EnvSettings
 from rollout_lib.data import DataError, load_env_prompts
 from rollout_lib.rl.curriculum import draw_weights, weighted_draw
-from rollout_lib.trainer.determinism import derived_seed
+from rollout_lib.determinism import derived_seed
 
 
 def load_prompts(env: EnvSettings) -> pa.Table:

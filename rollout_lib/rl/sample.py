@@ -17,7 +17,8 @@ from rollout_lib.rl.prompts import select_prompts
 from rollout_lib.sampling import SAMPLERS, SamplingContext
 from rollout_lib.sampling.frozen import FrozenSampler
 from rollout_lib.serving.settings import ExternalModel
-from rollout_lib.trainer.determinism import derived_seed
+from rollout_lib.determinism import derived_seed
+from rollout_lib.store import ObjectStore
 
 
 def env_locator(index: int) -> str:
@@ -54,7 +55,6 @@ def frozen_identity(config: RlConfig, frozen) -> str:
     if isinstance(frozen, ExternalModel):
         return f"frozen:served:{frozen.name}"
     from rollout_lib.serving.references import content_identity
-    from rollout_lib.store import ObjectStore
 
     return f"frozen:{content_identity(frozen.model, ObjectStore(config.run.store, config.run.storage_options or None))}"
 

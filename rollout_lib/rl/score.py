@@ -76,7 +76,7 @@ class RewardLoops:
             if reward.engine == "vllm" and self.frozen_models is None:
                 raise ValueError(f"{where}: a served reward model needs the run's FrozenModels "
                                  "(RewardLoops(config, frozen_models))")
-            from rollout_lib.trainer.hardware import hardware_of_config  # torch: only where a model loads
+            from rollout_lib.hardware import hardware_of_config  # torch: only where a model loads
 
             self._scorers[key] = load_scorer(reward, self.frozen_models, where,
                                              hardware=hardware_of_config(self.config))

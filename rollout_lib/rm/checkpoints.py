@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from rollout_lib.rm.evaluate import score_responses
 from rollout_lib.store import ObjectStore, StoreError
-from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest, resolve_checkpoint
+from rollout_lib.checkpoint import export_hf_directory, read_manifest, resolve_checkpoint
 
 
 def load_reward_checkpoint(store: ObjectStore, reference: str):

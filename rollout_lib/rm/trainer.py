@@ -18,8 +18,8 @@ from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
 from rollout_lib.model.loading import load_reward_model, load_tokenizer, resolve_model
 from rollout_lib.rm.pairs import collate_pairs, forward_pairs
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
-from rollout_lib.trainer.determinism import step_rows
-from rollout_lib.trainer.hardware import hardware_of_config, place_model
+from rollout_lib.determinism import step_rows
+from rollout_lib.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 
 

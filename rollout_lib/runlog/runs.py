@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from rollout_lib.runlog.metrics_file import RUNS_DIR, WALL_TIME, check_run_name, last_record, read_metrics
 from rollout_lib.store import ObjectStore, StoreError
-from rollout_lib.trainer.checkpoint import read_manifest
+from rollout_lib.checkpoint import read_manifest
 
 LATEST_REF = "runs/{name}/latest"
 

@@ -33,6 +33,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_lib import wire
+from rollout_lib.model.chat import encode_prompt, stop_token_ids  # noqa: F401  (every backend's helpers)
 
 
 class SamplingParams(BaseModel):
@@ -120,30 +121,6 @@ SAMPLERS: dict[str, type[Sampler]] = {}
 
 
 # --- helpers every backend shares ----------------------------------------------------------------------------
-
-
-def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template with the generation prompt, as token ids (the completion's conditioning context)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-        if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding regardless
-            ids = ids["input_ids"]
-        return [int(token) for token in ids]
-    # No template: the conversation's text, one message per line (base models).
-    text = "\n".join(message["content"] for message in messages) + "\n"
-    return [int(token) for token in tokenizer(text)["input_ids"]]
-
-
-def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
-    """Where a completion ends: the tokenizer's eos (end of turn for chat models) and the model's own eos ids."""
-    ids: list[int] = []
-    for candidate in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
-        for token in candidate if isinstance(candidate, (list, tuple)) else [candidate]:
-            if token is not None and int(token) not in ids:
-                ids.append(int(token))
-    if not ids:
-        raise ValueError("the tokenizer and model declare no eos token: a completion could never end")
-    return ids
 
 
 def sample_id(example_id: str, group_index: int) -> str:

@@ -27,7 +27,7 @@ from rollout_lib.sampling.base import (
     sample_episodes,
     stop_token_ids,
 )
-from rollout_lib.trainer.determinism import derived_seed
+from rollout_lib.determinism import derived_seed
 
 
 class FrozenSampler:

@@ -20,8 +20,8 @@ import torch
 from pydantic import Field
 
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
-from rollout_lib.trainer.determinism import GLOBAL_RNG, derived_seed
-from rollout_lib.trainer.hardware import autocast_for
+from rollout_lib.determinism import GLOBAL_RNG, derived_seed
+from rollout_lib.hardware import autocast_for
 
 
 class HfSamplerSettings(SamplerSettings):
@@ -72,7 +72,7 @@ class HfSampler(Sampler):
         try:
             with GLOBAL_RNG, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                with autocast_for(model):  # the precision the policy trains in (trainer.hardware)
+                with autocast_for(model):  # the precision the policy trains in (hardware.py)
                     output = model.generate(input_ids=input_ids.to(device),
                                             attention_mask=attention_mask.to(device), generation_config=config)
         finally:

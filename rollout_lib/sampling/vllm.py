@@ -30,7 +30,7 @@ from pydantic import Field
 
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
 from rollout_lib.serving.policy import BF16_PROBE_TOLERANCE, DEFAULT_TOLERANCE
-from rollout_lib.trainer.determinism import derived_seed
+from rollout_lib.determinism import derived_seed
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from rollout_lib.config.errors import ConfigError
+from rollout_lib.errors import ConfigError
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
 from rollout_lib.serving.policy import DEFAULT_TOLERANCE, PolicyServer

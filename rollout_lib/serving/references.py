@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
-from rollout_lib.model.loading import model_content_digest
-from rollout_lib.store import ObjectStore
+from rollout_lib.model.loading import exported_checkpoint, model_content_digest
+from rollout_lib.store import ObjectStore, StoreError, is_content_id
 
-_CHECKPOINT_ID = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_MAX_MODEL_LEN = 2048  # upper bound of the default: the model's max_position_embeddings if smaller
 
 
 def checkpoint_in_store(uri: str, store: ObjectStore | None) -> str | None:
     """The checkpoint id `uri` names in `store`, or None when it names no checkpoint (a local directory of that
     name wins over a ref of the same spelling)."""
-    if _CHECKPOINT_ID.match(uri):
+    if is_content_id(uri):
         return uri
     if store is None or Path(uri).expanduser().is_dir() or "/" not in uri:
         return None
@@ -30,7 +27,6 @@ def checkpoint_in_store(uri: str, store: ObjectStore | None) -> str | None:
 
 def content_identity(ref, store: ObjectStore | None) -> str:
     """What a served model's weights are, for cache keys: the checkpoint id, or the model's content digest."""
-    from rollout_lib.store import StoreError
 
     try:
         checkpoint_id = checkpoint_in_store(ref.uri, store)
@@ -46,9 +42,8 @@ def served_model_directory(reference, store_url: str | None = None) -> Path:
     `pkg:...` (a GGUF package converted once into the rollout cache), `tiny:qwen2`, a checkpoint id or ref
     (`runs/<name>/latest`) in the store at `store_url` (exported once into <rollout cache>/served/<id>), or a hub
     id already in the Hugging Face cache (or downloadable, when the hub is not offline)."""
-    from rollout_lib.config.common import ModelRef
+    from rollout_lib.settings_base import ModelRef
     from rollout_lib.model.loading import ModelLoadError, locate_model, resolve_model
-    from rollout_lib.store import ObjectStore, StoreError
 
     ref = ModelRef(uri=reference) if isinstance(reference, str) else reference
     uri = ref.uri
@@ -59,7 +54,7 @@ def served_model_directory(reference, store_url: str | None = None) -> Path:
                                  "model directory)")
         return directory
     store = ObjectStore(store_url) if store_url else None
-    if store is None and re.fullmatch(r"[0-9a-f]{64}", uri):
+    if store is None and is_content_id(uri):
         raise StoreError(f"model reference {uri!r} is a checkpoint id, but no store was given to find it in")
     try:
         checkpoint_id = checkpoint_in_store(uri, store)
@@ -68,7 +63,7 @@ def served_model_directory(reference, store_url: str | None = None) -> Path:
             raise
         checkpoint_id = None  # not a ref's spelling: maybe a hub id
     if checkpoint_id is not None:
-        return _exported_checkpoint(store, checkpoint_id, uri)
+        return exported_checkpoint(store, checkpoint_id, uri)
     try:
         located = locate_model(ref)  # a hub id, or an error naming the reference
     except ModelLoadError as exc:
@@ -77,37 +72,6 @@ def served_model_directory(reference, store_url: str | None = None) -> Path:
                                  f"name in {store.root}") from None
         raise exc
     return _hub_snapshot(uri, located.revision)
-
-
-def _exported_checkpoint(store, checkpoint_id: str, uri: str) -> Path:
-    """The checkpoint as a Hugging Face directory in the rollout cache: exported once (staged, then renamed into
-    place, so a directory under its final name is always complete) and reused."""
-    from rollout_lib.model.loading import rollout_cache_dir
-    from rollout_lib.store import StoreError
-    from rollout_lib.trainer.checkpoint import export_hf_directory, read_manifest
-
-    target = rollout_cache_dir() / "served" / checkpoint_id
-    if target.is_dir():
-        return target
-    try:
-        read_manifest(store, checkpoint_id)
-    except StoreError as exc:
-        shown = repr(uri) if uri == checkpoint_id else f"{uri!r} ({checkpoint_id})"
-        raise StoreError(f"model reference {shown}: {exc}") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".exporting-", dir=target.parent))
-    try:
-        export_hf_directory(store, checkpoint_id, staging)
-        for path in [staging, *staging.iterdir()]:  # mkdtemp makes it private; the cache is for everyone
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        try:
-            staging.rename(target)
-        except OSError:  # another process exported it first
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _hub_snapshot(uri: str, revision: str | None) -> Path:
@@ -130,7 +94,7 @@ def default_name(reference, model_dir: Path | None = None) -> str:
     uri = reference if isinstance(reference, str) else reference.uri
     if uri.startswith("pkg:"):
         text = uri[len("pkg:"):]
-    elif re.fullmatch(r"[0-9a-f]{64}", uri):
+    elif is_content_id(uri):
         text = f"checkpoint-{uri[:12]}"
     elif Path(uri).expanduser().is_dir():
         text = Path(uri).expanduser().resolve().name

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollout_lib.sampling.base import encode_prompt
+from rollout_lib.model.chat import encode_prompt
 
 _PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 0123456789 +-*/=<>()[]{} "
                "def f(x):\n    return x ** 2\n\tÜber café naïve — 東京 日本語 😀 ∑∫√")

@@ -1,6 +1,6 @@
 """SFT samples -> every step's micro-batches (packed, or padded groups), planned before training.
 
-Deterministic: the data order comes from the seed (`trainer.determinism.plan_batches`) and packing is
+Deterministic: the data order comes from the seed (`determinism.plan_batches`) and packing is
 deterministic, so any step's micro-batches are known without replaying the steps before it.
 """
 

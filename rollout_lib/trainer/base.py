@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
-from rollout_lib.trainer.determinism import GLOBAL_RNG, seed_for_step, seed_torch
+from rollout_lib.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
+from rollout_lib.determinism import GLOBAL_RNG, seed_for_step, seed_torch
 from rollout_lib.trainer.optim import lr_at, set_lr
 
 

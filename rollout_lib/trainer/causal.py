@@ -39,7 +39,7 @@ from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
 from rollout_lib.trainer.data_parallel import DataParallel
-from rollout_lib.trainer.hardware import hardware_of_config, place_model
+from rollout_lib.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 
 
@@ -196,7 +196,7 @@ class CausalLmTrainer(CheckpointedTrainer):
 
     Its settings (SftSettings or RlSettings) give `base_model`, `optimizer`, `budget`, `packed` and
     `loss_kwargs()` (the rl/ref_kl loss settings; none for SFT). Packed micro-batches run per-sequence attention
-    (`model.packed_attention`). The model computes on the settings' `hardware` (trainer.hardware)."""
+    (`model.packed_attention`). The model computes on the settings' `hardware` (hardware.py)."""
 
     kind_of_model = "causal_lm"
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from rollout_lib import step_events
 from rollout_lib.losses import COMPONENTS
+from rollout_lib.hardware import hardware_settings
 
 # Rank 0 prints one line per finished step, `STEP_MARKER {"step": n, "metrics": {...}}`, on its stdout.
 STEP_MARKER = "ROLLOUT_DATA_PARALLEL_STEP "
@@ -133,7 +134,6 @@ def data_parallel_segment(trainer_class: type, inputs, checkpoint_id: str, resid
     """For `segment.run_segment(train_elsewhere=...)`: None when the entry point's hardware says one process, else
     a function training a segment in `nproc` processes from `checkpoint_id`. A resident trainer at that checkpoint
     is dropped (the workers open it from the store)."""
-    from rollout_lib.config.common import hardware_settings
 
     nproc = hardware_settings(inputs.settings).nproc
     if nproc == 1:

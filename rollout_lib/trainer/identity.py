@@ -14,7 +14,8 @@ import blake3
 
 from rollout_lib.config.loading import training_hash
 from rollout_lib.model.loading import model_content_digest
-from rollout_lib.store import canonical_json
+from rollout_lib.errors import ConfigError
+from rollout_lib.store import ObjectStore, StoreError, canonical_json
 
 
 def training_identity(config) -> str:
@@ -32,9 +33,7 @@ def reward_model_contents(config) -> tuple[str, ...]:
     found = getattr(config, "reward_models", list)()
     if not found:
         return ()
-    from rollout_lib.config.errors import ConfigError
     from rollout_lib.model.loading import ModelLoadError
-    from rollout_lib.store import StoreError
 
     contents = []
     for where, reward in found:
@@ -50,10 +49,8 @@ def _served_models(config) -> tuple[str, ...]:
               if hasattr(settings, "model")]
     if not frozen:
         return ()
-    from rollout_lib.config.errors import ConfigError
     from rollout_lib.model.loading import ModelLoadError
     from rollout_lib.serving.references import content_identity
-    from rollout_lib.store import ObjectStore
 
     store = ObjectStore(config.run.store, config.run.storage_options or None)
     identities = []

@@ -6,7 +6,6 @@ exactly the same learning rates as an uninterrupted one.
 
 from __future__ import annotations
 
-import json
 import math
 
 import torch
@@ -52,30 +51,3 @@ def clip_gradients(parameters, max_grad_norm: float | None) -> torch.Tensor:
     if max_grad_norm is not None:
         return torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     return torch.nn.utils.get_total_norm([p.grad for p in params])
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Flatten optimizer state to named tensors plus JSON metadata, for safetensors (never pickle)."""
-    state = optimizer.state_dict()
-    tensors = {}
-    for index, entry in state["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
-            elif value is not None:
-                tensors[f"state.{index}.{key}"] = torch.tensor(value)
-    groups = [{k: v for k, v in group.items()} for group in state["param_groups"]]
-    return tensors, {"param_groups": json.dumps(groups, sort_keys=True)}
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
-                         metadata: dict[str, str]) -> None:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        _, index, key = name.split(".", 2)
-        state.setdefault(int(index), {})[key] = tensor
-    groups = json.loads(metadata["param_groups"])
-    for group in groups:
-        if "betas" in group:
-            group["betas"] = tuple(group["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -20,7 +20,7 @@ import blake3
 
 from rollout_lib import step_events
 from rollout_lib.store import CHAIN_INDEX_REFS, ObjectStore, canonical_json
-from rollout_lib.trainer.checkpoint import read_manifest
+from rollout_lib.checkpoint import read_manifest
 
 # One line per step at DEBUG: off by default (a flow logs once per segment); ROLLOUT_LOG_LEVEL=DEBUG turns it on.
 logger = logging.getLogger(__name__)

@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-import rollout_lib.config  # noqa: F401 - first, as every entry point imports it (trainer.hardware needs it loaded)
 from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, STEP_MARKER, DataParallel
-from rollout_lib.trainer.hardware import hardware_of_config
+from rollout_lib.hardware import hardware_of_config
 from rollout_lib.trainer.segment import TrainStepError
 
 

@@ -7,15 +7,13 @@ parent and settings produce the same id, byte for byte. Nothing is ever unpickle
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rollout_lib.store import ObjectStore, StoreError
-from rollout_lib.trainer.optim import load_optimizer_state, optimizer_state_tensors
+from rollout_lib.store import ObjectStore, StoreError, is_content_id
 
 CHECKPOINT_KIND = "rollout.checkpoint/v1"
 
@@ -182,14 +180,41 @@ def _end_of_turn_id(tokenizer) -> int | None:
     return int(ids[0]) if special else None
 
 
-_HEX_ID = re.compile(r"^[0-9a-f]{64}$")
-
-
 def resolve_checkpoint(store: ObjectStore, reference: str) -> str:
     """A checkpoint id, or a ref name such as `runs/<name>/latest`."""
-    if _HEX_ID.match(reference):
+    if is_content_id(reference):
         return reference
     checkpoint_id = store.get_ref(reference)
     if checkpoint_id is None:
         raise StoreError(f"{reference!r} is neither a checkpoint id nor a ref in {store.root}")
     return checkpoint_id
+
+
+# --- optimizer state as named tensors (safetensors: never pickle) -----------------------------------------------
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Flatten optimizer state to named tensors plus JSON metadata, for safetensors (never pickle)."""
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
+            elif value is not None:
+                tensors[f"state.{index}.{key}"] = torch.tensor(value)
+    groups = [{k: v for k, v in group.items()} for group in state["param_groups"]]
+    return tensors, {"param_groups": json.dumps(groups, sort_keys=True)}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                         metadata: dict[str, str]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        _, index, key = name.split(".", 2)
+        state.setdefault(int(index), {})[key] = tensor
+    groups = json.loads(metadata["param_groups"])
+    for group in groups:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,4 +1,6 @@
-"""The hardware settings at run time: "auto" resolved, models placed, forward passes under the chosen precision.
+"""Where models compute: the hardware settings every entry point composes (`[algorithm.<kind>.hardware]`), "auto"
+resolved, models placed, forward passes under the chosen precision. A ground-floor fact: trainers, samplers,
+scorers and evaluators all read it, so it imports nothing of rollout_lib above the ground.
 
 `resolve_hardware` turns `HardwareSettings` into a `ResolvedHardware` on this machine (a CUDA device asked for where
 there is none, or bf16 where the device has no bf16, is a ConfigError naming the setting). `place_model` moves a
@@ -8,7 +10,7 @@ a frozen copy of the policy) computes where and as it does: inputs go to `model_
 run under `autocast_for(model)`.
 
 Checkpoints stay device-independent: weights and optimizer state are written from CPU copies
-(trainer.checkpoint) and copied onto the configured device when a checkpoint is restored.
+(checkpoint.py) and copied onto the configured device when a checkpoint is restored.
 """
 
 from __future__ import annotations
@@ -16,12 +18,76 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from rollout_lib.config.common import HardwareSettings
-from rollout_lib.config.errors import ConfigError
-from rollout_lib.trainer.determinism import use_deterministic_torch
+from rollout_lib.determinism import use_deterministic_torch
+from rollout_lib.errors import ConfigError
+from rollout_lib.settings_base import StrictModel
+
+class HardwareSettings(StrictModel):
+    """Where an entry point's models compute and in what precision (`[algorithm.<kind>.hardware]`, docs/hardware.md).
+
+    Every model the entry point trains, samples, scores or evaluates with goes to `device`; checkpoints are written
+    from CPU copies, so one trained anywhere loads anywhere. `precision = "bf16"`: forward passes under bf16
+    autocast, weights, gradients and optimizer state in fp32. `gradient_checkpointing`: activations recomputed in
+    backward (less memory, more time, the same numbers)."""
+
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")  # auto: CUDA when available, else CPU
+    # bf16 autocast on a CPU is slow on most CPUs and rounds differently from fp32: a config written for a GPU
+    # with device = "auto" must not silently run it on a CPU-only machine. Set this to mean it. (Declared before
+    # `precision`: its validator reads this.)
+    allow_cpu_bf16: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+    gradient_checkpointing: bool = False
+    # CUDA only: torch.use_deterministic_algorithms (and CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set). Off by
+    # default: slower, and an op with no deterministic CUDA kernel then raises. On CPU kernels are always pinned.
+    cuda_deterministic: bool = False
+    # Data parallelism (docs/hardware.md "Data parallel"): a training segment runs as this many processes on this
+    # machine (`torchrun --standalone`, gloo on CPU, nccl on CUDA: one GPU per process), each taking its share of
+    # every step's micro-batches, gradients summed across them. 1: in the flow's own process, as always.
+    nproc: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _one_gpu_per_process(self) -> "HardwareSettings":
+        if self.nproc > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f'nproc = {self.nproc} gives each process its own GPU (process i: cuda:i); use '
+                             f'device = "cuda" or "auto", not {self.device!r}')
+        return self
+
+    @field_validator("precision")
+    @classmethod
+    def _bf16_on_cpu_only_when_meant(cls, precision: str, info: ValidationInfo) -> str:
+        if precision == "bf16" and info.data.get("device") == "cpu" and not info.data.get("allow_cpu_bf16"):
+            raise ValueError('bf16 autocast on device = "cpu" is slow on most CPUs and not the vetted setting; '
+                             'use "fp32", or set allow_cpu_bf16 = true')
+        return precision
+
+    def identity_settings(self, device_type: str) -> dict | None:
+        """What of these settings decides the weights, given the device type `device` resolved to: the device type
+        (CPU and CUDA kernels round differently; not its index: cuda:0 and cuda:1 compute alike), the precision
+        and, on CUDA, deterministic kernels. None for fp32 on CPU, so a CPU run's identity is what it was before
+        these settings existed. gradient_checkpointing never enters: recomputing the forward pass in backward
+        gives the same bits (tests/test_hardware.py), only memory and time change. `nproc` enters when above 1:
+        gradients summed across processes add in another order than one process accumulating them, so the weights
+        agree with a 1-process run only within rounding (docs/hardware.md "Data parallel"), never bit for bit."""
+        material = {}
+        if device_type != "cpu" or self.precision != "fp32":
+            material = {"device": device_type, "precision": self.precision}
+        if device_type == "cuda" and self.cuda_deterministic:
+            material["cuda_deterministic"] = True
+        if self.nproc > 1:
+            material["nproc"] = self.nproc
+        return material or None
+
+
+def hardware_settings(settings) -> HardwareSettings:
+    """An entry point's hardware settings: its block's `hardware`, or the defaults for a block without one."""
+    hardware = getattr(settings, "hardware", None)
+    return hardware if isinstance(hardware, HardwareSettings) else HardwareSettings()
+
 
 # The attribute a placed model carries its ResolvedHardware in (copied with the model by copy.deepcopy).
 HARDWARE_ATTRIBUTE = "rollout_hardware"
@@ -85,8 +151,6 @@ def resolve_hardware(settings: HardwareSettings, where: str = "hardware") -> Res
 
 def hardware_of_config(config) -> ResolvedHardware:
     """An entry point config's hardware (`config.settings.hardware`, the defaults when its block has none)."""
-    from rollout_lib.config.common import hardware_settings
-
     locator = getattr(config, "hardware_locator", "hardware")
     return resolve_hardware(hardware_settings(config.settings), locator)
 
