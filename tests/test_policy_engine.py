@@ -1,4 +1,4 @@
-"""The live policy on a vLLM engine (sampling/vllm.py, serving/policy.py): its settings and what enters the
+"""The live policy on a vLLM engine (sampling/vllm.py, serving/policy_server.py): its settings and what enters the
 training identity, every rollout recording what sampled it, weight reload in place verified by a probe (tied
 embeddings included), the probe failing loudly on other weights, seeded sampling through the pool, a policy server
 killed mid-stage, and a `train rl` run on the engine.
@@ -34,7 +34,7 @@ from rollout_lib.sampling.base import encode_prompt
 from rollout_lib.sampling.vllm import VllmSampler, VllmSamplerSettings
 from rollout_lib.serving import engine, weight_sync
 from rollout_lib.serving.frozen import FrozenModels
-from rollout_lib.serving.policy import PolicyServerError, trainer_logprobs
+from rollout_lib.serving.policy_server import PolicyServerError, trainer_logprobs
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.trainer.identity import training_identity
 
@@ -69,7 +69,7 @@ def test_the_engines_precision_and_compilation_are_server_flags_and_enter_the_id
     compiled = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "bfloat16", compile = true }')
     assert bf16.settings.policy_sampler.server_args() == ["--dtype", "bfloat16"]  # after SERVER_FLAGS: last wins
     assert compiled.settings.policy_sampler.server_args() == ["--dtype", "bfloat16", "--no-enforce-eager"]
-    assert bf16.settings.policy_sampler.tolerance == 2.0  # bfloat16 rounding: serving/policy.py
+    assert bf16.settings.policy_sampler.tolerance == 2.0  # bfloat16 rounding: serving/policy_server.py
     assert rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "bfloat16", '
                              'probe_tolerance = 0.5 }').settings.policy_sampler.tolerance == 0.5
     # They decide the sampled tokens: each its own identity; the defaults spelt out change nothing.

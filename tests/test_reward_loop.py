@@ -26,7 +26,7 @@ from rollout_lib.reward.loop import (
     is_async_callable,
     raise_if_all_missing,
     reward_metrics,
-    score_rollouts_sync,
+    score_inputs_sync,
 )
 from rollout_lib.reward.tables import reward_inputs
 
@@ -215,7 +215,7 @@ def test_hung_async_function_is_cancelled():
         return 1.0
 
     start = time.monotonic()
-    results = score_rollouts_sync([_item(hang=True), _item()], [(hangs, 1.0)], concurrency=2, timeout_s=0.2)
+    results = score_inputs_sync([_item(hang=True), _item()], [(hangs, 1.0)], concurrency=2, timeout_s=0.2)
     assert time.monotonic() - start < 5
     assert cancelled == [True]
     assert results[0] == RewardResult(
@@ -237,7 +237,7 @@ def test_exceptions_and_bad_values_become_missing_rewards_with_the_error():
     assert failed.reward is None
     assert failed.error == "ValueError: reward fn 'always_fails': cannot score completion of length 3"
 
-    results = score_rollouts_sync([_item()], [(returns_nan, 1.0), (returns_text, 1.0)], concurrency=1, timeout_s=5)
+    results = score_inputs_sync([_item()], [(returns_nan, 1.0), (returns_text, 1.0)], concurrency=1, timeout_s=5)
     assert results[0].reward is None
     assert "ValueError: reward fn " in results[0].error and "not finite" in results[0].error
     assert "TypeError: reward fn " in results[0].error and "got str" in results[0].error
@@ -264,7 +264,7 @@ def test_concurrency_bound_is_respected():
         in_flight -= 1
         return 1.0
 
-    results = score_rollouts_sync([_item() for _ in range(40)], [(counts, 1.0)], concurrency=4, timeout_s=5)
+    results = score_inputs_sync([_item() for _ in range(40)], [(counts, 1.0)], concurrency=4, timeout_s=5)
     assert all(r.reward == 1.0 for r in results)
     assert peak == 4
 
@@ -356,7 +356,7 @@ def test_builtin_rule_rewards():
 
 
 def test_builtin_missing_answer_is_a_missing_reward_in_the_loop():
-    results = score_rollouts_sync(
+    results = score_inputs_sync(
         [_item("7")], [(resolve_reward_function("exact_match"), 1.0)], concurrency=1, timeout_s=30
     )
     assert results[0].reward is None

@@ -26,7 +26,7 @@ from rollout_lib.algo.base import scores_at_ship_time
 from rollout_lib.algo.custom import Custom, CustomSettings
 from rollout_lib.algo.grpo import Grpo, GrpoSettings
 from rollout_lib.algo.max_rl import MaxRl, MaxRlSettings
-from rollout_lib.algo.reward import RewardAsAdvantage, RewardSettings
+from rollout_lib.algo.reward import RewardAsAdvantage, RewardAdvantageSettings
 from rollout_lib.algo.stamping import (
     advantage_metrics,
     assign_advantages,
@@ -68,19 +68,19 @@ def test_missing_rewards_are_out_of_the_baseline_and_get_no_rl_credit():
     # mean over the scored three is 0.5, not 0.375 (which a silent 0 for the missing one would give).
     assert scalars(Grpo(GrpoSettings()).assign(group)) == [0.5, None, -0.5, 0.0]
     assert scalars(MaxRl(MaxRlSettings()).assign(group)) == [1.0, None, -1.0, 0.0]
-    assert scalars(RewardAsAdvantage(RewardSettings()).assign(group)) == [1.0, None, 0.0, 0.5]
+    assert scalars(RewardAsAdvantage(RewardAdvantageSettings()).assign(group)) == [1.0, None, 0.0, 0.5]
     everything_missing = Group([None, None], [3, 1])
-    for algorithm in (Grpo(GrpoSettings()), MaxRl(MaxRlSettings()), RewardAsAdvantage(RewardSettings())):
+    for algorithm in (Grpo(GrpoSettings()), MaxRl(MaxRlSettings()), RewardAsAdvantage(RewardAdvantageSettings())):
         assert algorithm.assign(everything_missing) == [None, None]
     # A group whose mean is not positive: max_rl gives zero credit to the scored, still none to the missing.
     assert MaxRl(MaxRlSettings()).assign(Group([0.0, None], [2, 1])) == [[0.0, 0.0], None]
 
 
 def test_reward_is_the_advantage_without_a_baseline():
-    advantages = RewardAsAdvantage(RewardSettings()).assign(Group([1.0, 0.25, -2.0], [2, 1, 3]))
+    advantages = RewardAsAdvantage(RewardAdvantageSettings()).assign(Group([1.0, 0.25, -2.0], [2, 1, 3]))
     assert advantages == [[1.0, 1.0], [0.25], [-2.0, -2.0, -2.0]]
-    assert not RewardSettings.group_relative  # one sample per prompt trains too
-    assert RewardAsAdvantage(RewardSettings()).assign(Group([0.7], [2])) == [[0.7, 0.7]]
+    assert not RewardAdvantageSettings.group_relative  # one sample per prompt trains too
+    assert RewardAsAdvantage(RewardAdvantageSettings()).assign(Group([0.7], [2])) == [[0.7, 0.7]]
 
 
 def test_max_rl_scales_by_the_group_mean_and_is_zero_when_the_mean_is_not_positive():
@@ -151,7 +151,7 @@ def test_registry_builds_algorithms_by_type_name():
     assert {"grpo", "max_rl", "reward", "custom"} <= set(ALGORITHMS)
     assert isinstance(build_algorithm(GrpoSettings()), Grpo)
     assert isinstance(build_algorithm(MaxRlSettings()), MaxRl)
-    assert isinstance(build_algorithm(RewardSettings()), RewardAsAdvantage)
+    assert isinstance(build_algorithm(RewardAdvantageSettings()), RewardAsAdvantage)
     assert GrpoSettings.group_relative and MaxRlSettings.group_relative
     with pytest.raises(TypeError, match="takes GrpoSettings"):
         Grpo(MaxRlSettings())

@@ -11,7 +11,7 @@ import pytest
 from rollout_lib import wire
 from rollout_lib.data import DataError, generate_reasoning_gym_prompts, load_jsonl_prompts
 from rollout_lib.reward.functions import resolve_reward_function
-from rollout_lib.reward.loop import score_rollouts_sync
+from rollout_lib.reward.loop import score_inputs_sync
 from rollout_lib.reward.tables import reward_inputs
 from rollout_lib.rl.prompts import check_distinct_examples, select_prompts
 
@@ -102,7 +102,7 @@ def test_reasoning_gym_sets_are_seeded_and_scored_by_their_own_score_answer():
          "answer": answer, "info": row["info"], "reward": None, "reward_error": None}
         for i, text in enumerate([f"<answer>{answer}</answer>", f"<answer>{int(answer) + 1}</answer>", "no idea"])
     ], schema=wire.ROLLOUTS)  # single-turn rows: completion_turns and episode null
-    results = score_rollouts_sync(reward_inputs(rollouts, table), [(resolve_reward_function("reasoning_gym"), 1.0)],
+    results = score_inputs_sync(reward_inputs(rollouts, table), [(resolve_reward_function("reasoning_gym"), 1.0)],
                                   concurrency=4, timeout_s=60)
     assert [r.reward for r in results] == [1.0, 0.0, 0.0]
 

@@ -7,7 +7,7 @@ from typing import Literal
 from rollout_lib.algo.base import Algorithm, AlgoSettings, Group
 
 
-class RewardSettings(AlgoSettings):
+class RewardAdvantageSettings(AlgoSettings):
     type: Literal["reward"] = "reward"
 
 
@@ -18,7 +18,7 @@ class RewardAsAdvantage(Algorithm):
     for rewards whose zero already means "neutral". A sample with a missing reward gets no rl credit."""
 
     type_name = "reward"
-    settings_class = RewardSettings
+    settings_class = RewardAdvantageSettings
 
     def assign(self, group: Group) -> list[list[float] | None]:
         return group.broadcast(group.per_sample(lambda reward: reward))

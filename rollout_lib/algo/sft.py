@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 from rollout_lib.algo.base import Algorithm, AlgoSettings
 
 
-class SftSettings(AlgoSettings):
+class SftDistillSettings(AlgoSettings):
     type: Literal["sft"] = "sft"
 
     samples_from_frozen_model: ClassVar[bool] = True
@@ -23,5 +23,5 @@ class SftDistill(Algorithm):
     """ce_weights = 1 on every completion token the teacher wrote."""
 
     type_name = "sft"
-    settings_class = SftSettings
+    settings_class = SftDistillSettings
     action_loss = "ce"

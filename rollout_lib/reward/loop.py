@@ -45,8 +45,8 @@ __all__ = [
     "raise_if_all_missing",
     "raise_if_too_many_missing",
     "reward_metrics",
-    "score_rollouts",
-    "score_rollouts_sync",
+    "score_inputs",
+    "score_inputs_sync",
 ]
 
 DEFAULT_KILL_GRACE_S = 1.0
@@ -194,7 +194,7 @@ def _consume_result(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def score_rollouts(
+async def score_inputs(
     items: Sequence[RewardInput],
     functions: Sequence[tuple[Callable[..., Any], float]],
     *,
@@ -210,7 +210,7 @@ async def score_rollouts(
         return await loop.ascore(items)
 
 
-def score_rollouts_sync(
+def score_inputs_sync(
     items: Sequence[RewardInput],
     functions: Sequence[tuple[Callable[..., Any], float]],
     *,
@@ -219,9 +219,9 @@ def score_rollouts_sync(
     kill_grace_s: float = DEFAULT_KILL_GRACE_S,
     sync_workers: int | None = None,
 ) -> list[RewardResult]:
-    """`score_rollouts` from sync code."""
+    """`score_inputs` from sync code."""
     return asyncio.run(
-        score_rollouts(
+        score_inputs(
             items,
             functions,
             concurrency=concurrency,

@@ -107,7 +107,7 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
 
 def reload_metrics(samplers) -> dict:
     """The policy server's work for a stage (engine backend only): seconds spent reloading and checking weights,
-    and the largest probe difference a reload left (serving/policy.py)."""
+    and the largest probe difference a reload left (serving/policy_server.py)."""
     reports = {id(sampler): sampler for sampler in samplers if hasattr(sampler, "hold_reports")}
     holds = [report for sampler in reports.values() for report in sampler.hold_reports if report.reloaded]
     if not reports:

@@ -1,9 +1,9 @@
-"""The live policy sampled on a vLLM engine: the run's policy server (serving/policy.py), owned by the run's
+"""The live policy sampled on a vLLM engine: the run's policy server (serving/policy_server.py), owned by the run's
 FrozenModels and reached through the stage's SamplingContext.
 
 Before a stage samples, the server is brought to the policy state the stage samples from
 (`SamplingContext.policy_state`): reloaded in place from the trainer's in-memory weights and verified with the
-probe (`probe_tolerance`, default 1e-3: serving/policy.py says why); a server that already holds that state (same
+probe (`probe_tolerance`, default 1e-3: serving/policy_server.py says why); a server that already holds that state (same
 state id, same replica processes) is not reloaded. A probe beyond the tolerance fails the stage, naming the
 replica's URL and the difference: nothing samples from unknown weights.
 
@@ -29,7 +29,7 @@ import torch
 from pydantic import Field
 
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
-from rollout_lib.serving.policy import BF16_PROBE_TOLERANCE, DEFAULT_TOLERANCE
+from rollout_lib.serving.policy_server import BF16_PROBE_TOLERANCE, DEFAULT_TOLERANCE
 from rollout_lib.determinism import derived_seed
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class VllmSamplerSettings(SamplerSettings):
     dtype: Literal["float32", "bfloat16"] = "float32"
     compile: bool = False  # torch.compile the engine's model (no --enforce-eager): slower start, faster steps
     # max |served - trainer| probe logprob after a reload; default 1e-3 in float32, 2.0 in bfloat16 (whose
-    # rounding alone moved the probe's logprobs by up to 0.98 in a 25-step run: serving/policy.py)
+    # rounding alone moved the probe's logprobs by up to 0.98 in a 25-step run: serving/policy_server.py)
     probe_tolerance: float | None = Field(None, gt=0)
     max_recoveries: int = Field(2, ge=0)  # restarts of dead replicas within one stage
 
@@ -88,7 +88,7 @@ class VllmSampler(Sampler):
             self.context.base_model, replicas=settings.replicas, timeout_s=settings.timeout_s,
             max_attempts=settings.max_attempts, tolerance=settings.tolerance, extra_args=settings.server_args(),
             probe_dtype=torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32)
-        self.hold_reports: list = []  # serving.policy.HoldReport of every hold this sampler made (metrics, tests)
+        self.hold_reports: list = []  # serving.policy_server.HoldReport of every hold this sampler made (metrics, tests)
 
     def _hold(self) -> None:
         self.hold_reports.append(self.server.hold(self.context.policy_state, self.model, self.tokenizer))

@@ -11,7 +11,7 @@ named by ROLLOUT_VLLM_PYTHON. The flags every server gets are the ones verified 
 (../shared/notes/serving.md): fp32, eager, chunked prefill off (seeded requests crash the CPU engine with it) and
 prefix caching off (prompt logprobs must not depend on request order).
 
-A live-policy deployment (`live_policy=True`, serving/policy.py) also runs in vLLM's dev mode
+A live-policy deployment (`live_policy=True`, serving/policy_server.py) also runs in vLLM's dev mode
 (VLLM_SERVER_DEV_MODE=1: POST /collective_rpc reloads its weights in place); its weights are whatever was last
 loaded into it, so it is never reused for a frozen model, nor a frozen one for a policy.
 """
@@ -105,7 +105,7 @@ class Deployment:
     # (`rollout serve start`). A deployment whose owner died without stopping it (SIGKILL) is an orphan: the
     # next user of the same model adopts it (serving/frozen.py), so it is stopped eventually.
     owner_pid: int | None = None
-    # Serves the policy being trained: dev mode on, weights reloaded in place (serving/policy.py).
+    # Serves the policy being trained: dev mode on, weights reloaded in place (serving/policy_server.py).
     live_policy: bool = False
 
     @property

@@ -14,7 +14,7 @@ error naming the setting, raised before any step samples or trains.
 The flow creates one `FrozenModels`, hands it to the tasks that need a frozen model (a resource, never part of a
 cache key: tasks.common.RESOURCE_PARAMETERS) and closes it at the end.
 
-It also owns the run's policy server (`policy_server`, serving/policy.py) when the live policy samples on the
+It also owns the run's policy server (`policy_server`, serving/policy_server.py) when the live policy samples on the
 engine: a deployment of the base model in dev mode, started for this run (or a killed run's orphan of the same
 model adopted), never shared with frozen models or another run, and stopped by `close()`.
 """
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from rollout_lib.errors import ConfigError
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
-from rollout_lib.serving.policy import DEFAULT_TOLERANCE, PolicyServer
+from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.references import default_name, served_model_directory
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch

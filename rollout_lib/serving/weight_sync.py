@@ -1,7 +1,7 @@
 """Shipping the trainer's weights to a policy server on this machine: one safetensors file in shared memory,
 rewritten in place after each step.
 
-The engine reloads from a directory of safetensors (serving/policy.py). Writing that file with `save_file` every
+The engine reloads from a directory of safetensors (serving/policy_server.py). Writing that file with `save_file` every
 step serialises the whole model through two copies and a fresh file (538 MB for SmolLM2-135M in fp32). Here the
 first write is safetensors' own (so the format is the library's, not ours); every later write checks that the
 model's tensors still have the file's names, dtypes and shapes and copies each tensor's bytes into its slot of the
