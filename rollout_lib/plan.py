@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from rollout_lib.config.rl import RlConfig
+from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.config.rlhf import STAGES, RlhfConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
@@ -142,12 +142,12 @@ def _rlhf_plan(config: RlhfConfig) -> dict:
         if stage == "rl":
             replaced = {index for index, target in config.rewarded_envs() if not target.keep_rewards}
             reward_models = {where: content for where, content in plan["reward_models"].items()
-                             if not any(where.startswith(f"algorithm.rl.envs[{index}].") for index in replaced)}
+                             if not any(where.startswith(env_locator(index) + ".") for index in replaced)}
             for index, target in config.rewarded_envs():
                 env = plan["envs"][index]
                 env["rewards"] = [*(env["rewards"] if target.keep_rewards else []),
                                   f"reward_model {rm_checkpoint} (weight {target.weight:g})"]
-                reward_models[f"algorithm.rl.envs[{index}].rewards[{len(env['rewards']) - 1}].reward_model"] = \
+                reward_models[env_locator(index, f"rewards[{len(env['rewards']) - 1}].reward_model")] = \
                     rm_checkpoint
             plan["reward_models"] = reward_models
         plans[stage] = plan

@@ -52,6 +52,12 @@ from rollout_lib.sampling import SamplingParams, sampler_settings_types
 from rollout_lib.settings_base import tagged_union
 
 
+def env_locator(index: int, path: str = "") -> str:
+    """The dotted locator of env `index` of an RL config, or of `path` inside it (`env_locator(0, "algo")` is
+    `algorithm.rl.envs[0].algo`): the one place that spells it."""
+    return f"algorithm.rl.envs[{index}]" + (f".{path}" if path else "")
+
+
 AlgoChoice = tagged_union(algo_settings_types(), "algo")
 SamplerChoice = tagged_union(sampler_settings_types(), "sampler")
 InteractionChoice = tagged_union(interaction_settings_types(), "interaction")
@@ -354,7 +360,7 @@ class RlConfig(EntryPointConfig):
 
     def reward_models(self) -> list[tuple[str, RewardModelSettings]]:
         """(locator of the reference, settings) of every reward model an env scores with, in config order."""
-        return [(f"algorithm.rl.envs[{index}].rewards[{r_index}].reward_model", reward)
+        return [(env_locator(index, f"rewards[{r_index}].reward_model"), reward)
                 for index, env in enumerate(self.settings.envs) for r_index, reward in enumerate(env.rewards)
                 if isinstance(reward, RewardModelSettings)]
 
@@ -373,7 +379,7 @@ class RlConfig(EntryPointConfig):
         and any frozen model its algorithm's settings name (a teacher)."""
         found = []
         for index, env in enumerate(self.settings.envs):
-            where = f"algorithm.rl.envs[{index}]"
+            where = env_locator(index)
             if env.sampler.frozen is not None:
                 found.append((f"{where}.sampler.source", env.sampler.frozen))
             found.extend((f"{where}.algo.{name}", value) for name, value in _frozen_fields(env.algo))
@@ -382,7 +388,7 @@ class RlConfig(EntryPointConfig):
     def judges(self) -> list[tuple[str, FrozenModel]]:
         """(locator, settings) of every judge model an env's rewards call. Judges read text, so unlike the other
         frozen models they need not share the policy's tokenizer."""
-        return [(f"algorithm.rl.envs[{index}].rewards[{r_index}].judge", reward.judge)
+        return [(env_locator(index, f"rewards[{r_index}].judge"), reward.judge)
                 for index, env in enumerate(self.settings.envs) for r_index, reward in enumerate(env.rewards)
                 if getattr(reward, "judge", None) is not None]
 
@@ -422,7 +428,7 @@ class RlConfig(EntryPointConfig):
         """Settings that run but are probably not what was meant."""
         found = []
         for index, env in enumerate(self.settings.envs):
-            where = f"algorithm.rl.envs[{index}]"
+            where = env_locator(index)
             if type(env.algo).group_relative and env.sampling.group_size == 1:
                 found.append((f"{where}.sampling.group_size",
                               f"{env.algo.type} is group-relative: with group_size = 1 every advantage is 0 and "
@@ -450,7 +456,7 @@ class RlConfig(EntryPointConfig):
         problems = []
         names = [env.name for env in settings.envs]
         for index, env in enumerate(settings.envs):
-            where = f"algorithm.rl.envs[{index}]"
+            where = env_locator(index)
             if names.count(env.name) > 1:
                 problems.append((f"{where}.name", f"env name {env.name!r} is used more than once"))
             for r_index, reward in enumerate(env.rewards):

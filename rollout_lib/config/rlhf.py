@@ -23,7 +23,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from rollout_lib.config.common import EntryPointConfig, RunSettings, StrictModel
 from rollout_lib.errors import ConfigError
 from rollout_lib.config.loading import apply_overrides, load_config, parse_override, read_toml
-from rollout_lib.config.rl import RlConfig
+from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 
@@ -158,7 +158,7 @@ class RlhfConfig(StrictModel):
 
     def _rm_reward_overrides(self, rm_checkpoint: str) -> dict[str, Any]:
         envs = self._rl_raw()["algorithm"]["rl"]["envs"]
-        return {f"algorithm.rl.envs[{index}].rewards":
+        return {env_locator(index, "rewards"):
                 [*(envs[index].get("rewards", []) if target.keep_rewards else []), target.reward(rm_checkpoint)]
                 for index, target in self.rewarded_envs()}
 
@@ -207,7 +207,7 @@ class RlhfConfig(StrictModel):
                 continue
             why = f"the RM checkpoint replaces the rewards of env {target.env!r} (rl.rm_rewards: keep_rewards = false)"
             for o_index, (key, _) in enumerate(self.rl.override_pairs()):
-                if _touches(key, f"algorithm.rl.envs[{index}].rewards"):
+                if _touches(key, env_locator(index, "rewards")):
                     problems.append((f"rl.overrides[{o_index}]", f"sets {key}, but {why}"))
         if problems:
             return problems

@@ -13,7 +13,7 @@ from rollout_lib.algo.stamping import (
     score_for_shipping,
     stamp_training_samples,
 )
-from rollout_lib.config.rl import RlConfig
+from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.rl.behaviour import mark_training_forward, recompute_behaviour_logprobs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 
@@ -51,7 +51,7 @@ class PolicyReference:
 
 def env_algorithms(config: RlConfig, resources: AlgorithmResources | None = None) -> dict[str, Algorithm]:
     resources = resources if resources is not None else algorithm_resources(config)
-    return {env.name: build_algorithm(env.algo, resources, where=f"algorithm.rl.envs[{index}].algo")
+    return {env.name: build_algorithm(env.algo, resources, where=env_locator(index, "algo"))
             for index, env in enumerate(config.settings.envs)}
 
 

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from rollout_lib.config.rl import RlConfig
+from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.episodes import EpisodeError
 from rollout_lib.rl.prompts import select_prompts
@@ -19,10 +19,6 @@ from rollout_lib.sampling.frozen import FrozenSampler
 from rollout_lib.serving.settings import ExternalModel
 from rollout_lib.determinism import derived_seed
 from rollout_lib.store import ObjectStore
-
-
-def env_locator(index: int) -> str:
-    return f"algorithm.rl.envs[{index}].sampler.source"
 
 
 def build_samplers(config: RlConfig, model, tokenizer, frozen_models=None, policy_state: str | None = None) -> dict:
@@ -41,8 +37,8 @@ def build_samplers(config: RlConfig, model, tokenizer, frozen_models=None, polic
             samplers[env.name] = policy_sampler
         else:
             if frozen_models is None:
-                raise ValueError(f"{env_locator(index)}: a frozen model needs the run's FrozenModels")
-            pool = frozen_models.pool(frozen, tokenizer=tokenizer, where=env_locator(index))
+                raise ValueError(f"{env_locator(index, 'sampler.source')}: a frozen model needs the run's FrozenModels")
+            pool = frozen_models.pool(frozen, tokenizer=tokenizer, where=env_locator(index, "sampler.source"))
             samplers[env.name] = FrozenSampler(pool, tokenizer, frozen.concurrency,
                                                sampled_from=frozen_identity(config, frozen))
     return samplers
@@ -83,7 +79,7 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
                                                    derived_seed(config.run.seed, "sample", step, env_index),
                                                    interaction=interaction, context_limit=config.settings.max_seq_len))
         except EpisodeError as exc:
-            raise EpisodeError(f"algorithm.rl.envs[{env_index}].interaction: {exc}") from exc
+            raise EpisodeError(f"{env_locator(env_index, 'interaction')}: {exc}") from exc
     rollouts = pa.concat_tables(parts)
     lengths = [len(ids) for ids in rollouts.column("completion_ids").to_pylist()]
     max_tokens = {env.name: env.sampling.max_tokens for env in config.settings.envs}

@@ -9,7 +9,14 @@ from collections import Counter
 import blake3
 import pyarrow as pa
 
-from rollout_lib.config.rl import EnvSettings, JudgeSettings, RewardFunctionSettings, RewardModelSettings, RlConfig
+from rollout_lib.config.rl import (
+    EnvSettings,
+    JudgeSettings,
+    RewardFunctionSettings,
+    RewardModelSettings,
+    RlConfig,
+    env_locator,
+)
 from rollout_lib.reward.functions import resolve_reward_function
 from rollout_lib.reward.judge import JudgeClient, LlmJudge, WithJudge
 from rollout_lib.reward.loop import (
@@ -48,7 +55,7 @@ class RewardLoops:
                                             self.settings.model_dump(mode="json")])).hexdigest()
         if key not in self._loops:
             index = [e.name for e in self.config.settings.envs].index(env.name)
-            functions = [(self._reward(r, f"algorithm.rl.envs[{index}].{where}[{r_index}]"), r.weight)
+            functions = [(self._reward(r, env_locator(index, f"{where}[{r_index}]")), r.weight)
                          for r_index, r in enumerate(rewards)]
             self._loops[key] = RewardLoop(functions, concurrency=self.settings.concurrency,
                                           timeout_s=self.settings.timeout_s, sync_workers=self.settings.sync_workers)
