@@ -1,0 +1,207 @@
+"""The steps of a train-rl run, as task runs: sample -> score -> advantages -> pack -> train (-> snapshot), and the
+held-out evaluations between them. flows/train_rl.py owns the run; this is its loop body and the bookkeeping that
+crosses steps.
+
+- Which state step n samples from: the OffPolicySchedule (rl/schedule.py). With k > 0 the sampling of step n+k
+  is a concurrent task run, submitted before step n trains; sample runs are chained one at a time, since the
+  policy server holds one state (docs/serving.md, "Off-policy steps").
+- On an engine at k = 0 the evaluation of state n runs beside step n+1's sample, score, advantages and pack
+  stages: the policy server holds state n for both (one reload), and the engine batches both requests. It is waited
+  for before step n+1 trains (it reads the trainer at state n); step n's record waits for it. Elsewhere an
+  evaluation runs in line (after the samplings in flight: the server then reloads to the newest state).
+- With `run.task_runner` of type dask or ray, a step's scoring fans out to that cluster in chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from prefect import get_run_logger
+
+from flows.common import CurvesArtifact, Progress, RunTasks, artifact_key
+from rollout_lib import step_events
+from rollout_lib.config import RlConfig
+from rollout_lib.rl.curriculum import initial_state
+from rollout_lib.rl.schedule import OffPolicySchedule
+from tasks.common import open_store
+from tasks.rl import (
+    advantages_task,
+    evaluate_task,
+    load_eval_prompts_task,
+    pack_task,
+    sample_task,
+    score_chunk_task,
+    score_merge_task,
+    score_task,
+    snapshot_task,
+    train_step_task,
+)
+
+# Metrics shown per step in the UI table (and their column order); absent ones are left blank.
+METRIC_COLUMNS = (
+    "step", "reward_mean", "reward_std", "missing_rewards", "advantage_mean", "advantage_std",
+    "zero_advantage_fraction", "trainable_samples", "loss", "loss/rl", "loss/ce", "loss/ref_kl", "rl/mismatch_kl",
+    "ref_kl/kl",
+    "rl/masked_fraction", "grad_norm", "lr", "tokens", "completion_len_mean", "sample_s", "score_s",
+    "advantages_s", "pack_s", "train_s",
+)
+STAGE_TIMES = ("sample_s", "score_s", "advantages_s", "pack_s", "train_s")
+# Columns only some runs have (multi-turn envs, reward models): in the table when a step reports them.
+OPTIONAL_METRIC_COLUMNS = (
+    "turns_mean", "env_token_fraction", "truncated_fraction", "reward_model/scored", "reward_model/prompt_truncated",
+    "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long", "off_policy_lag",
+    "behaviour/sampler_diff_max", "behaviour/sampler_kl",
+)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the run opened for its tasks (they change how fast a task runs, never its result)."""
+
+    resident: Any  # ResidentTrainer
+    frozen_models: Any  # FrozenModels
+    reward_loops: Any  # RewardLoops
+    runner: Any  # a Dask or Ray task runner for the scoring fan-out, or None
+
+
+class RlSteps:
+    def __init__(self, cfg: RlConfig, run_task: RunTasks, schedule: OffPolicySchedule, prompts: dict[str, str],
+                 initial: str, resources: Resources):
+        self.cfg, self.run_task, self.schedule, self.prompts, self.res = cfg, run_task, schedule, prompts, resources
+        settings = cfg.settings
+        self.total = settings.budget.max_steps
+        self.logger = get_run_logger()
+        self.state = self.checkpoint = initial
+        self.states = {0: initial}  # step -> the policy state after it
+        # step -> the difficulty pools after it (envs with `curriculum`; rl/curriculum.py), fed back like states
+        self.pools = {0: open_store(cfg).put_json(initial_state())} if any(env.curriculum for env in settings.envs) \
+            else None
+        self.evaluations = {env.name: run_task(load_eval_prompts_task)(cfg, env.name)["prompts"]
+                            for env in settings.envs if env.eval is not None}
+        self.overlap_evaluation = schedule.synchronous and settings.policy_sampler.type != "hf"
+        self.in_flight: dict = {}  # off-policy runs: step -> its sample task's future
+        self.unfinished: tuple | None = None  # (finish's arguments) of the step whose evaluation runs beside this one
+        self.history: list[dict] = []
+        self.progress = Progress(artifact_key(cfg.run.name, "progress"), self.total,
+                                 f"train-rl {cfg.run.name}: steps done")
+        self.curves = CurvesArtifact(cfg, "train-rl")
+        for ahead in schedule.first_submissions(self.total):
+            self._submit_sampling(ahead)
+
+    # --- one step -----------------------------------------------------------------------------------------------
+
+    def run(self, step: int) -> None:
+        cfg, prompts, res, task = self.cfg, self.prompts, self.res, self.run_task
+        if self.schedule.synchronous:
+            sampled = task(sample_task)(cfg, prompts, self.state, step, res.resident, res.frozen_models,
+                                        self._pools_for(step))
+        else:
+            ahead = self.schedule.submitted_while_training(step, self.total)
+            if ahead is not None:
+                self._submit_sampling(ahead)  # from states[step - 1]: sampled while this step trains
+            sampled = self.in_flight.pop(step).result()
+        if res.runner is None:
+            scored = task(score_task)(cfg, prompts, sampled["rollouts"], step, res.reward_loops)
+        else:
+            scored = self._score_in_chunks(sampled["rollouts"], step)
+        samples = task(advantages_task)(cfg, prompts, self.states[self.schedule.sampled_after(step)],
+                                        scored["rollouts"], step, res.resident, res.frozen_models,
+                                        None if self.pools is None else self.pools[step - 1])
+        if self.pools is not None:
+            self.pools[step] = samples["curriculum"]
+        packed = task(pack_task)(cfg, samples["samples"], step)
+        step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
+        if self.unfinished is not None:
+            self._finish(*self.unfinished)
+            self.unfinished = None
+        trained = task(train_step_task)(cfg, prompts, self.state, packed["micro_batches"], step, res.resident)
+        self.state = self.states[step] = trained["state"]
+        snapshot = step % cfg.settings.checkpoint_interval == 0 or step == self.total
+        if snapshot:
+            self.checkpoint = task(snapshot_task)(cfg, prompts, self.state, step,
+                                                  {**step_metrics, **trained["metrics"]}, res.resident)
+        metrics = {**step_metrics, **trained["metrics"], "step": step}
+        if not self.schedule.synchronous:  # optimizer steps between the weights that sampled and those trained
+            metrics["off_policy_lag"] = self.schedule.lag(step)
+        checkpoint = self.checkpoint if snapshot else None
+        if self.overlap_evaluation and step < self.total and self._due(step):
+            self.unfinished = (step, metrics, checkpoint, self._submit_evaluations(step))
+        else:
+            self._finish(step, {**metrics, **self.evaluate(step)}, checkpoint)
+
+    @contextlib.contextmanager
+    def in_flight_waited(self) -> Iterator[None]:
+        """Around the steps: whatever happens, never leave (and stop the servers under) a sampling or evaluation
+        task still running; a step whose evaluation finished keeps its record even if the step after it failed."""
+        try:
+            yield
+        finally:
+            evaluating = self.unfinished[3] if self.unfinished else ()
+            for future in [*self.in_flight.values(), *evaluating]:
+                future.wait()
+            if self.unfinished is not None and all(future.state.is_completed() for future in evaluating):
+                self._finish(*self.unfinished)
+                self.unfinished = None
+
+    # --- evaluation ---------------------------------------------------------------------------------------------
+
+    def evaluate(self, step: int) -> dict:
+        """Held-out metrics of the policy now (`self.state`) for the envs whose evaluation is due at `step`."""
+        found = {}
+        for env in self._due(step):
+            for future in self.in_flight.values():
+                future.wait()  # a policy server holds one state at a time: the evaluation's, next
+            found.update(self.run_task(evaluate_task)(self.cfg, self.prompts, self.evaluations[env], env, self.state,
+                                                      step, self.res.resident, self.res.reward_loops)["metrics"])
+        return found
+
+    def _due(self, step: int) -> list[str]:
+        return [env.name for env in self.cfg.settings.envs if env.name in self.evaluations
+                and (step % env.eval.every == 0 or step in (0, self.total))]
+
+    def _submit_evaluations(self, step: int) -> list:
+        return [self.run_task(evaluate_task).submit(self.cfg, self.prompts, self.evaluations[env], env, self.state,
+                                                    step, self.res.resident, self.res.reward_loops)
+                for env in self._due(step)]
+
+    # --- bookkeeping --------------------------------------------------------------------------------------------
+
+    def _finish(self, step: int, metrics: dict, checkpoint: str | None, evaluating: list = ()) -> None:
+        """Record step `step`: its held-out metrics (from `evaluating`, when they ran beside the next step), the
+        metrics file and UI table, the log line, the progress and (at a snapshot) the curves."""
+        for future in evaluating:
+            metrics.update(future.result()["metrics"])
+        self.history.append(metrics)
+        step_events.publish(step, metrics)
+        self.logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step,
+                         metrics["reward_mean"], metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
+                         " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
+                         f" -> checkpoint {checkpoint}" if checkpoint else "")
+        self.progress.update(step)
+        if checkpoint:
+            self.curves.update()
+
+    def _pools_for(self, step: int) -> str | None:
+        return None if self.pools is None else self.pools[self.schedule.sampled_after(step)]
+
+    def _submit_sampling(self, step: int) -> None:
+        before = [self.in_flight[step - 1]] if step - 1 in self.in_flight else None
+        self.in_flight[step] = self.run_task(sample_task).submit(
+            self.cfg, self.prompts, self.states[self.schedule.sampled_after(step)], step, self.res.resident,
+            self.res.frozen_models, self._pools_for(step), wait_for=before)
+
+    def _score_in_chunks(self, rollouts_id: str, step: int) -> dict:
+        """A step's scoring on the run's task runner (`run.task_runner`, type dask or ray): its rollouts in
+        `chunks` score-chunk tasks submitted together, then merged in row order here (score_merge_task): the
+        result score_task gives, table id and metrics alike."""
+        chunks = self.cfg.run.task_runner.score_chunks
+        score_chunk = self.run_task(score_chunk_task)
+        futures = [self.res.runner.submit(score_chunk, {"config": self.cfg, "prompts_ids": self.prompts,
+                                                        "rollouts_id": rollouts_id, "step": step, "chunk": chunk,
+                                                        "chunks": chunks})
+                   for chunk in range(chunks)]
+        chunk_ids = [future.result() for future in futures]  # a failed chunk raises its own error here
+        return self.run_task(score_merge_task)(self.cfg, rollouts_id, step, chunk_ids)
+
