@@ -154,7 +154,8 @@ class RlSteps:
             for future in self.in_flight.values():
                 future.wait()  # a policy server holds one state at a time: the evaluation's, next
             found.update(self.run_task(evaluate_task)(self.cfg, self.prompts, self.evaluations[env], env, self.state,
-                                                      step, self.res.resident, self.res.reward_loops)["metrics"])
+                                                      step, self.res.resident, self.res.frozen_models,
+                                                      self.res.reward_loops)["metrics"])
         return found
 
     def _due(self, step: int) -> list[str]:
@@ -163,7 +164,8 @@ class RlSteps:
 
     def _submit_evaluations(self, step: int) -> list:
         return [self.run_task(evaluate_task).submit(self.cfg, self.prompts, self.evaluations[env], env, self.state,
-                                                    step, self.res.resident, self.res.reward_loops)
+                                                    step, self.res.resident, self.res.frozen_models,
+                                                    self.res.reward_loops)
                 for env in self._due(step)]
 
     # --- bookkeeping --------------------------------------------------------------------------------------------

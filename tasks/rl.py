@@ -47,7 +47,7 @@ from rollout_lib.rl.policy import (
     train_policy_step,
 )
 from rollout_lib.rl.prompts import load_prompts
-from rollout_lib.rl.sample import build_samplers, reload_metrics, sample_rollouts
+from rollout_lib.rl.sample import build_samplers, policy_sampler, reload_metrics, sample_rollouts
 from rollout_lib.rl.score import (
     RewardLoops,
     results_from_json,
@@ -56,7 +56,6 @@ from rollout_lib.rl.score import (
     score_rollouts,
     scored_rollouts,
 )
-from rollout_lib.sampling import SAMPLERS, SamplingContext
 from rollout_lib.serving.frozen import FrozenModels
 from rollout_lib.trainer.identity import reward_model_contents
 from rollout_lib.trainer.resident import ResidentTrainer
@@ -151,16 +150,14 @@ def load_eval_prompts_task(config: RlConfig, env: str) -> dict:
 @task(name="evaluate", task_run_name="evaluate-{env}-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_eval_sources))
 def evaluate_task(config: RlConfig, prompts_ids: dict[str, str], eval_prompts_id: str, env: str,
-                  policy_state: str, step: int, resident: ResidentTrainer, reward_loops: RewardLoops) -> dict:
+                  policy_state: str, step: int, resident: ResidentTrainer, frozen_models: FrozenModels,
+                  reward_loops: RewardLoops) -> dict:
     """The policy at `policy_state` on the env's held-out prompts (rollout_lib/rl/evaluate.py): its metrics."""
     started = time.perf_counter()
     store = open_store(config)
     policy = policy_at(policy_inputs(store, config, prompts_ids), policy_state, resident)
-    settings = config.settings.policy_sampler
-    context = SamplingContext(policy_state=policy_state, served_models=reward_loops.frozen_models,
-                              base_model=config.settings.base_model)
     # The policy, on its own backend (embedded, or the run's policy server), whatever an env's rollouts come from.
-    sampler = SAMPLERS[settings.type](settings, policy.model, policy.tokenizer, context)
+    sampler = policy_sampler(config, policy.model, policy.tokenizer, frozen_models, policy_state)
     metrics = evaluate_env(config, _env(config, env), store.get_table(eval_prompts_id, wire.PROMPTS), sampler,
                            reward_loops)
     return {"metrics": {**metrics, f"eval/{env}/eval_s": time.perf_counter() - started}}

@@ -25,16 +25,13 @@ def build_samplers(config: RlConfig, model, tokenizer, frozen_models=None, polic
     """The sampler of every env, by env name; envs on the live policy share one. `model` is the policy at
     `policy_state` (recorded in the rollouts; the engine backend loads its server with it); `frozen_models`
     (serving.frozen.FrozenModels) connects the frozen ones and owns the policy server."""
-    samplers, policy_sampler = {}, None
-    context = SamplingContext(policy_state=policy_state, served_models=frozen_models,
-                              base_model=config.settings.base_model)
+    samplers, policy = {}, None
     for index, env in enumerate(config.settings.envs):
         frozen = env.sampler.frozen
         if frozen is None:
-            if policy_sampler is None:
-                settings = config.settings.policy_sampler
-                policy_sampler = SAMPLERS[settings.type](settings, model, tokenizer, context)
-            samplers[env.name] = policy_sampler
+            if policy is None:
+                policy = policy_sampler(config, model, tokenizer, frozen_models, policy_state)
+            samplers[env.name] = policy
         else:
             if frozen_models is None:
                 raise ValueError(f"{env_locator(index, 'sampler.source')}: a frozen model needs the run's FrozenModels")
@@ -42,6 +39,16 @@ def build_samplers(config: RlConfig, model, tokenizer, frozen_models=None, polic
             samplers[env.name] = FrozenSampler(pool, tokenizer, frozen.concurrency,
                                                sampled_from=frozen_identity(config, frozen))
     return samplers
+
+
+def policy_sampler(config: RlConfig, model, tokenizer, frozen_models, policy_state: str | None):
+    """The live policy's sampler (`algorithm.rl.policy_sampler`): embedded, or on the run's policy server (owned by
+    `frozen_models`), for `model` at `policy_state`. The one place a policy sampler is built (sampling stages and
+    held-out evaluation alike)."""
+    settings = config.settings.policy_sampler
+    context = SamplingContext(policy_state=policy_state, served_models=frozen_models,
+                              base_model=config.settings.base_model)
+    return SAMPLERS[settings.type](settings, model, tokenizer, context)
 
 
 def frozen_identity(config: RlConfig, frozen) -> str:
