@@ -1,8 +1,9 @@
 """The reward loop: per-rollout async scoring with user reward functions.
 
-- `functions`: RewardInput, the built-ins, resolve_reward_function, check_reward_function (plan time)
+- `contract`: RewardInput, as_score, is_async_callable: what a reward function is given and how it is called
+- `functions`: the built-ins, resolve_reward_function, check_reward_function (plan time)
 - `locate`: finds a user's reward function without running its module (for `--dry-run`)
-- `loop`: RewardLoop, score_rollouts(_sync), is_async_callable (and the results helpers below, re-exported)
+- `loop`: RewardLoop, score_inputs(_sync) (and the results helpers below, re-exported)
 - `pool`: the killable worker processes for sync functions
 - `results`: RewardResult, reward_metrics, raise_if_all_missing, raise_if_too_many_missing (the circuit breaker)
 - `tables`: reward_inputs / apply_rewards between the loop and the ROLLOUTS wire
