@@ -99,6 +99,7 @@ TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 ROLLOUT = ROOT / ".venv" / "bin" / "rollout"
 CURVE_STEPS = (0, 5, 10, 15, 20, 25)
 STAGES = ("sample_s", "score_s", "advantages_s", "pack_s", "train_s")
+RELOAD_TIMES = ("policy_server/reload_s", "policy_server/write_s")  # inside sample_s
 
 
 def overrides_of(args) -> list[str]:
@@ -221,7 +222,8 @@ def run_rollout(args, work: Path) -> dict:
     env_name = next(key.split("/")[1] for key in result["eval_curves"])
     records = [{"step": line["step"], "end": line["wall_time"], "eval_s": line.get(f"eval/{env_name}/eval_s", 0.0),
                 "accuracy": line.get(f"eval/{env_name}/pass_rate"), "reward": line.get("reward_mean"),
-                "loss": line.get("loss")} for line in lines]
+                "loss": line.get("loss"),
+                "stages": {name: line[name] for name in (*STAGES, *RELOAD_TIMES) if name in line}} for line in lines]
     for record in records:
         if record["accuracy"] is None:
             del record["accuracy"]
@@ -284,6 +286,7 @@ def summarize(run: dict, target: float) -> dict:
         "time_to_target_s": time_to_target,
         "curve": curve,
         "rewards": {step: record.get("reward") for step, record in sorted(records.items()) if step > 0},
+        "records": [records[step] for step in sorted(records)],
     }
 
 
@@ -322,6 +325,14 @@ def report(args, summaries: dict[str, dict]) -> dict:
             value = summaries[tool]["curve"].get(step)
             cells.append(f"{'-' if value is None else f'{value:.3f}':>{width}}")
         print(f"{f'held-out accuracy, step {step}':<42}" + "".join(cells))
+    if "rollout" in summaries:  # where rollout's steps go: each stage's median over steps 2..N
+        staged = [record["stages"] for record in summaries["rollout"].get("records", []) if record.get("step", 0) > 1
+                  and record.get("stages")]
+        if staged:
+            print("rollout's stages, median s over steps 2..N: " + ", ".join(
+                f"{name.removesuffix('_s').removeprefix('policy_server/')} "
+                f"{statistics.median(stage.get(name, 0.0) for stage in staged):.2f}"
+                for name in (*STAGES, *RELOAD_TIMES)))
     ratios = {}
     if len(tools) == 2:
         rollout, trl = summaries["rollout"], summaries["trl"]

@@ -1,4 +1,5 @@
-"""Optimizers, the learning-rate schedule as a pure function of the step, and optimizer state as tensors.
+"""Optimizers, and the learning-rate schedule as a pure function of the step (optimizer state as tensors: the
+checkpoint format, checkpoint.py).
 
 The schedule is a function of the step (not a stateful scheduler) so a run restored from any snapshot computes
 exactly the same learning rates as an uninterrupted one.
@@ -16,9 +17,11 @@ from rollout_lib.config.common import OptimizerSettings
 def build_optimizer(params, settings: OptimizerSettings) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if settings.kind == "adamw":
-        # foreach=False: one code path on CPU and GPU, and no dependence on tensor grouping for determinism.
+        # fused: one elementwise kernel per tensor on CPU and GPU (deterministic: no reduction, no dependence on
+        # how tensors are grouped), ~0.3 s a step faster than the per-tensor loop on SmolLM2 here
+        # (bench/bench_train_step.py). A checkpoint's saved param groups keep the implementation it trained with.
         return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                                 weight_decay=settings.weight_decay, foreach=False)
+                                 weight_decay=settings.weight_decay, fused=True)
     return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum,
                            weight_decay=settings.weight_decay, foreach=False)
 
