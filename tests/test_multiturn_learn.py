@@ -60,8 +60,11 @@ def test_grpo_learns_to_use_the_feedback_of_guess_number(tools_store):
         f'algorithm.rl.base_model={{ uri = "runs/tools-tiny/latest", store = "{tools_store}" }}',
         f"algorithm.rl.envs[0].source.path={ROOT / 'data' / 'rl-guess-prompts.jsonl'}"], steps=24)
     print("grpo on guess_number, reward per step:", curve)
-    # Measured: 0.27 over steps 1-3 -> 0.47 over steps 19-24 (turns per episode 3.35 -> 2.85).
-    assert mean(curve[-6:]) > mean(curve[:3]) + 0.12, curve
+    # Measured (this code, an AVX-512 machine, seeds 1-3): steps 1-3 0.28-0.32 -> steps 19-24 0.45-0.51, gains
+    # 0.165-0.204 (an AVX2 machine, earlier code: 0.27 -> 0.47). Asserted: half the smallest gain measured, so
+    # another machine type's trajectory (docs/hardware.md, "Per machine type") still passes; a policy that does not
+    # learn gains ~0.
+    assert mean(curve[-6:]) > mean(curve[:3]) + 0.08, curve
     episodes = [json.loads(text) for text in last.column("episode").to_pylist()]
     assert all(episode["turns"] >= 1 for episode in episodes)
     # Feedback is written by the env as "user" turns, between the policy's turns.

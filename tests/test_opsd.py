@@ -49,10 +49,16 @@ def opsd_args(workdir, run_name: str, prompts: str, steps: int = 12) -> list[str
             "--set", f"run.store={workdir / 'store'}", "--set", f"algorithm.rl.base_model={workdir / 'base'}",
             "--set", f'algorithm.rl.envs[0].source={{ type = "jsonl_path", path = "{prompts}" }}',
             "--set", f"algorithm.rl.budget.max_steps={steps}", "--set", f"algorithm.rl.checkpoint_interval={steps}",
-            "--set", "algorithm.rl.envs[0].sampling.max_tokens=24", "--set", 'algorithm.rl.envs[0].algo={ type = "opsd" }']
+            "--set", "algorithm.rl.envs[0].sampling.max_tokens=24", "--set", 'algorithm.rl.envs[0].algo={ type = "opsd" }',
+            # rl-tiny's 1e-2 is a grpo rate: distilling at it swung from seed to seed (seed 2: reward 0.10 -> 0.21,
+            # seed 4 learned then fell back), at 3e-3 every seed learns smoothly (test below)
+            "--set", "algorithm.rl.optimizer.lr=3e-3"]
 
 
 def test_opsd_learns_to_answer_as_if_shown_the_demonstration(hint_following_base):
+    """12 steps of opsd from the hint-following base. Measured with seeds 1-4 (an AVX-512 machine): task reward over
+    the first 3 steps 0.15-0.28 -> last 3 steps 0.63-0.81 (gains 0.48-0.63; asserted > 0.3); reverse KL to the
+    demonstration-conditioned reference 3.1-4.3 -> 0.78-1.27 (last/first 0.18-0.32; asserted < 0.75)."""
     workdir = hint_following_base
     learned = run_rollout(*opsd_args(workdir, "opsd", str(workdir / "prompts.jsonl")))
     assert learned.returncode == 0, learned.stderr[-3000:]
@@ -60,7 +66,7 @@ def test_opsd_learns_to_answer_as_if_shown_the_demonstration(hint_following_base
     kl = metrics_table("opsd")["ref_kl/kl"]
     print("opsd task reward per step:", [round(v, 3) for v in rewards])
     print("opsd KL to the demonstration-conditioned reference per step:", [round(v, 3) for v in kl])
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards  # measured: 0.08 -> ~0.8
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
     assert sum(kl[-3:]) / 3 < 0.75 * sum(kl[:3]) / 3, kl
 
 
