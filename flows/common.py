@@ -24,10 +24,10 @@ from rollout_lib import step_events
 from rollout_lib.config.loading import load_config
 from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.runlog.step_log import StepLog
+from rollout_lib.errors import ConfigError
 from rollout_lib.store import RESULTS_DIR
 from rollout_lib.trainer.segment import Segment, plan_segments
 from tasks.common import open_store
-from rollout_lib.errors import ConfigError
 
 # rollout_lib logs through the standard library (it never imports Prefect); PREFECT_LOGGING_EXTRA_LOGGERS=rollout_lib
 # (set by the CLI and the deployments) routes these records into the flow run's logs. INFO by default: a line per
@@ -106,7 +106,6 @@ def fan_out_runner(settings) -> Iterator[Any]:
         try:
             from prefect_ray import RayTaskRunner
         except ImportError:
-
             raise ConfigError([("run.task_runner.type", "\"ray\" needs prefect-ray: pip install -e '.[ray]'")]) \
                 from None
         runner = RayTaskRunner(address=settings.address)

@@ -136,7 +136,6 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[.
     function (first parameters data_source, solution_str, ground_truth) comes back wrapped by `verl.py`.
     """
     if ":" in spec:
-
         target: Any = import_reference(spec, what="reward function")
     else:
         if spec not in BUILTIN_REWARD_FUNCTIONS:
@@ -156,7 +155,6 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[.
         except ValueError:
             pass  # no introspectable signature (some C callables): let the call itself complain
     if ":" in spec:
-
         if is_verl_style(target):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info, ...)
             return adapt_verl_function(target, kwargs, spec)
     return functools.partial(target, **kwargs) if kwargs else target
@@ -166,7 +164,6 @@ def check_reward_function(spec: str, kwargs: dict | None = None) -> None:
     """What plan time checks (config validation, `--dry-run`): a built-in is resolved; a user's import path is
     found and read without running its module (`locate.py`), which happens only when the reward loop starts."""
     if ":" in spec:
-
         check_reference(spec, kwargs, what="reward function")
     else:
         resolve_reward_function(spec, kwargs)
