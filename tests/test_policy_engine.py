@@ -124,7 +124,7 @@ def served(tiny_model_dir):
         server = frozen.policy_server(BASE)
         yield frozen, server, base, tokenizer
     assert engine.find_deployment(server.name) is None  # stopped by close()
-    assert not engine.weights_dir(server.name).exists()  # its weights file in shared memory freed
+    assert not any(directory.exists() for directory in engine.weights_dirs(server.name))  # its weights file freed
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ layout holds, readable by safetensors as any other file, tied output heads inclu
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,7 +22,7 @@ class Tied(torch.nn.Module):
 
 def test_the_file_is_rewritten_in_place_and_reads_back_bit_for_bit():
     model = Tied()
-    weights = SharedWeightsFile(engine.weights_dir("test-weights-file"))
+    weights = SharedWeightsFile(engine.weights_dirs("test-weights-file"))
     try:
         assert str(weights.directory).startswith("/dev/shm/")  # memory, not the disk, on this machine
         assert weights.write(model) == "new file"
@@ -45,3 +46,24 @@ def test_the_file_is_rewritten_in_place_and_reads_back_bit_for_bit():
     finally:
         weights.remove()
     assert not weights.directory.exists()
+
+
+def test_a_new_file_goes_where_there_is_room(tmp_path, monkeypatch):
+    """A container's /dev/shm is often 64 MB, and a write through a map into a full tmpfs is a SIGBUS, not an
+    error: the file goes to the first candidate directory with room, and says so when none has any."""
+    import shutil
+
+    model = Tied()
+    small, roomy = tmp_path / "small", tmp_path / "roomy"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1024) if "small" in str(path)
+                        else real(path))
+    weights = SharedWeightsFile((small, roomy))
+    assert weights.write(model) == "new file" and weights.directory == roomy
+    assert load_file(weights.path).keys() == model.state_dict().keys()
+    weights.remove()
+    assert not small.exists() and not roomy.exists()
+
+    nowhere = SharedWeightsFile((small,))
+    with pytest.raises(OSError, match="no room for the policy's .* MB weights file"):
+        nowhere.write(model)

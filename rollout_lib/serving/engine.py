@@ -148,20 +148,23 @@ def _record_path(name: str) -> Path:
 SHARED_MEMORY = Path("/dev/shm")
 
 
-def weights_dir(name: str) -> Path:
-    """Where a live-policy deployment's replicas reload their weights from (serving/weight_sync.py): shared memory
-    (tmpfs) when the machine has it, one directory per state directory and deployment, so a rerun that adopts an
-    orphaned server writes where it reads and stopping the deployment frees the memory; else beside its record."""
+def weights_dirs(name: str) -> tuple[Path, ...]:
+    """Where a live-policy deployment's replicas may reload their weights from (serving/weight_sync.py), best
+    first: shared memory (tmpfs) when the machine has it, one directory per state directory and deployment, so a
+    rerun that adopts an orphaned server writes where it reads and stopping the deployment frees the memory; then
+    beside the deployment's record (a container's /dev/shm is often 64 MB: the writer takes the first with room)."""
+    fallback = serve_dir() / f"{name}-weights"
     if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK):
         digest = hashlib.blake2b(str(serve_dir().resolve()).encode(), digest_size=6).hexdigest()
-        return SHARED_MEMORY / f"rollout-{digest}" / f"{name}-weights"
-    return serve_dir() / f"{name}-weights"
+        return SHARED_MEMORY / f"rollout-{digest}" / f"{name}-weights", fallback
+    return (fallback,)
 
 
 def _forget(name: str) -> None:
     """Delete a stopped deployment's record and its weights file."""
     _record_path(name).unlink(missing_ok=True)
-    shutil.rmtree(weights_dir(name), ignore_errors=True)
+    for directory in weights_dirs(name):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _read_record(name: str) -> Deployment | None:

@@ -107,7 +107,7 @@ class PolicyServer:
         self.tolerance = tolerance
         self.probe_dtype = probe_dtype  # the engine's dtype: the trainer's side of the probe is computed in it
         # The weights the replicas reload from: a file in shared memory, rewritten in place (serving/weight_sync.py)
-        self.weights = SharedWeightsFile(engine.weights_dir(deployment.name))
+        self.weights = SharedWeightsFile(engine.weights_dirs(deployment.name))
         self._holds: dict[str, tuple[int, str]] = {}  # base URL -> (pid, state id) it was loaded and checked with
         self._lock = threading.Lock()
         self.pool = self._new_pool()

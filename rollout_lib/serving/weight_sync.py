@@ -6,8 +6,8 @@ step serialises the whole model through two copies and a fresh file (538 MB for 
 first write is safetensors' own (so the format is the library's, not ours); every later write checks that the
 model's tensors still have the file's names, dtypes and shapes and copies each tensor's bytes into its slot of the
 memory-mapped file: one memcpy per tensor, no allocation, no new file. A model whose layout changed gets a fresh
-file. The directory lives in /dev/shm (tmpfs: memory, never the disk) where the machine has it
-(serving/engine.py: weights_dir, removed when the deployment stops).
+file. The directory lives in /dev/shm (tmpfs: memory, never the disk) where the machine has it and it has room,
+else beside the deployment's record (serving/engine.py: weights_dirs; removed when the deployment stops).
 
 Every tensor of the state dict is written, a tied `lm_head.weight` included (transformers' `save_pretrained` drops
 it, and vLLM then keeps its output head on the old embeddings: ../shared/notes/serving.md).
@@ -34,13 +34,19 @@ def state_tensors(model) -> dict[str, torch.Tensor]:
 
 
 class SharedWeightsFile:
-    """`directory/model.safetensors`, kept mapped and rewritten in place while the model's layout stays the same."""
+    """`<directory>/model.safetensors`, kept mapped and rewritten in place while the model's layout stays the same.
+    `directories`: where it may live, best first; a new file goes to the first whose filesystem has room for it
+    (writing through a map into a full tmpfs would kill the process with SIGBUS, not raise)."""
 
-    def __init__(self, directory: os.PathLike):
-        self.directory = Path(directory)
-        self.path = self.directory / WEIGHTS_FILE
+    def __init__(self, directories: os.PathLike | tuple[os.PathLike, ...]):
+        self.candidates = tuple(Path(d) for d in (directories if isinstance(directories, tuple) else (directories,)))
+        self.directory = self.candidates[0]
         self._map: mmap.mmap | None = None
         self._slots: dict[str, tuple[str, tuple[int, ...], int, int]] = {}  # name -> (dtype, shape, begin, end)
+
+    @property
+    def path(self) -> Path:
+        return self.directory / WEIGHTS_FILE
 
     def write(self, model) -> str:
         """Write the model's weights; returns "in place" or "new file" (what it took)."""
@@ -61,7 +67,7 @@ class SharedWeightsFile:
         from safetensors.torch import save_file
 
         self.close()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = self._with_room(sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()))
         staging = self.directory / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
         # safetensors refuses tensors that share storage: a tied lm_head is written as its own copy.
         seen: set[int] = set()
@@ -81,6 +87,15 @@ class SharedWeightsFile:
                               base + entry["data_offsets"][1])
                        for name, entry in header.items() if name != "__metadata__"}
 
+    def _with_room(self, size: int) -> Path:
+        """The first candidate directory whose filesystem has room for `size` bytes (and a margin), created."""
+        for directory in self.candidates:
+            directory.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(directory).free > size * 1.1 + (64 << 20):
+                return directory
+        raise OSError(f"no room for the policy's {size / 2**20:.0f} MB weights file in any of "
+                      f"{', '.join(map(str, self.candidates))}")
+
     def close(self) -> None:
         if self._map is not None:
             self._map.close()
@@ -89,7 +104,8 @@ class SharedWeightsFile:
 
     def remove(self) -> None:
         self.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        for directory in self.candidates:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 # safetensors' dtype names (its header's "dtype"), for the dtypes a model's state dict holds
