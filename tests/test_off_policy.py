@@ -227,12 +227,15 @@ def _steps_sampled_from(store: ObjectStore) -> Counter:
 
 
 def _state_after(store: ObjectStore, step: int) -> str:
+    """The policy state after `step`: its step record (a snapshot of it is a checkpoint, not the state)."""
+    from rollout_lib.rl.policy import STEP_STATE_KIND
+
     for object_id in store.list_objects():
         try:
             record = json.loads(store.get_bytes(object_id))
         except (ValueError, UnicodeDecodeError):
             continue
-        if isinstance(record, dict) and record.get("step") == step and "training_identity" in record:
+        if isinstance(record, dict) and record.get("kind") == STEP_STATE_KIND and record.get("step") == step:
             return object_id
     raise AssertionError(f"no state after step {step}")
 

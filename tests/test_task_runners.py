@@ -176,7 +176,8 @@ def test_dask_workers_keep_their_results_in_an_s3_store(thread_run, s3_options):
     bucket = fsspec.filesystem("s3", skip_instance_cache=True, **s3_options)
     results = bucket.find(f"{store_url.removeprefix('s3://')}/prefect-results")
     states = task_run_states(result["flow_run_id"])
-    assert "score-step-2-chunk-1" in states and len(results) >= len(states), (len(results), sorted(states))
+    cached = [name for name in states if not name.startswith("snapshot-")]  # snapshots: the store's index is theirs
+    assert "score-step-2-chunk-1" in states and len(results) >= len(cached), (len(results), sorted(states))
 
 
 def test_ray_without_its_extra_is_an_error_naming_the_setting(monkeypatch):
