@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 WEIGHTS_FILE = "model.safetensors"
+
+
 def state_tensors(model) -> dict[str, torch.Tensor]:
     """The model's state dict on the CPU, contiguous: every entry, tied ones included, as its own name."""
     return {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
