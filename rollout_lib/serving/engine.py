@@ -165,6 +165,9 @@ def _forget(name: str) -> None:
     _record_path(name).unlink(missing_ok=True)
     for directory in weights_dirs(name):
         shutil.rmtree(directory, ignore_errors=True)
+        if directory.parent.parent == SHARED_MEMORY:
+            with contextlib.suppress(OSError):  # this state directory's folder, once its last deployment stopped
+                directory.parent.rmdir()
 
 
 def _read_record(name: str) -> Deployment | None:
