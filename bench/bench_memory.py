@@ -61,7 +61,7 @@ def sft_setup(args, store_root: str, hardware: dict):
     from rollout_lib.trainer.base import TrainingInputs
     from rollout_lib.trainer.causal import PlannedBatches
     from rollout_lib.determinism import plan_batches
-    from rollout_lib.trainer.identity import training_identity
+    from rollout_lib.identity.training import training_identity
 
     config = load_config(SftConfig, CONFIG, {
         "algorithm.sft.base_model.uri": args.model, "algorithm.sft.budget.max_steps": args.steps,

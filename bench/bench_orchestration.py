@@ -62,7 +62,7 @@ def measure_library(steps: int, interval: int) -> dict:
     from rollout_lib.rm.trainer import RewardModelTrainer
     from rollout_lib.store import ObjectStore
     from rollout_lib.trainer.base import TrainingInputs
-    from rollout_lib.trainer.identity import training_identity
+    from rollout_lib.identity.training import training_identity
     from rollout_lib.trainer.segment import plan_segments, train_segment
 
     with tempfile.TemporaryDirectory() as store_root:

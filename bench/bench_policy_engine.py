@@ -50,7 +50,7 @@ def bench_sampling(args) -> dict:
     from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
     from rollout_lib.rl.prompts import load_prompts
     from rollout_lib.sampling import SAMPLERS, SamplingContext, SamplingParams
-    from rollout_lib.serving.frozen import FrozenModels
+    from rollout_lib.serving.served import ServedModels
 
     torch.set_num_threads(2)
     config = load_config(RlConfig, ROOT / "configs/rl-smollm2.toml", [])
@@ -61,7 +61,7 @@ def bench_sampling(args) -> dict:
     params = SamplingParams(group_size=args.group, temperature=1.0, max_tokens=args.max_tokens)
     store = tempfile.mkdtemp(prefix="bench-policy-engine-")
     totals = {"hf": [0, 0.0], "vllm": [0, 0.0]}
-    with FrozenModels(store) as served:
+    with ServedModels(store) as served:
         started = time.perf_counter()
         engine_settings = SAMPLERS["vllm"].settings_class(dtype=args.engine_dtype, compile=args.compile)
         served.policy_server(base, timeout_s=600, extra_args=engine_settings.server_args(),

@@ -39,7 +39,7 @@ def bare_loop(config, steps: int) -> float:
     """The loop you would write by hand; returns seconds spent training (after model and data are ready)."""
     import torch
 
-    from rollout_lib.trainer.identity import training_identity
+    from rollout_lib.identity.training import training_identity
     from rollout_lib.data import load_pairs
     from rollout_lib.losses import bradley_terry_batch_mean
     from rollout_lib.model.loading import load_tokenizer, resolve_model

@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
-    from rollout_lib.serving.frozen import FrozenModels
+    from rollout_lib.serving.served import ServedModels
     from rollout_lib.settings_base import ModelRef
 
     torch.set_num_threads(2)
@@ -37,7 +37,7 @@ def main() -> None:
     resolved = resolve_model(base)
     model, tokenizer = load_causal_lm(resolved), load_tokenizer(resolved)
     steady = []
-    with FrozenModels(None) as served:
+    with ServedModels(None) as served:
         server = served.policy_server(base, timeout_s=600)
         for hold in range(args.holds):
             generator = torch.Generator().manual_seed(hold)

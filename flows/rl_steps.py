@@ -61,7 +61,7 @@ class Resources:
     """What the run opened for its tasks (they change how fast a task runs, never its result)."""
 
     resident: Any  # ResidentTrainer
-    frozen_models: Any  # FrozenModels
+    served_models: Any  # ServedModels
     reward_loops: Any  # RewardLoops
     runner: Any  # a Dask or Ray task runner for the scoring fan-out, or None
 
@@ -95,7 +95,7 @@ class RlSteps:
     def run(self, step: int) -> None:
         cfg, prompts, res, task = self.cfg, self.prompts, self.res, self.run_task
         if self.schedule.synchronous:
-            sampled = task(sample_task)(cfg, prompts, self.state, step, res.resident, res.frozen_models,
+            sampled = task(sample_task)(cfg, prompts, self.state, step, res.resident, res.served_models,
                                         self._pools_for(step))
         else:
             ahead = self.schedule.submitted_while_training(step, self.total)
@@ -107,7 +107,7 @@ class RlSteps:
         else:
             scored = self._score_in_chunks(sampled["rollouts"], step)
         samples = task(advantages_task)(cfg, prompts, self.states[self.schedule.sampled_after(step)],
-                                        scored["rollouts"], step, res.resident, res.frozen_models,
+                                        scored["rollouts"], step, res.resident, res.served_models,
                                         None if self.pools is None else self.pools[step - 1])
         if self.pools is not None:
             self.pools[step] = samples["curriculum"]
@@ -154,7 +154,7 @@ class RlSteps:
             for future in self.in_flight.values():
                 future.wait()  # a policy server holds one state at a time: the evaluation's, next
             found.update(self.run_task(evaluate_task)(self.cfg, self.prompts, self.evaluations[env], env, self.state,
-                                                      step, self.res.resident, self.res.frozen_models,
+                                                      step, self.res.resident, self.res.served_models,
                                                       self.res.reward_loops)["metrics"])
         return found
 
@@ -164,7 +164,7 @@ class RlSteps:
 
     def _submit_evaluations(self, step: int) -> list:
         return [self.run_task(evaluate_task).submit(self.cfg, self.prompts, self.evaluations[env], env, self.state,
-                                                    step, self.res.resident, self.res.frozen_models,
+                                                    step, self.res.resident, self.res.served_models,
                                                     self.res.reward_loops)
                 for env in self._due(step)]
 
@@ -192,7 +192,7 @@ class RlSteps:
         before = [self.in_flight[step - 1]] if step - 1 in self.in_flight else None
         self.in_flight[step] = self.run_task(sample_task).submit(
             self.cfg, self.prompts, self.states[self.schedule.sampled_after(step)], step, self.res.resident,
-            self.res.frozen_models, self._pools_for(step), wait_for=before)
+            self.res.served_models, self._pools_for(step), wait_for=before)
 
     def _score_in_chunks(self, rollouts_id: str, step: int) -> dict:
         """A step's scoring on the run's task runner (`run.task_runner`, type dask or ray): its rollouts in

@@ -21,7 +21,7 @@ from flows.train_rl import train_rl
 from flows.train_rm import train_rm
 from flows.train_sft import train_sft
 from rollout_lib.config import RlhfConfig, load_config
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 
 STAGE_FLOWS: dict[str, Flow] = {"sft": train_sft, "rm": train_rm, "rl": train_rl}
 

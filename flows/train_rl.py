@@ -23,9 +23,9 @@ from flows.common import RunTasks, artifact_key, fan_out_runner, load_run_config
 from flows.rl_steps import METRIC_COLUMNS, OPTIONAL_METRIC_COLUMNS, Resources, RlSteps
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.schedule import OffPolicySchedule
-from rollout_lib.rl.score import RewardLoops
-from rollout_lib.serving.frozen import FrozenModels
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.rl.score import run_reward_loops
+from rollout_lib.serving.served import ServedModels
+from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rl import connect_frozen_models_task, init_policy_task, load_prompts_task
@@ -44,16 +44,16 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     total = cfg.settings.budget.max_steps
     schedule = OffPolicySchedule(cfg.settings.max_off_policy_steps)
     with ResidentTrainer(frozen_capacity=schedule.frozen_capacity) as resident, \
-            FrozenModels(cfg.run.store) as frozen_models, \
-            RewardLoops(cfg, frozen_models) as reward_loops, fan_out_runner(cfg.run.task_runner) as runner, \
+            ServedModels(cfg.run.store) as served_models, \
+            run_reward_loops(cfg, served_models) as reward_loops, fan_out_runner(cfg.run.task_runner) as runner, \
             recorded_run(cfg, total, log_steps=False):
         if cfg.frozen_models() or cfg.served_reward_models():
-            for connected in connect_frozen_models_task(cfg, frozen_models, reward_loops):
+            for connected in connect_frozen_models_task(cfg, served_models, reward_loops):
                 logger.info("frozen model %s", connected)
         prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in cfg.settings.envs}
         initial = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
         steps = RlSteps(cfg, run_task, schedule, prompts, initial,
-                        Resources(resident, frozen_models, reward_loops, runner))
+                        Resources(resident, served_models, reward_loops, runner))
         eval_before = steps.evaluate(0)
         for name, value in eval_before.items():
             if name.endswith("/reward_mean"):

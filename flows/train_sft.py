@@ -27,7 +27,7 @@ from flows.common import (
 )
 from rollout_lib.config import SftConfig
 from rollout_lib.runlog.recorder import eval_metrics
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.sft import (

@@ -12,7 +12,7 @@ from rollout_lib.data import load_examples, load_pairs
 from rollout_lib.model.loading import locate_model
 from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import hardware_settings, resolve_hardware
-from rollout_lib.store import ObjectStore, StoreError
+from rollout_lib.store import StoreError
 
 
 def describe_plan(config) -> dict:
@@ -127,7 +127,7 @@ def _rlhf_plan(config: RlhfConfig) -> dict:
     """Each stage's plan, made before any stage has trained: what a stage takes from an earlier one (the SFT
     checkpoint as its base model, the RM checkpoint as a reward) is named as such, and so is the run name of a
     stage whose training identity depends on it."""
-    from rollout_lib.trainer.identity import training_identity
+    from rollout_lib.identity.training import training_identity
 
     sft_checkpoint, rm_checkpoint = "<the sft stage's checkpoint>", "<the rm stage's checkpoint>"
     plans = {}
@@ -158,13 +158,10 @@ def _frozen_model_contents(config: RlConfig) -> dict[str, str]:
     """Each frozen model's identity: a served name, or what a reference rollout serves resolves to (a checkpoint
     id or content digest). A reference that resolves nowhere (a teacher's `runs/<name>/latest` not trained yet)
     fails here, naming its setting, as it would at the start of the run. No server is contacted."""
-    from rollout_lib.serving.references import content_identity
-    from rollout_lib.trainer.identity import training_identity
+    from rollout_lib.identity.training import served_model_contents
 
-    training_identity(config)  # raises the one-line error for a reference that resolves nowhere
-    store = ObjectStore(config.run.store, config.run.storage_options or None)
-    return {where: (content_identity(settings.model, store) if hasattr(settings, "model")
-                    else f"served name {settings.name!r} at {', '.join(settings.base_url)}")
+    served = served_model_contents(config)  # raises the one-line error for a reference that resolves nowhere
+    return {where: served.get(where) or f"served name {settings.name!r} at {', '.join(settings.base_url)}"
             for where, settings in config.frozen_models()}
 
 
@@ -182,7 +179,7 @@ def _reward_model_contents(config: RlConfig) -> dict[str, str]:
     sequence classifier fail here, naming their setting."""
     from rollout_lib.model.loading import ModelLoadError
     from rollout_lib.reward.reward_model import check_reward_model
-    from rollout_lib.trainer.identity import reward_model_contents
+    from rollout_lib.identity.training import reward_model_contents
 
     found = config.reward_models()
     problems = []

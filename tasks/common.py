@@ -3,7 +3,7 @@
 A task's cache key is blake3(task name, code version, the settings it reads, content ids of its inputs), never
 the flow run id, so rerunning a flow (CLI rerun, Retry in the UI) returns completed work from cache, and a change
 to a setting a task does not read (the run's length, the snapshot interval, an eval set, the store's credentials)
-never invalidates it. A training task reads the chain's identity (trainer.identity): every setting that decides
+never invalidates it. A training task reads the chain's identity (rollout_lib.identity): every setting that decides
 the weights and the base model's content.
 
 Some task parameters are not inputs but resources the flow owns for the run (the resident trainer, the reward
@@ -12,20 +12,19 @@ loops, the frozen models' pools): they never enter a key (RESOURCE_PARAMETERS).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import blake3
 
-from rollout_lib.code_version import code_version
+from rollout_lib.identity.code import code_version
 from rollout_lib.store import ObjectStore, canonical_json
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 
 # Task results are small JSON (ids and numbers): they persist, and come back `Cached` on a rerun.
 TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
 
 # Objects a flow creates, hands to its tasks and closes: they change how fast a task runs, never its result.
-RESOURCE_PARAMETERS = frozenset({"resident", "reward_loops", "frozen_models"})
+RESOURCE_PARAMETERS = frozenset({"resident", "reward_loops", "served_models"})
 
 
 def open_store(config) -> ObjectStore:
@@ -58,10 +57,3 @@ def dataset_path(config, split: str) -> str:
     """The JSONL file of a split ("train" or "eval") of an entry point with `dataset` and `eval_dataset`."""
     dataset = config.settings.dataset if split == "train" else config.settings.eval_dataset
     return dataset.path
-
-
-def file_digest(path: str | Path) -> str:
-    try:
-        return blake3.blake3(Path(path).read_bytes()).hexdigest()
-    except OSError:  # missing, a directory, unreadable
-        return "missing"  # the task itself reports the missing file with its path

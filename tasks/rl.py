@@ -23,17 +23,14 @@ and resumes where the last run stopped, and a finished run extended by raising m
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rollout_lib import wire
-from rollout_lib.algo import ALGORITHMS
-from rollout_lib.code_version import PROJECT_PACKAGES
 from rollout_lib.config import RlConfig
-from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
-from rollout_lib.reward.locate import find_module_spec
+from rollout_lib.identity import sources
+from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
 from rollout_lib.rl.curriculum import next_difficulty_pools
 from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
@@ -48,69 +45,43 @@ from rollout_lib.rl.policy import (
 )
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, policy_sampler, reload_metrics, sample_rollouts
+from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.rl.score import (
-    RewardLoops,
     results_from_json,
     results_json,
     reward_results,
+    run_reward_loops,
     score_rollouts,
     scored_rollouts,
 )
-from rollout_lib.serving.frozen import FrozenModels
-from rollout_lib.trainer.identity import reward_model_contents
+from rollout_lib.serving.served import ServedModels
 from rollout_lib.trainer.resident import ResidentTrainer
-from tasks.common import TASK_OPTIONS, content_key, file_digest, open_store
+from tasks.common import TASK_OPTIONS, content_key, open_store
 
 
 def _env(config: RlConfig, name: str):
     return next(env for env in config.settings.envs if env.name == name)
 
 
-def _prompt_source(parameters: dict) -> dict:
-    """What an env's prompts are made of: its source settings (and the file's digest) and how many a step draws."""
-    env = _env(parameters["config"], parameters["env"])
-    source = {"source": env.source.model_dump(mode="json"), "prompts_per_step": env.prompts_per_step}
-    return {**source, "file": file_digest(env.source.path)} if env.source.type == "jsonl_path" else source
+# What a task's key reads besides its settings and input ids (rollout_lib/identity/sources.py), from its parameters.
+def _prompt_sources(parameters: dict) -> dict:
+    return sources.prompt_sources(parameters["config"], parameters["env"])
 
 
-def _reward_sources(parameters: dict) -> dict:
-    """User reward functions ("pkg.module:attr") are outside the project's code version: the source file of each
-    one's module enters the score key, so editing a reward function re-scores on the next run instead of returning
-    the old scores from cache. (Only that file: helpers it imports from elsewhere are not followed.) Likewise each
-    reward model's content (a checkpoint: its id), so a retrained reward model (`runs/<rm>/latest` moved) re-scores."""
-    config = parameters["config"]
-    specs = {reward.function for env in config.settings.envs for reward in env.rewards if hasattr(reward, "function")}
-    sources = {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
-    reward_models = reward_model_contents(config)
-    return {**sources, "reward_models": list(reward_models)} if reward_models else sources
-
-
-def _algorithm_sources(parameters: dict) -> dict:
-    """Algorithms outside the project (entry-point plugins) and the user functions they name (a custom algorithm's
-    import path) are outside the code version too: each one's module source file enters the advantages key."""
-    modules = set()
-    for env in parameters["config"].settings.envs:
-        modules.add(ALGORITHMS[env.algo.type].__module__)
-        modules.update(env.algo.user_modules())
-    return {"algorithm_sources": {module: module_digest(module) for module in sorted(modules)
-                                  if module.split(".")[0] not in PROJECT_PACKAGES}}
+def _eval_sources(parameters: dict) -> dict:
+    return sources.eval_sources(parameters["config"], parameters["env"])
 
 
 def _interaction_sources(parameters: dict) -> dict:
-    """A user's environment (a custom interaction's import path) decides the episodes: its module's source file
-    enters the sample key, so editing the environment resamples instead of returning old episodes from cache."""
-    modules = {module for env in parameters["config"].settings.envs if env.interaction is not None
-               for module in env.interaction.user_modules()}
-    return {"interaction_sources": {module: module_digest(module) for module in sorted(modules)}} if modules else {}
+    return sources.interaction_sources(parameters["config"])
 
 
-def module_digest(module: str) -> str:
-    """The blake3 of a module's source file, found without running it or its parent packages; "missing" when
-    it cannot be found (the task itself then reports the unimportable module)."""
-    spec = find_module_spec(module)
-    if spec is None or not spec.origin or not Path(spec.origin).is_file():
-        return "missing"
-    return file_digest(spec.origin)
+def _reward_sources(parameters: dict) -> dict:
+    return sources.reward_sources(parameters["config"])
+
+
+def _algorithm_sources(parameters: dict) -> dict:
+    return sources.algorithm_sources(parameters["config"])
 
 
 def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
@@ -119,25 +90,10 @@ def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
 
 
 @task(name="load-prompts", task_run_name="load-prompts-{env}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=_prompt_source))
+      cache_key_fn=content_key(reads=lambda config: None, extra=_prompt_sources))
 def load_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
-
-
-def _eval_sources(parameters: dict) -> dict:
-    """What an env's evaluation reads besides the policy: its settings, its prompt file, the source of user reward
-    functions and the content of reward models it scores with."""
-    evaluation = _env(parameters["config"], parameters["env"]).eval
-    sources = {"eval": evaluation.model_dump(mode="json")}
-    if evaluation.source.type == "jsonl_path":
-        sources["file"] = file_digest(evaluation.source.path)
-    for reward in evaluation.rewards or ():
-        if hasattr(reward, "function") and ":" in reward.function:
-            sources[reward.function] = module_digest(reward.function.partition(":")[0])
-        if hasattr(reward, "reward_model"):
-            sources[reward.reward_model.uri] = model_content_digest(reward.reward_model)
-    return sources
 
 
 @task(name="load-eval-prompts", task_run_name="load-eval-prompts-{env}", **TASK_OPTIONS,
@@ -150,14 +106,14 @@ def load_eval_prompts_task(config: RlConfig, env: str) -> dict:
 @task(name="evaluate", task_run_name="evaluate-{env}-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_eval_sources))
 def evaluate_task(config: RlConfig, prompts_ids: dict[str, str], eval_prompts_id: str, env: str,
-                  policy_state: str, step: int, resident: ResidentTrainer, frozen_models: FrozenModels,
+                  policy_state: str, step: int, resident: ResidentTrainer, served_models: ServedModels,
                   reward_loops: RewardLoops) -> dict:
     """The policy at `policy_state` on the env's held-out prompts (rollout_lib/rl/evaluate.py): its metrics."""
     started = time.perf_counter()
     store = open_store(config)
     policy = policy_at(policy_inputs(store, config, prompts_ids), policy_state, resident)
     # The policy, on its own backend (embedded, or the run's policy server), whatever an env's rollouts come from.
-    sampler = policy_sampler(config, policy.model, policy.tokenizer, frozen_models, policy_state)
+    sampler = policy_sampler(config, policy.model, policy.tokenizer, served_models, policy_state)
     metrics = evaluate_env(config, _env(config, env), store.get_table(eval_prompts_id, wire.PROMPTS), sampler,
                            reward_loops)
     return {"metrics": {**metrics, f"eval/{env}/eval_s": time.perf_counter() - started}}
@@ -169,7 +125,7 @@ def init_policy_task(config: RlConfig, prompts_ids: dict[str, str], resident: Re
 
 
 @task(name="connect-frozen-models", task_run_name="connect-frozen-models", cache_policy=NO_CACHE, retries=0)
-def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels,
+def connect_frozen_models_task(config: RlConfig, served_models: ServedModels,
                                reward_loops: RewardLoops | None = None) -> list[str]:
     """Serve (or reach) every frozen model and check it shares the policy's tokenizer, and serve every reward model
     the run scores with on vLLM, before any step runs: a wrong URL, served name or tokenizer fails here, in one
@@ -177,7 +133,7 @@ def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels,
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
     judges = {where for where, _ in config.judges()}  # judges read text: any tokenizer will do
     connected = [
-        f"{where}: {frozen_models.connect(settings, tokenizer=None if where in judges else tokenizer, where=where)}"
+        f"{where}: {served_models.connect(settings, tokenizer=None if where in judges else tokenizer, where=where)}"
         for where, settings in config.frozen_models()]
     for where, reward in config.served_reward_models():
         if reward_loops is None:
@@ -190,12 +146,12 @@ def connect_frozen_models_task(config: RlConfig, frozen_models: FrozenModels,
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_interaction_sources))
 def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
-                resident: ResidentTrainer, frozen_models: FrozenModels, curriculum: str | None = None) -> dict:
+                resident: ResidentTrainer, served_models: ServedModels, curriculum: str | None = None) -> dict:
     """`curriculum`: the id of the difficulty pools to draw prompts with (envs with `curriculum`), or None."""
     started = time.perf_counter()
     store = open_store(config)
     policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident)
-    samplers = build_samplers(config, policy.model, policy.tokenizer, frozen_models, policy_state=policy_state)
+    samplers = build_samplers(config, policy.model, policy.tokenizer, served_models, policy_state=policy_state)
     rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step,
                                         curriculum_state=None if curriculum is None else store.get_json(curriculum))
     return {"rollouts": open_store(config).put_table(rollouts),
@@ -228,7 +184,7 @@ def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id:
     store = open_store(config)
     rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
     start, stop = chunk_rows(rollouts.num_rows, chunk, chunks)
-    with FrozenModels(config.run.store) as frozen_models, RewardLoops(config, frozen_models) as reward_loops:
+    with ServedModels(config.run.store) as served_models, run_reward_loops(config, served_models) as reward_loops:
         results, reward_model_metrics = reward_results(config, rollouts.slice(start, stop - start),
                                                        _prompt_tables(config, prompts_ids), reward_loops)
     # Pairs, not an object: the store's JSON sorts keys, and the metrics keep score_task's order.
@@ -257,9 +213,9 @@ def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: l
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_algorithm_sources))
 def advantages_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, scored_id: str, step: int,
-                    resident: ResidentTrainer, frozen_models: FrozenModels | None = None,
+                    resident: ResidentTrainer, served_models: ServedModels | None = None,
                     curriculum: str | None = None) -> dict:
-    """`frozen_models`: the run's, for algorithms that score samples with a frozen model at ship time; the prompts
+    """`served_models`: the run's, for algorithms that score samples with a frozen model at ship time; the prompts
     and the policy at `policy_state` (the weights the step sampled from), for those whose reference is the
     policy itself (and for the behaviour logprobs the trainer recomputes). `curriculum`: the id of the difficulty
     pools after the step before; the result's `curriculum` is the id of the pools after this step's groups."""
@@ -268,7 +224,7 @@ def advantages_task(config: RlConfig, prompts_ids: dict[str, str], policy_state:
     policy = PolicyReference(
         lambda: sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident),
         config.settings.base_model, state_id=policy_state)
-    resources = algorithm_resources(config, frozen_models, _prompt_tables(config, prompts_ids), policy)
+    resources = algorithm_resources(config, served_models, _prompt_tables(config, prompts_ids), policy)
     scored = store.get_table(scored_id, wire.ROLLOUTS)
     samples, metrics = training_samples(config, scored, resources)
     result = {"samples": store.put_table(samples)}

@@ -12,7 +12,8 @@ from prefect import task
 
 from rollout_lib import wire
 from rollout_lib.config import SftConfig
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.files import file_digest
+from rollout_lib.identity.training import training_identity
 from rollout_lib.data import load_examples
 from rollout_lib.model.loading import model_content_digest, resolve_model
 from rollout_lib.sft.batches import micro_batches_of, padding_stats, plan_micro_batches
@@ -24,7 +25,7 @@ from rollout_lib.trainer.data_parallel import data_parallel_segment
 from rollout_lib.determinism import plan_batches
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
-from tasks.common import TASK_OPTIONS, content_key, dataset_path, file_digest, open_store
+from tasks.common import TASK_OPTIONS, content_key, dataset_path, open_store
 
 
 def _inputs(config: SftConfig, samples_id: str) -> TrainingInputs:

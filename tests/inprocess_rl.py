@@ -13,7 +13,7 @@ from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
-from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.rl.score import run_reward_loops, score_rollouts
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.resident import ResidentTrainer
 
@@ -28,7 +28,7 @@ def reward_curve_in_process(config_name: str, overrides: list[str], steps: int) 
     prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
     run = policy_inputs(store, cfg, {name: store.put_table(table) for name, table in prompts.items()})
     curve = []
-    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops:
+    with ResidentTrainer() as resident, run_reward_loops(cfg) as reward_loops:
         state = initial_policy(run, resident)
         for step in range(1, steps + 1):
             policy = policy_at(run, state, resident)

@@ -48,7 +48,7 @@ from rollout_lib import wire
 from rollout_lib.config import RlConfig, validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.rl.advantages import training_samples
-from tasks.rl import _algorithm_sources
+from rollout_lib.identity.sources import algorithm_sources
 
 raw = read_toml("configs/rl-tiny.toml")
 raw["algorithm"]["rl"]["envs"][0]["algo"] = {"type": "constant", "value": 2.5}
@@ -61,7 +61,7 @@ scored = pa.Table.from_pylist([
 samples, metrics = training_samples(config, scored)
 print(json.dumps({"settings": type(config.settings.envs[0].algo).__module__,
                   "advantages": samples.column("advantages").to_pylist(),
-                  "sources": _algorithm_sources({"config": config})}))
+                  "sources": algorithm_sources(config)}))
 '''
 
 

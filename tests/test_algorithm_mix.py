@@ -21,8 +21,8 @@ from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step
 from rollout_lib.rl.prompts import check_distinct_examples, load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
-from rollout_lib.rl.score import RewardLoops, score_rollouts
-from rollout_lib.serving.frozen import FrozenModels
+from rollout_lib.rl.score import run_reward_loops, score_rollouts
+from rollout_lib.serving.served import ServedModels
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.resident import ResidentTrainer
 
@@ -88,9 +88,9 @@ def test_a_run_of_grpo_and_opd_trains_both_in_mixed_micro_batches(tmp_path, vllm
     run = policy_inputs(store, cfg, {name: store.put_table(table) for name, table in prompts.items()})
 
     steps = []
-    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops, \
-            FrozenModels(cfg.run.store) as frozen_models:
-        resources = algorithm_resources(cfg, frozen_models=frozen_models)
+    with ResidentTrainer() as resident, run_reward_loops(cfg) as reward_loops, \
+            ServedModels(cfg.run.store) as served_models:
+        resources = algorithm_resources(cfg, served_models=served_models)
         state = start = initial_policy(run, resident)
         initial = {name: tensor.clone() for name, tensor in policy_at(run, state, resident).model.state_dict().items()}
         for step in range(1, STEPS + 1):

@@ -13,11 +13,11 @@ PACKAGE = ROOT / "rollout_lib"
 # Lowest first; docs/architecture.md says what belongs where.
 FLOORS = {
     0: {"__init__", "wire", "store", "store_gc", "paths", "errors", "settings_base", "determinism", "hardware",
-        "checkpoint", "processes", "step_events", "code_version"},
+        "checkpoint", "processes", "step_events"},
     1: {"model", "packing", "losses", "data"},
     2: {"algo", "envs", "sampling", "reward", "serving"},
     3: {"config"},
-    4: {"trainer", "sft", "rm", "rl", "runlog", "plan"},
+    4: {"identity", "trainer", "sft", "rm", "rl", "runlog", "plan"},
 }
 FLOOR_OF = {room: floor for floor, rooms in FLOORS.items() for room in rooms}
 

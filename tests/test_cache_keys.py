@@ -119,7 +119,7 @@ def test_the_base_model_is_its_content_not_its_reference(tiny_model_dir, tmp_pat
 
 
 def test_numeric_library_versions_enter_the_code_version(monkeypatch):
-    from rollout_lib import code_version as module
+    from rollout_lib.identity import code as module
 
     before = module.code_version.__wrapped__("tasks.rm")
     monkeypatch.setattr(module, "library_versions", lambda: {"torch": "99.0"})
@@ -136,16 +136,16 @@ def test_a_custom_advantage_functions_source_enters_the_advantages_key(tmp_path,
     """A user's advantage function is outside the code version: editing its module must re-run the advantages
     stage, not return the old samples from cache (as reward modules do for the score stage)."""
     from rollout_lib.config import RlConfig
-    from tasks.rl import _algorithm_sources
+    from rollout_lib.identity.sources import algorithm_sources
 
     module = tmp_path / "my_advantages.py"
     module.write_text("def credit(group):\n    return [[1.0] * n for n in group.completion_lengths]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     config = load_config(RlConfig, ROOT / "configs/rl-tiny.toml",
                          ['algorithm.rl.envs[0].algo={ type = "custom", import_path = "my_advantages:credit" }'])
-    before = _algorithm_sources({"config": config})
+    before = algorithm_sources(config)
     assert list(before["algorithm_sources"]) == ["my_advantages"]  # built-in algorithms are in the code version
     module.write_text(module.read_text() + "# edited\n")
-    assert _algorithm_sources({"config": config}) != before
+    assert algorithm_sources(config) != before
     grpo = load_config(RlConfig, ROOT / "configs/rl-tiny.toml")
-    assert _algorithm_sources({"config": grpo}) == {"algorithm_sources": {}}
+    assert algorithm_sources(grpo) == {"algorithm_sources": {}}

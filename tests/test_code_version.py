@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from rollout_lib.code_version import PROJECT_ROOT, import_closure
+from rollout_lib.identity.code import PROJECT_ROOT, import_closure
 
 
 def closure(module: str) -> set[str]:
@@ -29,8 +29,8 @@ def test_the_rl_closure_has_the_reward_worker_that_the_pool_starts_by_name():
 
 
 def test_a_name_defined_in_a_package_init_brings_in_everything_that_init_imports(tmp_path, monkeypatch):
-    monkeypatch.setattr("rollout_lib.code_version.PROJECT_ROOT", tmp_path)
-    monkeypatch.setattr("rollout_lib.code_version.PROJECT_PACKAGES", ("probe_pkg", "probe_user"))
+    monkeypatch.setattr("rollout_lib.identity.code.PROJECT_ROOT", tmp_path)
+    monkeypatch.setattr("rollout_lib.identity.code.PROJECT_PACKAGES", ("probe_pkg", "probe_user"))
     package = tmp_path / "probe_pkg"
     package.mkdir()
     (package / "sub.py").write_text("X = 1\n")
@@ -49,7 +49,7 @@ def test_a_name_defined_in_a_package_init_brings_in_everything_that_init_imports
 
 def test_editing_a_user_reward_function_changes_the_score_key(tmp_path, monkeypatch):
     from rollout_lib.config import RlConfig, load_config
-    from tasks.rl import _reward_sources
+    from rollout_lib.identity.sources import reward_sources
 
     (tmp_path / "my_rewards.py").write_text("def score(inp):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -58,9 +58,9 @@ def test_editing_a_user_reward_function_changes_the_score_key(tmp_path, monkeypa
     assert "my_rewards:score" in toml
     (tmp_path / "rl.toml").write_text(toml.replace('"data/', f'"{PROJECT_ROOT}/data/'))
     config = load_config(RlConfig, str(tmp_path / "rl.toml"))
-    before = _reward_sources({"config": config})
+    before = reward_sources(config)
     assert set(before["reward_sources"]) == {"my_rewards:score"}
     (tmp_path / "my_rewards.py").write_text("def score(inp):\n    return 0.5\n")
-    after = _reward_sources({"config": config})
+    after = reward_sources(config)
     assert after != before
     sys.modules.pop("my_rewards", None)

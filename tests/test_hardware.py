@@ -29,7 +29,7 @@ from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
 from rollout_lib.checkpoint import read_manifest
 from rollout_lib.determinism import plan_batches
 from rollout_lib.hardware import CPU, hardware_of, is_checkpointing, resolve_hardware
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -327,7 +327,7 @@ def test_gpu_rm_steps_and_the_checkpoint_scores_on_cpu(tiny_model_dir):
 def test_gpu_rl_pieces_sample_score_and_train_on_cuda(tiny_model_dir):
     """What an RL step runs in the training process: the embedded sampler on the policy, the embedded reward-model
     scorer, a causal optimizer step; all on CUDA, and the policy's checkpoint back on CPU."""
-    from rollout_lib.config.rl import RewardModelSettings
+    from rollout_lib.reward.settings import RewardModelSettings
     from rollout_lib.reward.functions import RewardInput
     from rollout_lib.reward.reward_model import load_scorer
     from rollout_lib.sampling import SamplingParams

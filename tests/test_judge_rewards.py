@@ -15,8 +15,8 @@ from rollout_lib.config.loading import read_toml
 from rollout_lib.reward.functions import RewardInput
 from rollout_lib.reward.judge import parse_score, render
 from rollout_lib.reward.results import AllRewardsFailedError
-from rollout_lib.rl.score import RewardLoops, score_rollouts
-from rollout_lib.serving.frozen import FrozenModels
+from rollout_lib.rl.score import env_reward_loop, run_reward_loops, score_rollouts
+from rollout_lib.serving.served import ServedModels
 
 
 def rl_config(rewards: list[dict], **reward_loop) -> RlConfig:
@@ -76,7 +76,7 @@ def test_a_verdict_that_does_not_parse_is_a_missing_reward_with_the_judges_text(
     vllm_tiny.ensure_running()
     judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name}
     config = rl_config([{"judge": judge, "max_tokens": 8}])
-    with FrozenModels() as frozen_models, RewardLoops(config, frozen_models) as loops:
+    with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
         with pytest.raises(AllRewardsFailedError) as failure:
             score_rollouts(config, rollouts_table(), {"words": prompts_table()}, loops)
     message = str(failure.value)
@@ -97,13 +97,13 @@ def test_a_user_reward_function_gets_the_judge_client(vllm_tiny, tmp_path, monke
     judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name}
     config = rl_config([{"function": "judged_rewards:asks_the_judge", "judge": judge, "judge_max_tokens": 16,
                          "kwargs": {"bonus": 1.0}}])
-    with FrozenModels() as frozen_models, RewardLoops(config, frozen_models) as loops:
+    with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
         scored, metrics = score_rollouts(config, rollouts_table(), {"words": prompts_table()}, loops)
     rewards = scored.column("reward").to_pylist()
     assert metrics["missing_rewards"] == 0 and all(1.0 < r <= 2.0 for r in rewards), rewards  # the judge answered
 
     sync = rl_config([{"function": "judged_rewards:sync_one", "judge": judge}])
-    with FrozenModels() as frozen_models, RewardLoops(sync, frozen_models) as loops:
+    with ServedModels() as served_models, run_reward_loops(sync, served_models) as loops:
         with pytest.raises(ValueError, match=r"algorithm.rl.envs\[0\].rewards\[0\].function: 'judged_rewards:sync_one' "
                                              r"is sync; a reward function that calls a judge is async"):
             score_rollouts(sync, rollouts_table(), {"words": prompts_table()}, loops)
@@ -126,9 +126,9 @@ def test_a_judge_replica_killed_mid_step_fails_over_without_stalling(vllm_tiny):
     vllm_tiny.ensure_running()
     judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name, "timeout_s": 60.0}
     config = rl_config([{"judge": judge, "max_tokens": 64}])
-    with FrozenModels() as frozen_models, RewardLoops(config, frozen_models) as loops:
-        loop = loops.for_env(config.settings.envs[0])
-        pool = frozen_models.pool(ExternalModel(**judge), where="test")
+    with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
+        loop = env_reward_loop(loops, config, config.settings.envs[0])
+        pool = served_models.pool(ExternalModel(**judge), where="test")
         outcome: dict = {}
 
         def score() -> None:

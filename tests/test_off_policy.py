@@ -18,9 +18,9 @@ from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, trai
 from rollout_lib.rl.policy import FrozenPolicy, initial_policy, policy_at, policy_inputs, sampling_policy
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
-from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.rl.score import run_reward_loops, score_rollouts
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +95,7 @@ def sampled_step(cfg: RlConfig, store_url: str, frozen_rows: tuple[int, ...]):
     store = ObjectStore(store_url)
     prompts = {"words": load_prompts(cfg.settings.envs[0])}
     run = policy_inputs(store, cfg, {"words": store.put_table(prompts["words"])})
-    with ResidentTrainer() as resident, RewardLoops(cfg) as loops:
+    with ResidentTrainer() as resident, run_reward_loops(cfg) as loops:
         state = initial_policy(run, resident)
         policy = policy_at(run, state, resident)
         rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer, policy_state=state),

@@ -215,7 +215,7 @@ def test_the_grpo_and_opd_producers_ship_streams_that_pack_at_their_positions():
     from rollout_lib.algo.opd import OnPolicyDistillation, OpdSettings
     from rollout_lib.algo.stamping import assign_advantages, score_for_shipping, stamp_training_samples
 
-    class Teacher:  # the run's FrozenModels and the teacher's pool, as far as opd uses them
+    class Teacher:  # the run's ServedModels and the teacher's pool, as far as opd uses them
         def pool(self, settings, *, tokenizer, where):
             assert where == "algorithm.rl.envs[1].algo.teacher"
             return self
@@ -226,7 +226,7 @@ def test_the_grpo_and_opd_producers_ship_streams_that_pack_at_their_positions():
     algorithms = {
         "words": Grpo(GrpoSettings(), where="algorithm.rl.envs[0].algo"),
         "distill": OnPolicyDistillation(OpdSettings(teacher={"base_url": "http://127.0.0.1:9/v1", "name": "t"}),
-                                        AlgorithmResources(tokenizer=object(), frozen_models=Teacher()),
+                                        AlgorithmResources(tokenizer=object(), served_models=Teacher()),
                                         where="algorithm.rl.envs[1].algo"),
     }
     rollouts = pa.Table.from_pylist([

@@ -28,15 +28,16 @@ from rollout_lib.config.common import ModelRef
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.calculator import CalculatorSettings
 from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
-from rollout_lib.rl.sample import build_samplers, frozen_identity
+from rollout_lib.identity.training import frozen_identity
+from rollout_lib.rl.sample import build_samplers
 from rollout_lib.sampling import SAMPLERS, SamplingContext, SamplingParams
 from rollout_lib.sampling.base import encode_prompt
 from rollout_lib.sampling.vllm import VllmSampler, VllmSamplerSettings
 from rollout_lib.serving import engine, weight_sync
-from rollout_lib.serving.frozen import FrozenModels
+from rollout_lib.serving.served import ServedModels
 from rollout_lib.serving.policy_server import PolicyServerError, trainer_logprobs
 from rollout_lib.serving.settings import ExternalModel, ServedModel
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 
 BASE = ModelRef(uri="tiny:qwen2")
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,10 +118,10 @@ def prompts(n: int = 2) -> pa.Table:
 
 @pytest.fixture(scope="class")
 def served(tiny_model_dir):
-    """A run's FrozenModels with its policy server started, the base policy and its tokenizer."""
+    """A run's ServedModels with its policy server started, the base policy and its tokenizer."""
     tokenizer = load_tokenizer(resolve_model(str(tiny_model_dir)))
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with FrozenModels() as frozen:
+    with ServedModels() as frozen:
         server = frozen.policy_server(BASE)
         yield frozen, server, base, tokenizer
     assert engine.find_deployment(server.name) is None  # stopped by close()

@@ -21,7 +21,7 @@ from rollout_lib.reward.results import (
     raise_if_too_many_missing,
 )
 from rollout_lib.reward.verl import AsyncVerlRewardFunction, VerlRewardFunction, is_verl_style
-from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.rl.score import run_reward_loops, score_rollouts
 
 # A reward file as a verl user writes it (after verl's utils/reward_score/gsm8k.py): nothing here knows rollout.
 VERL_REWARD_FILE = '''
@@ -185,7 +185,7 @@ MOSTLY_MISSING = [("gsm8k", "#### 42", "42"), ("gsm8k", "#### 1", None), ("gsm8k
 def test_score_stage_runs_a_verl_function(tmp_path, verl_rewards):
     cfg = _config(tmp_path, {"gsm8k": "verl_gsm8k:compute_score"})
     rollouts, prompts = _tables([("gsm8k", "#### 42", "42"), ("gsm8k", "#### 41", "42"), ("gsm8k", "#### 2", None)])
-    with RewardLoops(cfg) as loops:
+    with run_reward_loops(cfg) as loops:
         scored, metrics = score_rollouts(cfg, rollouts, prompts, loops)
     assert scored.column("reward").to_pylist() == [1.0, 0.0, None]  # 1 of 3 missing: under the default 0.5
     assert scored.column("reward_error").to_pylist() == [None, None, NO_GROUND_TRUTH]
@@ -196,7 +196,7 @@ def test_the_breaker_fails_a_step_with_most_rewards_missing(tmp_path, verl_rewar
     cfg = _config(tmp_path, {"gsm8k": "verl_gsm8k:compute_score"})
     assert cfg.settings.reward_loop.max_missing_fraction == 0.5
     rollouts, prompts = _tables(MOSTLY_MISSING)
-    with RewardLoops(cfg) as loops, pytest.raises(TooManyRewardsMissingError) as failed:
+    with run_reward_loops(cfg) as loops, pytest.raises(TooManyRewardsMissingError) as failed:
         score_rollouts(cfg, rollouts, prompts, loops)
     assert str(failed.value) == (
         "3 of 4 rewards missing (75%), more than algorithm.rl.reward_loop.max_missing_fraction = 0.5 allows; "
@@ -205,7 +205,7 @@ def test_the_breaker_fails_a_step_with_most_rewards_missing(tmp_path, verl_rewar
 
     # max_missing_fraction = 1.0: the step trains on the one reward it has.
     cfg = _config(tmp_path, {"gsm8k": "verl_gsm8k:compute_score"}, max_missing_fraction=1.0)
-    with RewardLoops(cfg) as loops:
+    with run_reward_loops(cfg) as loops:
         scored, metrics = score_rollouts(cfg, rollouts, prompts, loops)
     assert scored.column("reward").to_pylist() == [1.0, None, None, None]
     assert metrics["missing_rewards"] == 3
@@ -214,7 +214,7 @@ def test_the_breaker_fails_a_step_with_most_rewards_missing(tmp_path, verl_rewar
 def test_the_breaker_names_each_envs_share(tmp_path, verl_rewards):
     cfg = _config(tmp_path, {"gsm8k": "verl_gsm8k:compute_score", "words": "target_length"})
     rollouts, prompts = _tables([*MOSTLY_MISSING, ("words", "a few words", None)])
-    with RewardLoops(cfg) as loops, pytest.raises(TooManyRewardsMissingError) as failed:
+    with run_reward_loops(cfg) as loops, pytest.raises(TooManyRewardsMissingError) as failed:
         score_rollouts(cfg, rollouts, prompts, loops)
     assert str(failed.value).startswith(
         "3 of 5 rewards missing (60%), more than algorithm.rl.reward_loop.max_missing_fraction = 0.5 allows "
@@ -224,7 +224,7 @@ def test_the_breaker_names_each_envs_share(tmp_path, verl_rewards):
 def test_an_all_missing_step_fails_whatever_the_allowed_share(tmp_path, verl_rewards):
     cfg = _config(tmp_path, {"gsm8k": "verl_gsm8k:compute_score"}, max_missing_fraction=1.0)
     rollouts, prompts = _tables([("gsm8k", "#### 1", None), ("gsm8k", "#### 42", "forty-two")])
-    with RewardLoops(cfg) as loops, pytest.raises(AllRewardsFailedError) as failed:
+    with run_reward_loops(cfg) as loops, pytest.raises(AllRewardsFailedError) as failed:
         score_rollouts(cfg, rollouts, prompts, loops)
     assert str(failed.value) == (f"all 2 rewards failed; most frequent errors:\n  1x {NO_GROUND_TRUTH}\n"
                                  f"  1x {NOT_A_NUMBER}")

@@ -14,13 +14,13 @@ from clirun import ROOT, final_result, run_rollout
 from rollout_lib import wire
 from rollout_lib.config import ConfigError, RlConfig
 from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
-from rollout_lib.config.rl import RewardModelSettings
+from rollout_lib.reward.settings import RewardModelSettings
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.model.reward import ResponseTooLongError, encode_for_reward_model, encode_prompt_response
 from rollout_lib.reward.functions import RewardInput
 from rollout_lib.reward.loop import RewardLoop
 from rollout_lib.reward.reward_model import load_scorer
-from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.rl.score import run_reward_loops, score_rollouts
 from rollout_lib.store import ObjectStore
 
 RM_REF = "runs/rm-tiny/latest"
@@ -182,7 +182,7 @@ def test_an_rl_config_rewards_with_the_reward_model_weighted(trained_rm):
                               '{ function = "target_length", kwargs = { target = 4 }, weight = 0.5 }]')
     expected = [s for s in scorer_of(store).score_batch([RewardInput(user(p), r) for p, r in RESPONSES])]
     rollouts, prompts = rollouts_table(RESPONSES)
-    with RewardLoops(config) as loops:
+    with run_reward_loops(config) as loops:
         scored, metrics = score_rollouts(config, rollouts, {"words": prompts}, loops)
     lengths = [max(0.0, 1 - abs(len(r.split()) - 4) / 4) for _, r in RESPONSES]
     assert scored.column("reward").to_pylist() == pytest.approx([2 * s + 0.5 * n for s, n in zip(expected, lengths)],
@@ -198,7 +198,7 @@ def test_overlong_inputs_lose_prompt_tokens_and_a_response_too_long_is_a_missing
     long_prompt = "Please answer the following question carefully and briefly, in one word: what is two plus two?"
     rows = [*RESPONSES, (long_prompt, "4"), ("What is 2+2?", "four " * 30)]
     rollouts, prompts = rollouts_table(rows)
-    with RewardLoops(config) as loops:
+    with run_reward_loops(config) as loops:
         scored, metrics = score_rollouts(config, rollouts, {"words": prompts}, loops)
     rewards, errors = scored.column("reward").to_pylist(), scored.column("reward_error").to_pylist()
 
@@ -246,19 +246,19 @@ def test_moving_the_ref_to_another_checkpoint_changes_the_score_key_and_the_trai
     import shutil
 
     from rollout_lib.checkpoint import read_manifest
-    from rollout_lib.trainer.identity import training_identity
-    from tasks.rl import _reward_sources
+    from rollout_lib.identity.training import training_identity
+    from rollout_lib.identity.sources import reward_sources
 
     source, checkpoint = trained_rm
     store = tmp_path / "store"
     shutil.copytree(source, store)  # the module's store keeps its ref for the other tests
     config = rl_config(store, f'[{{ reward_model = "{RM_REF}" }}]')
-    before = training_identity(config), _reward_sources({"config": config})
+    before = training_identity(config), reward_sources(config)
     assert before[1]["reward_models"] == [f"checkpoint:{checkpoint}"]
 
     parent = read_manifest(ObjectStore(str(store)), checkpoint)["parent"]  # step 1 of the same training
     ObjectStore(str(store)).set_ref(RM_REF, parent)
-    after = training_identity(config), _reward_sources({"config": config})
+    after = training_identity(config), reward_sources(config)
     assert after[1]["reward_models"] == [f"checkpoint:{parent}"]
     assert after[0] != before[0] and after[1] != before[1]
 

@@ -222,7 +222,7 @@ def test_building_without_a_required_resource_fails_naming_the_env(scratch_regis
         type_name = "constant_test"
         settings_class = ConstantSettings
         action_loss = "ref_kl"
-        requires = frozenset({"frozen_models", "tokenizer"})
+        requires = frozenset({"served_models", "tokenizer"})
 
         async def score(self, samples: pa.Table) -> pa.Table:
             return samples
@@ -231,10 +231,10 @@ def test_building_without_a_required_resource_fails_naming_the_env(scratch_regis
         scratch_registry.build_algorithm(ConstantSettings(), AlgorithmResources(tokenizer=object()),
                                          where="algorithm.rl.envs[2].algo")
     assert str(info.value) == ("algorithm.rl.envs[2].algo: a constant_test algorithm is built with the run's "
-                               "frozen_models, and none was given")
+                               "served_models, and none was given")
     frozen, tokenizer = object(), object()
     built = scratch_registry.build_algorithm(ConstantSettings(), AlgorithmResources(tokenizer, frozen))
-    assert built.resources.frozen_models is frozen and built.resources.tokenizer is tokenizer
+    assert built.resources.served_models is frozen and built.resources.tokenizer is tokenizer
     # What stamping reads is derived from the hooks: it scores at ship time, assigns nothing.
     assert scores_at_ship_time(built) and not scores_at_ship_time(Grpo(GrpoSettings()))
     assert built.assign(Group([1.0], [2])) is None
@@ -418,7 +418,7 @@ def test_a_micro_batch_with_no_component_token_still_runs_forward_and_backward_a
 
 def test_rl_cache_keys_cover_every_registered_algorithm_and_sampler_module():
     """The registries import their modules at run time; editing one must still invalidate cached RL stages."""
-    from rollout_lib.code_version import import_closure
+    from rollout_lib.identity.code import import_closure
 
     closure = {path.as_posix().split("rollout_lib/", 1)[-1] for path in import_closure("tasks.rl")}
     assert {"algo/grpo.py", "algo/max_rl.py", "algo/reward.py", "algo/custom.py", "algo/plugins.py",

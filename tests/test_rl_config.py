@@ -175,7 +175,7 @@ def test_opd_needs_a_teacher_given_as_a_frozen_model():
 def test_a_teacher_checkpoint_not_trained_yet_fails_in_one_line_naming_the_setting(name, where, tmp_path):
     """The first thing a run does is compute its training identity, which reads the teacher's checkpoint id: a
     store without runs/teacher-tiny/latest (configs/sft-teacher-tiny.toml not run yet) names the setting."""
-    from rollout_lib.trainer.identity import training_identity
+    from rollout_lib.identity.training import training_identity
 
     config = load_config(RlConfig, ROOT / "configs" / name, [f"run.store={tmp_path / 'empty'}"])
     with pytest.raises(ConfigError) as raised:

@@ -22,11 +22,11 @@ from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, snapshot_policy, train_policy_step
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
-from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.rl.score import run_reward_loops, score_rollouts
 from rollout_lib.store import ObjectStore
 from rollout_lib.checkpoint import read_manifest
 from rollout_lib.trainer.data_parallel import KILL_RANK_ENV
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from test_data_parallel import finished_within
 
@@ -45,7 +45,7 @@ def run_in_process(store: str, nproc: int, steps: int, *overrides: str) -> dict:
     prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
     run = policy_inputs(store_, cfg, {name: store_.put_table(table) for name, table in prompts.items()})
     rewards, history = [], []
-    with ResidentTrainer() as resident, RewardLoops(cfg) as reward_loops:
+    with ResidentTrainer() as resident, run_reward_loops(cfg) as reward_loops:
         state = initial = initial_policy(run, resident)
         for step in range(1, steps + 1):
             policy = policy_at(run, state, resident)

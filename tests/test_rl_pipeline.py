@@ -25,7 +25,7 @@ from rollout_lib.rl.policy import (
 )
 from rollout_lib.rl.prompts import check_distinct_examples, load_prompts
 from rollout_lib.rl.sample import build_samplers, sample_rollouts
-from rollout_lib.rl.score import RewardLoops, score_rollouts
+from rollout_lib.rl.score import run_reward_loops, score_rollouts
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.resident import ResidentTrainer
@@ -41,8 +41,8 @@ def resident():
 def reward_loops(tmp_path, tiny_model_dir):
     loops = {}
 
-    def for_config(cfg: RlConfig) -> RewardLoops:
-        return loops.setdefault(id(cfg), RewardLoops(cfg))
+    def for_config(cfg: RlConfig):
+        return loops.setdefault(id(cfg), run_reward_loops(cfg))
 
     yield for_config
     for loop in loops.values():

@@ -16,7 +16,7 @@ from rollout_lib.config import ConfigError, RlConfig, RlhfConfig, load_config
 from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
 from rollout_lib.store import ObjectStore
 from rollout_lib.checkpoint import read_manifest
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 
 CONFIG = ["train", "rlhf", "--config", "configs/rlhf-tiny.toml"]
 RL_STEPS = 20  # configs/rl-tiny.toml

@@ -17,11 +17,12 @@ import pytest
 from clirun import ROOT, final_result, run_rollout
 from rollout_lib.config import ConfigError
 from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
-from rollout_lib.config.rl import RewardModelSettings, RlConfig
+from rollout_lib.config.rl import RlConfig
+from rollout_lib.reward.settings import RewardModelSettings
 from rollout_lib.reward.functions import RewardInput
 from rollout_lib.reward.reward_model import load_scorer
 from rollout_lib.serving import engine
-from rollout_lib.serving.frozen import FrozenModels
+from rollout_lib.serving.served import ServedModels
 from rollout_lib.store import ObjectStore
 from rollout_lib.checkpoint import read_manifest
 
@@ -45,17 +46,17 @@ async def score_all(scorer, items):
 
 @pytest.fixture(scope="module")
 def served_rm(prefect_server, tmp_path_factory):
-    """(store, checkpoint id, FrozenModels, served scorer) of configs/rm-tiny.toml trained through the CLI and
+    """(store, checkpoint id, ServedModels, served scorer) of configs/rm-tiny.toml trained through the CLI and
     served on 2 pooling replicas; the deployment is stopped at the module's end."""
     store = tmp_path_factory.mktemp("served-rm") / "store"
     done = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={store}")
     assert done.returncode == 0, done.stderr[-3000:]
-    frozen_models = FrozenModels(str(store))
+    served_models = ServedModels(str(store))
     try:
-        scorer = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=4), frozen_models, "test")
-        yield store, final_result(done)["checkpoint"], frozen_models, scorer
+        scorer = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=4), served_models, "test")
+        yield store, final_result(done)["checkpoint"], served_models, scorer
     finally:
-        frozen_models.close()  # it started the deployment: stops it
+        served_models.close()  # it started the deployment: stops it
 
 
 def test_served_scores_are_the_in_process_scores(served_rm):
@@ -78,9 +79,9 @@ def test_served_scores_are_the_in_process_scores(served_rm):
 def test_served_scores_do_not_depend_on_the_batch(served_rm):
     """What resume-by-rerun needs of a served RM: a rescored step gets the same bits. True of this CPU build's fp32
     kernels (docs/rewards.md), not promised by vLLM: this test is where a change would show."""
-    store, _, frozen_models, _ = served_rm
-    alone = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=1), frozen_models, "test")
-    mixed = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=3), frozen_models, "test")
+    store, _, served_models, _ = served_rm
+    alone = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=1), served_models, "test")
+    mixed = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=3), served_models, "test")
     one_by_one = [asyncio.run(score_all(alone, [item]))[0] for item in ITEMS]
     assert asyncio.run(score_all(mixed, ITEMS[::-1]))[::-1] == one_by_one
     assert asyncio.run(score_all(alone, ITEMS)) == one_by_one

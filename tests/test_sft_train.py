@@ -29,7 +29,7 @@ from rollout_lib.trainer.base import NonFiniteLossError, TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches, train_on_micro_batches
 from rollout_lib.checkpoint import export_hf_directory, read_manifest
 from rollout_lib.determinism import plan_batches
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.segment import plan_segments, train_segment
 
 ROOT = Path(__file__).resolve().parent.parent

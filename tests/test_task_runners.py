@@ -14,7 +14,7 @@ from clirun import final_result, run_rollout, task_run_states
 from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash
 from rollout_lib.config.common import TaskRunnerSettings
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "configs/rl-tiny.toml"
@@ -61,7 +61,7 @@ def test_chunked_scoring_merges_to_the_single_score_tasks_table_and_metrics(tmp_
     from prefect.logging import disable_run_logger
 
     from rollout_lib import wire
-    from rollout_lib.rl.score import RewardLoops
+    from rollout_lib.rl.score import run_reward_loops
     from tasks.rl import chunk_rows, score_chunk_task, score_merge_task, score_task
 
     assert [chunk_rows(10, chunk, 3) for chunk in range(3)] == [(0, 3), (3, 6), (6, 10)]
@@ -78,7 +78,7 @@ def test_chunked_scoring_merges_to_the_single_score_tasks_table_and_metrics(tmp_
         {"sample_id": f"s{i}", "example_id": "ab"[i % 2], "env": "words", "group_index": i // 2, "prompt_ids": [1],
          "completion_ids": [2], "sampling_logprobs": [-0.1], "completion_text": text, "answer": None, "info": None}
         for i, text in enumerate(completions)], schema=wire.ROLLOUTS))
-    with disable_run_logger(), RewardLoops(config) as loops:
+    with disable_run_logger(), run_reward_loops(config) as loops:
         single = score_task.fn(config, {"words": prompts}, rollouts, 1, loops)
     for chunks in (1, 4, 7):
         chunk_ids = [score_chunk_task.fn(config, {"words": prompts}, rollouts, 1, chunk, chunks)

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout_lib.settings_base import tagged_union
 
 if TYPE_CHECKING:
-    from rollout_lib.serving.frozen import FrozenModels
+    from rollout_lib.serving.served import ServedModels
 
 LOSS_COMPONENTS = ("rl", "ce", "ref_kl")
 
@@ -71,7 +71,7 @@ class AlgorithmResources:
     tokenizer: Any = None  # the policy's tokenizer (renders prompts, checks a teacher's vocabulary)
     # The run's frozen-model pools: `.pool(settings, tokenizer=..., where=...)` returns a started pool with
     # `await pool.score(token_ids)` (prefill logprobs) and `await pool.generate(...)`.
-    frozen_models: FrozenModels | None = None
+    served_models: ServedModels | None = None
     prompts: Any = None  # env name -> its PROMPTS table (messages, info) of the run
     # The live policy at the weights the step sampled from: `.model` (loaded on first use) and `.initial_model()`
     # (the frozen base model), for algorithms whose reference is the policy itself (opsd).

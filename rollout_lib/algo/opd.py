@@ -32,11 +32,11 @@ class OnPolicyDistillation(Algorithm):
     type_name = "opd"
     settings_class = OpdSettings
     action_loss = "ref_kl"
-    requires = frozenset({"frozen_models", "tokenizer"})
+    requires = frozenset({"served_models", "tokenizer"})
 
     def __init__(self, settings, resources=None, where: str = "algo"):
         super().__init__(settings, resources, where)
-        self.teacher = self.resources.frozen_models.pool(settings.teacher, tokenizer=self.resources.tokenizer,
+        self.teacher = self.resources.served_models.pool(settings.teacher, tokenizer=self.resources.tokenizer,
                                                          where=f"{where}.teacher")
 
     async def score(self, samples: pa.Table) -> pa.Table:

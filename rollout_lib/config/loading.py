@@ -114,6 +114,6 @@ def load_config(cls: type[ConfigT], path: str | Path, overrides: list[str] | dic
 
 def training_hash(config) -> str:
     """Hash of the settings that decide the trained weights (`training_settings()`): not where they are stored,
-    not how often they are snapshotted or evaluated, no credentials. (trainer.identity adds the base model's
+    not how often they are snapshotted or evaluated, no credentials. (identity.training adds the base model's
     content.)"""
     return blake3.blake3(canonical_json(config.training_settings())).hexdigest()

@@ -15,18 +15,15 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
       curriculum = { type = "difficulty_pools", easy_threshold, hard_threshold, easy_weight, hard_weight }:
                  prompts drawn away from examples always solved or never solved (rollout_lib/rl/curriculum.py)
-      [[algorithm.rl.envs.rewards]]  function = "number_match" | "pkg.module:attr", weight, kwargs
-                                     | reward_model = "runs/rm/latest" | <checkpoint id> | <model ref>, weight,
-                                       store, batch_size, max_length, engine = "embedded" | "vllm",
-                                       replicas (a discriminative reward model)
+      [[algorithm.rl.envs.rewards]]  function = ... | reward_model = ... | judge = ... (reward/settings.py)
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Field, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
 from rollout_lib.algo.base import trains_env_tokens
@@ -47,6 +44,12 @@ from rollout_lib.losses import (
     DEFAULT_KL_COEF,
     DEFAULT_REF_KL_EPS_LOW,
     DEFAULT_REF_KL_KL_COEF,
+)
+from rollout_lib.reward.settings import (
+    RewardFunctionSettings,
+    RewardLoopSettings,
+    RewardModelSettings,
+    RewardSettings,
 )
 from rollout_lib.sampling import SamplingParams, sampler_settings_types
 from rollout_lib.settings_base import tagged_union
@@ -74,112 +77,6 @@ class ReasoningGymSource(StrictModel):
 
 
 PromptSource = tagged_union((JsonlDataset, ReasoningGymSource), "source")
-
-
-class RewardFunctionSettings(StrictModel):
-    function: str = Field(min_length=1)  # a built-in name or an import path "package.module:attr"
-    weight: float = 1.0
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    # A judge model the function may call: an async function is called as fn(inp, judge=<JudgeClient>, **kwargs)
-    # (reward/judge.py: `await judge.chat(messages)` through the run's replica pool).
-    judge: FrozenModel | None = None
-    judge_max_tokens: int = Field(256, ge=1)
-
-
-DEFAULT_JUDGE_TEMPLATE = (
-    "Rate how well the response answers the question, from 0 (useless or wrong) to 10 (perfect).\n\n"
-    "Question:\n{prompt}\n\nResponse:\n{response}\n\nEnd with a line of the form 'Score: <0-10>'."
-)
-
-
-class JudgeSettings(StrictModel):
-    """A generative reward model (reward/judge.py): the judge model reads `template` filled with the rollout's
-    {prompt}, {response} and {answer}, and its verdict's last match of `pattern` is the score, scaled from
-    `score_range` to [0, 1]. A verdict that does not parse is a missing reward carrying the judge's text."""
-
-    judge: FrozenModel
-    template: str = DEFAULT_JUDGE_TEMPLATE
-    system_prompt: str | None = None
-    pattern: str = r"Score:\s*(-?\d+(?:\.\d+)?)"  # its first group (or whole match) is the number
-    score_range: tuple[float, float] = (0.0, 10.0)
-    max_tokens: int = Field(256, ge=1)  # of the verdict
-    temperature: float = Field(0.0, ge=0)  # greedy: the same rollout gets the same verdict
-    weight: float = 1.0
-
-    @model_validator(mode="after")
-    def _checked(self) -> "JudgeSettings":
-        import re
-
-        try:
-            re.compile(self.pattern)
-        except re.error as exc:
-            raise ValueError(f"pattern is not a regular expression: {exc}") from None
-        if not self.score_range[0] < self.score_range[1]:
-            raise ValueError(f"score_range must be [low, high] with low < high, got {list(self.score_range)}")
-        if "{response}" not in self.template:
-            raise ValueError("template has no {response}: the judge would never see what it judges")
-        return self
-
-
-class RewardModelSettings(StrictModel):
-    """A discriminative reward model's score of (prompt, completion), as train-rm trained it to score
-    (rollout_lib/reward/reward_model.py): a checkpoint of the store (`runs/<name>/latest` or an id, looked up in the
-    run's store unless `store` names another) or any model reference to a sequence-classification model."""
-
-    reward_model: ModelRef
-    weight: float = 1.0
-    batch_size: int = Field(16, ge=1)  # rows per forward pass (every pass has this many: see reward_model.py)
-    # Tokens per input; a longer one loses the prompt's earliest tokens. Default: the max_seq_len the checkpoint was
-    # trained with when its manifest records it, else the model's max_position_embeddings.
-    max_length: int | None = Field(None, ge=8)
-    # embedded: in this process (bit-exact whatever the batching). vllm: rollout serves it with vLLM's pooling
-    # runner (`POST /classify`), for a reward model too large to run beside the trainer; scores agree with the
-    # embedded ones to ~1e-7, not bit for bit, so the engine is part of the training identity.
-    engine: Literal["embedded", "vllm"] = "embedded"
-    replicas: int = Field(1, ge=1)  # vllm servers behind the pool (a resource: not part of the identity)
-
-    @model_validator(mode="after")
-    def _replicas_are_served(self) -> "RewardModelSettings":
-        if self.replicas > 1 and self.engine != "vllm":
-            raise ValueError('replicas is the number of vLLM servers: set engine = "vllm" with it')
-        return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _store_into_the_reference(cls, value: Any) -> Any:
-        """`store = "<url>"` beside the reference is where the reference is looked up: it belongs to the ModelRef
-        (a locator, never part of the settings' identity; the checkpoint id is)."""
-        if not isinstance(value, dict) or "store" not in value:
-            return value
-        value = dict(value)
-        store = value.pop("store")
-        reference = value.get("reward_model")
-        if isinstance(reference, dict):
-            if reference.get("store") is not None:
-                raise ValueError("give the store once: `store` beside `reward_model`, or inside it")
-            value["reward_model"] = {**reference, "store": store}
-        elif reference is not None:
-            value["reward_model"] = {"uri": reference, "store": store}
-        return value
-
-
-def _reward_kind(value: Any) -> str | None:
-    if isinstance(value, dict):
-        if "function" in value:  # a function may name a judge it calls
-            return None if "reward_model" in value else "reward(function)"
-        kinds = [kind for kind in ("reward_model", "judge") if kind in value]
-        return f"reward({kinds[0]})" if len(kinds) == 1 else None
-    return {RewardFunctionSettings: "reward(function)", RewardModelSettings: "reward(reward_model)",
-            JudgeSettings: "reward(judge)"}.get(type(value))
-
-
-RewardSettings = Annotated[
-    Union[Annotated[RewardFunctionSettings, Tag("reward(function)")],  # noqa: UP007
-          Annotated[RewardModelSettings, Tag("reward(reward_model)")],
-          Annotated[JudgeSettings, Tag("reward(judge)")]],
-    Discriminator(_reward_kind, custom_error_type="unknown_reward",
-                  custom_error_message="a reward names one of `function` (a reward function), `reward_model` and "
-                                       "`judge` (an LLM judge)")]
 
 
 class EnvSampler(StrictModel):
@@ -264,17 +161,6 @@ class RlLossSettings(StrictModel):
     kl_coef: float = Field(DEFAULT_KL_COEF, ge=0)
     ref_kl_eps_low: float = Field(DEFAULT_REF_KL_EPS_LOW, gt=0, le=1)
     ref_kl_kl_coef: float = Field(DEFAULT_REF_KL_KL_COEF, ge=0)
-
-
-class RewardLoopSettings(StrictModel):
-    concurrency: int = Field(32, ge=1)  # reward calls in flight
-    timeout_s: float = Field(30.0, gt=0)  # per call; the call is stopped (worker killed / task cancelled)
-    sync_workers: int | None = Field(None, ge=1)  # worker processes for sync functions (default: min(cores, ...))
-    # The circuit breaker: a step with a larger share of missing rewards fails, naming its most frequent errors.
-    # 0.5 because past it the rollouts a reward did score are the minority, so the step would train on whichever
-    # rollouts the failure happened to spare (often the easy or short ones), not on the batch that was sampled.
-    # 1.0: only a step where every reward is missing fails.
-    max_missing_fraction: float = Field(0.5, ge=0, le=1)
 
 
 class RlSettings(StrictModel):
@@ -394,7 +280,7 @@ class RlConfig(EntryPointConfig):
 
     def training_settings(self) -> dict:
         """As every entry point's, but a frozen model enters as what identifies its content (the served name, or
-        for a model rollout serves, nothing here: trainer.identity adds its content digest), never as its
+        for a model rollout serves, nothing here: identity.training adds its content digest), never as its
         addresses, timeouts or replica count."""
         settings = super().training_settings()
         # The circuit breaker decides whether a step fails, never what a step that runs trains.
@@ -461,7 +347,7 @@ class RlConfig(EntryPointConfig):
                 problems.append((f"{where}.name", f"env name {env.name!r} is used more than once"))
             for r_index, reward in enumerate(env.rewards):
                 if not isinstance(reward, RewardFunctionSettings):
-                    continue  # a reward model resolves against the store (trainer/identity.py); a judge connects
+                    continue  # a reward model resolves against the store (identity/training.py); a judge connects
                 try:
                     check_reward_function(reward.function, reward.kwargs)
                 except ValueError as exc:

@@ -46,7 +46,7 @@ from rollout_lib.reward import worker as worker_module
 STARTUP_TIMEOUT_S = 120.0
 
 # Named through the module object (not only in a string), so the worker's source is in the code version of
-# whatever imports the pool (tasks/code_version.py follows imports).
+# whatever imports the pool (identity/code.py follows imports).
 _BOOT = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
     f"from {worker_module.__name__} import main; main(int(sys.argv[1]))"

@@ -191,11 +191,11 @@ class ServedRewardModelScorer(_BatchingScorer):
         return outcomes
 
 
-def load_scorer(settings, frozen_models=None, where: str = "reward_model", hardware=None):
-    """The scorer of a reward's settings (config.rl.RewardModelSettings). `engine = "embedded"`: model and
+def load_scorer(settings, served_models=None, where: str = "reward_model", hardware=None):
+    """The scorer of a reward's settings (reward.settings.RewardModelSettings). `engine = "embedded"`: model and
     tokenizer in this process, the model on `hardware` (hardware.ResolvedHardware, the run's; default CPU
-    in fp32). `engine = "vllm"`: the model served by rollout with vLLM's pooling runner through `frozen_models`
-    (serving.frozen.FrozenModels, the run's), only its tokenizer loaded here."""
+    in fp32). `engine = "vllm"`: the model served by rollout with vLLM's pooling runner through `served_models`
+    (serving.served.ServedModels, the run's), only its tokenizer loaded here."""
     from rollout_lib.model.loading import load_tokenizer, resolve_model
 
     ref = settings.reward_model
@@ -204,9 +204,9 @@ def load_scorer(settings, frozen_models=None, where: str = "reward_model", hardw
     tokenizer = load_tokenizer(resolved)
     name = f"reward_model({ref.uri})"
     if settings.engine == "vllm":
-        if frozen_models is None:
-            raise ValueError(f"{where}: a served reward model needs the run's FrozenModels")
-        pool = frozen_models.reward_model_pool(ref, replicas=settings.replicas, where=where)
+        if served_models is None:
+            raise ValueError(f"{where}: a served reward model needs the run's ServedModels")
+        pool = served_models.reward_model_pool(ref, replicas=settings.replicas, where=where)
         max_length = settings.max_length or (manifest or {}).get("max_seq_len") or pool.max_model_len
         if pool.max_model_len is not None and max_length > pool.max_model_len:
             raise ValueError(f"{where}: max_length {max_length} is more than the server's max_model_len "

@@ -18,12 +18,12 @@ from rollout_lib.rl.behaviour import mark_training_forward, recompute_behaviour_
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 
 
-def algorithm_resources(config: RlConfig, frozen_models=None, prompts=None, policy=None) -> AlgorithmResources:
+def algorithm_resources(config: RlConfig, served_models=None, prompts=None, policy=None) -> AlgorithmResources:
     """The run's resources for its envs' algorithms; the policy tokenizer is loaded only when one requires it.
     `prompts`: env -> PROMPTS table; `policy`: a PolicyReference (both only read by algorithms that need them)."""
     required = set().union(*(ALGORITHMS[env.algo.type].requires for env in config.settings.envs))
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model)) if "tokenizer" in required else None
-    return AlgorithmResources(tokenizer=tokenizer, frozen_models=frozen_models, prompts=prompts, policy=policy)
+    return AlgorithmResources(tokenizer=tokenizer, served_models=served_models, prompts=prompts, policy=policy)
 
 
 class PolicyReference:

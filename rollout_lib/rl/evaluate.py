@@ -17,7 +17,8 @@ import pyarrow as pa
 from rollout_lib.config.rl import EnvSettings, RlConfig
 from rollout_lib.data import load_env_prompts
 from rollout_lib.envs import build_interaction
-from rollout_lib.rl.score import RewardLoops, function_means
+from rollout_lib.reward.loops import RewardLoops
+from rollout_lib.rl.score import env_reward_loop, function_means
 from rollout_lib.reward.tables import reward_inputs
 from rollout_lib.determinism import derived_seed
 
@@ -44,9 +45,7 @@ def evaluate_env(config: RlConfig, env: EnvSettings, prompts: pa.Table, sampler,
     # The same seed at every step (common random numbers): the curve moves with the policy, not with the draws.
     rollouts = sampler.sample(prompts, target.sampling, derived_seed(config.run.seed, "eval", index),
                               interaction=interaction, context_limit=config.settings.max_seq_len)
-    loop = reward_loops.for_env(env, env.eval.rewards, where="eval.rewards") if env.eval.rewards \
-        else reward_loops.for_env(env)
-    results = loop.score(reward_inputs(rollouts, prompts))
+    results = env_reward_loop(reward_loops, config, env, held_out=True).score(reward_inputs(rollouts, prompts))
     reward_loops.take_reward_model_metrics()  # the evaluation's reward-model counts are not the next step's
     return held_out_metrics(env.name, results, [len(ids) for ids in rollouts.column("completion_ids").to_pylist()])
 

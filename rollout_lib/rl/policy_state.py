@@ -31,7 +31,7 @@ from rollout_lib.config.rl import RlConfig
 from rollout_lib.store import CHAIN_INDEX_REFS, ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, RecordedBatches
-from rollout_lib.trainer.identity import training_identity
+from rollout_lib.identity.training import training_identity
 
 STEP_STATE_KIND = "rollout.rl.step_state/v1"
 logger = logging.getLogger(__name__)

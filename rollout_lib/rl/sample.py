@@ -16,50 +16,38 @@ from rollout_lib.envs.episodes import EpisodeError
 from rollout_lib.rl.prompts import select_prompts
 from rollout_lib.sampling import SAMPLERS, SamplingContext
 from rollout_lib.sampling.frozen import FrozenSampler
-from rollout_lib.serving.settings import ExternalModel
 from rollout_lib.determinism import derived_seed
-from rollout_lib.store import ObjectStore
+from rollout_lib.identity.training import frozen_identity
 
 
-def build_samplers(config: RlConfig, model, tokenizer, frozen_models=None, policy_state: str | None = None) -> dict:
+def build_samplers(config: RlConfig, model, tokenizer, served_models=None, policy_state: str | None = None) -> dict:
     """The sampler of every env, by env name; envs on the live policy share one. `model` is the policy at
-    `policy_state` (recorded in the rollouts; the engine backend loads its server with it); `frozen_models`
-    (serving.frozen.FrozenModels) connects the frozen ones and owns the policy server."""
+    `policy_state` (recorded in the rollouts; the engine backend loads its server with it); `served_models`
+    (serving.served.ServedModels) connects the frozen ones and owns the policy server."""
     samplers, policy = {}, None
     for index, env in enumerate(config.settings.envs):
         frozen = env.sampler.frozen
         if frozen is None:
             if policy is None:
-                policy = policy_sampler(config, model, tokenizer, frozen_models, policy_state)
+                policy = policy_sampler(config, model, tokenizer, served_models, policy_state)
             samplers[env.name] = policy
         else:
-            if frozen_models is None:
-                raise ValueError(f"{env_locator(index, 'sampler.source')}: a frozen model needs the run's FrozenModels")
-            pool = frozen_models.pool(frozen, tokenizer=tokenizer, where=env_locator(index, "sampler.source"))
+            if served_models is None:
+                raise ValueError(f"{env_locator(index, 'sampler.source')}: a frozen model needs the run's ServedModels")
+            pool = served_models.pool(frozen, tokenizer=tokenizer, where=env_locator(index, "sampler.source"))
             samplers[env.name] = FrozenSampler(pool, tokenizer, frozen.concurrency,
                                                sampled_from=frozen_identity(config, frozen))
     return samplers
 
 
-def policy_sampler(config: RlConfig, model, tokenizer, frozen_models, policy_state: str | None):
+def policy_sampler(config: RlConfig, model, tokenizer, served_models, policy_state: str | None):
     """The live policy's sampler (`algorithm.rl.policy_sampler`): embedded, or on the run's policy server (owned by
-    `frozen_models`), for `model` at `policy_state`. The one place a policy sampler is built (sampling stages and
+    `served_models`), for `model` at `policy_state`. The one place a policy sampler is built (sampling stages and
     held-out evaluation alike)."""
     settings = config.settings.policy_sampler
-    context = SamplingContext(policy_state=policy_state, served_models=frozen_models,
+    context = SamplingContext(policy_state=policy_state, served_models=served_models,
                               base_model=config.settings.base_model)
     return SAMPLERS[settings.type](settings, model, tokenizer, context)
-
-
-def frozen_identity(config: RlConfig, frozen) -> str:
-    """`sampled_from` of a frozen model's rollouts: what identifies its weights (as in the training identity), never
-    where it runs: `frozen:served:<name>` for a server you run, `frozen:checkpoint:<id>` or `frozen:<content
-    digest>` for one rollout serves."""
-    if isinstance(frozen, ExternalModel):
-        return f"frozen:served:{frozen.name}"
-    from rollout_lib.serving.references import content_identity
-
-    return f"frozen:{content_identity(frozen.model, ObjectStore(config.run.store, config.run.storage_options or None))}"
 
 
 def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table],

@@ -4,117 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import Counter
 
-import blake3
 import pyarrow as pa
 
-from rollout_lib.config.rl import (
-    EnvSettings,
-    JudgeSettings,
-    RewardFunctionSettings,
-    RewardModelSettings,
-    RlConfig,
-    env_locator,
-)
-from rollout_lib.reward.functions import resolve_reward_function
-from rollout_lib.reward.judge import JudgeClient, LlmJudge, WithJudge
+from rollout_lib.config.rl import EnvSettings, RlConfig, env_locator
+from rollout_lib.hardware import hardware_of_config
 from rollout_lib.reward.loop import (
     RewardLoop,
     RewardResult,
-    is_async_callable,
     raise_if_all_missing,
     raise_if_too_many_missing,
     reward_metrics,
 )
-from rollout_lib.reward.reward_model import COUNTS, RewardModelScorer, ServedRewardModelScorer, load_scorer
+from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.reward.tables import apply_rewards, reward_inputs
-from rollout_lib.store import canonical_json
 
 
-class RewardLoops:
-    """The reward loops of a run (they own worker processes), one per distinct reward settings, and its reward
-    models (each loaded once, shared by every env that names it), created on first use and reused across steps.
-    Whoever creates it closes it (`with RewardLoops(...) as loops:`)."""
+def run_reward_loops(config: RlConfig, served_models=None) -> RewardLoops:
+    """The run's RewardLoops (reward/loops.py; close it, or `with run_reward_loops(...) as loops:`):
+    `served_models` (serving.served.ServedModels) reaches judges and reward models served with vLLM."""
+    return RewardLoops(config.settings.reward_loop, served_models, hardware=hardware_of_config(config))
 
-    def __init__(self, config: RlConfig, frozen_models=None):
-        """`frozen_models` (serving.frozen.FrozenModels): the run's, for rewards that call a judge model and reward
-        models served with vLLM."""
-        self.config = config
-        self.settings = config.settings.reward_loop
-        self.frozen_models = frozen_models
-        self._loops: dict[str, RewardLoop] = {}
-        self._scorers: dict[str, RewardModelScorer | ServedRewardModelScorer] = {}
 
-    def for_env(self, env: EnvSettings, rewards: list | None = None, where: str = "rewards") -> RewardLoop:
-        """The loop of the env's rewards, or of `rewards` (its held-out evaluation's: `where` = "eval.rewards")."""
-        rewards = env.rewards if rewards is None else rewards
-        # A reward model's store is a locator the settings dump leaves out; two stores are two models.
-        stores = [r.reward_model.store for r in rewards if isinstance(r, RewardModelSettings)]
-        key = blake3.blake3(canonical_json([[r.model_dump(mode="json") for r in rewards], stores,
-                                            self.settings.model_dump(mode="json")])).hexdigest()
-        if key not in self._loops:
-            index = [e.name for e in self.config.settings.envs].index(env.name)
-            functions = [(self._reward(r, env_locator(index, f"{where}[{r_index}]")), r.weight)
-                         for r_index, r in enumerate(rewards)]
-            self._loops[key] = RewardLoop(functions, concurrency=self.settings.concurrency,
-                                          timeout_s=self.settings.timeout_s, sync_workers=self.settings.sync_workers)
-        return self._loops[key]
-
-    def _reward(self, reward, where: str):
-        if isinstance(reward, JudgeSettings):
-            client = self._judge_client(reward.judge, reward.max_tokens, reward.temperature, where)
-            return LlmJudge(client, reward.template, reward.pattern, reward.score_range, reward.system_prompt)
-        if isinstance(reward, RewardFunctionSettings):
-            if reward.judge is None:
-                return resolve_reward_function(reward.function, reward.kwargs)
-            function = resolve_reward_function(reward.function)
-            if not is_async_callable(function):
-                raise ValueError(f"{where}.function: {reward.function!r} is sync; a reward function that calls a "
-                                 "judge is async (sync functions run in worker processes, away from the run's pool)")
-            return WithJudge(function, self._judge_client(reward.judge, reward.judge_max_tokens, 0.0, where),
-                             reward.kwargs)
-        return self.reward_model(reward, f"{where}.reward_model")
-
-    def reward_model(self, reward: RewardModelSettings, where: str) -> RewardModelScorer | ServedRewardModelScorer:
-        """The scorer of a reward model, loaded (or served) on first use and shared by every env that names it."""
-        key = canonical_json([reward.model_dump(mode="json", exclude={"weight"}), reward.reward_model.store])
-        if key not in self._scorers:
-            if reward.engine == "vllm" and self.frozen_models is None:
-                raise ValueError(f"{where}: a served reward model needs the run's FrozenModels "
-                                 "(RewardLoops(config, frozen_models))")
-            from rollout_lib.hardware import hardware_of_config  # torch: only where a model loads
-
-            self._scorers[key] = load_scorer(reward, self.frozen_models, where,
-                                             hardware=hardware_of_config(self.config))
-        return self._scorers[key]
-
-    def _judge_client(self, judge, max_tokens: int, temperature: float, where: str) -> JudgeClient:
-        if self.frozen_models is None:
-            raise ValueError(f"{where}.judge: a judge needs the run's FrozenModels "
-                             "(RewardLoops(config, frozen_models))")
-        return JudgeClient(self.frozen_models.pool(judge, where=f"{where}.judge"), max_tokens, temperature)
-
-    def take_reward_model_metrics(self) -> dict[str, int]:
-        """`reward_model/<count>` summed over the run's reward models since the last call (none without one)."""
-        counts: Counter = Counter()
-        for scorer in self._scorers.values():
-            counts.update(scorer.take_counts())
-        return {f"reward_model/{name}": counts[name] for name in COUNTS} if self._scorers else {}
-
-    def close(self) -> None:
-        while self._loops:
-            _, loop = self._loops.popitem()
-            loop.close()
-        while self._scorers:
-            _, scorer = self._scorers.popitem()
-            scorer.close()
-
-    def __enter__(self) -> "RewardLoops":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+def env_reward_loop(loops: RewardLoops, config: RlConfig, env: EnvSettings, *, held_out: bool = False) -> RewardLoop:
+    """The loop of an env's rewards, or of its held-out evaluation's when that names its own (`eval.rewards`)."""
+    index = [e.name for e in config.settings.envs].index(env.name)
+    if held_out and env.eval.rewards:
+        return loops.for_rewards(env.eval.rewards, env_locator(index, "eval.rewards"))
+    return loops.for_rewards(env.rewards, env_locator(index, "rewards"))
 
 
 def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str, pa.Table],
@@ -135,7 +52,8 @@ def reward_results(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
     results gives the same list (the fan-out of a dask or ray task runner)."""
     envs = rollouts.column("env").to_pylist()
     rows_by_env = {env.name: [i for i, name in enumerate(envs) if name == env.name] for env in config.settings.envs}
-    env_loops = [loops.for_env(env) for env in config.settings.envs]  # outside the event loop: may connect a judge
+    # outside the event loop: may connect a judge
+    env_loops = [env_reward_loop(loops, config, env) for env in config.settings.envs]
 
     async def score_all():  # typed row indices: a chunk may hold no rows of an env
         return await asyncio.gather(*(

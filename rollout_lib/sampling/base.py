@@ -64,11 +64,11 @@ class SamplerSettings(BaseModel):
 @dataclass(frozen=True)
 class SamplingContext:
     """What a sample stage knows besides the model: the policy state id the model is at (every rollouts row records
-    it as `sampled_from`), and the run's served models (serving.frozen.FrozenModels), through which a backend that
+    it as `sampled_from`), and the run's served models (serving.served.ServedModels), through which a backend that
     samples on an engine owns its policy server, and the base model reference that server starts from."""
 
     policy_state: str | None = None
-    served_models: Any = None  # serving.frozen.FrozenModels
+    served_models: Any = None  # serving.served.ServedModels
     base_model: Any = None  # config.common.ModelRef: what the policy server loads at start (then reloaded)
 
 

@@ -1,5 +1,5 @@
 """The live policy sampled on a vLLM engine: the run's policy server (serving/policy_server.py), owned by the run's
-FrozenModels and reached through the stage's SamplingContext.
+ServedModels and reached through the stage's SamplingContext.
 
 Before a stage samples, the server is brought to the policy state the stage samples from
 (`SamplingContext.policy_state`): reloaded in place from the trainer's in-memory weights and verified with the

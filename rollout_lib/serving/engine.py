@@ -103,7 +103,7 @@ class Deployment:
     ready: bool = False  # every replica answered once the start finished
     # The process that started it for its own use (a flow run), which stops it when done; None: started to be kept
     # (`rollout serve start`). A deployment whose owner died without stopping it (SIGKILL) is an orphan: the
-    # next user of the same model adopts it (serving/frozen.py), so it is stopped eventually.
+    # next user of the same model adopts it (serving/served.py), so it is stopped eventually.
     owner_pid: int | None = None
     # Serves the policy being trained: dev mode on, weights reloaded in place (serving/policy_server.py).
     live_policy: bool = False

@@ -1,7 +1,7 @@
 """The live policy on a vLLM engine: a deployment started from the base model in vLLM's dev mode, whose weights
 are reloaded in place to the policy state a sample stage samples from, and checked before anything samples.
 
-    server = frozen_models.policy_server(base_model, replicas=1)  # started (or an orphan adopted), run-owned
+    server = served_models.policy_server(base_model, replicas=1)  # started (or an orphan adopted), run-owned
     server.hold(state_id, model, tokenizer)  # every replica holds `model`'s weights, verified; no-op if it does
     await server.pool.generate(...)          # an EndpointPool over the replicas
     server.recover()                         # replicas died mid-step: restart them (they hold nothing until `hold`)

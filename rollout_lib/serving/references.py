@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from rollout_lib.model.loading import exported_checkpoint, model_content_digest
+from rollout_lib.model.loading import exported_checkpoint
 from rollout_lib.store import ObjectStore, StoreError, is_content_id
 
 DEFAULT_MAX_MODEL_LEN = 2048  # upper bound of the default: the model's max_position_embeddings if smaller
@@ -23,18 +23,6 @@ def checkpoint_in_store(uri: str, store: ObjectStore | None) -> str | None:
     if store is None or Path(uri).expanduser().is_dir() or "/" not in uri:
         return None
     return store.get_ref(uri)
-
-
-def content_identity(ref, store: ObjectStore | None) -> str:
-    """What a served model's weights are, for cache keys: the checkpoint id, or the model's content digest."""
-
-    try:
-        checkpoint_id = checkpoint_in_store(ref.uri, store)
-    except StoreError as exc:
-        if not str(exc).startswith("invalid ref name"):
-            raise
-        checkpoint_id = None  # not a ref's spelling (an absolute path, say): an ordinary model reference
-    return f"checkpoint:{checkpoint_id}" if checkpoint_id else model_content_digest(ref)
 
 
 def served_model_directory(reference, store_url: str | None = None) -> Path:

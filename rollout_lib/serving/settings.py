@@ -59,7 +59,7 @@ class ServedModel(FrozenClientSettings):
     max_model_len: int | None = Field(None, ge=16)  # default: the model's own, at most 2048
 
     def identity_settings(self) -> dict:
-        # The reference's spelling is not its identity: trainer.identity adds the content digest of what it
+        # The reference's spelling is not its identity: identity.training adds the content digest of what it
         # names (the same files under another path, or a checkpoint by id or by ref, are the same model).
         return {"served_by": "rollout"}
 

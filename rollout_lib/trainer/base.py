@@ -23,7 +23,7 @@ class NonFiniteLossError(FloatingPointError):
 @dataclass(frozen=True)
 class TrainingInputs:
     """What a trainer is built from: the store, the validated settings (an RmConfig, SftConfig or RlConfig), the
-    chain's identity (`trainer.identity.training_identity`: what decides the weights), and the content ids of the
+    chain's identity (`identity.training.training_identity`: what decides the weights), and the content ids of the
     tables its steps read (recorded in every checkpoint)."""
 
     store: ObjectStore

@@ -190,27 +190,61 @@ def failure_message(where: str, returncode: int | None, tail: list[str], rerun: 
     """`where`: which rank failed and how, from torchrun's failure summary ("rank : 1 (local_rank: 1)",
     "exitcode : -9", "traceback : Signal 9 (SIGKILL) received by PID ..."), else the last lines of output; then
     what a rerun does (`rerun`) and the last output."""
-    text = _root_cause(tail)
-    ranks = re.findall(r"rank\s*:\s*(\d+) \(local_rank", text)
-    exitcodes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
-    causes = re.findall(r"traceback\s*:\s*(.+)", text)
-    if ranks:
-        cause = causes[0].strip() if causes else f"exit code {exitcodes[0] if exitcodes else '?'}"
+    failure = first_failure(tail)
+    if failure is not None:
+        cause = failure["traceback"] or f"exit code {failure['exitcode']}"
         if cause.startswith("To enable traceback"):  # torchrun's placeholder: the worker's own error is above
             errors = [line for line in tail if re.search(r"\b\w+(Error|Exception)\b:", line)
                       and "ChildFailedError" not in line]
-            cause = errors[-1].strip() if errors else f"exit code {exitcodes[0] if exitcodes else '?'}"
-        message = f"{where}: rank {ranks[0]} exited with code {exitcodes[0] if exitcodes else '?'} ({cause})"
+            cause = errors[-1].strip() if errors else f"exit code {failure['exitcode']}"
+        message = f"{where}: rank {failure['rank']} exited with code {failure['exitcode']} ({cause})"
     else:
         message = f"{where}: torchrun exited with code {returncode}"
     return f"{message}; {rerun}.\nlast output:\n" + "\n".join(tail[-20:])
 
 
-def _root_cause(tail: list[str]) -> str:
-    return "\n".join(tail).split("Root Cause")[-1]  # torchrun lists the first failure last, under this title
+_FAILURE = re.compile(r"^\s*\[\d+\]:\s*$")
+_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
+SIGTERM_EXIT = -15  # how torchrun stops the ranks still running once one has failed
+
+
+def first_failure(tail: list[str]) -> dict | None:
+    """The failure that started it, from torchrun's summary: {"rank", "exitcode", "traceback"}, or None when the
+    output holds no summary. torchrun names its "Root Cause" by time, at one-second resolution, so a rank it
+    stopped itself (SIGTERM, once another rank died) can tie with the rank that died and win on rank order: a
+    failure that is not torchrun's own SIGTERM is preferred."""
+    text = "\n".join(tail)
+    start = text.rfind("Failures:")
+    if start < 0:
+        return None
+    failures, current = [], None
+    for line in text[start:].splitlines():
+        if _FAILURE.match(line):
+            current = {}
+            failures.append(current)
+            continue
+        found = _FIELD.match(line)
+        if current is not None and found and found.group(1) not in current:  # a traceback's own lines may match
+            current[found.group(1)] = found.group(2).strip()
+    failures = [parsed for parsed in map(_parsed_failure, failures) if parsed is not None]
+    if not failures:
+        return None
+    root = failures[-1]  # torchrun lists its root cause last
+    if root["exitcode"] == SIGTERM_EXIT:
+        return next((failure for failure in failures if failure["exitcode"] != SIGTERM_EXIT), root)
+    return root
+
+
+def _parsed_failure(fields: dict[str, str]) -> dict | None:
+    rank = re.match(r"(\d+)", fields.get("rank", ""))
+    if rank is None:
+        return None
+    code = re.match(r"(-?\d+)", fields.get("exitcode", ""))
+    return {"rank": int(rank.group(1)), "exitcode": int(code.group(1)) if code else "?",
+            "traceback": fields.get("traceback", "")}
 
 
 def root_cause_rank(tail: list[str]) -> int | None:
-    """The rank torchrun's failure summary names as the first to fail, if it names one."""
-    found = re.search(r"rank\s*:\s*(\d+) \(local_rank", _root_cause(tail))
-    return int(found.group(1)) if found else None
+    """The rank whose failure started it (first_failure), if torchrun's summary names one."""
+    failure = first_failure(tail)
+    return failure["rank"] if failure is not None else None

@@ -1,22 +1,23 @@
-"""A run's frozen models, connected once: each distinct frozen-model setting of a config becomes one started
-replica pool, whichever way it was declared.
+"""Every model a run reaches over HTTP, owned in one place: `ServedModels` starts or connects each one once, hands out
+its replica pool, and stops what it started at `close()`. Three kinds:
 
-- `{ base_url = [...], name = ... }`: a pool over the user's replicas, probed at connection.
-- `{ model = "<ref>" }`: a deployment rollout serves (engine.py). One already running for the same model
-  directory (a `rollout serve start` the user kept, or the test session's) is reused and left running; one this
-  object started is stopped by `close()`, so nothing outlives the run unless the user asked for it. A run killed
-  before it could close leaves an orphan (its record names the dead owner): the next run of that model adopts it,
-  reusing the warm server and stopping it when done.
+- **Frozen models** (teachers, judges, frozen samplers): each distinct setting becomes one started replica pool.
+  `{ base_url = [...], name = ... }`: a pool over the user's replicas, probed at connection. `{ model = "<ref>" }`:
+  a deployment rollout serves (engine.py); one already running for the same model directory (a `rollout serve
+  start` the user kept, or the test session's) is reused and left running. Connecting checks the served model's
+  tokenizer against the policy's (tokenizers.py): a mismatch is a config error naming the setting, raised before
+  any step samples or trains.
+- **Reward models** served by vLLM's pooling runner (`reward_model_pool`).
+- **The policy server** (`policy_server`, serving/policy_server.py) when the live policy samples on the engine: a
+  deployment of the base model in dev mode, started for this run (or a killed run's orphan of the same model
+  adopted), never shared with frozen models or another run.
 
-Connecting also checks the served model's tokenizer against the policy's (tokenizers.py): a mismatch is a config
-error naming the setting, raised before any step samples or trains.
+What this object started is stopped by `close()`, so nothing outlives the run unless the user asked for it. A run
+killed before it could close leaves orphans (their records name the dead owner): the next run of that model adopts
+them, reusing the warm server and stopping it when done.
 
-The flow creates one `FrozenModels`, hands it to the tasks that need a frozen model (a resource, never part of a
+The flow creates one `ServedModels`, hands it to the tasks that need a served model (a resource, never part of a
 cache key: tasks.common.RESOURCE_PARAMETERS) and closes it at the end.
-
-It also owns the run's policy server (`policy_server`, serving/policy_server.py) when the live policy samples on the
-engine: a deployment of the base model in dev mode, started for this run (or a killed run's orphan of the same
-model adopted), never shared with frozen models or another run, and stopped by `close()`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from rollout_lib.store import canonical_json
 log = logging.getLogger(__name__)
 
 
-class FrozenModels:
+class ServedModels:
     def __init__(self, store_url: str | None = None):
         self.store_url = store_url  # where checkpoint references ({ model = "runs/<name>/latest" }) are found
         self._pools: dict[bytes, EndpointPool] = {}
@@ -150,7 +151,7 @@ class FrozenModels:
         self._started.append(deployment.name)
         return deployment
 
-    def __enter__(self) -> "FrozenModels":
+    def __enter__(self) -> "ServedModels":
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -13,8 +13,10 @@ import functools
 import blake3
 
 from rollout_lib.config.loading import training_hash
-from rollout_lib.model.loading import model_content_digest
 from rollout_lib.errors import ConfigError
+from rollout_lib.model.loading import ModelLoadError, model_content_digest
+from rollout_lib.serving.references import checkpoint_in_store
+from rollout_lib.serving.settings import ExternalModel
 from rollout_lib.store import ObjectStore, StoreError, canonical_json
 
 
@@ -23,20 +25,36 @@ def training_identity(config) -> str:
     frozen model rollout serves from a reference: a teacher's weights decide the student's as much as a
     setting does, and of every reward model an env scores with: retraining it, moving `runs/<rm>/latest`, changes
     every reward)."""
-    return _identity(training_hash(config), config.settings.base_model, _served_models(config),
+    return _identity(training_hash(config), config.settings.base_model, tuple(served_model_contents(config).values()),
                      reward_model_contents(config))
+
+
+def content_identity(ref, store: ObjectStore | None) -> str:
+    """What a served model's weights are: `checkpoint:<id>` for a checkpoint of the store, else the model's
+    content digest."""
+    try:
+        checkpoint_id = checkpoint_in_store(ref.uri, store)
+    except StoreError as exc:
+        if not str(exc).startswith("invalid ref name"):
+            raise
+        checkpoint_id = None  # not a ref's spelling (an absolute path, say): an ordinary model reference
+    return f"checkpoint:{checkpoint_id}" if checkpoint_id else model_content_digest(ref)
+
+
+def frozen_identity(config, frozen) -> str:
+    """`sampled_from` of a frozen model's rollouts: what identifies its weights (as in the training identity), never
+    where it runs: `frozen:served:<name>` for a server you run, `frozen:checkpoint:<id>` or `frozen:<content
+    digest>` for one rollout serves."""
+    if isinstance(frozen, ExternalModel):
+        return f"frozen:served:{frozen.name}"
+    return f"frozen:{content_identity(frozen.model, _store(config))}"
 
 
 def reward_model_contents(config) -> tuple[str, ...]:
     """The content digest of each reward model of an RL config, in config order (a checkpoint: its id). A reference
     that resolves nowhere (`runs/<rm>/latest` not trained yet) is a ConfigError naming its setting."""
-    found = getattr(config, "reward_models", list)()
-    if not found:
-        return ()
-    from rollout_lib.model.loading import ModelLoadError
-
     contents = []
-    for where, reward in found:
+    for where, reward in getattr(config, "reward_models", list)():
         try:
             contents.append(model_content_digest(reward.reward_model))
         except (ModelLoadError, StoreError) as exc:
@@ -44,19 +62,19 @@ def reward_model_contents(config) -> tuple[str, ...]:
     return tuple(contents)
 
 
-def _served_models(config) -> tuple[str, ...]:
-    frozen = [(where, settings) for where, settings in getattr(config, "frozen_models", list)()
+def served_model_contents(config) -> dict[str, str]:
+    """The content identity of each frozen model rollout serves from a reference, by its setting's locator, in config
+    order (a model you serve yourself, given by URL, has none: it is named, not hashed). A reference that resolves
+    nowhere (a teacher's `runs/<name>/latest` not trained yet) is a ConfigError naming the setting."""
+    served = [(where, settings) for where, settings in getattr(config, "frozen_models", list)()
               if hasattr(settings, "model")]
-    if not frozen:
-        return ()
-    from rollout_lib.model.loading import ModelLoadError
-    from rollout_lib.serving.references import content_identity
-
-    store = ObjectStore(config.run.store, config.run.storage_options or None)
-    identities = []
-    for where, settings in frozen:
+    if not served:
+        return {}
+    store = _store(config)
+    identities = {}
+    for where, settings in served:
         try:
-            identities.append(content_identity(settings.model, store))
+            identities[where] = content_identity(settings.model, store)
         except ModelLoadError as exc:
             # A teacher's checkpoint not trained yet (runs/<name>/latest missing from the store) fails here, the
             # first thing a run does: name the setting and where the ref was looked for.
@@ -66,7 +84,11 @@ def _served_models(config) -> tuple[str, ...]:
             else:
                 message = str(exc)
             raise ConfigError([(f"{where}.model", message)]) from None
-    return tuple(identities)
+    return identities
+
+
+def _store(config) -> ObjectStore:
+    return ObjectStore(config.run.store, config.run.storage_options or None)
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,81 @@
+"""What a task's result depends on besides its settings and the content ids it reads: the digest of a data file,
+and the source of user code it runs (reward functions, algorithm plugins and custom advantage functions,
+environments). User code is outside the project's code version (identity/code.py), so each task's key names the
+source file of every outside module it calls: editing a reward function re-scores on the next run instead of
+returning old scores from cache. Only that file: helpers it imports from elsewhere are not followed.
+
+Every function returns plain JSON for a key; a file or module that cannot be found digests as "missing" (the task
+itself then reports it, naming the place).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollout_lib.algo import ALGORITHMS
+from rollout_lib.identity.code import PROJECT_PACKAGES
+from rollout_lib.identity.files import file_digest
+from rollout_lib.identity.training import reward_model_contents
+from rollout_lib.model.loading import model_content_digest
+from rollout_lib.reward.locate import find_module_spec
+
+
+def module_digest(module: str) -> str:
+    """The blake3 of a module's source file, found without running it or its parent packages."""
+    spec = find_module_spec(module)
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return "missing"
+    return file_digest(spec.origin)
+
+
+def _env(config, name: str):
+    return next(env for env in config.settings.envs if env.name == name)
+
+
+def prompt_sources(config, env_name: str) -> dict:
+    """What an env's prompts are made of: its source settings (and the file's digest) and how many a step draws."""
+    env = _env(config, env_name)
+    source = {"source": env.source.model_dump(mode="json"), "prompts_per_step": env.prompts_per_step}
+    return {**source, "file": file_digest(env.source.path)} if env.source.type == "jsonl_path" else source
+
+
+def reward_sources(config) -> dict:
+    """The source of each user reward function's module ("pkg.module:attr"), and each reward model's content (a
+    checkpoint: its id), so a retrained reward model (`runs/<rm>/latest` moved) re-scores."""
+    specs = {reward.function for env in config.settings.envs for reward in env.rewards if hasattr(reward, "function")}
+    sources = {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
+    reward_models = reward_model_contents(config)
+    return {**sources, "reward_models": list(reward_models)} if reward_models else sources
+
+
+def algorithm_sources(config) -> dict:
+    """Algorithms outside the project (entry-point plugins) and the user functions they name (a custom algorithm's
+    import path): each one's module source."""
+    modules = set()
+    for env in config.settings.envs:
+        modules.add(ALGORITHMS[env.algo.type].__module__)
+        modules.update(env.algo.user_modules())
+    return {"algorithm_sources": {module: module_digest(module) for module in sorted(modules)
+                                  if module.split(".")[0] not in PROJECT_PACKAGES}}
+
+
+def interaction_sources(config) -> dict:
+    """A user's environment (a custom interaction's import path) decides the episodes: its module's source."""
+    modules = {module for env in config.settings.envs if env.interaction is not None
+               for module in env.interaction.user_modules()}
+    return {"interaction_sources": {module: module_digest(module) for module in sorted(modules)}} if modules else {}
+
+
+def eval_sources(config, env_name: str) -> dict:
+    """What an env's held-out evaluation reads besides the policy: its settings, its prompt file, the source of user
+    reward functions and the content of reward models it scores with."""
+    evaluation = _env(config, env_name).eval
+    sources = {"eval": evaluation.model_dump(mode="json")}
+    if evaluation.source.type == "jsonl_path":
+        sources["file"] = file_digest(evaluation.source.path)
+    for reward in evaluation.rewards or ():
+        if hasattr(reward, "function") and ":" in reward.function:
+            sources[reward.function] = module_digest(reward.function.partition(":")[0])
+        if hasattr(reward, "reward_model"):
+            sources[reward.reward_model.uri] = model_content_digest(reward.reward_model)
+    return sources

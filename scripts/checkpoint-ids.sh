@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The final checkpoint id of every shipped tiny config, trained from scratch into a fresh store: run it before and
+# after a change that should not change behaviour (a refactor) and compare the two lists. Ids are reproducible per
+# machine type, not across CPU instruction sets (docs/hardware.md), so compare lists made on one machine.
+#   bash scripts/checkpoint-ids.sh [CHECKOUT] > ids.txt   # CHECKOUT: another tree of the project (default: this one)
+# The rl-calculator / rl-guess configs start from sft-tools-tiny's checkpoint, so they share its store.
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+checkout="$(cd "${1:-$here}" && pwd)"
+python="${VENV:-$here/.venv}/bin/python"
+work="$(mktemp -d "${TMPDIR:-/tmp}/checkpoint-ids.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+train() {  # entry point, config name, store name
+  local out
+  if ! out=$(cd "$checkout" && "$python" -m rollout_cli train "$1" --config "configs/$2.toml" --quiet \
+               --set "run.store=$work/$3" 2>"$work/$2.err"); then
+    echo "$2 FAILED (see the end of its log below)"; tail -5 "$work/$2.err"; return 1
+  fi
+  printf '%-18s %s\n' "$2" "$(printf '%s\n' "$out" "$(cat "$work/$2.err")" | grep -oE 'final checkpoint: [0-9a-f]{64}' \
+                                | head -n 1 | cut -d' ' -f3)"
+}
+
+train rm rm-tiny rm
+train sft sft-tiny sft
+train sft sft-teacher-tiny sft-teacher
+train rl rl-tiny rl
+train rl rl-opsd rl-opsd
+train rl rl-custom rl-custom
+train rlhf rlhf-tiny rlhf
+train sft sft-tools-tiny tools
+train rl rl-calculator tools
+train rl rl-guess tools
