@@ -293,14 +293,25 @@ def vllm_tiny():
 # Session fixtures that start servers: every test using one runs in the same pytest-xdist worker, so the suite starts
 # each server once (README: `pytest -n 2 --dist loadgroup`).
 SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack"}
+# The longest groups (seconds on one 2-core worker, measured 2026-11-26), handed out first so that neither worker is
+# left with a long group at the end; the rest follow in file order.
+LONGEST_GROUPS = ["vllm_tiny", "worker_stack", "test_policy_engine", "test_off_policy", "test_distillation",
+                  "test_cache_keys", "test_task_runners", "test_rl_data_parallel", "test_rlhf_flow",
+                  "test_served_reward_model"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
 def pytest_collection_modifyitems(config, items):
     """Group the tests for pytest-xdist's `--dist loadgroup`: a test that uses a session server goes with that
-    server's group, every other test with its module (module fixtures, such as a trained teacher, are set up once)."""
+    server's group, every other test with its module (module fixtures, such as a trained teacher, are set up once).
+    The longest groups come first."""
+    groups = {}
     for item in items:
         group = next((SHARED_SERVERS[name] for name in item.fixturenames if name in SHARED_SERVERS), None)
-        item.add_marker(pytest.mark.xdist_group(group or item.module.__name__))
+        groups[item] = group or item.module.__name__.rpartition(".")[2]
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    rank = {group: index for index, group in enumerate(LONGEST_GROUPS)}
+    items.sort(key=lambda item: rank.get(groups[item], len(rank)))  # stable: file order within a rank
 
 
 def pytest_sessionfinish(session, exitstatus):
