@@ -239,7 +239,7 @@ def _server_env(deployment: Deployment, replica_count: int) -> dict[str, str]:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin the cores the trainer shares
     # The model runs in the engine-core process, not in a third "Worker" process it feeds over shared memory: on
     # these CPUs a replica is ready in 12-13.5 s instead of 17.5-19.6 s and SmolLM2 samples 447 tokens/s instead of
-    # 331-340, the same tokens (../shared/notes/serving.md; docs/serving.md). vLLM's CPU platform only allows its
+    # 331-340, the same tokens (docs/serving.md, "One process per replica"). vLLM's CPU platform only allows its
     # one-process executor with this off, since it cannot then pin threads to cores, which `nobind` declines anyway.
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
