@@ -12,14 +12,13 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/checkpoint-ids.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-train() {  # entry point, config name, store name
+train() {  # entry point, config name, store name: prints "<config> <checkpoint id>" (stdout's JSON result)
   local out
   if ! out=$(cd "$checkout" && "$python" -m rollout_cli train "$1" --config "configs/$2.toml" --quiet \
                --set "run.store=$work/$3" 2>"$work/$2.err"); then
-    echo "$2 FAILED (see the end of its log below)"; tail -5 "$work/$2.err"; return 1
+    echo "$2 FAILED:"; tail -5 "$work/$2.err"; return 1
   fi
-  printf '%-18s %s\n' "$2" "$(printf '%s\n' "$out" "$(cat "$work/$2.err")" | grep -oE 'final checkpoint: [0-9a-f]{64}' \
-                                | head -n 1 | cut -d' ' -f3)"
+  printf '%-18s %s\n' "$2" "$(printf '%s\n' "$out" | grep -m1 -oE '"checkpoint": "[0-9a-f]{64}"' | cut -d'"' -f4)"
 }
 
 train rm rm-tiny rm
@@ -27,7 +26,7 @@ train sft sft-tiny sft
 train sft sft-teacher-tiny sft-teacher
 train rl rl-tiny rl
 train rl rl-opsd rl-opsd
-train rl rl-custom rl-custom
+PYTHONPATH="$checkout/tests" train rl rl-custom rl-custom  # its advantage function lives in tests/
 train rlhf rlhf-tiny rlhf
 train sft sft-tools-tiny tools
 train rl rl-calculator tools

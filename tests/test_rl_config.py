@@ -64,6 +64,40 @@ def test_algo_defaults_to_grpo_and_is_chosen_per_env_by_type():
     assert dumped[1]["algo"] == {"type": "max_rl"}
 
 
+def test_envs_without_an_algo_inherit_the_run_level_one_and_the_spelling_is_not_the_identity():
+    """seed 002: `[algorithm.rl.algo]` is the default of every env that names none; folded into the envs, so a
+    run that spells it per env is the same training (same dump, same hash)."""
+    raw = raw_config()
+    del raw["algorithm"]["rl"]["envs"][0]["algo"]
+    second = {**raw["algorithm"]["rl"]["envs"][0], "name": "own", "algo": {"type": "grpo"}}
+    raw["algorithm"]["rl"]["envs"].append(second)
+    raw["algorithm"]["rl"]["algo"] = {"type": "max_rl"}
+    config = validate_config(RlConfig, raw)
+    assert isinstance(config.settings.envs[0].algo, MaxRlSettings)  # inherited
+    assert config.settings.envs[1].algo == GrpoSettings()  # its own wins
+    assert "algo" not in config.model_dump(mode="json")["algorithm"]["rl"]
+    spelled = raw_config(algo={"type": "max_rl"})
+    spelled["algorithm"]["rl"]["envs"].append(second)
+    assert training_hash(validate_config(RlConfig, spelled)) == training_hash(config)
+    raw["algorithm"]["rl"]["algo"] = {"type": "max_rl", "std_eps": 1.0}  # max_rl has no such knob
+    assert "algorithm.rl.envs[0].algo" in error_of(raw)
+
+
+def test_sft_names_its_teacher_as_the_sampling_source():
+    """seed 002's `teacher` alias: sft's teacher folds into sampler.source (fill-or-agree)."""
+    teacher = {"model": "runs/teacher-tiny/latest"}
+    aliased = validate_config(RlConfig, raw_config(algo={"type": "sft", "teacher": teacher}))
+    spelled = validate_config(RlConfig, raw_config(algo={"type": "sft"}, sampler={"source": teacher}))
+    assert aliased.settings.envs[0].sampler.frozen.model.uri == "runs/teacher-tiny/latest"
+    assert training_hash(aliased) == training_hash(spelled)
+    agreeing = raw_config(algo={"type": "sft", "teacher": teacher}, sampler={"source": teacher})
+    assert training_hash(validate_config(RlConfig, agreeing)) == training_hash(spelled)
+    conflicting = raw_config(algo={"type": "sft", "teacher": teacher}, sampler={"source": {"model": "tiny:qwen2"}})
+    [line] = error_of(conflicting).splitlines()
+    assert line.startswith("algorithm.rl.envs[0]: ") and "algo.teacher and sampler.source name different models" \
+        in line, line
+
+
 def test_unknown_algorithm_names_the_ones_that_exist():
     assert (
         "algorithm.rl.envs[0].algo: `type` must be one of: custom, echo, grpo, max_rl, opd, opsd, reward, sft") in error_of(

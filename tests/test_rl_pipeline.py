@@ -1,5 +1,6 @@
 """The RL step in-process (no Prefect): two envs with different sources, rewards and algorithms in one run,
-missing rewards, a step where every reward fails, and replay of the policy state from its last snapshot."""
+missing rewards, a step where every reward fails, replay of the policy state from its last snapshot, and the
+zero-advantage filter."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from unittest.mock import ANY
 
 import json
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -176,3 +178,65 @@ def test_replay_from_the_last_snapshot_reaches_the_same_weights(tmp_path, tiny_m
                                                other_run.store.put_table(out["micro_batches_table"]), other_resident)
         assert other_state == state  # a state's id is what was trained, whatever the store
         assert snapshot_policy(other_run, other_state, other_resident, {}) == checkpoint
+
+
+def test_the_zero_advantage_filter_drops_samples_without_credit_and_keeps_every_other_signal():
+    """seed 002's filter (rl/filters.py): rl-only samples whose every rl advantage is 0 go; ce / ref_kl samples
+    stay whatever their advantages; a sample missing its advantages stays for packing to refuse; a step left with
+    nothing keeps one sample with every weight zeroed, so it trains nothing."""
+    from rollout_lib.rl.filters import drop_zero_advantage_samples
+
+    def sample(name, advantages, **streams):
+        return {"sample_id": name, "env": "e", "input_ids": [1, 2, 3, 4], "loss_mask": [False, False, True, True],
+                "advantages": advantages, "rl_weights": None, "ce_weights": None, "ref_kl_weights": None,
+                "ref_logprobs": None, "inference_logprobs": [0.0] * 4, "temperatures": None, **streams}
+
+    rows = [sample("flat", [0.0, 0.0, 0.0, 0.0]),
+            sample("credit", [0.0, 0.0, 0.5, 0.5]),
+            sample("credit-outside-rl", [0.0, 0.0, 0.0, 0.0], rl_weights=[0.0, 0.0, 1.0, 0.0]),
+            sample("prompt-only-credit", [0.3, 0.3, 0.0, 0.0]),  # advantages outside the rl tokens do not count
+            sample("distilled", [0.0] * 4, rl_weights=[0.0] * 4, ref_kl_weights=[0.0, 0.0, 1.0, 1.0],
+                   ref_logprobs=[0.0] * 4),
+            sample("no-advantages", None)]
+    kept, dropped = drop_zero_advantage_samples(pa.Table.from_pylist(rows, schema=wire.TRAINING_SAMPLES))
+    assert kept.column("sample_id").to_pylist() == ["credit", "distilled", "no-advantages"]
+    assert dropped == 3
+
+    flat = pa.Table.from_pylist([sample("a", [0.0] * 4), sample("b", [0.0] * 4)], schema=wire.TRAINING_SAMPLES)
+    kept, dropped = drop_zero_advantage_samples(flat)
+    assert dropped == 2 and kept.num_rows == 1 and kept.column("rl_weights").to_pylist() == [[0.0] * 4]
+
+
+def test_a_filtered_step_trains_on_what_is_left_and_a_step_left_with_nothing_trains_nothing(
+        tmp_path, tiny_model_dir, resident, reward_loops):
+    """`zero_advantage_filter = true` (absent from the identity when off): the pack stage drops the samples without
+    credit and counts them; a step whose every advantage is 0 keeps a zero-weight placeholder and takes no
+    optimizer step (weights unchanged)."""
+    from rollout_lib.config import training_hash
+    from rollout_lib.rl.filters import drop_zero_advantage_samples
+
+    off = config(tmp_path, tiny_model_dir, only_words=True)
+    cfg = config(tmp_path, tiny_model_dir, only_words=True, zero_advantage_filter=True)
+    assert "zero_advantage_filter" not in off.training_settings() and training_hash(cfg) != training_hash(off)
+    run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-filter"))
+    state = initial_policy(run, resident)
+    policy = policy_at(run, state, resident)
+    rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer), prompts, 1)
+    scored, _ = score_rollouts(cfg, rollouts, prompts, reward_loops(cfg))
+    samples, _ = training_samples(cfg, scored)
+    flat = sum(1 for row in samples.to_pylist() if not any(row["advantages"] or [0.0]))
+    micro_batches, metrics = pack(cfg, samples)
+    assert metrics["filtered/zero_advantage"] == flat >= 3  # the group whose rewards are all missing, at least
+    assert sum(len(ids) for ids in micro_batches.column("sample_ids").to_pylist()) == samples.num_rows - flat
+
+    no_credit = samples.set_column(samples.schema.get_field_index("advantages"), "advantages",
+                                   pa.array([[0.0] * len(ids) for ids in samples.column("input_ids").to_pylist()],
+                                            pa.list_(pa.float32())))
+    placeholder, dropped = drop_zero_advantage_samples(no_credit)
+    assert dropped == samples.num_rows and placeholder.num_rows == 1
+    before = {name: tensor.clone() for name, tensor in policy.model.state_dict().items()}
+    micro_batches, _ = pack(off, placeholder)
+    state, trained = train_policy_step(run, state, 1, run.store.put_table(micro_batches), resident)
+    assert trained["grad_norm"] == 0.0 and trained["tokens/rl"] == 0
+    after = policy_at(run, state, resident).model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)

@@ -1,18 +1,20 @@
 """`rollout train rl` settings: the policy, the trainer, and one or more environments, each with its own
 prompt source, reward functions, sampling settings and algorithm (per env, as in prime-rl's seed 002).
 
-    [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval
+    [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval, zero_advantage_filter
     [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .reward_loop / .hardware
     [algorithm.rl.policy_sampler]  how the live policy samples: { type = "hf", batch_size } (embedded transformers)
                               | { type = "vllm", replicas, concurrency, timeout_s, probe_tolerance } (a vLLM
                               policy server reloaded to each state, sampling/vllm.py)
+    [algorithm.rl.algo]       the algorithm of every env that names none (default: grpo)
     [[algorithm.rl.envs]]     name, prompts_per_step, system_prompt
       source   = { type = "jsonl_path", path = "..." } | { type = "reasoning_gym", dataset = "...", size, seed }
       sampler  = { source = "policy" } (default) | { source = <frozen model> }: where rollouts come from, the live
                  policy or a frozen model ({ model = "<ref>" } or { base_url = [...], name = "..." }, serving/settings.py)
       sampling = { group_size, temperature, top_p, max_tokens }
       interaction = { type = "calculator" | "guess_number" | "custom", max_turns, ... }: multi-turn episodes
-      algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo)
+      algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo); for sft,
+                 `teacher = <frozen model>` is its sampling source
       curriculum = { type = "difficulty_pools", easy_threshold, hard_threshold, easy_weight, hard_weight }:
                  prompts drawn away from examples always solved or never solved (rollout_lib/rl/curriculum.py)
       [[algorithm.rl.envs.rewards]]  function = ... | reward_model = ... | judge = ... (reward/settings.py)
@@ -138,6 +140,26 @@ class EnvSettings(StrictModel):
     # None: a uniform draw; then absent from the settings' dump, so identities from before the setting stay.
     curriculum: DifficultyPoolsSettings | None = Field(None, exclude_if=lambda value: value is None)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _teacher_is_the_sampling_source(cls, value: Any) -> Any:
+        """`algo = { type = "sft", teacher = <frozen model> }`: an algorithm that learns a frozen model's samples
+        names that model where its role is, its sampling source (seed 002's `teacher` alias, folded fill-or-agree:
+        it fills `sampler.source`, or must name the same model). Folded away before validation, so both spellings
+        are one training."""
+        if not isinstance(value, dict) or not isinstance(value.get("algo"), dict) or "teacher" not in value["algo"]:
+            return value
+        algorithm = ALGORITHMS.get(value["algo"].get("type"))
+        if algorithm is None or not getattr(algorithm.settings_class, "samples_from_frozen_model", False):
+            return value  # opd's teacher is a field of its own settings; an unknown type fails as such
+        algo = dict(value["algo"])
+        teacher = algo.pop("teacher")
+        sampler = dict(value.get("sampler") or {})
+        if sampler.get("source", "policy") not in ("policy", teacher):
+            raise ValueError(f"algo.teacher and sampler.source name different models: {algo['type']} samples from "
+                             "its teacher, so give the model once")
+        return {**value, "algo": algo, "sampler": {**sampler, "source": teacher}}
+
     @model_validator(mode="after")
     def _trains_on_sampled_tokens(self) -> "EnvSettings":
         if self.sampling.temperature == 0:
@@ -186,8 +208,26 @@ class RlSettings(StrictModel):
     # embedded sampler's logprobs are the trainer's own).
     behaviour_logprobs: Literal["auto", "sampler", "trainer", "training_forward"] = "auto"
     reward_loop: RewardLoopSettings = RewardLoopSettings()
+    # Drop samples whose only signal is rl with every advantage 0 before packing (rl/filters.py; seed 002). Off by
+    # default, and then absent from the settings' dump, so identities from before the setting stay.
+    zero_advantage_filter: bool = Field(False, exclude_if=lambda value: not value)
     hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
     envs: list[EnvSettings] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _envs_inherit_the_run_algorithm(cls, value: Any) -> Any:
+        """`algorithm.rl.algo`: the algorithm of every env that names none (seed 002's run-level default). Folded
+        into those envs before validation and gone from the settings, so a run that spells it per env is the same
+        training; an error in it is reported at each env that inherited it (`algorithm.rl.envs[i].algo`)."""
+        if not isinstance(value, dict) or "algo" not in value:
+            return value
+        value = dict(value)
+        default = value.pop("algo")
+        if isinstance(value.get("envs"), list):
+            value["envs"] = [{**env, "algo": default} if isinstance(env, dict) and "algo" not in env else env
+                             for env in value["envs"]]
+        return value
 
     @model_validator(mode="after")
     def _training_forward_is_on_policy(self) -> "RlSettings":

@@ -1,4 +1,5 @@
-"""The pack stage: a step's training samples -> micro-batches (packed, or padded groups)."""
+"""The pack stage: a step's training samples -> micro-batches (packed, or padded groups), after the optional
+zero-advantage filter (rl/filters.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,17 @@ import pyarrow as pa
 
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.packing import batch_unpacked, pack_samples
+from rollout_lib.rl.filters import drop_zero_advantage_samples
 
 
 def pack(config: RlConfig, samples: pa.Table) -> tuple[pa.Table, dict]:
     settings = config.settings
+    metrics = {}
+    if settings.zero_advantage_filter:
+        samples, dropped = drop_zero_advantage_samples(samples)
+        metrics["filtered/zero_advantage"] = dropped
     if settings.packing:
         micro_batches = pack_samples(samples, config.packed_tokens)
     else:
         micro_batches = batch_unpacked(samples, settings.sequences_per_micro_batch, max_seq_len=settings.max_seq_len)
-    return micro_batches, {"packed_micro_batches": micro_batches.num_rows}
+    return micro_batches, {"packed_micro_batches": micro_batches.num_rows, **metrics}
