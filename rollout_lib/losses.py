@@ -58,7 +58,8 @@ below; value and gradient are zero when the reference is the policy and the samp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -197,6 +198,38 @@ def rl_loss_terms(
     return numerator, metrics
 
 
+RL_LOSS_WHAT = "rl loss function"
+
+
+def custom_rl_terms(function: Callable[..., Any], logprobs: Tensor, inference_logprobs: Tensor,
+                    advantages: Tensor, weights: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """A user's rl numerator (`[algorithm.rl.loss] type = "custom"`). The contract:
+
+        function(logprobs=, inference_logprobs=, advantages=, weights=, **kwargs) -> Tensor | (Tensor, dict)
+
+    Every tensor is per token, shape [rows, positions], aligned: `logprobs` carry the gradient; the behaviour
+    policy's `inference_logprobs` (on-policy at k = 0: the training forward's own, detached) and `advantages` do
+    not; `weights` is 0 off the rl component's tokens. It returns the **sum** over tokens of w_t · loss_t, a
+    0-dimensional tensor attached to `logprobs`' graph, never a mean: rollout divides by N_rl, the step's rl token
+    count across every micro-batch, so micro-batches add up to the step's mean as for the built-in loss. A dict
+    beside it is logged as `rl/<name>` (numbers, token-weighted over the step).
+    """
+    member = weights != 0
+    returned = function(logprobs=logprobs, inference_logprobs=inference_logprobs, advantages=advantages,
+                        weights=weights)
+    numerator, extra = returned if isinstance(returned, tuple) else (returned, {})
+    name = getattr(function, "func", function)
+    where = f"{RL_LOSS_WHAT} {getattr(name, '__module__', '?')}:{getattr(name, '__qualname__', name)}"
+    if not isinstance(numerator, Tensor) or numerator.dim() != 0:
+        raise ValueError(f"{where} returned {type(numerator).__name__}"
+                         f"{'' if not isinstance(numerator, Tensor) else f' of shape {tuple(numerator.shape)}'}; "
+                         "expected a 0-dimensional tensor (the sum over tokens of w_t * loss_t)")
+    if not numerator.requires_grad and bool(member.any()):
+        raise ValueError(f"{where} returned a tensor without a gradient path: compute it from `logprobs`")
+    metrics = {"tokens": int(member.sum()), **{str(key): float(value) for key, value in dict(extra).items()}}
+    return numerator, metrics
+
+
 def ref_kl_loss_terms(
     logprobs: Tensor,
     ref_logprobs: Tensor,
@@ -270,11 +303,13 @@ def component_loss(
     kl_coef: float = DEFAULT_KL_COEF,
     ref_kl_eps_low: float = DEFAULT_REF_KL_EPS_LOW,
     ref_kl_kl_coef: float = DEFAULT_REF_KL_KL_COEF,
+    rl_loss: Callable[..., Any] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """loss = Σ_c numerator_c / N_c over c ∈ {rl, ce, ref_kl}; N_c is step-global, so micro-batch losses add up.
 
     rl weights are `(loss_mask & rl_weights != 0) · rl_weights`; ce and ref_kl weights apply as they are. The
-    keyword settings are the rl and ref_kl components' (config: RlLossSettings).
+    keyword settings are the rl and ref_kl components' (config: RlLossSettings); `rl_loss`: a user's rl numerator
+    in place of rl_loss_terms (custom_rl_terms).
     """
     _check_streams(logprobs, streams)
     # Streams take logprobs' dtype: pass float32 logprobs (ratios of bf16 logprobs are too coarse for the mask).
@@ -303,7 +338,10 @@ def component_loss(
     if bool(on_policy.any()):
         inference_logprobs = torch.where(on_policy, logprobs.detach(), inference_logprobs)
     numerators: dict[str, tuple[Tensor, dict[str, float]]] = {}
-    if token_counts.get("rl", 0):
+    if token_counts.get("rl", 0) and rl_loss is not None:
+        numerators["rl"] = custom_rl_terms(rl_loss, logprobs, inference_logprobs,
+                                           streams["advantages"].to(logprobs.dtype), weights["rl"])
+    elif token_counts.get("rl", 0):
         numerators["rl"] = rl_loss_terms(
             logprobs, inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"],
             eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,

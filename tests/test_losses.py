@@ -398,3 +398,67 @@ def test_rl_weights_outside_loss_mask_are_ignored():
     loss, _ = component_loss(logprobs, streams, counts, kl_coef=0.0)
     loss.backward()
     assert logprobs.grad.tolist() == pytest.approx([-2.0, 0.0], abs=1e-6)  # weight 2 · -r A / N_rl = 1
+
+
+# --- a custom rl loss (seed 002's [trainer.loss] type = "custom") -------------------------------------------------
+
+
+def _custom_loss_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, requires_grad=True)
+    streams = {
+        "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]], dtype=torch.bool),
+        "advantages": torch.tensor([[0.0, 0.5, 0.5, 0.5, 0.5, 0.0], [0.0, 0.0, -1.0, -1.0, -1.0, -1.0]]),
+        "rl_weights": torch.ones(2, 6), "ce_weights": torch.zeros(2, 6), "ref_kl_weights": torch.zeros(2, 6),
+        "ref_logprobs": torch.zeros(2, 6), "inference_logprobs": torch.full((2, 6), -1.2),
+    }
+    return logits, streams
+
+
+def test_a_custom_rl_loss_that_is_the_built_in_one_trains_exactly_as_the_default():
+    import functools
+
+    import example_losses
+    from rollout_lib.losses import component_loss, count_component_tokens
+
+    settings = {"eps_low": 0.2, "eps_high": 0.2, "kl_coef": 1e-3}
+    results = []
+    for custom in (None, functools.partial(example_losses.the_built_in_one, **settings)):
+        logits, streams = _custom_loss_batch()
+        logprobs = torch.nn.functional.logsigmoid(logits)
+        loss, metrics = component_loss(logprobs, streams, count_component_tokens(streams), **settings,
+                                       rl_loss=custom)
+        loss.backward()
+        results.append((loss.detach(), logits.grad.clone(), metrics["rl/tokens"]))
+    (default_loss, default_grad, tokens), (custom_loss, custom_grad, custom_tokens) = results
+    assert torch.equal(default_loss, custom_loss) and torch.equal(default_grad, custom_grad)
+    assert tokens == custom_tokens == 8
+
+
+def test_a_custom_rl_loss_is_normalised_by_the_rl_token_count_and_its_metrics_are_logged():
+    import example_losses
+    from rollout_lib.losses import component_loss, count_component_tokens
+
+    logits, streams = _custom_loss_batch()
+    logprobs = torch.nn.functional.logsigmoid(logits)
+    counts = count_component_tokens(streams)
+    loss, metrics = component_loss(logprobs, streams, counts, rl_loss=example_losses.clipped_importance_pg)
+    numerator, _ = example_losses.clipped_importance_pg(
+        logprobs=logprobs, inference_logprobs=streams["inference_logprobs"], advantages=streams["advantages"],
+        weights=streams["rl_weights"] * streams["loss_mask"])
+    assert loss.item() == pytest.approx(numerator.item() / counts["rl"])
+    assert 0.0 <= metrics["rl/clip_fraction"] <= 1.0
+
+
+def test_a_custom_rl_loss_that_breaks_the_contract_fails_naming_it():
+    import example_losses
+    from rollout_lib.losses import component_loss, count_component_tokens
+
+    logits, streams = _custom_loss_batch()
+    logprobs = torch.nn.functional.logsigmoid(logits)
+    with pytest.raises(ValueError, match=r"rl loss function example_losses:a_mean_per_token returned Tensor of "
+                                         r"shape \(2, 6\); expected a 0-dimensional tensor"):
+        component_loss(logprobs, streams, count_component_tokens(streams), rl_loss=example_losses.a_mean_per_token)
+    with pytest.raises(ValueError, match="without a gradient path"):
+        component_loss(logprobs, streams, count_component_tokens(streams),
+                       rl_loss=lambda **t: (t["weights"] * t["advantages"]).sum())

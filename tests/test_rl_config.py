@@ -234,3 +234,35 @@ def test_an_env_may_be_multi_turn_and_echo_without_turns_warns():
         raw_config(interaction={"type": "custom", "import_path": "no_such_module:Env"}))
     assert "algorithm.rl.envs[0].algo.roles.tool.alpha: must be > 0.0 (got 0)" in error_of(
         raw_config(algo={"type": "echo", "roles": {"tool": {"alpha": 0}}}))
+
+
+def test_a_custom_rl_loss_is_named_by_import_path_checked_at_plan_time_and_keyed_by_its_source(tmp_path,
+                                                                                                 monkeypatch):
+    def with_loss(loss: dict) -> dict:
+        raw = raw_config()
+        raw["algorithm"]["rl"]["loss"] = loss
+        return raw
+
+    assert error_of(with_loss({"type": "custom"})).startswith("algorithm.rl.loss: ")
+    assert 'needs import_path' in error_of(with_loss({"type": "custom"}))
+    missing = error_of(with_loss({"type": "custom", "import_path": "no_such_module_here:loss"}))
+    assert missing.startswith("algorithm.rl.loss: ") and "cannot find module 'no_such_module_here'" in missing
+    assert "for type = \"custom\"" in error_of(with_loss({"import_path": "example_losses:clipped_importance_pg"}))
+
+    default = validate_config(RlConfig, raw_config())
+    assert set(default.training_settings()["loss"]) == {"eps_low", "eps_high", "kl_coef", "ref_kl_eps_low",
+                                                        "ref_kl_kl_coef"}  # identities from before stay
+
+    module = tmp_path / "my_rl_loss.py"
+    module.write_text("def loss(*, logprobs, inference_logprobs, advantages, weights, scale=1.0):\n"
+                      "    return -(weights * logprobs * advantages).sum() * scale\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    custom = validate_config(RlConfig, with_loss({"type": "custom", "import_path": "my_rl_loss:loss",
+                                                  "kwargs": {"scale": 2.0}}))
+    dumped = custom.training_settings()["loss"]
+    assert dumped["import_path"] == "my_rl_loss:loss" and dumped["kwargs"] == {"scale": 2.0} and dumped["source"]
+    before = training_hash(custom)
+    module.write_text(module.read_text().replace("* scale", "* scale * 0.5"))
+    assert training_hash(validate_config(RlConfig, with_loss({"type": "custom", "import_path": "my_rl_loss:loss",
+                                                              "kwargs": {"scale": 2.0}}))) != before
+    assert "rl_loss" in custom.settings.loss_kwargs() and "rl_loss" not in default.settings.loss_kwargs()

@@ -240,3 +240,15 @@ def test_a_filtered_step_trains_on_what_is_left_and_a_step_left_with_nothing_tra
     assert trained["grad_norm"] == 0.0 and trained["tokens/rl"] == 0
     after = policy_at(run, state, resident).model.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_step_with_a_custom_rl_loss_trains_and_logs_its_metrics(tmp_path, tiny_model_dir, resident,
+                                                                   reward_loops):
+    cfg = config(tmp_path, tiny_model_dir, only_words=True,
+                 loss={"type": "custom", "import_path": "example_losses:clipped_importance_pg",
+                       "kwargs": {"clip": 0.2}})
+    run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-custom-loss"))
+    state = initial_policy(run, resident)
+    state, out = one_step(cfg, run, prompts, state, 1, resident, reward_loops(cfg))
+    assert out["grad_norm"] > 0 and out["tokens/rl"] > 0 and 0.0 <= out["rl/clip_fraction"] <= 1.0
+    assert "rl/masked_fraction" not in out  # the built-in loss's diagnostics: it did not run

@@ -22,6 +22,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
 
 from __future__ import annotations
 
+import functools
+import json
 import warnings
 from typing import Any, Literal
 
@@ -46,6 +48,7 @@ from rollout_lib.losses import (
     DEFAULT_KL_COEF,
     DEFAULT_REF_KL_EPS_LOW,
     DEFAULT_REF_KL_KL_COEF,
+    RL_LOSS_WHAT,
 )
 from rollout_lib.reward.settings import (
     RewardFunctionSettings,
@@ -55,6 +58,7 @@ from rollout_lib.reward.settings import (
 )
 from rollout_lib.sampling import SamplingParams, sampler_settings_types
 from rollout_lib.settings_base import tagged_union
+from rollout_lib.store import canonical_json
 
 
 def env_locator(index: int, path: str = "") -> str:
@@ -176,13 +180,36 @@ class EnvSettings(StrictModel):
 
 class RlLossSettings(StrictModel):
     """The knobs of the rl component (losses.rl_loss_terms: DPPO trust region in probability space and k2 KL) and
-    of the ref_kl component (losses.ref_kl_loss_terms: its one-sided, low-side trust region and k2 KL)."""
+    of the ref_kl component (losses.ref_kl_loss_terms: its one-sided, low-side trust region and k2 KL).
 
+    `type = "custom"` (seed 002's `[trainer.loss] type = "custom"`): the rl component's numerator is a user
+    function named by `import_path`, called with `kwargs` (losses.custom_rl_terms states its contract); eps_low,
+    eps_high and kl_coef then do not apply to it, the ref_kl knobs still do. "default" adds nothing to the dump, so
+    identities from before the setting stay."""
+
+    type: Literal["default", "custom"] = Field("default", exclude_if=lambda value: value == "default")
+    import_path: str | None = Field(None, min_length=1, exclude_if=lambda value: value is None)
+    kwargs: dict[str, Any] = Field(default_factory=dict, exclude_if=lambda value: not value)
     eps_low: float = Field(DEFAULT_EPS_LOW, gt=0, le=1)
     eps_high: float = Field(DEFAULT_EPS_HIGH, gt=0, le=1)
     kl_coef: float = Field(DEFAULT_KL_COEF, ge=0)
     ref_kl_eps_low: float = Field(DEFAULT_REF_KL_EPS_LOW, gt=0, le=1)
     ref_kl_kl_coef: float = Field(DEFAULT_REF_KL_KL_COEF, ge=0)
+
+    @model_validator(mode="after")
+    def _custom_names_its_function(self) -> "RlLossSettings":
+        from rollout_lib.reward.locate import check_reference
+
+        if self.type == "custom":
+            if self.import_path is None:
+                raise ValueError('type = "custom" needs import_path = "package.module:function"')
+            check_reference(self.import_path, self.kwargs, what=RL_LOSS_WHAT)  # found, never run
+        elif self.import_path is not None or self.kwargs:
+            raise ValueError('import_path and kwargs are for type = "custom"')
+        return self
+
+    def user_modules(self) -> tuple[str, ...]:
+        return (self.import_path.partition(":")[0],) if self.type == "custom" else ()
 
 
 class RlSettings(StrictModel):
@@ -255,8 +282,12 @@ class RlSettings(StrictModel):
         return self.packing
 
     def loss_kwargs(self) -> dict:
-        """Settings of the rl and ref_kl loss components, as `losses.component_loss` takes them."""
-        return self.loss.model_dump()
+        """Settings of the rl and ref_kl loss components, as `losses.component_loss` takes them (with a custom rl
+        loss: the user's function, imported here, where the step runs, with its kwargs bound)."""
+        settings = self.loss.model_dump(exclude={"type", "import_path", "kwargs"})
+        if self.loss.type == "custom":
+            settings["rl_loss"] = _custom_rl_loss(self.loss.import_path, canonical_json(self.loss.kwargs))
+        return settings
 
 
 class RlAlgorithm(StrictModel):
@@ -334,6 +365,10 @@ class RlConfig(EntryPointConfig):
             settings["behaviour_logprobs"] = self.settings.behaviour_logprobs_source
         if not settings["max_off_policy_steps"]:
             settings.pop("max_off_policy_steps")
+        if self.settings.loss.type == "custom":  # the function's source decides the weights as much as its name
+            from rollout_lib.reward.locate import module_source_digest
+
+            settings["loss"]["source"] = module_source_digest(self.settings.loss.user_modules()[0])
         for dumped in settings["envs"]:
             dumped.pop("eval")  # evaluation watches the policy, it never changes it
         for env, dumped in zip(self.settings.envs, settings["envs"]):
@@ -409,6 +444,16 @@ class RlConfig(EntryPointConfig):
         if settings.micro_batch_tokens is not None and settings.micro_batch_tokens < settings.max_seq_len:
             problems.append(("algorithm.rl.micro_batch_tokens", f"must be >= max_seq_len ({settings.max_seq_len})"))
         return problems
+
+
+@functools.lru_cache(maxsize=8)
+def _custom_rl_loss(import_path: str, kwargs_json: bytes):
+    from rollout_lib.reward.locate import import_reference
+
+    function = import_reference(import_path, what=RL_LOSS_WHAT)
+    if not callable(function):
+        raise ValueError(f"algorithm.rl.loss.import_path: {RL_LOSS_WHAT} {import_path!r} is not callable")
+    return functools.partial(function, **json.loads(kwargs_json))
 
 
 def _frozen_fields(settings) -> list[tuple[str, FrozenModel]]:

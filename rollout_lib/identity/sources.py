@@ -10,22 +10,17 @@ itself then reports it, naming the place).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rollout_lib.algo import ALGORITHMS
 from rollout_lib.identity.code import PROJECT_PACKAGES
 from rollout_lib.identity.files import file_digest
 from rollout_lib.identity.training import reward_model_contents
 from rollout_lib.model.loading import model_content_digest
-from rollout_lib.reward.locate import find_module_spec
+from rollout_lib.reward.locate import module_source_digest
 
 
 def module_digest(module: str) -> str:
-    """The blake3 of a module's source file, found without running it or its parent packages."""
-    spec = find_module_spec(module)
-    if spec is None or not spec.origin or not Path(spec.origin).is_file():
-        return "missing"
-    return file_digest(spec.origin)
+    """The blake3 of a module's source file (reward/locate.py), found without running it."""
+    return module_source_digest(module)
 
 
 def _env(config, name: str):

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 from rollout_lib.reward.verl import is_verl_parameter_list, verl_kwargs_problem
 
 
@@ -63,6 +65,18 @@ def import_reference(spec: str, *, what: str = "reward function") -> Any:
         except AttributeError:
             raise ValueError(f"{what} {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
     return target
+
+
+def module_source_digest(module: str) -> str:
+    """blake3 of a module's source file, found without running it or its parent packages; "missing" when it cannot
+    be found (whatever imports it later reports the unimportable module)."""
+    spec = find_module_spec(module)
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return "missing"
+    try:
+        return blake3.blake3(Path(spec.origin).read_bytes()).hexdigest()
+    except OSError:
+        return "missing"
 
 
 def find_module_spec(name: str) -> importlib.machinery.ModuleSpec | None:
