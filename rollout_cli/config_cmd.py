@@ -11,6 +11,8 @@ import click
 
 ENTRY_POINTS = ("rm", "sft", "rl", "rlhf")
 ALGORITHM_ENTRY_POINTS = ("rm", "sft", "rl")  # one [algorithm.<kind>] block each; rlhf composes them
+CONFIG_KINDS = {"rm": "a train-rm config", "sft": "a train-sft config", "rl": "a train-rl config",
+                "rlhf": "an rlhf pipeline config"}  # by the names of their flows
 HIDDEN = "<hidden>"  # printed in place of storage_options' values (credentials) unless --show-secrets
 
 
@@ -21,10 +23,9 @@ def config_class(entry_point: str):
     return {"rm": RmConfig, "sft": SftConfig, "rl": RlConfig, "rlhf": RlhfConfig}[entry_point]
 
 
-def infer_entry_point(raw: dict, source: str) -> str:
+def written_for(raw: dict) -> str | None:
     """The entry point a settings file is written for: `[algorithm] kind`, else its one `[algorithm.rm|sft|rl]`
-    table; a file of `[sft]`, `[rm]`, `[rl]` stage tables is an rlhf pipeline."""
-    from rollout_lib.config import ConfigError
+    table; a file of `[sft]`, `[rm]`, `[rl]` stage tables is an rlhf pipeline. None when it cannot tell."""
     from rollout_lib.config.rlhf import STAGES
 
     algorithm = raw.get("algorithm")
@@ -36,10 +37,29 @@ def infer_entry_point(raw: dict, source: str) -> str:
             return named[0]
     elif any(stage in raw for stage in STAGES):
         return "rlhf"
-    problem = ("cannot tell the entry point: no [algorithm.rm], [algorithm.sft] or [algorithm.rl] table (or more "
-               "than one), and no rlhf stages ([sft], [rm], [rl]); name it: rollout config show {rm|sft|rl|rlhf} "
-               "--config FILE")
-    raise ConfigError([("<root>", problem)], source)
+    return None
+
+
+def load_settings(entry_point: str | None, config_path: str, overrides: list[str], command: str):
+    """(entry point, validated settings) of `config_path` with `overrides`, for `command` (`rollout train`, ...).
+
+    The entry point defaults to the one the file is written for; a file written for another one is refused in one
+    line naming the command it is for (else the user would read the other schema's errors about every table)."""
+    from rollout_lib.config import ConfigError, apply_overrides, validate_config
+    from rollout_lib.config.loading import read_toml
+    from rollout_lib.errors import FILE
+
+    raw = read_toml(config_path)
+    written = written_for(raw)  # the file as written: a --set (or --max-steps) must not change what it is for
+    if entry_point is None and written is None:
+        raise ConfigError([("<root>", "cannot tell the entry point: no [algorithm.rm], [algorithm.sft] or "
+                                      "[algorithm.rl] table (or more than one), and no rlhf stages ([sft], [rm], "
+                                      f"[rl]); name it: {command} {{rm|sft|rl|rlhf}} --config FILE")], config_path)
+    if entry_point is not None and written not in (None, entry_point):
+        raise ConfigError([(FILE, f"{CONFIG_KINDS[written]}: run {command} {written} --config {config_path}")],
+                          config_path)
+    entry_point = entry_point or written
+    return entry_point, validate_config(config_class(entry_point), apply_overrides(raw, overrides), config_path)
 
 
 @click.group("config")
@@ -62,14 +82,8 @@ def config_show(entry_point: str | None, config_path: str, overrides: tuple[str,
     --show-secrets when storage_options are set); keys whose value is unset (None) are left out, as TOML has no null.
     rlhf prints the pipeline's own settings: `rollout config show --config <stage config>` shows a stage's.
     """
-    from rollout_lib.config import apply_overrides, validate_config
-    from rollout_lib.config.loading import read_toml
-
-    # The same steps, and so the same errors, as `rollout train --dry-run` (load_config), with the entry point
-    # read off the overridden file when not given.
-    raw = apply_overrides(read_toml(config_path), list(overrides))
-    entry_point = entry_point or infer_entry_point(raw, config_path)
-    config = validate_config(config_class(entry_point), raw, source=config_path)
+    # The same steps, and so the same errors, as `rollout train --dry-run`.
+    entry_point, config = load_settings(entry_point, config_path, list(overrides), "rollout config show")
     settings = config.model_dump(mode="json")
     if not show_secrets:
         settings = _hide_storage_options(settings)

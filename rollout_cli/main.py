@@ -17,7 +17,7 @@ from contextlib import nullcontext
 import click
 
 from rollout_cli import stack
-from rollout_cli.config_cmd import ENTRY_POINTS, config_class, config_group
+from rollout_cli.config_cmd import ENTRY_POINTS, config_group, load_settings
 from rollout_cli.follow import follow
 from rollout_cli.local_server import use_prefect_api
 from rollout_cli.runs import runs_group
@@ -25,6 +25,9 @@ from rollout_cli.runs import runs_group
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time unless the user opts in
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # load reports are noise in training logs
+# transformers' tqdm bars (Loading weights, Writing model shards) would tear through rollout's own progress bar
+# (rich, not tqdm: untouched); read when transformers is imported, here and in every process the CLI starts.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_lib")  # library log lines reach the flow run
 
 DEFAULT_STORE = ".rollout/store"
@@ -58,7 +61,15 @@ def _known_errors() -> tuple[type[Exception], ...]:
     return ConfigError, DataError, ModelLoadError, StoreError, EngineError, ServingError, stack.StackError
 
 
+class UsageLine(click.UsageError):
+    """A usage error shown as one line (`rollout: error: ...`), not click's usage block."""
+
+    def show(self, file=None) -> None:
+        print(f"rollout: error: {self.format_message()}", file=sys.stderr)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rollout", message="%(prog)s %(version)s")  # the installed distribution's
 def rollout() -> None:
     """Post-training of language models as Prefect flows."""
 
@@ -81,20 +92,24 @@ def rollout() -> None:
 @click.option("--dry-run", is_flag=True,
               help="validate settings, parse every dataset row, print the plan; load no model")
 @click.option("--quiet", is_flag=True, help="no progress bar and no summary on stderr (the JSON result stays)")
+@click.option("--verbose", is_flag=True, help="print the tracebacks of a failing run here (else: one line naming "
+                                              "where they are)")
 def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_steps: int | None,
-          run_name: str | None, store_url: str | None, nproc: int | None, dry_run: bool, quiet: bool) -> int:
+          run_name: str | None, store_url: str | None, nproc: int | None, dry_run: bool, quiet: bool,
+          verbose: bool) -> int:
     """Run a training flow (rlhf: sft -> rm -> rl as one flow of three subflows, docs/rlhf.md).
 
     --max-steps, --name, --store and --nproc are the --set overrides they name, applied after the --set ones.
-    A progress bar per run (rlhf: per stage) and a summary go to stderr (rollout_cli/progress.py), unless --quiet.
+    A progress bar per run (rlhf: per stage) and a summary go to stderr, unless --quiet; stdout gets the result as
+    one JSON document. A failing run ends with one line naming the failure and its flow run's page (--verbose:
+    with the tracebacks above it).
 
     It runs on the Prefect server of PREFECT_API_URL if set, else on the project-local one (started on first use).
     """
-    from rollout_lib.config import load_config
     from rollout_lib.plan import describe_plan
 
     overrides = (*overrides, *_shortcut_overrides(entry_point, max_steps, run_name, store_url, nproc))
-    config = load_config(config_class(entry_point), config_path, list(overrides))
+    _, config = load_settings(entry_point, config_path, list(overrides), "rollout train")
     plan = describe_plan(config)  # parses every dataset row and resolves the model reference: no model loads
     if dry_run:
         print(json.dumps(plan, indent=2))
@@ -111,23 +126,32 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
         from flows.rlhf import rlhf as train_flow
     else:
         from flows.train_rm import train_rm as train_flow
-    from rollout_cli.progress import TrainingProgress, flow_run_url, print_summary
+    from rollout_cli.progress import TrainingProgress, flow_run_url, stdout_to_stderr, tracebacks_hidden
 
     watching = nullcontext() if quiet else TrainingProgress(entry_point, config)
-    with watching:
+    with stdout_to_stderr(), nullcontext() if verbose else tracebacks_hidden(), watching:
         state = train_flow(config=config_path, overrides=list(overrides), return_state=True)
+    return _report(entry_point, state, flow_run_url(api_url, str(state.state_details.flow_run_id)),
+                   None if quiet else watching.observed(), verbose)
+
+
+def _report(entry_point: str, state, url: str, observed: dict | None, verbose: bool) -> int:
+    """The run's end: its result as one JSON document on stdout and the summary on stderr (none when `observed` is
+    None: --quiet), or one line naming the failure and where its tracebacks are; the exit code."""
+    from rollout_cli.progress import print_summary
+
     if state.is_failed() or state.is_crashed():
-        print(f"rollout: error: flow run failed: {_first_line(state.result(raise_on_failure=False))}", file=sys.stderr)
+        failure = _first_line(state.result(raise_on_failure=False))
+        where = f"logs: {url}" if verbose else f"logs and tracebacks: {url}, or rerun with --verbose"
+        print(f"rollout: error: flow run failed: {failure} ({where})", file=sys.stderr)
         return 1
     result = state.result()
     shown = ("eval_before", "eval_after", "reward_curve", "eval_curves", "stages")
     print(json.dumps({"flow_run_id": str(state.state_details.flow_run_id), "checkpoint": result["checkpoint"],
                       **{key: result[key] for key in shown if key in result}}, indent=2))
-    print(f"final checkpoint: {result['checkpoint']}")
-    if not quiet:
+    if observed is not None:
         sys.stdout.flush()  # the JSON first where both streams are one terminal
-        print_summary(entry_point, result, flow_run_url(api_url, str(state.state_details.flow_run_id)),
-                      watching.observed())
+        print_summary(entry_point, result, url, observed)
     return 0
 
 
@@ -332,10 +356,16 @@ def serve_status() -> int:
 
 @serve_group.command("stop")
 @click.argument("name", required=False)
-def serve_stop(name: str | None) -> None:
-    """Stop deployment NAME (every one when no NAME is given)."""
+@click.option("--all", "every", is_flag=True, help="stop every running deployment")
+def serve_stop(name: str | None, every: bool) -> None:
+    """Stop deployment NAME, or every one with --all."""
     from rollout_lib.serving import engine
 
+    if name and every:
+        raise UsageLine("serve stop: give NAME or --all, not both")
+    if not name and not every:  # a bare command never stops servers that others (a teacher, a run) may be using
+        raise UsageLine("serve stop: name the deployment to stop (`rollout serve status` lists them), or stop every "
+                        "one with --all")
     stopped = [engine.stop_deployment(name)] if name else engine.stop_all()
     stopped = [deployment for deployment in stopped if deployment is not None]
     if name and not stopped:

@@ -8,8 +8,10 @@ ended, and the summary as plain lines.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, redirect_stdout
 from typing import Self
 
 from rich.console import Console
@@ -145,16 +147,66 @@ class _logs_above:
     def __enter__(self) -> None:
         if not self.console.is_terminal:
             return
-        loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
-                                          if isinstance(logger, logging.Logger))]
-        for handler in {handler for logger in loggers for handler in logger.handlers}:
-            if isinstance(getattr(handler, "console", None), Console):
-                self.swapped.append((handler, handler.console))
-                handler.console = self.console
+        for handler in _console_handlers():
+            self.swapped.append((handler, handler.console))
+            handler.console = self.console
 
     def __exit__(self, *exc_info) -> None:
         for handler, console in self.swapped:
             handler.console = console
+
+
+@contextmanager
+def stdout_to_stderr():
+    """What the run prints meanwhile (a user's reward function, a library, a process it starts) goes to stderr, so
+    that stdout holds the JSON result alone: `json.load` reads it."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)  # file descriptor 1 too: child processes inherit it, not sys.stdout
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+class tracebacks_hidden:
+    """Prefect's console handlers print log records without their tracebacks meanwhile: a failing task logs its
+    traceback and the flow run logs it again, pages that the CLI's one-line error replaces (`--verbose` keeps
+    them). The API handler formats the record itself, so the flow run's logs in the UI keep every traceback."""
+
+    def __init__(self):
+        self.swapped: list[tuple[logging.Handler, logging.Formatter | None]] = []
+
+    def __enter__(self) -> None:
+        for handler in _console_handlers():
+            self.swapped.append((handler, handler.formatter))
+            handler.setFormatter(_WithoutTraceback(handler.formatter))
+
+    def __exit__(self, *exc_info) -> None:
+        for handler, formatter in self.swapped:
+            handler.setFormatter(formatter)
+
+
+class _WithoutTraceback(logging.Formatter):
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info or record.exc_text or record.stack_info:
+            # A copy: the same record goes on to other handlers (the API's), which keep the traceback.
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None, "stack_info": None})
+        return self.inner.format(record)
+
+
+def _console_handlers() -> list[logging.Handler]:
+    """Prefect's console handlers (they print through a rich Console), on whichever loggers hold them."""
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    handlers = {handler for logger in loggers for handler in logger.handlers}
+    return [handler for handler in handlers if isinstance(getattr(handler, "console", None), Console)]
 
 
 def summary_lines(entry_point: str, result: dict, flow_run_url: str | None,

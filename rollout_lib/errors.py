@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pydantic import ValidationError
+
+UNKNOWN_KEY = "unknown key (check the spelling; keys are never silently ignored)"
+FILE = ""  # the locator of a problem with the file itself (not found, not TOML): the source alone names the place
 
 
 class ConfigError(ValueError):
@@ -12,7 +17,7 @@ class ConfigError(ValueError):
         self.problems = problems
         self.source = source
         prefix = f"{source}: " if source else ""
-        super().__init__("\n".join(f"{prefix}{loc}: {msg}" for loc, msg in problems))
+        super().__init__("\n".join(f"{prefix}{loc}: {msg}" if loc else f"{prefix}{msg}" for loc, msg in problems))
 
 
 def locator(loc: tuple) -> str:
@@ -30,10 +35,11 @@ def locator(loc: tuple) -> str:
     return "".join(parts) or "<root>"
 
 
-def _message(err: dict) -> str:
+def _message(err: dict, where: str, suggest: Callable[[str], str | None]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown key (check the spelling; keys are never silently ignored)"
+        meant = suggest(where)
+        return f"unknown key; did you mean {meant}?" if meant else UNKNOWN_KEY
     if kind == "missing":
         return "required key is missing"
     msg = err["msg"]
@@ -50,5 +56,11 @@ def _message(err: dict) -> str:
     return f"{msg} (got {err['input']!r})" if kind not in ("missing",) and not isinstance(err.get("input"), dict) else msg
 
 
-def from_validation_error(exc: ValidationError, source: str | None = None, prefix: tuple = ()) -> ConfigError:
-    return ConfigError([(locator(prefix + tuple(e["loc"])), _message(e)) for e in exc.errors()], source)
+def from_validation_error(exc: ValidationError, source: str | None = None, prefix: tuple = (),
+                          suggest: Callable[[str], str | None] = lambda key: None) -> ConfigError:
+    """`suggest(an unknown key's locator)`: the valid key it most likely meant, or None."""
+    problems = []
+    for error in exc.errors():
+        where = locator(prefix + tuple(error["loc"]))
+        problems.append((where, _message(error, where, suggest)))
+    return ConfigError(problems, source)

@@ -29,10 +29,8 @@ def run_rollout(*args: str, timeout: float = 600, **env: str) -> subprocess.Comp
 
 
 def final_result(completed: subprocess.CompletedProcess) -> dict:
-    """The JSON block the CLI prints on success."""
-    out = completed.stdout
-    start = out.index("{\n")
-    return json.loads(out[start:out.index("\n}", start) + 2])
+    """The result `rollout train` prints on success: its stdout, one JSON document and nothing else."""
+    return json.loads(completed.stdout)
 
 
 def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: float = 600,
@@ -52,6 +50,23 @@ def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: f
         process.wait()
     assert process.returncode == -signal.SIGKILL
     return log_path.read_text()
+
+
+def run_and_act_at(args: list[str], marker: str, action: Callable[[], None], log_path: Path,
+                   timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the CLI with `args`; call `action()` (SIGKILL a server, say) as soon as `marker` shows in its output,
+    then let the run go on to its end. Fails if the run ends before the marker shows."""
+    err_path = log_path.with_suffix(".err")
+    with log_path.open("w") as out, err_path.open("w") as err:
+        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=cli_env(), stdout=out, stderr=err)
+        deadline = time.monotonic() + timeout
+        while marker not in log_path.read_text() + err_path.read_text():
+            assert process.poll() is None, err_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{marker!r} never appeared"
+            time.sleep(0.02)
+        action()
+        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    return subprocess.CompletedProcess(args, process.returncode, log_path.read_text(), err_path.read_text())
 
 
 def settled(read: Callable[[], T], timeout: float = 30.0) -> T:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import io
+import json
+import logging
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
-from rollout_cli.progress import TrainingProgress, flow_run_url, summary_lines
+from rollout_cli.progress import TrainingProgress, flow_run_url, stdout_to_stderr, summary_lines, tracebacks_hidden
 from rollout_lib import step_events
 
 URL = "http://127.0.0.1:4200/runs/flow-run/abc"
@@ -107,15 +111,65 @@ def test_a_plain_stream_gets_no_live_bar_and_nothing_breaks():
     assert watching.observed()["rm"][1]["accuracy"] == 1.0
 
 
+class ListHandler(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_console_handlers_print_no_traceback_while_other_handlers_keep_it():
+    out = io.StringIO()
+    console_handler = logging.StreamHandler(out)
+    console_handler.console = Console(file=io.StringIO())  # what marks Prefect's console handlers
+    api_handler = ListHandler()  # the API's: the UI's copy of the record
+    logger = logging.getLogger("test-tracebacks-hidden")
+    logger.propagate = False
+    for handler in (api_handler, console_handler):
+        logger.addHandler(handler)
+    try:
+        with tracebacks_hidden():
+            try:
+                raise ValueError("loss is nan")
+            except ValueError:
+                logger.exception("Task run failed with exception: %r", "boom")
+        assert out.getvalue() == "Task run failed with exception: 'boom'\n"
+        assert api_handler.records[0].exc_info is not None  # the record itself is untouched
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            logger.exception("after")  # the formatter is restored on exit
+        assert "Traceback" in out.getvalue().split("'boom'\n", 1)[1]
+    finally:
+        for handler in (api_handler, console_handler):
+            logger.removeHandler(handler)
+
+
+def test_what_the_run_prints_goes_to_stderr_even_from_child_processes(capfd):
+    with stdout_to_stderr():
+        print("from a reward function")
+        subprocess.run([sys.executable, "-c", "print('from a child process')"], check=True)
+    print("{}")
+    out, err = capfd.readouterr()
+    assert out == "{}\n"
+    assert err == "from a reward function\nfrom a child process\n"
+
+
 @pytest.mark.slow
 def test_train_prints_bar_and_summary_on_stderr_and_json_on_stdout(prefect_server, tmp_path):
     from clirun import final_result, run_rollout
 
     done = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={tmp_path / 'store'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    result = final_result(done)
-    assert f"final checkpoint: {result['checkpoint']}" in done.stderr.splitlines()
-    assert f"flow run: {prefect_server['ui_url']}/runs/flow-run/{result['flow_run_id']}" in done.stderr.splitlines()
+    result = json.loads(done.stdout)  # stdout is one JSON document, nothing else
+    assert result == final_result(done)
+    summary = done.stderr.splitlines()
+    url = f"{prefect_server['ui_url']}/runs/flow-run/{result['flow_run_id']}"
+    assert summary.count(f"final checkpoint: {result['checkpoint']}") == 1 and summary.count(f"flow run: {url}") == 1
+    assert summary[-1] == f"flow run: {url}"  # the summary ends the output
+    assert "Loading weights" not in done.stderr and "it/s]" not in done.stderr  # no transformers tqdm bar
     assert any(line.startswith("train accuracy (first -> last step): ") for line in done.stderr.splitlines())
     assert "2/2" in done.stderr  # the bar as it ended, printed once: stderr is no terminal
 
@@ -124,3 +178,23 @@ def test_train_prints_bar_and_summary_on_stderr_and_json_on_stdout(prefect_serve
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     assert final_result(quiet)["checkpoint"] == result["checkpoint"]
     assert "flow run: " not in quiet.stderr
+
+
+@pytest.mark.slow
+def test_a_failing_run_ends_with_one_line_and_no_traceback_unless_verbose(prefect_server, tmp_path):
+    from clirun import run_rollout
+
+    # An absurd learning rate: step 1 is finite, its update blows the weights up, step 2's loss is NaN.
+    args = ["train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={tmp_path / 'store'}",
+            "--set", "algorithm.rm.optimizer.lr=1e30", "--max-steps", "3"]
+    failed = run_rollout(*args)
+    assert (failed.returncode, failed.stdout) == (1, ""), failed.stderr[-3000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("rollout: error: flow run failed: train step 2: NonFiniteLossError: loss is nan"), last
+    assert f"logs and tracebacks: {prefect_server['ui_url']}/runs/flow-run/" in last and "--verbose" in last
+    assert "Traceback" not in failed.stderr and len(failed.stderr.splitlines()) < 30, failed.stderr
+
+    verbose = run_rollout(*args, "--verbose")
+    assert verbose.returncode == 1
+    assert "Traceback" in verbose.stderr
+    assert verbose.stderr.strip().splitlines()[-1].startswith("rollout: error: flow run failed: train step 2")

@@ -5,6 +5,9 @@ the generation_config.json that makes `generate()` stop where the trained model 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -150,15 +153,15 @@ def test_config_show_fails_as_train_dry_run_does(capsys, tmp_path):
     broken = tmp_path / "broken.toml"
     broken.write_text("[run\nname = 1\n")
     cases = [
-        (TINY_CONFIGS["sft"], ["--set", "algorithm.sft.optimizer.lrr=1e-4"]),  # an unknown key
-        (TINY_CONFIGS["sft"], ["--set", "algorithm.sft.budget.max_steps=0"]),  # a bad value
-        (TINY_CONFIGS["rl"], ["--set", "algorithm.rl.envs[3].sampling.group_size=4"]),  # an index out of range
-        (str(tmp_path / "missing.toml"), []),
-        (str(broken), []),
+        ("sft", TINY_CONFIGS["sft"], ["--set", "algorithm.sft.optimizer.lrr=1e-4"]),  # an unknown key
+        ("sft", TINY_CONFIGS["sft"], ["--set", "algorithm.sft.budget.max_steps=0"]),  # a bad value
+        ("rl", TINY_CONFIGS["rl"], ["--set", "algorithm.rl.envs[3].sampling.group_size=4"]),  # an index out of range
+        ("sft", str(tmp_path / "missing.toml"), []),
+        ("sft", str(broken), []),
     ]
-    for config, overrides in cases:
-        shown = rollout(capsys, "config", "show", "sft", "--config", config, *overrides)
-        dry_run = rollout(capsys, "train", "sft", "--config", config, "--dry-run", *overrides)
+    for entry_point, config, overrides in cases:
+        shown = rollout(capsys, "config", "show", entry_point, "--config", config, *overrides)
+        dry_run = rollout(capsys, "train", entry_point, "--config", config, "--dry-run", *overrides)
         assert shown == dry_run, (config, overrides)
         code, out, err = shown
         assert (code, out) == (2, "") and err.startswith("rollout: error: ") and len(err.splitlines()) == 1, err
@@ -185,6 +188,63 @@ def test_config_schema_is_the_json_schema_of_the_settings(capsys, entry_point, p
     assert set(schema["properties"]) == properties
     assert schema["additionalProperties"] is False  # unknown keys are errors, and the schema says so
     assert schema == config_class(entry_point).model_json_schema()
+
+
+# --- a user's first hour (issue 27): --version, help texts, configs of another kind, serve stop ------------------
+
+
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    assert rollout(capsys, "--version") == (0, f"rollout {version('rollout')}\n", "")
+
+
+def test_help_texts_speak_of_commands_not_of_source_files(capsys):
+    from rollout_cli.main import rollout as cli
+
+    def commands(group, path=()):
+        yield path
+        for name, command in getattr(group, "commands", {}).items():
+            yield from commands(command, (*path, name))
+
+    for path in commands(cli):
+        code, out, err = rollout(capsys, *path, "--help")
+        assert code == 0 and out.startswith("Usage: rollout"), (path, err)
+        assert ".py" not in out and "rollout_cli/" not in out and "rollout_lib/" not in out, (path, out)
+
+
+@pytest.mark.parametrize(("command", "config", "written_for"), [
+    (["train", "sft"], TINY_CONFIGS["rm"], "rm"), (["train", "rm"], TINY_CONFIGS["rlhf"], "rlhf"),
+    (["train", "rlhf"], TINY_CONFIGS["rl"], "rl"), (["config", "show", "sft"], TINY_CONFIGS["rm"], "rm"),
+])
+def test_a_config_of_another_entry_point_says_which_command_it_is_for(capsys, command, config, written_for):
+    kind = {"rm": "a train-rm config", "rl": "a train-rl config", "rlhf": "an rlhf pipeline config"}[written_for]
+    # --max-steps writes into the named entry point's table: the file as written still says what it is for.
+    extra = ["--dry-run", "--max-steps", "2"] if command[:2] == ["train", "sft"] else []
+    assert rollout(capsys, *command, "--config", config, *extra) == (
+        2, "", f"rollout: error: {config}: {kind}: run rollout {' '.join(command[:-1])} {written_for} --config "
+               f"{config}\n")
+
+
+def test_a_missing_config_file_is_named(capsys):
+    assert rollout(capsys, "train", "rm", "--config", "configs/nope.toml", "--dry-run") == (
+        2, "", "rollout: error: configs/nope.toml: config file not found\n")
+
+
+def test_serve_stop_names_what_it_stops_or_says_all(capsys):
+    code, out, err = rollout(capsys, "serve", "stop")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1, err
+    assert err.startswith("rollout: error: serve stop: name the deployment to stop") and "--all" in err
+    assert rollout(capsys, "serve", "stop", "some-name", "--all") == (
+        2, "", "rollout: error: serve stop: give NAME or --all, not both\n")
+
+
+def test_transformers_progress_bars_are_off_in_the_cli():
+    probe = ("import rollout_cli.main; from transformers.utils import logging; "
+             "print(logging.is_progress_bar_enabled())")
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
 
 
 # --- export: generation_config.json ---------------------------------------------------------------------------

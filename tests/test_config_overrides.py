@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from clirun import run_rollout
-from rollout_lib.config import ConfigError, RlConfig, apply_overrides, load_config
+from rollout_lib.config import ConfigError, RlConfig, RmConfig, apply_overrides, load_config
+from rollout_lib.config.keys import closest_key, key_paths
 from rollout_lib.config.loading import parse_override
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,3 +78,37 @@ def test_the_cli_dry_run_takes_an_index_and_names_a_bad_one():
     assert (failed.returncode, failed.stdout) == (2, "")
     assert failed.stderr == ("rollout: error: algorithm.rl.envs[1]: index out of range: algorithm.rl.envs has "
                              "1 item(s)\n")
+
+
+# --- an unknown key names the key it most likely meant --------------------------------------------------------
+
+
+def unknown_key_error(cls, config: Path, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(cls, config, list(overrides))
+    return str(info.value)
+
+
+def test_a_misspelled_set_key_suggests_the_closest_key_path():
+    rm_tiny = ROOT / "configs/rm-tiny.toml"
+    # A bare last key finds its full path; a typo finds its sibling; a misspelled table, the table.
+    assert unknown_key_error(RmConfig, rm_tiny, "lr=1e-4") == (
+        f"{rm_tiny}: lr: unknown key; did you mean algorithm.rm.optimizer.lr?")
+    assert unknown_key_error(RmConfig, rm_tiny, "algorithm.rm.optimizer.lrr=1e-4") == (
+        f"{rm_tiny}: algorithm.rm.optimizer.lrr: unknown key; did you mean algorithm.rm.optimizer.lr?")
+    assert unknown_key_error(RmConfig, rm_tiny, "algorithm.rm.optimiser.lr=1e-4").endswith(
+        "algorithm.rm.optimiser: unknown key; did you mean algorithm.rm.optimizer?")
+    # Inside a list, the suggestion keeps the item the user named.
+    assert unknown_key_error(RlConfig, RL_TINY, "algorithm.rl.envs[0].sampling.group_sise=2").endswith(
+        "algorithm.rl.envs[0].sampling.group_sise: unknown key; did you mean algorithm.rl.envs[0].sampling.group_size?")
+    # Nothing close: the plain message, still one line naming the key.
+    assert unknown_key_error(RmConfig, rm_tiny, "frobnicate=1") == (
+        f"{rm_tiny}: frobnicate: unknown key (check the spelling; keys are never silently ignored)")
+
+
+def test_key_paths_reach_through_lists_and_unions_and_a_suggestion_is_never_the_key_itself():
+    paths = key_paths(RlConfig)
+    assert {"run.store", "algorithm.rl.optimizer.lr", "algorithm.rl.envs[i].sampling.group_size"} <= set(paths)
+    assert not any(path.startswith("run.storage_options.") for path in paths)  # a dict's keys are free-form
+    assert closest_key("group_size", paths) == "algorithm.rl.envs[0].sampling.group_size"  # an index filled in
+    assert closest_key("algorithm.rl.envs[2].sampling.group_size", paths) is None  # valid elsewhere: no advice

@@ -111,5 +111,6 @@ def test_a_custom_advantage_function_of_the_wrong_shape_fails_the_run_with_one_l
     assert len(error_lines) == 1, failed.stderr[-2000:]
     print(error_lines[0])
     assert re.search(r"algorithm\.rl\.envs\[0\]\.algo: advantage function 'example_advantages:wrong_length' "
-                     r"returned 1 advantages for sample \d+, which has \d+ completion tokens$", error_lines[0])
+                     r"returned 1 advantages for sample \d+, which has \d+ completion tokens \(logs and tracebacks: ",
+                     error_lines[0])
     assert "advantages-step-1" in failed.stdout + failed.stderr and "train-step-1" not in failed.stdout + failed.stderr

@@ -44,7 +44,7 @@ def rlhf(store, *extra: str):
      "'words' (rl.rm_rewards: keep_rewards = false)"),
     (['rl.overrides=["algorithm.rl.optimizer.lr=-1"]'],
      "rl: configs/rl-tiny.toml: algorithm.rl.optimizer.lr: must be > 0.0 (got -1)"),
-    (['sft.config="configs/missing.toml"'], "sft.config: config file not found: configs/missing.toml"),
+    (['sft.config="configs/missing.toml"'], "sft.config: configs/missing.toml: config file not found"),
 ])
 def test_a_bad_pipeline_setting_fails_before_any_stage_naming_its_place(overrides, error, monkeypatch):
     monkeypatch.chdir(ROOT)  # stage configs and data paths are relative to the working directory, as in the CLI

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 import blake3
 from pydantic import BaseModel, ValidationError
 
-from rollout_lib.errors import ConfigError, from_validation_error, locator
+from rollout_lib.config.keys import closest_key, key_paths
+from rollout_lib.errors import FILE, ConfigError, from_validation_error, locator
 from rollout_lib.store import canonical_json
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
@@ -92,16 +93,16 @@ def read_toml(path: str | Path) -> dict:
         with path.open("rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError([("<file>", f"config file not found: {path}")]) from None
+        raise ConfigError([(FILE, "config file not found")], source=str(path)) from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([("<toml>", str(exc))], source=str(path)) from None
+        raise ConfigError([(FILE, f"not valid TOML: {exc}")], source=str(path)) from None
 
 
 def validate_config(cls: type[ConfigT], raw: dict, source: str | None = None) -> ConfigT:
     try:
         config = cls.model_validate(raw)
     except ValidationError as exc:
-        raise from_validation_error(exc, source) from None
+        raise from_validation_error(exc, source, suggest=lambda unknown: closest_key(unknown, key_paths(cls))) from None
     problems = config.plan_problems() if hasattr(config, "plan_problems") else []
     if problems:
         raise ConfigError(problems, source)

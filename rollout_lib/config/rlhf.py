@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from rollout_lib.config.common import EntryPointConfig, RunSettings, StrictModel
-from rollout_lib.errors import ConfigError
+from rollout_lib.errors import FILE, ConfigError
 from rollout_lib.config.loading import apply_overrides, load_config, parse_override, read_toml
 from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.config.rm import RmConfig
@@ -223,7 +223,7 @@ def _stage_problems(stage: str, exc: ConfigError) -> list[tuple[str, str]]:
     """A stage config's errors under the stage's name: a file that cannot be read as `<stage>.config`, a setting as
     `<stage>: <its file>: <its locator>`."""
     source = f"{exc.source}: " if exc.source else ""
-    return [(f"{stage}.config", f"{source}{message}") if where.startswith("<") else
+    return [(f"{stage}.config", f"{source}{message}") if where == FILE else
             (stage, f"{source}{where}: {message}") for where, message in exc.problems]
 
 
