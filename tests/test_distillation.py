@@ -6,11 +6,20 @@ checkpoint."""
 
 from __future__ import annotations
 
+import os
+import signal
 from types import SimpleNamespace
 
 import pytest
 
-from clirun import final_result, metrics_table, run_rollout, run_until_then_kill, task_run_states
+from clirun import (
+    final_result,
+    metrics_table,
+    run_and_act_at,
+    run_rollout,
+    run_until_then_kill,
+    task_run_states,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +82,21 @@ def test_opd_pulls_the_student_to_the_teacher_and_a_killed_run_resumes_to_the_sa
     states = task_run_states(resumed["flow_run_id"])
     assert all(states[f"{stage}-step-{k}"] == "Cached" for stage in STAGES for k in range(1, 7)), states
     assert resumed["checkpoint"] == result["checkpoint"]
+
+    # The teacher's only replica SIGKILLed mid-run: the run restarts it (rollout serves it), sends the same
+    # requests again and ends on the uninterrupted run's checkpoint.
+    from rollout_lib.serving import engine
+
+    def kill_the_teacher():
+        victim = engine.find_deployment("distill-teacher").replicas[0]
+        os.killpg(victim.pid, signal.SIGKILL)
+
+    survived = run_and_act_at(distill_args(teacher, "opd", opd, steps=14, store=tmp_path / "teacher-killed"),
+                              "train-step-6' - Finished", kill_the_teacher, tmp_path / "teacher-killed.log")
+    assert survived.returncode == 0, survived.stderr[-3000:]
+    assert "restarted the dead ones" in survived.stdout + survived.stderr
+    assert final_result(survived)["checkpoint"] == result["checkpoint"]
+    assert engine.find_deployment("distill-teacher").replicas[0].alive  # left running for the module
 
 
 def test_sft_distill_teaches_the_student_the_teachers_text(teacher):

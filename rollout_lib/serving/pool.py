@@ -17,6 +17,9 @@ request, failover to another replica, ejection of failing replicas and their ret
   `probe_interval_s` has passed, the next selection starts a background probe (GET /v1/models); the replica comes
   back when that answers with the model (and after any success of a request it was still serving). When every
   replica is out, a request raises at once a ServingError naming every URL and why it is out.
+- **Recovery** (replicas rollout serves): when a request found no replica to answer it, `recover` restarts the
+  dead ones on their ports and the request is sent once more, so a run whose one teacher replica was SIGKILLed
+  goes on (ServedModels passes it; a server given by URL is not rollout's to restart).
 - **Accounting**: `outstanding` (url -> requests in flight) is released on every path (success, error, timeout,
   cancellation); `served` (url -> requests answered) and `failures` (url -> failed attempts) only grow.
 
@@ -75,12 +78,16 @@ class _Health:
 class EndpointPool:
     def __init__(self, base_urls: list[str] | str, model: str, *, timeout_s: float | None = 120.0,
                  max_attempts: int = 3, eject_after: int = 2, probe_interval_s: float = 10.0,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, session: HttpSession | None = None):
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, session: HttpSession | None = None,
+                 recover: Callable[[], bool] | None = None):
         """`base_urls`: the replicas (with or without /v1); `model`: the served model name. `timeout_s` bounds each
         attempt, connect to last byte (None: no limit; it must cover the slowest legitimate request, queueing in
         the server included); `max_attempts`: attempts per request, each on a replica not yet tried;
         `eject_after`: failed attempts in a row that take a replica out; `probe_interval_s`: how long it stays
-        out before a probe; `max_connections`: open connections over all replicas (per event loop)."""
+        out before a probe; `max_connections`: open connections over all replicas (per event loop); `recover`:
+        for replicas rollout serves, a blocking call that restarts the dead ones on their ports (engine.py) and says
+        whether any was dead, run once a request has failed on every replica it could try; the request is then
+        sent again."""
         if isinstance(base_urls, str):
             base_urls = [base_urls]
         if not base_urls:
@@ -106,6 +113,9 @@ class EndpointPool:
         self._max_model_len: int | None = None
         self._started = False
         self._starting: asyncio.Task | None = None  # a lazy start() shared by the requests that wait on it
+        self.recover = recover
+        self.recoveries = 0  # times `recover` ran
+        self._recovering = threading.Lock()  # one restart at a time; requests failing meanwhile wait for it
 
     def __repr__(self) -> str:
         return f"EndpointPool({self.urls!r}, {self.model!r})"
@@ -201,7 +211,34 @@ class EndpointPool:
         return ", ".join(self.urls)
 
     async def call(self, request: Callable[[EndpointClient], Awaitable[R]]) -> R:
-        """Run `request(replica)` on the least loaded healthy replica, failing over to another on a retryable error."""
+        """Run `request(replica)` on the least loaded healthy replica, failing over to another on a retryable error;
+        with `recover`, a request that no replica answered restarts the dead replicas and is sent once more (the
+        same request: a seeded one samples the same tokens)."""
+        try:
+            return await self._call_once(request)
+        except PoolUnavailable:
+            if self.recover is None:
+                raise
+            failed_at = self.recoveries
+            if not await asyncio.to_thread(self._recover, failed_at):
+                raise  # nothing was dead (a hung replica, say): the error stands
+        return await self._call_once(request)
+
+    def _recover(self, failed_at: int) -> bool:
+        """Restart the dead replicas (once for all the requests that failed together); whether any was."""
+        with self._recovering:
+            if self.recoveries == failed_at:  # not already done by a request that failed at the same time
+                if not self.recover():
+                    return False
+                log.warning("serving: no replica of %r answered; restarted the dead ones (%s), sending again",
+                            self.model, self.url_list)
+                self.recoveries += 1
+            with self._lock:
+                for health in self._health.values():
+                    health.out_until, health.failures_in_a_row = None, 0
+            return True
+
+    async def _call_once(self, request: Callable[[EndpointClient], Awaitable[R]]) -> R:
         await self._ensure_started()
         tried: set[str] = set()
         errors: list[ReplicaUnavailable] = []

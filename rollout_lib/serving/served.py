@@ -12,6 +12,9 @@ its replica pool, and stops what it started at `close()`. Three kinds:
   deployment of the base model in dev mode, started for this run (or a killed run's orphan of the same model
   adopted), never shared with frozen models or another run.
 
+Every replica rollout serves is restarted when a request finds none of them answering (pool.py, "Recovery"): a
+teacher, judge or reward model with one replica survives a SIGKILL, as the policy server does.
+
 What this object started is stopped by `close()`, so nothing outlives the run unless the user asked for it. A run
 killed before it could close leaves orphans (their records name the dead owner): the next run of that model adopts
 them, reusing the warm server and stopping it when done.
@@ -82,7 +85,7 @@ class ServedModels:
                                                   max_model_len=None, runner="pooling")
                 except (engine.EngineError, OSError, ValueError) as exc:
                     raise ConfigError([(where, f"cannot serve reward model {reference.uri!r}: {exc}")]) from None
-                pool = EndpointPool(deployment.base_urls, deployment.name)
+                pool = EndpointPool(deployment.base_urls, deployment.name, recover=_restarter(deployment))
                 asyncio.run(pool.start())
                 self._pools[key] = pool
                 self.described[key] = f"reward model {deployment.name!r} at {', '.join(deployment.base_urls)}"
@@ -124,13 +127,15 @@ class ServedModels:
             return server
 
     def _connect(self, frozen: ExternalModel | ServedModel) -> tuple[EndpointPool, str]:
+        recover = None  # a server given by URL is the user's: failover and a clear error, no restart
         if isinstance(frozen, ExternalModel):
             urls, name = frozen.base_url, frozen.name
         else:
             deployment = self._deployment(frozen.model.uri, self.store_url, replicas=frozen.replicas,
                                           max_model_len=frozen.max_model_len, runner="generate")
-            urls, name = deployment.base_urls, deployment.name
-        pool = EndpointPool(urls, name, timeout_s=frozen.timeout_s, max_attempts=frozen.max_attempts)
+            urls, name, recover = deployment.base_urls, deployment.name, _restarter(deployment)
+        pool = EndpointPool(urls, name, timeout_s=frozen.timeout_s, max_attempts=frozen.max_attempts,
+                            recover=recover)
         asyncio.run(pool.start())
         return pool, f"model {name!r} at {', '.join(urls)}"
 
@@ -170,3 +175,16 @@ class ServedModels:
             for name in self._started:
                 engine.stop_deployment(name)
             self._started.clear()
+
+
+def _restarter(deployment: engine.Deployment):
+    """The pool's `recover` for a deployment rollout serves: its dead replicas started again on their ports (and
+    waited for); False when none is dead. From the record when there is one, else from what the run knew of it (a
+    deployment whose every replica died has its record dropped by the next look)."""
+    def restart() -> bool:
+        current = engine.find_deployment(deployment.name)
+        if current is not None and all(replica.alive for replica in current.replicas):
+            return False
+        engine.restart_dead_replicas(current or deployment)
+        return True
+    return restart
