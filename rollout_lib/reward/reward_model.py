@@ -3,7 +3,7 @@
 `RewardModelScorer` is an async callable, so the reward loop calls it like any async reward function: once per
 rollout, on its event loop, many calls at a time. The scorer gathers the calls waiting into batches and runs the
 model in one worker thread of its own, so the event loop (and every other reward) goes on meanwhile. It is loaded
-once per run (`rl.score.RewardLoops` keeps it across steps). `ServedRewardModelScorer` encodes the same way and
+once per run (`reward.loops.RewardLoops` keeps it across steps). `ServedRewardModelScorer` encodes the same way and
 sends the batches to a vLLM pooling server instead (`engine = "vllm"`, for a model too large to run beside the
 trainer).
 

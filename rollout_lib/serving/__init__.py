@@ -1,10 +1,15 @@
-"""Served models: frozen teachers, judges and reward models behind OpenAI-compatible servers (vLLM here).
+"""Served models: frozen teachers, judges, reward models and the live policy behind OpenAI-compatible servers (vLLM
+here).
 
-    engine.py    start / find / stop vLLM servers for any model reference (records under the state dir)
-    client.py    one async HTTP client for one replica (generate with logprobs, prefill scoring, chat, tokenize)
-    pool.py      several replicas of one served model: least outstanding requests, timeouts, failover, ejection
-    frozen.py    a config's frozen model ({ model = ref } or { base_url = [...], name = ... }) -> a ready pool
-    tokenizers.py the plan-time check that a served model and the policy share a tokenizer
+    engine.py         start / find / stop vLLM servers for any model reference (records under the state dir)
+    client.py         one async HTTP client for one replica (generate with logprobs, prefill scoring, chat, tokenize)
+    pool.py           several replicas of one served model: least outstanding requests, timeouts, failover,
+                      ejection, and restart of the dead replicas rollout serves
+    served.py         ServedModels: every model a run reaches (frozen models, served reward models, the policy server)
+    policy_server.py  the live policy's server: weights reloaded in place each step, checked by a probe
+    weight_sync.py    the weights file in shared memory the policy server reloads from
+    tokenizers.py     the check that a served model and the policy share a tokenizer
+    references.py     checkpoint ids and refs as model references a server can load
 
 Everything above this package (samplers, algorithms, the reward loop) talks to a pool and nothing else.
 """
