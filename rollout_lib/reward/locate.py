@@ -20,8 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import blake3
-
 from rollout_lib.reward.verl import is_verl_parameter_list, verl_kwargs_problem
 
 
@@ -70,6 +68,8 @@ def import_reference(spec: str, *, what: str = "reward function") -> Any:
 def module_source_digest(module: str) -> str:
     """blake3 of a module's source file, found without running it or its parent packages; "missing" when it cannot
     be found (whatever imports it later reports the unimportable module)."""
+    import blake3  # here: the reward functions' processes (and bench/trl_grpo_job.py's venv) import this module
+
     spec = find_module_spec(module)
     if spec is None or not spec.origin or not Path(spec.origin).is_file():
         return "missing"
