@@ -50,6 +50,7 @@ from rollout_lib.losses import (
     DEFAULT_REF_KL_KL_COEF,
     RL_LOSS_WHAT,
 )
+from rollout_lib.reward.locate import check_reference, import_reference, module_source_digest
 from rollout_lib.reward.settings import (
     RewardFunctionSettings,
     RewardLoopSettings,
@@ -198,8 +199,6 @@ class RlLossSettings(StrictModel):
 
     @model_validator(mode="after")
     def _custom_names_its_function(self) -> "RlLossSettings":
-        from rollout_lib.reward.locate import check_reference
-
         if self.type == "custom":
             if self.import_path is None:
                 raise ValueError('type = "custom" needs import_path = "package.module:function"')
@@ -366,8 +365,6 @@ class RlConfig(EntryPointConfig):
         if not settings["max_off_policy_steps"]:
             settings.pop("max_off_policy_steps")
         if self.settings.loss.type == "custom":  # the function's source decides the weights as much as its name
-            from rollout_lib.reward.locate import module_source_digest
-
             settings["loss"]["source"] = module_source_digest(self.settings.loss.user_modules()[0])
         for dumped in settings["envs"]:
             dumped.pop("eval")  # evaluation watches the policy, it never changes it
@@ -448,8 +445,6 @@ class RlConfig(EntryPointConfig):
 
 @functools.lru_cache(maxsize=8)
 def _custom_rl_loss(import_path: str, kwargs_json: bytes):
-    from rollout_lib.reward.locate import import_reference
-
     function = import_reference(import_path, what=RL_LOSS_WHAT)
     if not callable(function):
         raise ValueError(f"algorithm.rl.loss.import_path: {RL_LOSS_WHAT} {import_path!r} is not callable")
