@@ -9,8 +9,9 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 checkout="$(cd "${1:-$here}" && pwd)"
 python="${VENV:-$here/.venv}/bin/python"
 work="$(mktemp -d "${TMPDIR:-/tmp}/checkpoint-ids.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Its own state directory: the Prefect server the runs start there is this script's, stopped at the end.
+export ROLLOUT_STATE_DIR="$work/state" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+trap '(cd "$checkout" && "$python" -m rollout_cli stack stop >/dev/null 2>&1); rm -rf "$work"' EXIT
 
 train() {  # entry point, config name, store name: prints "<config> <checkpoint id>" (stdout's JSON result)
   local out
