@@ -12,7 +12,7 @@ from prefect import task
 
 from rollout_lib import wire
 from rollout_lib.config import SftConfig
-from rollout_lib.identity.files import file_digest
+from rollout_lib.digests import file_digest
 from rollout_lib.identity.training import training_identity
 from rollout_lib.data import load_examples
 from rollout_lib.model.loading import model_content_digest, resolve_model

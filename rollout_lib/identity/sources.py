@@ -11,16 +11,11 @@ itself then reports it, naming the place).
 from __future__ import annotations
 
 from rollout_lib.algo import ALGORITHMS
+from rollout_lib.digests import file_digest
 from rollout_lib.identity.code import PROJECT_PACKAGES
-from rollout_lib.identity.files import file_digest
 from rollout_lib.identity.training import reward_model_contents
 from rollout_lib.model.loading import model_content_digest
 from rollout_lib.reward.locate import module_source_digest
-
-
-def module_digest(module: str) -> str:
-    """The blake3 of a module's source file (reward/locate.py), found without running it."""
-    return module_source_digest(module)
 
 
 def _env(config, name: str):
@@ -38,7 +33,8 @@ def reward_sources(config) -> dict:
     """The source of each user reward function's module ("pkg.module:attr"), and each reward model's content (a
     checkpoint: its id), so a retrained reward model (`runs/<rm>/latest` moved) re-scores."""
     specs = {reward.function for env in config.settings.envs for reward in env.rewards if hasattr(reward, "function")}
-    sources = {"reward_sources": {spec: module_digest(spec.partition(":")[0]) for spec in sorted(specs) if ":" in spec}}
+    sources = {"reward_sources": {spec: module_source_digest(spec.partition(":")[0])
+                                  for spec in sorted(specs) if ":" in spec}}
     reward_models = reward_model_contents(config)
     return {**sources, "reward_models": list(reward_models)} if reward_models else sources
 
@@ -50,7 +46,7 @@ def algorithm_sources(config) -> dict:
     for env in config.settings.envs:
         modules.add(ALGORITHMS[env.algo.type].__module__)
         modules.update(env.algo.user_modules())
-    return {"algorithm_sources": {module: module_digest(module) for module in sorted(modules)
+    return {"algorithm_sources": {module: module_source_digest(module) for module in sorted(modules)
                                   if module.split(".")[0] not in PROJECT_PACKAGES}}
 
 
@@ -58,7 +54,9 @@ def interaction_sources(config) -> dict:
     """A user's environment (a custom interaction's import path) decides the episodes: its module's source."""
     modules = {module for env in config.settings.envs if env.interaction is not None
                for module in env.interaction.user_modules()}
-    return {"interaction_sources": {module: module_digest(module) for module in sorted(modules)}} if modules else {}
+    if not modules:
+        return {}
+    return {"interaction_sources": {module: module_source_digest(module) for module in sorted(modules)}}
 
 
 def eval_sources(config, env_name: str) -> dict:
@@ -70,7 +68,7 @@ def eval_sources(config, env_name: str) -> dict:
         sources["file"] = file_digest(evaluation.source.path)
     for reward in evaluation.rewards or ():
         if hasattr(reward, "function") and ":" in reward.function:
-            sources[reward.function] = module_digest(reward.function.partition(":")[0])
+            sources[reward.function] = module_source_digest(reward.function.partition(":")[0])
         if hasattr(reward, "reward_model"):
             sources[reward.reward_model.uri] = model_content_digest(reward.reward_model)
     return sources

@@ -68,15 +68,12 @@ def import_reference(spec: str, *, what: str = "reward function") -> Any:
 def module_source_digest(module: str) -> str:
     """blake3 of a module's source file, found without running it or its parent packages; "missing" when it cannot
     be found (whatever imports it later reports the unimportable module)."""
-    import blake3  # here: the reward functions' processes (and bench/trl_grpo_job.py's venv) import this module
+    # Imported here: the reward functions' processes (and bench/trl_grpo_job.py's venv, without blake3) import this
+    # module and never take a digest.
+    from rollout_lib.digests import file_digest
 
     spec = find_module_spec(module)
-    if spec is None or not spec.origin or not Path(spec.origin).is_file():
-        return "missing"
-    try:
-        return blake3.blake3(Path(spec.origin).read_bytes()).hexdigest()
-    except OSError:
-        return "missing"
+    return file_digest(spec.origin) if spec is not None and spec.origin else "missing"
 
 
 def find_module_spec(name: str) -> importlib.machinery.ModuleSpec | None:
