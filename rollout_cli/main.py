@@ -214,13 +214,24 @@ def score(checkpoint: str, data_path: str, store_url: str, max_seq_len: int) -> 
 @click.option("--checkpoint", required=True, help="checkpoint id (or a ref such as runs/NAME/latest)")
 @click.option("--out", "out_dir", required=True, metavar="DIR", help="directory to write")
 @click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True, help="store root (fsspec URL)")
-def export(checkpoint: str, out_dir: str, store_url: str) -> None:
-    """Write a checkpoint as a Hugging Face directory."""
+@click.option("--merged", is_flag=True, help="a LoRA checkpoint: its base with the adapter merged in, as a plain "
+                                             "model directory (default: a PEFT adapter directory)")
+def export(checkpoint: str, out_dir: str, store_url: str, merged: bool) -> None:
+    """Write a checkpoint as a Hugging Face directory (a LoRA checkpoint: a PEFT adapter directory, or with
+    --merged its merged weights)."""
     from rollout_lib.store import ObjectStore
-    from rollout_lib.checkpoint import export_hf_directory, resolve_checkpoint
+    from rollout_lib.checkpoint import (export_adapter_directory, export_hf_directory, is_adapter_checkpoint,
+                                        read_manifest, resolve_checkpoint)
+    from rollout_lib.model.loading import export_merged_directory
 
     store = ObjectStore(store_url)
-    print(export_hf_directory(store, resolve_checkpoint(store, checkpoint), out_dir))
+    checkpoint_id = resolve_checkpoint(store, checkpoint)
+    if not is_adapter_checkpoint(read_manifest(store, checkpoint_id)):
+        print(export_hf_directory(store, checkpoint_id, out_dir))  # full weights: merged already
+    elif merged:
+        print(export_merged_directory(store, checkpoint_id, out_dir))
+    else:
+        print(export_adapter_directory(store, checkpoint_id, out_dir))
 
 
 # --- store ----------------------------------------------------------------------------------------------------

@@ -13,14 +13,21 @@ from typing import Any
 
 import torch
 
+from rollout_lib.adapters import adapter_weights, base_of, is_adapted, load_adapter_weights
 from rollout_lib.store import ObjectStore, StoreError, is_content_id
 
 CHECKPOINT_KIND = "rollout.checkpoint/v1"
+# The manifest key of an adapter checkpoint (adapters.py): {"config": adapter_config.json's dict, "base_model": the
+# base's reference, "base_model_content": its content identity}; its weights are the adapter's alone.
+ADAPTER_KEY = "adapter"
 
 
 def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """State dict without tied duplicates (safetensors refuses shared storage); the first name is kept, which
-    is the one transformers' own save_pretrained keeps (e.g. embed_tokens over a tied lm_head)."""
+    is the one transformers' own save_pretrained keeps (e.g. embed_tokens over a tied lm_head). An adapted (peft)
+    model: its adapter's weights alone, as PEFT saves them (the frozen base is not the checkpoint's to keep)."""
+    if is_adapted(model):
+        return adapter_weights(model)
     seen: set[int] = set()
     weights = {}
     for name, tensor in model.state_dict().items():
@@ -33,6 +40,12 @@ def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    if is_adapted(model):
+        try:
+            load_adapter_weights(model, weights)
+        except ValueError as exc:
+            raise StoreError(f"checkpoint {exc}") from None
+        return
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {name for name in missing if _is_tied(model, name, weights)}
     if unexpected or set(missing) - tied:
@@ -47,7 +60,9 @@ def _is_tied(model: torch.nn.Module, name: str, weights: dict[str, torch.Tensor]
 
 
 def save_model_files(store: ObjectStore, model, tokenizer) -> dict[str, Any]:
-    """Store what is needed to rebuild the model without its base: HF config JSON and tokenizer files."""
+    """Store what is needed to rebuild the model without its base: HF config JSON and tokenizer files (an adapted
+    model's: its base's, which the adapter's weights apply to)."""
+    model = base_of(model)
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # GGUF-loaded models are plain fp32 weights once loaded
     config.pop("_name_or_path", None)  # a machine-specific path would break byte-identical checkpoints
@@ -96,8 +111,9 @@ def restore_checkpoint(store: ObjectStore, manifest: dict, model, optimizer=None
                              store.get_tensors_metadata(manifest["optimizer"]))
 
 
-# Written by export_hf_directory itself: a tokenizer file of the same name would replace them.
-_EXPORT_OWN_FILES = frozenset({"config.json", "model.safetensors"})
+# Written by the exports themselves (export_hf_directory, export_adapter_directory): a tokenizer file of the same
+# name would replace them.
+_EXPORT_OWN_FILES = frozenset({"config.json", "model.safetensors", "adapter_config.json", "adapter_model.safetensors"})
 
 
 def check_plain_file_name(name: object, checkpoint_id: str) -> str:
@@ -111,23 +127,63 @@ def check_plain_file_name(name: object, checkpoint_id: str) -> str:
     return name
 
 
-def export_hf_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path) -> Path:
-    """Write a checkpoint as a plain Hugging Face directory that `from_pretrained` loads; a causal LM's with a
-    generation_config.json, so that `generate()` ends where the trained model ends a turn."""
+def is_adapter_checkpoint(manifest: dict) -> bool:
+    return ADAPTER_KEY in manifest
+
+
+def export_adapter_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path) -> Path:
+    """Write an adapter checkpoint as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors, the
+    tokenizer files): what `PeftModel.from_pretrained(base, directory)` and vLLM's LoRA loading read. Its
+    `base_model_name_or_path` is the reference the run trained on (`pkg:...`, a hub id, a checkpoint id)."""
     from safetensors.torch import save_file
 
     manifest = read_manifest(store, checkpoint_id)
-    files = manifest["model"]
-    for name in files["tokenizer_files"]:  # all checked before anything is written
+    if not is_adapter_checkpoint(manifest):
+        raise StoreError(f"checkpoint {checkpoint_id} holds full weights, not an adapter: export it as a model "
+                         "directory")
+    directory = _export_target(store, manifest, checkpoint_id, directory)
+    (directory / "adapter_config.json").write_text(json.dumps(manifest[ADAPTER_KEY]["config"], indent=2,
+                                                              sort_keys=True))
+    save_file(store.get_tensors(manifest["weights"]), str(directory / "adapter_model.safetensors"), {"format": "pt"})
+    return directory
+
+
+def _export_target(store: ObjectStore, manifest: dict, checkpoint_id: str, directory: str | Path) -> Path:
+    """`directory`, created, with the checkpoint's tokenizer files in it (their names checked first: none may leave
+    the directory or replace a file the export writes itself)."""
+    names = manifest["model"]["tokenizer_files"]
+    for name in names:  # all checked before anything is written
         check_plain_file_name(name, checkpoint_id)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    for name, object_id in names.items():
+        (directory / name).write_bytes(store.get_bytes(object_id))
+    return directory
+
+
+def export_hf_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path) -> Path:
+    """Write a checkpoint of full weights as a plain Hugging Face directory that `from_pretrained` loads; a causal
+    LM's with a generation_config.json, so that `generate()` ends where the trained model ends a turn. (An adapter
+    checkpoint: export_adapter_directory, or model/loading.export_merged_directory for its merged weights.)"""
+    manifest = read_manifest(store, checkpoint_id)
+    if is_adapter_checkpoint(manifest):
+        raise StoreError(f"checkpoint {checkpoint_id} is a LoRA adapter: export it as a PEFT adapter directory, or "
+                         "with its base merged in (`rollout export --merged`)")
+    return write_model_directory(store, manifest, checkpoint_id, directory, store.get_tensors(manifest["weights"]))
+
+
+def write_model_directory(store: ObjectStore, manifest: dict, checkpoint_id: str, directory: str | Path,
+                          weights: dict[str, torch.Tensor]) -> Path:
+    """export_hf_directory's files with `weights` as model.safetensors (the checkpoint's own, or an adapter
+    checkpoint's merged into its base: model/loading.export_merged_directory)."""
+    from safetensors.torch import save_file
+
+    files = manifest["model"]
+    directory = _export_target(store, manifest, checkpoint_id, directory)
     config = store.get_json(files["config"])
     config["architectures"] = [files["architecture"]]
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for name, object_id in files["tokenizer_files"].items():
-        (directory / name).write_bytes(store.get_bytes(object_id))
-    save_file(store.get_tensors(manifest["weights"]), str(directory / "model.safetensors"), {"format": "pt"})
+    save_file(weights, str(directory / "model.safetensors"), {"format": "pt"})
     # Written after the tokenizer files, so it is this one whatever a manifest names.
     if manifest.get("kind_of_model") != "reward_model":  # a sequence classifier does not generate
         from transformers import AutoTokenizer

@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from rollout_lib.adapters import base_of
 from rollout_lib.wire import (
     MICRO_BATCHES,
     REQUIRED_STREAMS,
@@ -349,7 +350,7 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes `logits_to_keep` (every causal LM of transformers 5 we load does)."""
-    return _forward_takes_logits_to_keep(type(model))
+    return _forward_takes_logits_to_keep(type(base_of(model)))  # a peft wrapper passes it on to its base
 
 
 @functools.cache

@@ -13,7 +13,7 @@ PACKAGE = ROOT / "rollout_lib"
 # Lowest first; docs/architecture.md says what belongs where.
 FLOORS = {
     0: {"__init__", "wire", "store", "store_gc", "paths", "errors", "settings_base", "determinism", "hardware",
-        "checkpoint", "processes", "step_events", "digests"},
+        "checkpoint", "processes", "step_events", "digests", "adapters"},
     1: {"model", "packing", "losses", "data"},
     2: {"algo", "envs", "sampling", "reward", "serving"},
     3: {"config"},

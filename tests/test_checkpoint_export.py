@@ -58,5 +58,6 @@ def test_the_cli_says_so_in_one_line(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == (f"rollout: error: checkpoint {checkpoint}: tokenizer file name '../escaped.txt' "
                                    "is not a plain file name (no path separators, '..', absolute paths, or "
-                                   "['config.json', 'model.safetensors'])")
+                                   "['adapter_config.json', 'adapter_model.safetensors', 'config.json', "
+                                   "'model.safetensors'])")
     assert not (tmp_path / "escaped.txt").exists() and not (tmp_path / "out").exists()

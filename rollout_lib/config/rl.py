@@ -33,6 +33,7 @@ from rollout_lib.algo import ALGORITHMS, algo_settings_types
 from rollout_lib.algo.base import trains_env_tokens
 from rollout_lib.envs import interaction_settings_types
 from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, FrozenModel, PolicyOrFrozen
+from rollout_lib.adapters import AdapterSettings
 from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
@@ -238,6 +239,9 @@ class RlSettings(StrictModel):
     # default, and then absent from the settings' dump, so identities from before the setting stay.
     zero_advantage_filter: bool = Field(False, exclude_if=lambda value: not value)
     hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
+    # A LoRA adapter trained instead of every weight (adapters.py, docs/scale.md). None: full fine-tuning, and then
+    # absent from the settings' dump, so identities from before the setting stay.
+    adapter: AdapterSettings | None = Field(None, exclude_if=lambda value: value is None)
     envs: list[EnvSettings] = Field(min_length=1)
 
     @model_validator(mode="before")

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from rollout_lib.adapters import AdapterSettings
 from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
@@ -33,6 +34,9 @@ class RmSettings(StrictModel):
     dataset: JsonlDataset
     eval_dataset: JsonlDataset | None = None  # held-out pairs: accuracy before and after training
     hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
+    # A LoRA adapter trained instead of every weight (adapters.py, docs/scale.md). None: full fine-tuning, and then
+    # absent from the settings' dump, so identities from before the setting stay.
+    adapter: AdapterSettings | None = Field(None, exclude_if=lambda value: value is None)
 
     @field_validator("head")
     @classmethod

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from rollout_lib.adapters import AdapterSettings
 from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
@@ -54,6 +55,9 @@ class SftSettings(StrictModel):
     dataset: JsonlDataset
     eval_dataset: JsonlDataset | None = None  # held-out examples: loss per trained token before and after
     hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
+    # A LoRA adapter trained instead of every weight (adapters.py, docs/scale.md). None: full fine-tuning, and then
+    # absent from the settings' dump, so identities from before the setting stay.
+    adapter: AdapterSettings | None = Field(None, exclude_if=lambda value: value is None)
 
     @property
     def packed(self) -> bool:

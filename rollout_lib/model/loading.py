@@ -28,7 +28,9 @@ from pathlib import Path
 
 import blake3
 
-from rollout_lib.checkpoint import export_hf_directory, read_manifest
+from rollout_lib.adapters import apply_saved_adapter, merged
+from rollout_lib.checkpoint import (ADAPTER_KEY, export_hf_directory, is_adapter_checkpoint, model_weights,
+                                    read_manifest, write_model_directory)
 from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import ObjectStore, StoreError, is_content_id
 
@@ -263,14 +265,17 @@ def exported_checkpoint(store: ObjectStore, checkpoint_id: str, uri: str) -> Pat
     if target.is_dir():
         return target
     try:
-        read_manifest(store, checkpoint_id)
+        manifest = read_manifest(store, checkpoint_id)
     except StoreError as exc:
         shown = repr(uri) if uri == checkpoint_id else f"{uri!r} ({checkpoint_id})"
         raise StoreError(f"model reference {shown}: {exc}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".exporting-", dir=target.parent))
     try:
-        export_hf_directory(store, checkpoint_id, staging)
+        if is_adapter_checkpoint(manifest):  # served and loaded as a whole model: the adapter merged into its base
+            export_merged_directory(store, checkpoint_id, staging)
+        else:
+            export_hf_directory(store, checkpoint_id, staging)
         for path in [staging, *staging.iterdir()]:  # mkdtemp makes it private; the cache is for everyone
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
@@ -281,3 +286,21 @@ def exported_checkpoint(store: ObjectStore, checkpoint_id: str, uri: str) -> Pat
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def export_merged_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path) -> Path:
+    """An adapter checkpoint (adapters.py) as a plain Hugging Face directory: its base loaded, the adapter applied and
+    merged into the weights. The base must still be what the adapter was trained on (its content identity, recorded
+    in the manifest): an adapter on other weights is another model, so a changed base is an error, not a guess."""
+    manifest = read_manifest(store, checkpoint_id)
+    record = manifest[ADAPTER_KEY]
+    base = ModelRef(uri=record["base_model"], store=store.root)
+    content = model_content_digest(base)
+    if content != record["base_model_content"]:
+        raise ModelLoadError(f"checkpoint {checkpoint_id} is a LoRA adapter of {record['base_model']!r}, whose content "
+                             f"is no longer what it was trained on ({content[:16]}... now, "
+                             f"{record['base_model_content'][:16]}... then): restore that base model to use it")
+    resolved = resolve_model(base)
+    load = load_reward_model if manifest.get("kind_of_model") == "reward_model" else load_causal_lm
+    model = apply_saved_adapter(load(resolved), record["config"], store.get_tensors(manifest["weights"]))
+    return write_model_directory(store, manifest, checkpoint_id, directory, model_weights(merged(model)))

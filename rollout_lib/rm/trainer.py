@@ -17,7 +17,7 @@ from rollout_lib import wire
 from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
 from rollout_lib.model.loading import load_reward_model, load_tokenizer, resolve_model
 from rollout_lib.rm.pairs import collate_pairs, forward_pairs
-from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
+from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs, adapted
 from rollout_lib.determinism import step_rows
 from rollout_lib.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
@@ -35,6 +35,7 @@ class RewardModelTrainer(CheckpointedTrainer):
         torch.manual_seed(inputs.config.run.seed)  # the new score head is initialised from the run's seed
         model = load_reward_model(resolved)
         model.config.pad_token_id = tokenizer.pad_token_id
+        model = adapted(model, inputs, "reward_model")  # its score head trains in full (peft's modules_to_save)
         place_model(model, hardware, trainable=True)  # before the optimizer: it holds the placed parameters
         optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
         return model, tokenizer, optimizer

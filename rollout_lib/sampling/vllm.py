@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from rollout_lib.adapters import is_adapted
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
 from rollout_lib.serving.policy_server import BF16_PROBE_TOLERANCE, DEFAULT_TOLERANCE
 from rollout_lib.determinism import derived_seed
@@ -87,7 +88,8 @@ class VllmSampler(Sampler):
         self.server = self.context.served_models.policy_server(
             self.context.base_model, replicas=settings.replicas, timeout_s=settings.timeout_s,
             max_attempts=settings.max_attempts, tolerance=settings.tolerance, extra_args=settings.server_args(),
-            probe_dtype=torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32)
+            probe_dtype=torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32,
+            adapter_rank=model.peft_config["default"].r if is_adapted(model) else None)
         self.hold_reports: list = []  # serving.policy_server.HoldReport of every hold this sampler made (metrics, tests)
 
     def _hold(self) -> None:

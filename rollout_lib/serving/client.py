@@ -252,6 +252,16 @@ class EndpointClient:
         return Generation([int(t) for t in token_ids], [float(v) for v in logprobs],
                           str(choice.get("finish_reason")))
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory `path` as the model `name` (vLLM's runtime LoRA loading, in place: an
+        adapter already loaded under that name is replaced). The server must run with --enable-lora and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True."""
+        try:
+            await self.request("POST", "/v1/load_lora_adapter",
+                               {"lora_name": name, "lora_path": path, "load_inplace": True})
+        except BadResponse:  # success: vLLM answers a plain-text line, not JSON
+            pass
+
     async def score(self, token_ids: list[int]) -> list[float]:
         """Prefill scoring: log p(token_ids[t] | token_ids[:t]) for t = 1..n-1 (n - 1 values), at temperature 1.
 

@@ -247,6 +247,8 @@ def _server_env(deployment: Deployment, replica_count: int) -> dict[str, str]:
     env["VLLM_NO_USAGE_STATS"] = "1"
     env["DO_NOT_TRACK"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
+    if "--enable-lora" in deployment.extra_args:  # a LoRA policy's adapter is loaded (in place) while it runs
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return {**env, **deployment.env}
 
 

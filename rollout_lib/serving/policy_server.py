@@ -13,6 +13,12 @@ embeddings: 1.0 logprob off on the tiny Qwen2, 1.6 on SmolLM2, ../shared/notes/s
 /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` on every replica that does not hold
 the state yet.
 
+A LoRA policy (adapters.py: the trainer's model is a peft model) is served as vLLM serves adapters: the replicas
+run the frozen base with `--enable-lora` (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), and a reload writes the adapter
+directory (a few MB, weight_sync.AdapterDirectory) and asks each replica to load it in place under one name
+(`POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}`); samples and the probe ask for
+that name. The base's weights never move, so no full reload runs at all.
+
 Verification: a fixed probe sequence (PROBE_LENGTH token ids drawn once from a fixed seed) is scored by each
 reloaded replica (prompt logprobs, temperature 1) and by the trainer's own forward of the same weights; a replica
 whose logprobs differ by more than `tolerance` anywhere fails the step with a PolicyServerError naming its URL, the
@@ -48,7 +54,7 @@ import torch
 from rollout_lib.serving import engine
 from rollout_lib.serving.client import EndpointClient, ServingError
 from rollout_lib.serving.pool import EndpointPool
-from rollout_lib.serving.weight_sync import SharedWeightsFile
+from rollout_lib.serving.weight_sync import AdapterDirectory, SharedWeightsFile
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,19 @@ PROBE_SEED = 20261123
 DEFAULT_TOLERANCE = 1e-3
 BF16_PROBE_TOLERANCE = 2.0  # a bfloat16 engine against the trainer's weights in bfloat16 (module docstring)
 RELOAD_TIMEOUT_S = 600.0  # a reload of a large model from disk; the per-request timeout of sampling is separate
+
+
+# The ranks vLLM accepts as --max-lora-rank (vllm.config.lora.MaxLoRARanks): an adapter of rank r needs the first
+# that is >= r.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_server_args(rank: int) -> list[str]:
+    """The flags of a policy server that serves a LoRA policy of `rank`: one adapter slot, in place reloads."""
+    slot = next((allowed for allowed in VLLM_LORA_RANKS if allowed >= rank), None)
+    if slot is None:
+        raise ValueError(f"a LoRA rank of {rank} is above the largest vLLM serves ({VLLM_LORA_RANKS[-1]})")
+    return ["--enable-lora", "--max-lora-rank", str(slot), "--max-loras", "1"]
 
 
 class PolicyServerError(RuntimeError):
@@ -100,14 +119,19 @@ class PolicyServer:
     """A live-policy deployment (engine.py, `live_policy=True`) and the state each replica holds."""
 
     def __init__(self, deployment: engine.Deployment, *, timeout_s: float | None = 120.0, max_attempts: int = 3,
-                 tolerance: float = DEFAULT_TOLERANCE, probe_dtype: torch.dtype = torch.float32):
+                 tolerance: float = DEFAULT_TOLERANCE, probe_dtype: torch.dtype = torch.float32,
+                 adapter_base: str | None = None):
         self.deployment = deployment
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.tolerance = tolerance
         self.probe_dtype = probe_dtype  # the engine's dtype: the trainer's side of the probe is computed in it
-        # The weights the replicas reload from: a file in shared memory, rewritten in place (serving/weight_sync.py)
-        self.weights = SharedWeightsFile(engine.weights_dirs(deployment.name))
+        # The weights the replicas reload from (serving/weight_sync.py): a file in shared memory, rewritten in place;
+        # a LoRA policy (`adapter_base`: its base model's reference): its adapter directory, which every replica
+        # loads in place under one adapter name, `served_name`, the model its requests name.
+        dirs = engine.weights_dirs(deployment.name)
+        self.adapter = adapter_base is not None
+        self.weights = AdapterDirectory(dirs, adapter_base) if self.adapter else SharedWeightsFile(dirs)
         self._holds: dict[str, tuple[int, str]] = {}  # base URL -> (pid, state id) it was loaded and checked with
         self._lock = threading.Lock()
         self.pool = self._new_pool()
@@ -117,11 +141,16 @@ class PolicyServer:
         return self.deployment.name
 
     @property
+    def served_name(self) -> str:
+        """The model name requests ask for: the deployment's (its weights reloaded in place), or its adapter's."""
+        return f"{self.deployment.name}-adapter" if self.adapter else self.deployment.name
+
+    @property
     def urls(self) -> str:
         return ", ".join(self.deployment.base_urls)
 
     def _new_pool(self) -> EndpointPool:
-        return EndpointPool(self.deployment.base_urls, self.deployment.name, timeout_s=self.timeout_s,
+        return EndpointPool(self.deployment.base_urls, self.served_name, timeout_s=self.timeout_s,
                             max_attempts=self.max_attempts)
 
     def holds(self, state_id: str) -> bool:
@@ -200,12 +229,15 @@ class PolicyServer:
     async def _probe_all(self, urls: list[str], probe: list[int], expected: list[float], *,
                          reload: bool) -> list[float]:
         async def one(url: str) -> float:
-            client = EndpointClient(url, self.name, timeout_s=RELOAD_TIMEOUT_S)
+            client = EndpointClient(url, self.served_name, timeout_s=RELOAD_TIMEOUT_S)
             try:
                 if reload:
                     try:
-                        await client.request("POST", "/collective_rpc", {
-                            "method": "reload_weights", "kwargs": {"weights_path": str(self.weights.directory)}})
+                        if self.adapter:
+                            await client.load_lora_adapter(self.served_name, str(self.weights.directory))
+                        else:
+                            await client.request("POST", "/collective_rpc", {
+                                "method": "reload_weights", "kwargs": {"weights_path": str(self.weights.directory)}})
                     except ServingError as exc:
                         raise PolicyServerError(f"policy server {url} ({self.name!r}): weight reload failed: "
                                                 f"{exc.detail}") from None

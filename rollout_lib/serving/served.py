@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from rollout_lib.errors import ConfigError
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
-from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer
+from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer, lora_server_args
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.references import default_name, served_model_directory
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
@@ -94,11 +94,14 @@ class ServedModels:
     def policy_server(self, base_model, *, replicas: int = 1, max_model_len: int | None = None,
                       timeout_s: float | None = 120.0, max_attempts: int = 3,
                       tolerance: float = DEFAULT_TOLERANCE, extra_args: Sequence[str] = (),
-                      probe_dtype=None) -> PolicyServer:
+                      probe_dtype=None, adapter_rank: int | None = None) -> PolicyServer:
         """The run's policy server for `base_model` (a ModelRef), started on first use: a live-policy deployment
         named `policy-<model>-<this pid>`, or an orphaned one of the same model (its run was killed) adopted.
         What it holds is unknown until `PolicyServer.hold` reloads and checks it. `extra_args`: server flags
-        (engine.start_deployment), e.g. the engine's dtype; an orphan is adopted only if started with the same."""
+        (engine.start_deployment), e.g. the engine's dtype; an orphan is adopted only if started with the same.
+        `adapter_rank`: the policy is a LoRA adapter of that rank on `base_model` (policy_server.py)."""
+        if adapter_rank is not None:
+            extra_args = [*extra_args, *lora_server_args(adapter_rank)]
         key = canonical_json(["policy", base_model.uri, replicas, max_model_len, list(extra_args)])
         with self._lock:
             server = self._policy_servers.get(key)
@@ -122,6 +125,7 @@ class ServedModels:
                                                          extra_args=extra_args)
                 self._started.append(deployment.name)
                 server = PolicyServer(deployment, timeout_s=timeout_s, max_attempts=max_attempts, tolerance=tolerance,
+                                      adapter_base=base_model.uri if adapter_rank is not None else None,
                                       **({"probe_dtype": probe_dtype} if probe_dtype is not None else {}))
                 self._policy_servers[key] = server
             return server

@@ -1,5 +1,5 @@
 """Shipping the trainer's weights to a policy server on this machine: one safetensors file in shared memory,
-rewritten in place after each step.
+rewritten in place after each step (a LoRA policy: its adapter directory, `AdapterDirectory`).
 
 The engine reloads from a directory of safetensors (serving/policy_server.py). Writing that file with `save_file` every
 step serialises the whole model through two copies and a fresh file (538 MB for SmolLM2-135M in fp32). Here the
@@ -26,6 +26,8 @@ import struct
 from pathlib import Path
 
 import torch
+
+from rollout_lib.adapters import adapter_config, adapter_weights
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -92,8 +94,7 @@ class SharedWeightsFile:
     def _with_room(self, size: int) -> Path:
         """The first candidate directory whose filesystem has room for `size` bytes (and a margin), created."""
         for directory in self.candidates:
-            directory.mkdir(parents=True, exist_ok=True)
-            if shutil.disk_usage(directory).free > size * 1.1 + (64 << 20):
+            if _has_room(directory, size):
                 return directory
         raise OSError(f"no room for the policy's {size / 2**20:.0f} MB weights file in any of "
                       f"{', '.join(map(str, self.candidates))}")
@@ -123,3 +124,47 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy (a contiguous CPU tensor viewed as bytes)."""
     return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+
+
+class AdapterDirectory:
+    """A LoRA policy's weights for the engine: a PEFT adapter directory (adapter_config.json and
+    adapter_model.safetensors, adapters.py) rewritten each step, which vLLM loads in place under one adapter name
+    (policy_server.py). The adapter is a few MB where the model is hundreds, so a fresh file each time costs little;
+    it is staged and renamed, so a reader never sees half of one. `directories`: as SharedWeightsFile's."""
+
+    def __init__(self, directories: os.PathLike | tuple[os.PathLike, ...], base_model: str):
+        self.candidates = tuple(Path(d) for d in (directories if isinstance(directories, tuple) else (directories,)))
+        self.base_model = base_model
+        self.directory = self.candidates[0] / "adapter"
+
+    def write(self, model) -> str:
+        from safetensors.torch import save_file
+
+        tensors = adapter_weights(model)
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        root = next((d for d in self.candidates if _has_room(d, size)), None)
+        if root is None:
+            raise OSError(f"no room for the policy's {size / 2**20:.0f} MB adapter in any of "
+                          f"{', '.join(map(str, self.candidates))}")
+        self.directory = root / "adapter"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        staging = self.directory / f".adapter_model.{os.getpid()}.tmp"
+        save_file(tensors, str(staging), {"format": "pt"})
+        os.replace(staging, self.directory / "adapter_model.safetensors")
+        config = self.directory / f".adapter_config.{os.getpid()}.tmp"
+        config.write_text(json.dumps(adapter_config(model, self.base_model), sort_keys=True))
+        os.replace(config, self.directory / "adapter_config.json")
+        return "adapter"
+
+    def close(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        for directory in self.candidates:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _has_room(directory: Path, size: int) -> bool:
+    """`directory`, created, has room for `size` bytes and a margin."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return shutil.disk_usage(directory).free > size * 1.1 + (64 << 20)

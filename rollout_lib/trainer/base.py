@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rollout_lib.adapters import adapter_config, with_adapter
 from rollout_lib.store import ObjectStore
-from rollout_lib.checkpoint import read_manifest, restore_checkpoint, save_checkpoint, save_model_files
+from rollout_lib.checkpoint import (ADAPTER_KEY, read_manifest, restore_checkpoint, save_checkpoint,
+                                    save_model_files)
+from rollout_lib.model.loading import model_content_digest
 from rollout_lib.determinism import GLOBAL_RNG, seed_for_step, seed_torch
 from rollout_lib.trainer.optim import lr_at, set_lr
 
@@ -47,6 +50,22 @@ def deterministic_metrics(metrics: dict) -> dict:
     no text such as reward error messages, which can carry addresses or pids)."""
     return {name: value for name, value in metrics.items()
             if isinstance(value, (int, float)) and not is_timing_metric(name)}
+
+
+def adapted(model, inputs: TrainingInputs, task: str):
+    """`model` with the entry point's adapter (`algorithm.<kind>.adapter`) wrapped around it, or as it is when the
+    settings ask for none. Seed torch first: the adapter's A matrices are drawn from its RNG."""
+    settings = getattr(inputs.settings, "adapter", None)
+    if settings is None:
+        return model
+    return with_adapter(model, settings, task=task, where=f"algorithm.{inputs.config.algorithm.kind}.adapter")
+
+
+def adapter_record(model, base_model) -> dict:
+    """The manifest's ADAPTER_KEY entry: adapter_config.json's content, the base's reference and its content
+    identity (model_content_digest: a checkpoint's id, or the blake3 of a local model's files)."""
+    return {"config": adapter_config(model, base_model.uri), "base_model": base_model.uri,
+            "base_model_content": model_content_digest(base_model)}
 
 
 class CheckpointedTrainer:
@@ -127,6 +146,8 @@ class CheckpointedTrainer:
         max_seq_len = getattr(self.inputs.settings, "max_seq_len", None)
         if max_seq_len is not None:  # what it was trained on: a reward model scores at most this much by default
             extra["max_seq_len"] = max_seq_len
+        if getattr(self.inputs.settings, "adapter", None) is not None:  # the weights are the adapter's alone
+            extra[ADAPTER_KEY] = adapter_record(self.model, self.inputs.settings.base_model)
         if history:
             extra["history"] = store.put_json([deterministic_metrics(m) for m in history])
         self.checkpoint_id = save_checkpoint(

@@ -37,7 +37,7 @@ from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_mo
 from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
+from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs, adapted
 from rollout_lib.trainer.data_parallel import DataParallel
 from rollout_lib.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
@@ -215,6 +215,7 @@ class CausalLmTrainer(CheckpointedTrainer):
         model.config.pad_token_id = tokenizer.pad_token_id
         if inputs.settings.packed:
             use_packed_attention(model)  # attention per packed sequence, without the masked-out blocks
+        model = adapted(model, inputs, "causal_lm")
         place_model(model, hardware, trainable=True)  # before the optimizer: it holds the placed parameters
         optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
         return model, tokenizer, optimizer

@@ -1,0 +1,142 @@
+"""LoRA adapters (peft): the settings, a model wrapped with one, and the adapter's weights in PEFT's own format.
+
+    [algorithm.sft.adapter]            # also algorithm.rm.adapter, algorithm.rl.adapter
+    type = "lora"
+    r = 16
+    alpha = 32
+    dropout = 0.0
+    target_modules = "all-linear"      # or module names: ["q_proj", "v_proj"]
+
+With an adapter only the LoRA matrices train (and, for a reward model, its score head, in full: peft's
+`modules_to_save` for a sequence classifier); the base model's weights are frozen and never written again. A
+checkpoint then holds the adapter's weights alone, named as PEFT's `adapter_model.safetensors` names them
+(`get_peft_model_state_dict`: no adapter name in the keys), so the weights object of an adapter checkpoint IS a
+PEFT adapter file, and `adapter_config()` its adapter_config.json. The manifest records the base model and its
+content identity (checkpoint.ADAPTER_KEY): an adapter is meaningless without the exact weights it was trained on.
+
+A ground-floor module: it knows peft and nothing of the store. checkpoint.py saves and restores through it;
+model/loading.py merges an adapter checkpoint into its base when a checkpoint is used as a model (a base_model, a
+teacher, a reward model); `rollout export` writes the PEFT directory or the merged weights.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from rollout_lib.settings_base import StrictModel
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be applied (target modules that match nothing); the message names the setting."""
+
+
+class LoraSettings(StrictModel):
+    """A LoRA adapter (peft's LoraConfig): W + (alpha / r) * B @ A on each target module, B initialised to zero (the
+    adapted model starts as its base), A from the run's seed."""
+
+    type: Literal["lora"] = "lora"
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # "all-linear": every linear layer but the output head (peft's and TRL's spelling); or module names, matched
+    # as peft matches them (a name matches a module whose own name or dotted suffix it is).
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value):
+        if isinstance(value, list) and (not value or any(not name for name in value)):
+            raise ValueError('name at least one module (e.g. ["q_proj", "v_proj"]), or "all-linear"')
+        return value
+
+
+AdapterSettings = LoraSettings  # the one adapter type so far; a union when another arrives
+
+
+def is_adapted(model: torch.nn.Module) -> bool:
+    """Whether `model` is a peft model (trains, saves and loads as an adapter)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def base_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the model itself when not adapted)."""
+    return model.get_base_model() if is_adapted(model) else model
+
+
+def with_adapter(model: torch.nn.Module, settings: LoraSettings, *, task: Literal["causal_lm", "reward_model"],
+                 where: str) -> torch.nn.Module:
+    """`model` wrapped with a fresh adapter (its A matrices drawn from torch's RNG: seed it first); only the adapter
+    (and a reward model's head) requires grad. `where`: the settings' locator, for the errors."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=settings.target_modules,
+                        task_type="SEQ_CLS" if task == "reward_model" else "CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # peft's NoMatchingPeftModuleError is a ValueError
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise AdapterError(f"{where}.target_modules: {settings.target_modules!r} matches no module of "
+                           f"{type(model).__name__} ({str(exc).splitlines()[0]}); its linear layers are "
+                           f"{', '.join(linear)}") from None
+
+
+def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's weights as PEFT saves them (adapter_model.safetensors' names and tensors), on the CPU."""
+    from peft import get_peft_model_state_dict
+
+    return {name: tensor.detach().cpu().contiguous() for name, tensor in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Put saved adapter weights (adapter_weights' names) into a peft model; every one must fit and none be missing."""
+    from peft import set_peft_model_state_dict
+
+    expected = adapter_weights(model).keys()
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"adapter weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    result = set_peft_model_state_dict(model, weights)
+    if result.unexpected_keys:
+        raise ValueError(f"adapter weights do not fit the model: unexpected {sorted(result.unexpected_keys)[:5]}")
+
+
+def adapter_config(model: torch.nn.Module, base_model: str) -> dict:
+    """adapter_config.json of the model's adapter (what peft and vLLM read), naming `base_model`; target modules
+    written as the module names they resolve to (`q_proj`, ...), not one path per layer."""
+    config = model.peft_config["default"].to_dict()
+    config["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in config["target_modules"]})
+    config["base_model_name_or_path"] = base_model
+    config["inference_mode"] = True
+    config.pop("peft_version", None)  # the library's release, not the adapter's: checkpoint ids must not follow it
+    for key, value in list(config.items()):  # enums and sets as JSON
+        if isinstance(value, set):
+            config[key] = sorted(value)
+        elif hasattr(value, "value"):
+            config[key] = value.value
+    return config
+
+
+# adapter_config.json's entries that describe the file rather than configure the adapter (the base it names is the
+# model given: peft would warn that it was "renamed").
+_NOT_SETTINGS = ("peft_type", "auto_mapping", "base_model_name_or_path", "revision")
+
+
+def apply_saved_adapter(model: torch.nn.Module, config: dict, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """`model` (a base) with a saved adapter (adapter_config's dict, adapter_weights) attached."""
+    from peft import LoraConfig, get_peft_model
+
+    known = set(LoraConfig.__dataclass_fields__)
+    adapter = get_peft_model(model, LoraConfig(**{key: value for key, value in config.items()
+                                                  if key in known and key not in _NOT_SETTINGS}))
+    load_adapter_weights(adapter, weights)
+    return adapter
+
+
+def merged(model: torch.nn.Module) -> torch.nn.Module:
+    """The base model with the adapter folded into its weights (W + (alpha / r) * B @ A), peft's wrapper gone."""
+    return model.merge_and_unload() if is_adapted(model) else model
