@@ -21,6 +21,7 @@ teacher, a reward model); `rollout export` writes the PEFT directory or the merg
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -66,23 +67,38 @@ def base_of(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if is_adapted(model) else model
 
 
+def target_problem(model: torch.nn.Module, settings: LoraSettings) -> str | None:
+    """Why `settings.target_modules` does not fit `model` (a real model or a skeleton on the meta device), or None.
+    Stricter than peft, which only refuses a list when no name matches: a misspelt name among right ones would be
+    silently left out of training."""
+    if settings.target_modules == "all-linear":
+        return None
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [target for target in settings.target_modules
+                 if not any(name == target or name.endswith("." + target) for name in names)]
+    if not unmatched:
+        return None
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)})
+    return (f"{', '.join(map(repr, unmatched))} match{'es' if len(unmatched) == 1 else ''} no module of "
+            f"{type(model).__name__}; its linear layers are {', '.join(linear)} (or use \"all-linear\")")
+
+
 def with_adapter(model: torch.nn.Module, settings: LoraSettings, *, task: Literal["causal_lm", "reward_model"],
                  where: str) -> torch.nn.Module:
     """`model` wrapped with a fresh adapter (its A matrices drawn from torch's RNG: seed it first); only the adapter
     (and a reward model's head) requires grad. `where`: the settings' locator, for the errors."""
     from peft import LoraConfig, get_peft_model
 
+    problem = target_problem(model, settings)
+    if problem is not None:
+        raise AdapterError(f"{where}.target_modules: {problem}")
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=settings.target_modules,
                         task_type="SEQ_CLS" if task == "reward_model" else "CAUSAL_LM")
-    try:
+    with warnings.catch_warnings():  # peft asks transformers 5 by a name it deprecates (is_gradient_checkpointing)
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
         return get_peft_model(model, config)
-    except ValueError as exc:  # peft's NoMatchingPeftModuleError is a ValueError
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, torch.nn.Linear)})
-        raise AdapterError(f"{where}.target_modules: {settings.target_modules!r} matches no module of "
-                           f"{type(model).__name__} ({str(exc).splitlines()[0]}); its linear layers are "
-                           f"{', '.join(linear)}") from None
 
 
 def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -105,20 +121,25 @@ def load_adapter_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor
         raise ValueError(f"adapter weights do not fit the model: unexpected {sorted(result.unexpected_keys)[:5]}")
 
 
+# The adapter_config.json entries rollout writes: what defines a LoRA adapter, not every field peft's release
+# knows (a newer peft adds fields, and a checkpoint's id must not change with the library). peft and vLLM fill the
+# rest with their defaults, which are what training used.
+ADAPTER_CONFIG_KEYS = ("peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "bias",
+                       "modules_to_save", "use_rslora", "use_dora", "fan_in_fan_out")
+
+
 def adapter_config(model: torch.nn.Module, base_model: str) -> dict:
     """adapter_config.json of the model's adapter (what peft and vLLM read), naming `base_model`; target modules
     written as the module names they resolve to (`q_proj`, ...), not one path per layer."""
     config = model.peft_config["default"].to_dict()
-    config["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in config["target_modules"]})
-    config["base_model_name_or_path"] = base_model
-    config["inference_mode"] = True
-    config.pop("peft_version", None)  # the library's release, not the adapter's: checkpoint ids must not follow it
-    for key, value in list(config.items()):  # enums and sets as JSON
-        if isinstance(value, set):
-            config[key] = sorted(value)
-        elif hasattr(value, "value"):
-            config[key] = value.value
-    return config
+    written = {key: config[key] for key in ADAPTER_CONFIG_KEYS if key in config}
+    written["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in config["target_modules"]})
+    if written.get("modules_to_save") is not None:
+        written["modules_to_save"] = sorted(written["modules_to_save"])
+    for key, value in written.items():  # enums as their JSON value
+        if hasattr(value, "value"):
+            written[key] = value.value
+    return {**written, "base_model_name_or_path": base_model, "inference_mode": True}
 
 
 # adapter_config.json's entries that describe the file rather than configure the adapter (the base it names is the
@@ -131,8 +152,10 @@ def apply_saved_adapter(model: torch.nn.Module, config: dict, weights: dict[str,
     from peft import LoraConfig, get_peft_model
 
     known = set(LoraConfig.__dataclass_fields__)
-    adapter = get_peft_model(model, LoraConfig(**{key: value for key, value in config.items()
-                                                  if key in known and key not in _NOT_SETTINGS}))
+    with warnings.catch_warnings():  # as in with_adapter
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
+        adapter = get_peft_model(model, LoraConfig(**{key: value for key, value in config.items()
+                                                      if key in known and key not in _NOT_SETTINGS}))
     load_adapter_weights(adapter, weights)
     return adapter
 

@@ -146,7 +146,21 @@ class EntryPointConfig(StrictModel):
 
     def plan_problems(self) -> list[tuple[str, str]]:
         """The seed's validate_plan: (dotted locator, problem) pairs found at plan time, before any model loads."""
-        return []
+        return self.adapter_problems()
+
+    def adapter_problems(self) -> list[tuple[str, str]]:
+        """An adapter whose target modules match nothing in the base model, found from the base's config.json
+        alone (a skeleton on the meta device) where it is at hand; else the trainer's build reports it."""
+        settings = self.settings
+        adapter = getattr(settings, "adapter", None)
+        if adapter is None:
+            return []
+        from rollout_lib.adapters import target_problem
+        from rollout_lib.model.loading import model_skeleton
+
+        skeleton = model_skeleton(settings.base_model, reward_model=self.algorithm.kind == "rm")
+        problem = target_problem(skeleton, adapter) if skeleton is not None else None
+        return [] if problem is None else [(f"algorithm.{self.algorithm.kind}.adapter.target_modules", problem)]
 
     # Settings of the entry point that never decide the trained weights: where and how often to snapshot, what to
     # evaluate on, the budget (the schedule's horizon enters on its own), and the dataset's location (its content

@@ -415,7 +415,7 @@ class RlConfig(EntryPointConfig):
         from rollout_lib.reward.functions import check_reward_function
 
         settings = self.settings
-        problems = []
+        problems = self.adapter_problems()
         names = [env.name for env in settings.envs]
         for index, env in enumerate(settings.envs):
             where = env_locator(index)

@@ -272,10 +272,7 @@ def exported_checkpoint(store: ObjectStore, checkpoint_id: str, uri: str) -> Pat
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".exporting-", dir=target.parent))
     try:
-        if is_adapter_checkpoint(manifest):  # served and loaded as a whole model: the adapter merged into its base
-            export_merged_directory(store, checkpoint_id, staging)
-        else:
-            export_hf_directory(store, checkpoint_id, staging)
+        export_model_directory(store, checkpoint_id, staging, manifest)
         for path in [staging, *staging.iterdir()]:  # mkdtemp makes it private; the cache is for everyone
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
@@ -286,6 +283,16 @@ def exported_checkpoint(store: ObjectStore, checkpoint_id: str, uri: str) -> Pat
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def export_model_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path,
+                           manifest: dict | None = None) -> Path:
+    """A checkpoint as a plain Hugging Face model directory, whatever it holds: its weights (export_hf_directory),
+    or an adapter merged into its base (export_merged_directory)."""
+    manifest = manifest if manifest is not None else read_manifest(store, checkpoint_id)
+    if is_adapter_checkpoint(manifest):
+        return export_merged_directory(store, checkpoint_id, directory)
+    return export_hf_directory(store, checkpoint_id, directory)
 
 
 def export_merged_directory(store: ObjectStore, checkpoint_id: str, directory: str | Path) -> Path:
@@ -304,3 +311,23 @@ def export_merged_directory(store: ObjectStore, checkpoint_id: str, directory: s
     load = load_reward_model if manifest.get("kind_of_model") == "reward_model" else load_causal_lm
     model = apply_saved_adapter(load(resolved), record["config"], store.get_tensors(manifest["weights"]))
     return write_model_directory(store, manifest, checkpoint_id, directory, model_weights(merged(model)))
+
+
+def model_skeleton(ref: ModelRef, *, reward_model: bool = False):
+    """The model a reference names, built on the meta device from its config.json alone (no weights read): its
+    module tree, for plan-time checks. None where the config is not at hand without loading or converting anything
+    (a GGUF file, a hub id, a checkpoint)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if checkpoint_of(ref) is not None:
+        return None
+    resolved = locate_model(ref)
+    if resolved.gguf_file or not (Path(resolved.source) / "config.json").is_file():
+        return None
+    config = AutoConfig.from_pretrained(resolved.source)
+    with torch.device("meta"):
+        if reward_model:
+            config.num_labels = 1
+            return AutoModelForSequenceClassification.from_config(config)
+        return AutoModelForCausalLM.from_config(config)

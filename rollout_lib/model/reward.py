@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from rollout_lib.adapters import base_of
 from rollout_lib.hardware import autocast_for, model_device
 
 
@@ -131,11 +132,12 @@ def reward_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
 
     device = model_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    inner = base_of(model)  # a LoRA reward model: the classifier with the adapter's layers in it, head included
     with autocast_for(model):
-        if is_decoder_only(model):
-            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if is_decoder_only(inner):
+            hidden = inner.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             last = attention_mask.sum(dim=1) - 1
-            scores = model.score(hidden[torch.arange(hidden.shape[0], device=device), last]).squeeze(-1)
+            scores = inner.score(hidden[torch.arange(hidden.shape[0], device=device), last]).squeeze(-1)
         else:
             scores = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
     return scores.float()

@@ -8,21 +8,22 @@ import pyarrow as pa
 
 from rollout_lib.rm.evaluate import score_responses
 from rollout_lib.store import ObjectStore, StoreError
-from rollout_lib.checkpoint import export_hf_directory, read_manifest, resolve_checkpoint
+from rollout_lib.checkpoint import read_manifest, resolve_checkpoint
 
 
 def load_reward_checkpoint(store: ObjectStore, reference: str):
-    """(model, tokenizer) rebuilt from the store alone: the base model is not needed."""
+    """(model, tokenizer) rebuilt from the store (a LoRA checkpoint: merged into its base, which must be at hand;
+    full weights need nothing else)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rollout_lib.model.loading import FROM_PRETRAINED
+    from rollout_lib.model.loading import FROM_PRETRAINED, export_model_directory
 
     checkpoint_id = resolve_checkpoint(store, reference)
     manifest = read_manifest(store, checkpoint_id)
     if manifest.get("kind_of_model") != "reward_model":
         raise StoreError(f"checkpoint {checkpoint_id} is a {manifest.get('kind_of_model')!r}, not a reward model")
     with tempfile.TemporaryDirectory() as tmp:
-        export_hf_directory(store, checkpoint_id, tmp)
+        export_model_directory(store, checkpoint_id, tmp, manifest)
         with FROM_PRETRAINED:
             tokenizer = AutoTokenizer.from_pretrained(tmp)
             model = AutoModelForSequenceClassification.from_pretrained(tmp)
