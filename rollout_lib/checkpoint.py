@@ -28,15 +28,32 @@ def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model: its adapter's weights alone, as PEFT saves them (the frozen base is not the checkpoint's to keep)."""
     if is_adapted(model):
         return adapter_weights(model)
+    state = model.state_dict()
+    return {name: state[name].detach().cpu().contiguous() for name in _unshared_names(state)}
+
+
+def _unshared_names(state: dict[str, torch.Tensor]) -> list[str]:
+    """A state dict's names but those sharing storage with an earlier one (a sharded model's parameters are
+    DTensors: their local shards tell the ties)."""
     seen: set[int] = set()
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+    names = []
+    for name, tensor in state.items():
+        local = getattr(tensor, "_local_tensor", tensor)
+        key = local.untyped_storage().data_ptr() if local.numel() else id(tensor)
         if key in seen:
             continue
         seen.add(key)
-        weights[name] = tensor.detach().cpu().contiguous()
-    return weights
+        names.append(name)
+    return names
+
+
+def gathered_weights(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """model_weights of a sharded `model`, from its full state dict gathered by trainer/sharding.py."""
+    if is_adapted(model):
+        from peft import get_peft_model_state_dict
+
+        return {name: tensor.contiguous() for name, tensor in get_peft_model_state_dict(model, full).items()}
+    return {name: full[name].contiguous() for name in _unshared_names(model.state_dict())}
 
 
 def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -80,9 +97,16 @@ def save_model_files(store: ObjectStore, model, tokenizer) -> dict[str, Any]:
 
 
 def save_checkpoint(store: ObjectStore, *, model, optimizer, model_files: dict, step: int, parent: str | None,
-                    identity: str, extra: dict[str, Any]) -> str:
-    weights_id = store.put_tensors(model_weights(model), {"format": "pt"})
-    opt_tensors, opt_meta = optimizer_state_tensors(optimizer)
+                    identity: str, extra: dict[str, Any], gathered: tuple[dict, dict] | None = None) -> str:
+    """`gathered`: (the model's full state dict, the optimizer's state dict) of a sharded trainer, gathered to this
+    process (trainer/sharding.py), written instead of `model` and `optimizer`'s own: the same files either way."""
+    if gathered is None:
+        weights, optimizer_state = model_weights(model), optimizer.state_dict()
+    else:
+        full, optimizer_state = gathered
+        weights = gathered_weights(model, full)
+    weights_id = store.put_tensors(weights, {"format": "pt"})
+    opt_tensors, opt_meta = optimizer_state_tensors(optimizer_state)
     optimizer_id = store.put_tensors(opt_tensors, opt_meta)
     manifest = {
         "kind": CHECKPOINT_KIND,
@@ -249,9 +273,10 @@ def resolve_checkpoint(store: ObjectStore, reference: str) -> str:
 # --- optimizer state as named tensors (safetensors: never pickle) -----------------------------------------------
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Flatten optimizer state to named tensors plus JSON metadata, for safetensors (never pickle)."""
-    state = optimizer.state_dict()
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Flatten optimizer state (an optimizer, or its state_dict) to named tensors plus JSON metadata, for
+    safetensors (never pickle)."""
+    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors = {}
     for index, entry in state["state"].items():
         for key, value in entry.items():

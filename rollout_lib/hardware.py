@@ -49,12 +49,23 @@ class HardwareSettings(StrictModel):
     # machine (`torchrun --standalone`, gloo on CPU, nccl on CUDA: one GPU per process), each taking its share of
     # every step's micro-batches, gradients summed across them. 1: in the flow's own process, as always.
     nproc: int = Field(1, ge=1)
+    # "fsdp": the nproc processes shard parameters, gradients and optimizer state between them (FSDP2,
+    # trainer/sharding.py; docs/hardware.md "Sharded training") instead of each holding everything. "none": plain
+    # data parallelism. Absent from the identity unless "fsdp".
+    sharding: Literal["none", "fsdp"] = "none"
+    # sharding = "fsdp": shards live on the CPU between uses (FSDP2's CPUOffloadPolicy): GPU memory for CPU time.
+    cpu_offload: bool = False
 
     @model_validator(mode="after")
     def _one_gpu_per_process(self) -> "HardwareSettings":
         if self.nproc > 1 and self.device.startswith("cuda:"):
             raise ValueError(f'nproc = {self.nproc} gives each process its own GPU (process i: cuda:i); use '
                              f'device = "cuda" or "auto", not {self.device!r}')
+        if self.sharding == "fsdp" and self.nproc < 2:
+            raise ValueError(f'sharding = "fsdp" shards the model over the nproc processes, and nproc = {self.nproc}: '
+                             'set nproc >= 2 (one process holds everything anyway)')
+        if self.cpu_offload and self.sharding != "fsdp":
+            raise ValueError('cpu_offload is FSDP2\'s offload of the shards: set sharding = "fsdp" with it')
         return self
 
     @field_validator("precision")
@@ -72,7 +83,10 @@ class HardwareSettings(StrictModel):
         these settings existed. gradient_checkpointing never enters: recomputing the forward pass in backward
         gives the same bits (tests/test_hardware.py), only memory and time change. `nproc` enters when above 1:
         gradients summed across processes add in another order than one process accumulating them, so the weights
-        agree with a 1-process run only within rounding (docs/hardware.md "Data parallel"), never bit for bit."""
+        agree with a 1-process run only within rounding (docs/hardware.md "Data parallel"), never bit for bit.
+        `sharding` enters when "fsdp": the gradients sum as data parallelism sums them, but the clipping norm adds
+        up per shard, so the weights can differ from an unsharded run's in the last bits. `cpu_offload` never
+        enters: where the shards wait between uses changes no number."""
         material = {}
         if device_type != "cpu" or self.precision != "fp32":
             material = {"device": device_type, "precision": self.precision}
@@ -80,6 +94,8 @@ class HardwareSettings(StrictModel):
             material["cuda_deterministic"] = True
         if self.nproc > 1:
             material["nproc"] = self.nproc
+        if self.sharding != "none":  # the clipping norm is summed from the shards: its last bits can differ
+            material["sharding"] = self.sharding
         return material or None
 
 

@@ -88,12 +88,15 @@ def pending_steps(store: ObjectStore, state_id: str, checkpoint_interval: int) -
         state_id = record["parent"]
 
 
-def rebuild_policy(inputs: TrainingInputs, state_id: str, data_parallel=None) -> CausalLmTrainer:
+def rebuild_policy(inputs: TrainingInputs, state_id: str, data_parallel=None, shard: bool = False) -> CausalLmTrainer:
     """The trainer at `state_id` from the store alone: a checkpoint, then the steps after it replayed (on one rank
-    of a data-parallel group, `data_parallel`: replayed by every rank together, as they were trained)."""
+    of a data-parallel group, `data_parallel`: replayed by every rank together, as they were trained; `shard`:
+    sharded first, as a sharded group trained them)."""
     checkpoint_id, batches = pending_steps(inputs.store, state_id, inputs.config.settings.checkpoint_interval)
     trainer = CausalLmTrainer.from_checkpoint(inputs, checkpoint_id, batches=RecordedBatches(inputs.store, batches))
     trainer.data_parallel = data_parallel
+    if shard:
+        trainer.shard()
     if batches:
         logger.info("no resident policy at this state: replaying steps %d..%d from checkpoint %s", min(batches),
                     max(batches), checkpoint_id)
@@ -108,14 +111,15 @@ def record_step_state(inputs: TrainingInputs, state_id: str, step: int, micro_ba
                                   "micro_batches": micro_batches_id, "training_identity": inputs.identity})
 
 
-def snapshot_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: str, metrics: dict) -> str:
+def snapshot_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: str, metrics: dict,
+                   gathered: tuple[dict, dict] | None = None) -> str:
     """The checkpoint of `trainer` (at `state_id`) for the run's interval: the one indexed already (then the
     trainer adopts it, so its next checkpoint names it as parent, as a run that wrote it would have), else written
-    now (its manifest keeps `metrics`) and indexed."""
+    now (its manifest keeps `metrics`; a sharded trainer's from its `gathered` state) and indexed."""
     interval = inputs.config.settings.checkpoint_interval
     checkpoint = checkpoint_of(inputs.store, state_id, interval)
     if checkpoint is None:
-        checkpoint = trainer.snapshot(metrics)
+        checkpoint = trainer.snapshot(metrics, gathered=gathered)
         inputs.store.set_ref(snapshot_ref(state_id, interval), checkpoint)
     adopt_snapshot(trainer, checkpoint)
     return checkpoint

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rollout_lib.rl.policy_state import adopt_snapshot, rebuild_policy, record_step_state, snapshot_state
-from rollout_lib.checkpoint import model_weights
+from rollout_lib.hardware import hardware_settings
+from rollout_lib.rl.policy_state import (adopt_snapshot, checkpoint_of, rebuild_policy, record_step_state,
+                                        snapshot_state)
 from rollout_lib.trainer.data_parallel import DataParallel
 from rollout_lib.trainer.segment_worker import join_group, kill_step
 
@@ -31,6 +32,7 @@ class PolicyRank:
     def __init__(self, inputs, data_parallel: DataParallel):
         self.inputs = inputs
         self.data_parallel = data_parallel
+        self.sharded = hardware_settings(inputs.settings).sharding == "fsdp"  # trainer/sharding.py
         self.trainer = None
         self.state_id: str | None = None
         self.kill_at = kill_step(data_parallel.rank)
@@ -40,7 +42,8 @@ class PolicyRank:
         rank together, data-parallel, so the replay reaches the bits the first run did)."""
         if state_id != self.state_id:
             self.trainer = self.state_id = None  # a failed rebuild leaves nothing half-built behind
-            self.trainer = rebuild_policy(self.inputs, state_id, data_parallel=self.data_parallel)
+            self.trainer = rebuild_policy(self.inputs, state_id, data_parallel=self.data_parallel,
+                                          shard=self.sharded)
             self.state_id = state_id
         return self.trainer
 
@@ -61,19 +64,27 @@ class PolicyRank:
         return {"state": self.state_id, "metrics": metrics}
 
     def snapshot(self, command: dict) -> dict:
-        """Rank 0 checkpoints the state (or finds it indexed); every rank adopts that checkpoint."""
+        """Rank 0 checkpoints the state (or finds it indexed); every rank adopts that checkpoint. Sharded, every rank
+        first takes part in gathering the state whole, unless it is indexed already (all read the same index:
+        rank 0 writes it only after the gather, which waits for every rank)."""
         trainer = self.at(command["state"])
+        gathered = None
+        if self.sharded and checkpoint_of(self.inputs.store, command["state"],
+                                          self.inputs.config.settings.checkpoint_interval) is None:
+            gathered = trainer.gather()
         checkpoint = [None]
         if self.data_parallel.rank == 0:
-            checkpoint = [snapshot_state(self.inputs, trainer, command["state"], command["metrics"])]
+            checkpoint = [snapshot_state(self.inputs, trainer, command["state"], command["metrics"], gathered)]
         dist.broadcast_object_list(checkpoint, src=0)
         adopt_snapshot(trainer, checkpoint[0])
         return {"checkpoint": checkpoint[0]}
 
     def export(self, path: str) -> None:
-        """Rank 0 writes the weights of the state held (safetensors, tied duplicates left out)."""
+        """Rank 0 writes the weights of the state held (safetensors, tied duplicates left out; sharded: gathered
+        whole first, every rank taking part)."""
+        weights = self.trainer.weights_for_export()
         if self.data_parallel.rank == 0:
-            save_file(model_weights(self.trainer.model), path + ".partial", {"format": "pt"})
+            save_file(weights, path + ".partial", {"format": "pt"})
             os.replace(path + ".partial", path)
         dist.barrier()
 

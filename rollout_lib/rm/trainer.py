@@ -21,6 +21,7 @@ from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, Tr
 from rollout_lib.determinism import step_rows
 from rollout_lib.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
+from rollout_lib.trainer.sharding import is_sharded
 
 
 class RewardModelTrainer(CheckpointedTrainer):
@@ -69,7 +70,7 @@ class RewardModelTrainer(CheckpointedTrainer):
             loss = loss * share
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.data_parallel is not None:
+        if self.data_parallel is not None and not is_sharded(self.model):  # FSDP reduce-scattered them already
             self.data_parallel.sum_gradients(self.model.parameters())
         grad_norm = clip_gradients(self.model.parameters(), settings.optimizer.max_grad_norm)
         if not torch.isfinite(grad_norm):

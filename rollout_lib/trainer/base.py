@@ -133,10 +133,52 @@ class CheckpointedTrainer:
         restore_checkpoint(inputs.store, manifest, model, optimizer)
         return cls(inputs, model, tokenizer, optimizer, manifest["step"], checkpoint_id, manifest["model"], **options)
 
-    def snapshot(self, metrics: dict, history: list[dict] | None = None) -> str:
+    # --- sharded (trainer/sharding.py) ---------------------------------------------------------------------------
+
+    sharded_names: list[str] | None = None  # the trainable parameters' names once sharded (the optimizer's order)
+
+    def shard(self) -> None:
+        """Shard the model over the process group (`hardware.sharding = "fsdp"`) and rebuild the optimizer over
+        the shards, its state (restored whole from the checkpoint) split the same way. Every rank calls it."""
+        from rollout_lib.hardware import hardware_settings
+        from rollout_lib.trainer.optim import build_optimizer
+        from rollout_lib.trainer.sharding import load_full_optimizer_state, shard_model, trainable_names
+
+        hardware = hardware_settings(self.inputs.settings)
+        names = trainable_names(self.model)
+        state = self.optimizer.state_dict()
+        shard_model(self.model, bf16=hardware.precision == "bf16", cpu_offload=hardware.cpu_offload)
+        self.optimizer = build_optimizer(self.model.parameters(), self.inputs.settings.optimizer)
+        if state["state"]:
+            load_full_optimizer_state(self.model, self.optimizer, state, names)
+        self.sharded_names = names
+
+    def gather(self) -> tuple[dict, dict] | None:
+        """A sharded trainer's full weights and optimizer state on rank 0 (None elsewhere; every rank calls it),
+        for `snapshot(gathered=...)`."""
+        from rollout_lib.trainer.sharding import full_optimizer_state, full_weights
+
+        weights = full_weights(self.model)
+        optimizer = full_optimizer_state(self.model, self.optimizer, self.sharded_names)
+        return (weights, optimizer) if weights is not None else None
+
+    def weights_for_export(self) -> dict | None:
+        """model_weights of the trainer's model, sharded or not; a sharded one's on rank 0 only (every rank calls
+        it; None elsewhere)."""
+        from rollout_lib.checkpoint import gathered_weights, model_weights
+        from rollout_lib.trainer.sharding import full_weights
+
+        if self.sharded_names is None:
+            return model_weights(self.model)
+        full = full_weights(self.model)
+        return gathered_weights(self.model, full) if full is not None else None
+
+    def snapshot(self, metrics: dict, history: list[dict] | None = None,
+                 gathered: tuple[dict, dict] | None = None) -> str:
         """Write weights, optimizer state and a manifest; return the checkpoint id. `history`: every step's
         metrics since the last snapshot (kept in the store, so a reused checkpoint still tells its curve).
-        A trainer that has not stepped since its last snapshot returns that snapshot's id."""
+        A trainer that has not stepped since its last snapshot returns that snapshot's id. `gathered`: a sharded
+        trainer's state from `gather()`, written in its place (the same checkpoint a 1-process trainer writes)."""
         if self.checkpoint_id is not None and self.snapshot_step == self.step:
             return self.checkpoint_id
         store = self.inputs.store
@@ -152,7 +194,7 @@ class CheckpointedTrainer:
             extra["history"] = store.put_json([deterministic_metrics(m) for m in history])
         self.checkpoint_id = save_checkpoint(
             store, model=self.model, optimizer=self.optimizer, model_files=self.model_files, step=self.step,
-            parent=self.checkpoint_id, identity=self.inputs.identity, extra=extra,
+            parent=self.checkpoint_id, identity=self.inputs.identity, extra=extra, gathered=gathered,
         )
         self.snapshot_step = self.step
         return self.checkpoint_id

@@ -41,6 +41,7 @@ from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, Tr
 from rollout_lib.trainer.data_parallel import DataParallel
 from rollout_lib.hardware import hardware_of_config, place_model
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
+from rollout_lib.trainer.sharding import is_sharded
 
 
 def train_on_micro_batches(
@@ -108,7 +109,7 @@ def train_on_micro_batches(
                 elif what != "tokens":
                     weighted[name] = weighted.get(name, 0.0) + value * local[component]
         if any(counts.values()):
-            if data_parallel is not None:
+            if data_parallel is not None and not is_sharded(model):  # FSDP reduce-scattered them in backward
                 data_parallel.sum_gradients(model.parameters())
             grad_norm = clip_gradients(model.parameters(), max_grad_norm)
             if not torch.isfinite(grad_norm):

@@ -193,7 +193,8 @@ def failure_message(where: str, returncode: int | None, tail: list[str], rerun: 
     failure = first_failure(tail)
     if failure is not None:
         cause = failure["traceback"] or f"exit code {failure['exitcode']}"
-        if cause.startswith("To enable traceback"):  # torchrun's placeholder: the worker's own error is above
+        # torchrun's placeholder, or the first line of a traceback: the worker's own error is in the output above
+        if cause.startswith(("To enable traceback", "Traceback")):
             errors = [line for line in tail if re.search(r"\b\w+(Error|Exception)\b:", line)
                       and "ChildFailedError" not in line]
             cause = errors[-1].strip() if errors else f"exit code {failure['exitcode']}"

@@ -52,5 +52,8 @@ def clip_gradients(parameters, max_grad_norm: float | None) -> torch.Tensor:
     the gradients are scaled in place so that their total norm is at most that."""
     params = [p for p in parameters if p.grad is not None]
     if max_grad_norm is not None:
-        return torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    # Sharded gradients (FSDP2's DTensors): the norm is a DTensor too, its value summed over the shards.
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, STEP_MARKER, DataParallel
-from rollout_lib.hardware import hardware_of_config
+from rollout_lib.hardware import hardware_of_config, hardware_settings
 from rollout_lib.trainer.segment import TrainStepError
 
 
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trainer = spec.trainer_class.from_checkpoint(spec.inputs, spec.checkpoint_id, **spec.options)
         trainer.data_parallel = data_parallel
+        sharded = hardware_settings(spec.inputs.settings).sharding == "fsdp"
+        if sharded:
+            trainer.shard()
         kill_at = kill_step(rank)
         history = []
         for step in range(spec.first, spec.last + 1):
@@ -59,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
             history.append(metrics)
             if rank == 0:
                 print(STEP_MARKER + json.dumps({"step": step, "metrics": metrics}), flush=True)
+        gathered = trainer.gather() if sharded else None  # every rank takes part; rank 0 receives
         if rank == 0:
-            checkpoint = trainer.snapshot(history[-1], history)
+            checkpoint = trainer.snapshot(history[-1], history, gathered=gathered)
             with open(spec.result_path + ".partial", "w") as out:
                 json.dump({"checkpoint": checkpoint, "history": history}, out)
             os.replace(spec.result_path + ".partial", spec.result_path)

@@ -1,0 +1,128 @@
+"""Sharded data parallelism (FSDP2): every rank holds 1/N of the parameters, gradients and optimizer state.
+
+`hardware.sharding = "fsdp"` (with `nproc` >= 2) turns the data-parallel segment (trainer/data_parallel.py) into a
+sharded one, with torch's own FSDP2 (`torch.distributed.fsdp.fully_shard`): each decoder layer (the classes the
+model names in `_no_split_modules`, as accelerate wraps them) and then the whole model become FSDP units, whose
+parameters are DTensors holding this rank's rows. A forward or backward pass all-gathers one unit at a time and
+frees it after; gradients are reduce-scattered, each rank keeping the sum of its rows (divide factor 1: the
+step-global token counts already normalise the loss, as in data_parallel.py), and the optimizer steps the shards.
+
+The arithmetic of a step is data_parallel.py's (each rank trains its share of the micro-batches with the step's
+global token counts, fillers included); what changes is where the bytes live. Checkpoints do not change at all:
+a snapshot gathers full tensors (`full_state`: every rank takes part, rank 0 receives them) and writes the same
+safetensors as a 1-process run, and a sharded trainer is opened from any checkpoint by loading it whole and then
+sharding it, so a checkpoint written by N ranks opens on M.
+
+Settings: `hardware.cpu_offload` keeps the shards (parameters, gradients, optimizer state) on the CPU between uses
+(FSDP2's CPUOffloadPolicy; meaningful on a GPU); `hardware.precision = "bf16"` runs units in bf16 with fp32
+gradient reduction (MixedPrecisionPolicy) instead of autocast.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from rollout_lib.adapters import base_of
+
+def shard_model(model: torch.nn.Module, *, bf16: bool = False, cpu_offload: bool = False) -> torch.nn.Module:
+    """`model`, sharded in place over the default process group: each decoder layer, then the root (which keeps
+    the embeddings, a tied output head with them, and the final norm). Gradients reduce by SUM."""
+    layer_classes = set(getattr(base_of(model), "_no_split_modules", None) or ())
+    options = {}
+    if bf16:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(base_of(model)).__name__} names no decoder layer classes (_no_split_modules) to "
+                         "shard by")
+    for layer in layers:
+        fully_shard(layer, **options)
+    for child in _callable_parts(base_of(model)):
+        fully_shard(child, **options)
+    fully_shard(model, **options)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # SUM: the loss is already normalised by the global counts
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def _callable_parts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformers model's direct children that own their parameters: units of their own, so that code
+    calling one directly (a reward model's decoder, then its score head: model/reward.py) gathers what it needs.
+    Children that share a parameter (an output head tied to the embeddings) stay in the root unit together."""
+    children = [child for child in model.children() if any(True for _ in child.parameters())]
+    holders = Counter(id(parameter) for child in children for parameter in child.parameters())
+    return [child for child in children if all(holders[id(parameter)] == 1 for parameter in child.parameters())]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank must ask), any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """The trainable parameters' names in the optimizer's order (trainer/optim.py builds it over these)."""
+    return [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's full state dict on rank 0, on the CPU; None on the other ranks. Every rank must call it: each
+    DTensor is gathered whole (an all-gather), one at a time in the same order everywhere, so no rank holds more
+    than its shards and one full tensor at once (rank 0 keeps what it gathers)."""
+    keep = torch.distributed.get_rank() == 0
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        value = _whole(tensor)
+        if keep:
+            weights[name] = value
+    return weights if keep else None
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: list[str]) -> dict | None:
+    """The optimizer's state dict in torch's index form, as an unsharded optimizer gives it, on rank 0 (None
+    elsewhere; every rank calls it, as full_weights). `names`: trainable_names before sharding."""
+    keep = torch.distributed.get_rank() == 0
+    parameters = dict(model.named_parameters())
+    packed = optimizer.state_dict()  # index form already: the optimizer was built over `names` in order
+    state = {}
+    for index in sorted(packed["state"]):
+        entry = optimizer.state[parameters[names[index]]]
+        gathered = {key: _whole(value) if torch.is_tensor(value) else value for key, value in sorted(entry.items())}
+        if keep:
+            state[index] = gathered
+    return {"state": state, "param_groups": packed["param_groups"]} if keep else None
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of a DTensor (a collective) on the CPU; a plain tensor on the CPU."""
+    return local_value(tensor.detach()).to("cpu")
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+                              names: list[str]) -> None:
+    """Shard an optimizer state dict in index form (every rank holds the same full one) into `optimizer`, built
+    over the sharded model's trainable parameters in the same order: each per-parameter tensor is cut as its
+    parameter is (`distribute_tensor` with the parameter's mesh and placements), scalars (`step`) stay as they are.
+    (Not torch.distributed.checkpoint's set_optimizer_state_dict: fed a state restored from safetensors, its
+    shards of the fused AdamW state came out corrupt here, NaN by the second step.)"""
+    parameters = dict(model.named_parameters())
+    sharded = {}
+    for index, entry in state["state"].items():
+        parameter = parameters[names[index]]
+        sharded[index] = {key: distribute_tensor(value.clone(), parameter.device_mesh, parameter.placements,
+                                                 src_data_rank=None)  # every rank cuts its own: no collective
+                          if isinstance(parameter, DTensor) and torch.is_tensor(value)
+                          and value.shape == parameter.shape else value
+                          for key, value in entry.items()}
+    optimizer.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})

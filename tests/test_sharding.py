@@ -1,0 +1,145 @@
+"""Sharded data parallelism (trainer/sharding.py, FSDP2 on gloo): 2 CPU ranks sharding parameters, gradients and
+optimizer state train what 2 ranks of plain data parallelism train, write the same checkpoints, open on another
+rank count, and resume after a rank dies.
+
+Tolerances: losses within 1e-5 relative; weights within ADAMW_ATOL = 2e-5 absolute, since AdamW at lr 1e-2
+magnifies last-bit differences of near-zero gradients (measured on the tiny model, 3 steps: SFT 2.5e-6 apart, RL
+5.0e-6, with weights moving ~3e-2; a wrong shard of the optimizer state moves them by ~1e-2). RM (no clipping:
+the sharded and unsharded sums of two ranks are the same additions) comes out bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clirun import final_result, run_rollout
+from rollout_lib.checkpoint import read_manifest
+from rollout_lib.config import RmConfig, SftConfig, load_config
+from rollout_lib.errors import ConfigError
+from rollout_lib.identity.training import training_identity
+from rollout_lib.rm.trainer import RewardModelTrainer
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer.causal import CausalLmTrainer
+from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, run_segment_in_processes
+from test_data_parallel import rm_inputs, sft_inputs, weights
+
+ADAMW = {"algorithm.sft.optimizer.kind": "adamw", "algorithm.sft.optimizer.lr": 1e-2}
+ADAMW_ATOL = 2e-5
+
+
+def sft(store: str, nproc: int, sharding: str, steps: int = 3) -> SftConfig:
+    return load_config(SftConfig, "configs/sft-tiny.toml", {
+        "run.store": store, "algorithm.sft.minibatch_size": 3, "algorithm.sft.gradient_accumulation": 3,
+        "algorithm.sft.budget.max_steps": steps, **ADAMW, "algorithm.sft.hardware.nproc": nproc,
+        "algorithm.sft.hardware.sharding": sharding})
+
+
+def test_sharding_is_a_hardware_setting_checked_before_anything_runs():
+    with pytest.raises(ConfigError) as raised:
+        load_config(SftConfig, "configs/sft-tiny.toml", ["algorithm.sft.hardware.sharding=fsdp"])
+    assert "algorithm.sft.hardware" in str(raised.value) and "set nproc >= 2" in str(raised.value)
+    with pytest.raises(ConfigError, match='cpu_offload is FSDP2.s offload of the shards: set sharding = "fsdp"'):
+        load_config(SftConfig, "configs/sft-tiny.toml", ["algorithm.sft.hardware.cpu_offload=true"])
+    with pytest.raises(ConfigError, match="sharding"):
+        load_config(SftConfig, "configs/sft-tiny.toml", ["algorithm.sft.hardware.sharding=zero3"])
+    sharded = sft("/tmp/s", 2, "fsdp")
+    assert sharded.training_settings()["hardware"] == {"nproc": 2, "sharding": "fsdp"}
+    offloaded = load_config(SftConfig, "configs/sft-tiny.toml", {
+        "algorithm.sft.hardware.nproc": 2, "algorithm.sft.hardware.sharding": "fsdp",
+        "algorithm.sft.hardware.cpu_offload": True, **ADAMW, "run.store": "/tmp/s", "algorithm.sft.minibatch_size": 3,
+        "algorithm.sft.gradient_accumulation": 3, "algorithm.sft.budget.max_steps": 3})
+    assert training_identity(offloaded) == training_identity(sharded)  # where shards wait changes no number
+    assert training_identity(sharded) != training_identity(sft("/tmp/s", 2, "none"))
+
+
+@pytest.mark.slow
+def test_sft_sharded_trains_what_plain_data_parallelism_trains_and_opens_on_another_rank_count(tmp_path):
+    store = str(tmp_path / "store")
+    plain, batches = sft_inputs(sft(store, 2, "none"))
+    sharded, _ = sft_inputs(sft(store, 2, "fsdp"))
+    results = {}
+    for name, inputs in (("plain", plain), ("sharded", sharded)):
+        start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
+        # Two segments: the second opens the first's checkpoint, so its AdamW state is cut into shards.
+        middle, first = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, 2, 2, batches=batches)
+        end, second = run_segment_in_processes(CausalLmTrainer, inputs, middle, 3, 3, 2, batches=batches)
+        results[name] = (middle, end, first + second)
+    (_, plain_end, plain_history), (middle, end, history) = results["plain"], results["sharded"]
+    for ours, theirs in zip(history, plain_history):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert ours["tokens/ce"] == theirs["tokens/ce"] and ours["micro_batches"] == 3
+    a, b = weights(plain.store, plain_end), weights(sharded.store, end)
+    assert a.keys() == b.keys()  # the same checkpoint: full tensors, tied duplicates left out as always
+    assert max((a[n] - b[n]).abs().max().item() for n in a) <= ADAMW_ATOL
+    plain_opt = plain.store.get_tensors(read_manifest(plain.store, plain_end)["optimizer"])
+    sharded_opt = sharded.store.get_tensors(read_manifest(sharded.store, end)["optimizer"])
+    assert {n: t.shape for n, t in plain_opt.items()} == {n: t.shape for n, t in sharded_opt.items()}
+
+    # The step-2 checkpoint of 2 sharded ranks, continued by 3 sharded ranks (another identity: nproc enters it,
+    # docs/hardware.md) and by 1 process: the same step within rounding.
+    three, _ = sft_inputs(sft(store, 3, "fsdp"))
+    on_three, _ = run_segment_in_processes(CausalLmTrainer, three, middle, 3, 3, 3, batches=batches)
+    one, _ = sft_inputs(sft(store, 1, "none"))
+    single = CausalLmTrainer.from_checkpoint(one, middle, batches=batches)
+    single.train_step(3)
+    c = weights(three.store, on_three)
+    assert max((c[n] - b[n]).abs().max().item() for n in c) <= ADAMW_ATOL
+    single_weights = {n: t.detach() for n, t in single.model.state_dict().items()}
+    assert max((c[n] - single_weights[n]).abs().max().item() for n in c) <= ADAMW_ATOL
+
+
+@pytest.mark.slow
+def test_rm_sharded_writes_the_same_weights_and_optimizer_objects_as_plain_data_parallelism(tmp_path):
+    store = str(tmp_path / "store")
+    configs = {sharding: load_config(RmConfig, "configs/rm-tiny.toml", {
+        "run.store": store, "algorithm.rm.minibatch_size": 3, "algorithm.rm.budget.max_steps": 2,
+        "algorithm.rm.optimizer.kind": "adamw", "algorithm.rm.optimizer.lr": 1e-2,
+        "algorithm.rm.hardware.nproc": 2, "algorithm.rm.hardware.sharding": sharding}) for sharding in ("none", "fsdp")}
+    manifests = {}
+    for sharding, config in configs.items():
+        inputs = rm_inputs(config)
+        start = RewardModelTrainer.initial(inputs).checkpoint_id
+        end, _ = run_segment_in_processes(RewardModelTrainer, inputs, start, 1, 2, 2)
+        manifests[sharding] = read_manifest(inputs.store, end)
+    # Bits equal (no clipping here: two ranks' sums are the same additions sharded or not), so the stored objects
+    # are the same objects: nothing of the sharding is in them. Only the manifest's identity names it.
+    assert manifests["fsdp"]["weights"] == manifests["none"]["weights"]
+    assert manifests["fsdp"]["optimizer"] == manifests["none"]["optimizer"]
+    assert manifests["fsdp"]["training_identity"] != manifests["none"]["training_identity"]
+
+
+SHARDED_SFT = ["train", "sft", "--config", "configs/sft-tiny.toml", "--nproc", "2",
+               "--set", "algorithm.sft.hardware.sharding=fsdp", "--set", "algorithm.sft.budget.max_steps=2",
+               "--set", "algorithm.sft.checkpoint_interval=2", "--set", "algorithm.sft.optimizer.kind=adamw",
+               "--set", "algorithm.sft.optimizer.lr=1e-2"]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_sharded_segment_fails_naming_it_and_the_rerun_ends_on_the_uninterrupted_checkpoint(
+        prefect_server, tmp_path):
+    reference = run_rollout(*SHARDED_SFT, "--set", f"run.store={tmp_path / 'uninterrupted'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    args = [*SHARDED_SFT, "--set", f"run.store={tmp_path / 'killed'}"]
+    killed = run_rollout(*args, **{KILL_RANK_ENV: "1:2"})  # rank 1 SIGKILLs itself as step 2 starts
+    assert killed.returncode == 1
+    assert "train steps 1-2: data-parallel segment (2 processes) failed: rank 1 exited with code -9" in killed.stderr
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert final_result(rerun)["checkpoint"] == final_result(reference)["checkpoint"]
+
+
+@pytest.mark.slow
+def test_rl_sharded_trains_what_plain_data_parallelism_trains(prefect_server, tmp_path):
+    ends = {}
+    for sharding in ("none", "fsdp"):
+        done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--nproc", "2",
+                           "--set", f"algorithm.rl.hardware.sharding={sharding}",
+                           "--set", "algorithm.rl.budget.max_steps=3", "--set", "algorithm.rl.checkpoint_interval=2",
+                           "--set", f"run.store={tmp_path / sharding}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        ends[sharding] = (ObjectStore(str(tmp_path / sharding)), final_result(done)["checkpoint"])
+    a, b = (weights(store, checkpoint) for store, checkpoint in ends.values())
+    assert a.keys() == b.keys() and max((a[n] - b[n]).abs().max().item() for n in a) <= ADAMW_ATOL
+    losses = [read_manifest(store, checkpoint)["metrics"]["loss"] for store, checkpoint in ends.values()]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
