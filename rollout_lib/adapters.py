@@ -160,6 +160,31 @@ def apply_saved_adapter(model: torch.nn.Module, config: dict, weights: dict[str,
     return adapter
 
 
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict the base model would have with the adapter merged in, under the base's own names
+    (`model.layers.0.self_attn.q_proj.weight`), without touching `model`: W + scale * B @ A computed into new
+    tensors for each adapted layer (peft's get_delta_weight), every other tensor as it is. A plain model: its
+    state dict."""
+    if not is_adapted(model):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = base_of(model)
+    deltas = {name: module.get_delta_weight("default") for name, module in base.named_modules()
+              if isinstance(module, LoraLayer) and "default" in module.lora_A}
+    state = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        plain = name.replace(".base_layer.", ".")
+        layer = plain.rsplit(".", 1)[0]
+        if name.endswith(".base_layer.weight") and layer in deltas:
+            tensor = tensor + deltas[layer].to(tensor.dtype)
+        state[plain] = tensor
+    return state
+
+
 def merged(model: torch.nn.Module) -> torch.nn.Module:
     """The base model with the adapter folded into its weights (W + (alpha / r) * B @ A), peft's wrapper gone."""
     return model.merge_and_unload() if is_adapted(model) else model

@@ -53,12 +53,19 @@ class VllmSamplerSettings(SamplerSettings):
     # rounding alone moved the probe's logprobs by up to 0.98 in a 25-step run: serving/policy_server.py)
     probe_tolerance: float | None = Field(None, gt=0)
     max_recoveries: int = Field(2, ge=0)  # restarts of dead replicas within one stage
+    # A LoRA policy (algorithm.rl.adapter) on the engine: "lora" serves the base once and loads each step's adapter
+    # in place (vLLM's LoRA: a few MB a step, the way on GPUs); "merged" folds the adapter into the base weights and
+    # reloads them whole, as a full fine-tune's (sampling at the base model's speed where vLLM's LoRA kernels are
+    # slow: 4-5x on these CPUs, docs/serving.md "LoRA on the engine"). Ignored without an adapter.
+    adapter_serving: Literal["lora", "merged"] = "lora"
 
     def identity_settings(self) -> dict:
         # Replicas, concurrency, timeouts and the tolerance are resources or checks: they never decide which tokens
         # are sampled (seeds are per completion), so changing them reuses every finished step. The engine's
         # precision and kernels do: they enter when not the defaults (existing identities unchanged).
         chosen = {"dtype": self.dtype} if self.dtype != "float32" else {}
+        if self.adapter_serving != "lora":  # the engine computes the adapter another way: other last bits
+            chosen["adapter_serving"] = self.adapter_serving
         return {"type": self.type, **chosen, **({"compile": True} if self.compile else {})}
 
     def server_args(self) -> list[str]:
@@ -89,7 +96,8 @@ class VllmSampler(Sampler):
             self.context.base_model, replicas=settings.replicas, timeout_s=settings.timeout_s,
             max_attempts=settings.max_attempts, tolerance=settings.tolerance, extra_args=settings.server_args(),
             probe_dtype=torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32,
-            adapter_rank=model.peft_config["default"].r if is_adapted(model) else None)
+            adapter_rank=(model.peft_config["default"].r if is_adapted(model) and settings.adapter_serving == "lora"
+                          else None))
         self.hold_reports: list = []  # serving.policy_server.HoldReport of every hold this sampler made (metrics, tests)
 
     def _hold(self) -> None:

@@ -27,14 +27,15 @@ from pathlib import Path
 
 import torch
 
-from rollout_lib.adapters import adapter_config, adapter_weights
+from rollout_lib.adapters import adapter_config, adapter_weights, merged_state_dict
 
 WEIGHTS_FILE = "model.safetensors"
 
 
 def state_tensors(model) -> dict[str, torch.Tensor]:
-    """The model's state dict on the CPU, contiguous: every entry, tied ones included, as its own name."""
-    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
+    """The model's state dict on the CPU, contiguous: every entry, tied ones included, as its own name (a LoRA
+    model's: its base's names, the adapter merged in: adapters.merged_state_dict)."""
+    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in merged_state_dict(model).items()}
 
 
 class SharedWeightsFile:

@@ -49,7 +49,8 @@ def shard_model(model: torch.nn.Module, *, bf16: bool = False, cpu_offload: bool
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # SUM: the loss is already normalised by the global counts
-            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.12; older: nccl only
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
     return model
 
 
