@@ -55,15 +55,24 @@ class HardwareSettings(StrictModel):
     sharding: Literal["none", "fsdp"] = "none"
     # sharding = "fsdp": shards live on the CPU between uses (FSDP2's CPUOffloadPolicy): GPU memory for CPU time.
     cpu_offload: bool = False
+    # Several nodes (docs/scale.md): a segment's ranks are nproc per node on `nnodes` nodes, joined by torchrun's c10d
+    # rendezvous at `rdzv_endpoint` ("host:port", reachable from every node); this machine is node 0, the others run
+    # the torchrun command the segment logs. A node that has not joined within `rdzv_timeout_s` fails the segment.
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:[0-9]{1,5}$")
+    rdzv_timeout_s: float = Field(300.0, gt=0)
 
     @model_validator(mode="after")
     def _one_gpu_per_process(self) -> "HardwareSettings":
         if self.nproc > 1 and self.device.startswith("cuda:"):
             raise ValueError(f'nproc = {self.nproc} gives each process its own GPU (process i: cuda:i); use '
                              f'device = "cuda" or "auto", not {self.device!r}')
-        if self.sharding == "fsdp" and self.nproc < 2:
+        if self.sharding == "fsdp" and self.nproc * self.nnodes < 2:
             raise ValueError(f'sharding = "fsdp" shards the model over the nproc processes, and nproc = {self.nproc}: '
                              'set nproc >= 2 (one process holds everything anyway)')
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(f'nnodes = {self.nnodes} joins the nodes at a rendezvous: set rdzv_endpoint = "host:port" '
+                             '(a free port on node 0, reachable from every node)')
         if self.cpu_offload and self.sharding != "fsdp":
             raise ValueError('cpu_offload is FSDP2\'s offload of the shards: set sharding = "fsdp" with it')
         return self
@@ -76,12 +85,18 @@ class HardwareSettings(StrictModel):
                              'use "fp32", or set allow_cpu_bf16 = true')
         return precision
 
+    @property
+    def world_size(self) -> int:
+        """Every rank of a segment: nproc per node on nnodes nodes."""
+        return self.nproc * self.nnodes
+
     def identity_settings(self, device_type: str) -> dict | None:
         """What of these settings decides the weights, given the device type `device` resolved to: the device type
         (CPU and CUDA kernels round differently; not its index: cuda:0 and cuda:1 compute alike), the precision
         and, on CUDA, deterministic kernels. None for fp32 on CPU, so a CPU run's identity is what it was before
         these settings existed. gradient_checkpointing never enters: recomputing the forward pass in backward
-        gives the same bits (tests/test_hardware.py), only memory and time change. `nproc` enters when above 1:
+        gives the same bits (tests/test_hardware.py), only memory and time change. The ranks' count (nproc x nnodes)
+        enters as `nproc` when above 1:
         gradients summed across processes add in another order than one process accumulating them, so the weights
         agree with a 1-process run only within rounding (docs/hardware.md "Data parallel"), never bit for bit.
         `sharding` enters when "fsdp": the gradients sum as data parallelism sums them, but the clipping norm adds
@@ -92,8 +107,8 @@ class HardwareSettings(StrictModel):
             material = {"device": device_type, "precision": self.precision}
         if device_type == "cuda" and self.cuda_deterministic:
             material["cuda_deterministic"] = True
-        if self.nproc > 1:
-            material["nproc"] = self.nproc
+        if self.world_size > 1:  # the ranks' count, however they spread over nodes: the same additions
+            material["nproc"] = self.world_size
         if self.sharding != "none":  # the clipping norm is summed from the shards: its last bits can differ
             material["sharding"] = self.sharding
         return material or None

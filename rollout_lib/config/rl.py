@@ -442,6 +442,9 @@ class RlConfig(EntryPointConfig):
             if env.sampling.max_tokens >= settings.max_seq_len:
                 problems.append((f"{where}.sampling.max_tokens", f"must be < algorithm.rl.max_seq_len "
                                  f"({settings.max_seq_len}) to leave room for the prompt"))
+        if settings.hardware.nnodes > 1:
+            problems.append(("algorithm.rl.hardware.nnodes", "train-rl's policy group runs on one node (across nodes "
+                             "is not built yet); use nnodes = 1 with nproc ranks, and serve the policy elsewhere"))
         if settings.micro_batch_tokens is not None and settings.micro_batch_tokens < settings.max_seq_len:
             problems.append(("algorithm.rl.micro_batch_tokens", f"must be >= max_seq_len ({settings.max_seq_len})"))
         return problems

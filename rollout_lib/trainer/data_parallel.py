@@ -23,9 +23,11 @@ a rerun trains it again from the same start checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,8 @@ import torch.distributed as dist
 from rollout_lib import step_events
 from rollout_lib.losses import COMPONENTS
 from rollout_lib.hardware import hardware_settings
+
+logger = logging.getLogger(__name__)
 
 # Rank 0 prints one line per finished step, `STEP_MARKER {"step": n, "metrics": {...}}`, on its stdout.
 STEP_MARKER = "ROLLOUT_DATA_PARALLEL_STEP "
@@ -135,28 +139,61 @@ def data_parallel_segment(trainer_class: type, inputs, checkpoint_id: str, resid
     a function training a segment in `nproc` processes from `checkpoint_id`. A resident trainer at that checkpoint
     is dropped (the workers open it from the store)."""
 
-    nproc = hardware_settings(inputs.settings).nproc
-    if nproc == 1:
+    hardware = hardware_settings(inputs.settings)
+    if hardware.world_size == 1:
         return None
 
     def train(segment) -> tuple[str, list[dict]]:
         resident.pop(checkpoint_id)
-        return run_segment_in_processes(trainer_class, inputs, checkpoint_id, segment.first, segment.last, nproc,
-                                        **options)
+        return run_segment_in_processes(trainer_class, inputs, checkpoint_id, segment.first, segment.last,
+                                        hardware.nproc, **options)
 
     return train
 
 
-def torchrun_command(nproc: int, spec_path: str, module: str = "rollout_lib.trainer.segment_worker") -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", module, spec_path]
+@dataclass(frozen=True)
+class Nodes:
+    """Where a segment's ranks run beyond this machine: `count` nodes joined at `endpoint` by torchrun's c10d
+    rendezvous (hardware.nnodes, rdzv_endpoint, rdzv_timeout_s). This machine is node 0."""
+
+    count: int
+    endpoint: str
+    timeout_s: float
+
+    @classmethod
+    def of(cls, hardware) -> "Nodes | None":
+        if hardware.nnodes == 1:
+            return None
+        return cls(hardware.nnodes, hardware.rdzv_endpoint, hardware.rdzv_timeout_s)
+
+
+def torchrun_command(nproc: int, spec_path: str, module: str = "rollout_lib.trainer.segment_worker",
+                     nodes: Nodes | None = None, node_rank: int = 0, run_id: str = "rollout") -> list[str]:
+    """The torchrun command of one node: this machine alone (`--standalone`), or node `node_rank` of `nodes`."""
+    if nodes is None:
+        launch = ["--standalone"]
+    else:
+        launch = [f"--nnodes={nodes.count}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={run_id}",
+                  f"--rdzv-conf=join_timeout={nodes.timeout_s:g}"]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}", "-m", module,
+            spec_path]
+
+
+def log_node_commands(commands: dict[int, list[str]]) -> None:
+    """How the other nodes join: the command each runs (from a checkout and venv like this one, with the spec file
+    at the same path: a shared filesystem, docs/scale.md)."""
+    for node_rank, command in commands.items():
+        logger.warning("node %d joins this segment with: %s", node_rank, shlex.join(command))
 
 
 def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, first: int, last: int, nproc: int,
-                             **options) -> tuple[str, list[dict]]:
-    """Steps first..last from `checkpoint_id` as `nproc` torchrun processes; (the snapshot's id, per-step metrics).
-    Each finished step is published (step_events) as rank 0 reports it. Raises DataParallelError when a rank
-    fails."""
+                             announce=log_node_commands, **options) -> tuple[str, list[dict]]:
+    """Steps first..last from `checkpoint_id` as `nproc` torchrun processes (per node: with hardware.nnodes > 1 this
+    machine is node 0, and `announce({node_rank: command})` is handed the other nodes' torchrun commands, which
+    their launcher runs); (the snapshot's id, per-step metrics). Each finished step is published (step_events) as
+    rank 0 reports it. Raises DataParallelError when a rank fails or a node never joins."""
+    nodes = Nodes.of(hardware_settings(inputs.settings))
     with tempfile.TemporaryDirectory(prefix="rollout-dp-") as workdir:
         spec = SegmentSpec(trainer_class, inputs, checkpoint_id, first, last, options,
                            os.path.join(workdir, "result.json"))
@@ -166,8 +203,13 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
         tail: deque[str] = deque(maxlen=400)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", str(inputs.config.run.torch_threads))  # torchrun would set 1
-        process = subprocess.Popen(torchrun_command(nproc, spec_path), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env)
+        run_id = f"rollout-{os.path.basename(workdir)}"
+        process = subprocess.Popen(torchrun_command(nproc, spec_path, nodes=nodes, run_id=run_id),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   text=True, env=env)
+        if nodes is not None:
+            announce({rank: torchrun_command(nproc, spec_path, nodes=nodes, node_rank=rank, run_id=run_id)
+                      for rank in range(1, nodes.count)})
         with process:
             for line in process.stdout:
                 marker = line.find(STEP_MARKER)
@@ -177,8 +219,15 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
                 else:
                     tail.append(line.rstrip("\n"))
         if process.returncode != 0 or not os.path.exists(spec.result_path):
+            where = f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed"
+            if nodes is not None and any("RendezvousTimeoutError" in line for line in tail):
+                raise DataParallelError(
+                    f"train steps {first}-{last}: not every node of {nodes.count} joined the rendezvous at "
+                    f"{nodes.endpoint} within {nodes.timeout_s:g} s (hardware.rdzv_timeout_s); start the other "
+                    f"nodes' torchrun (logged as the segment started), or set hardware.nnodes = 1. The segment's "
+                    f"start checkpoint is in the store, so a rerun trains steps {first}-{last} again from it")
             raise DataParallelError(failure_message(
-                f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed", process.returncode,
+                where, process.returncode,
                 list(tail), f"the segment's start checkpoint is in the store, so a rerun trains steps {first}-{last} "
                 "again from it"))
         with open(spec.result_path) as result:
