@@ -7,6 +7,7 @@ seeded batch plan of configs/sft-smollm2.toml) in a fresh child process, so each
     on    algorithm.sft.hardware.gradient_checkpointing = true  (activations recomputed in backward)
     1p    the same steps as one data-parallel segment of 1 process (torchrun, trainer.data_parallel)
     2p    ... of 2 processes (gloo), the same global batch: each takes half of every step's micro-batches
+    2fsdp ... of 2 processes sharding parameters, gradients and AdamW state (hardware.sharding = "fsdp")
 
 Per variant: the process's peak RSS (`resource.getrusage(...).ru_maxrss`) once the trainer is built (model,
 optimizer, step-0 snapshot) and at the end of training, the difference (what training steps added: activations,
@@ -42,7 +43,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 CONFIG = "configs/sft-smollm2.toml"
 VARIANTS = {"off": False, "on": True}
-PROCESS_VARIANTS = {"1p": 1, "2p": 2}
+# variant -> (processes, sharding)
+PROCESS_VARIANTS = {"1p": (1, "none"), "2p": (2, "none"), "2fsdp": (2, "fsdp")}
 
 
 def peak_rss_mib() -> float:
@@ -115,13 +117,13 @@ def measure(args, checkpointing: bool) -> dict:
         return result
 
 
-def measure_processes(args, nproc: int) -> dict:
+def measure_processes(args, nproc: int, sharding: str) -> dict:
     """Steps 1..N as one data-parallel segment of `nproc` torchrun processes; the figures of one variant."""
     from rollout_lib.trainer.causal import CausalLmTrainer
     from rollout_lib.trainer.data_parallel import run_segment_in_processes
 
     with tempfile.TemporaryDirectory() as store_root:
-        inputs, batches, _ = sft_setup(args, store_root, {"nproc": nproc})
+        inputs, batches, _ = sft_setup(args, store_root, {"nproc": nproc, "sharding": sharding})
         start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
         started = time.perf_counter()
         _, history = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, args.steps, nproc, batches=batches)
@@ -150,13 +152,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--skip-processes", action="store_true", help="leave out the 1 vs 2 processes variants")
+    parser.add_argument("--processes-only", action="store_true", help="only the 1p, 2p and 2fsdp variants")
     parser.add_argument("--measure", choices=(*VARIANTS, *PROCESS_VARIANTS), help=argparse.SUPPRESS)  # one child
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
     if args.measure in PROCESS_VARIANTS:
-        print(json.dumps(measure_processes(args, PROCESS_VARIANTS[args.measure])))
+        print(json.dumps(measure_processes(args, *PROCESS_VARIANTS[args.measure])))
         return
     if args.measure:
         print(json.dumps(measure(args, VARIANTS[args.measure])))
@@ -166,7 +169,7 @@ def main() -> None:
           f"{args.examples_per_step} examples, packed micro-batches of at most {args.row_len} tokens; "
           "one child process per variant", flush=True)
     results = {}
-    for variant in VARIANTS:
+    for variant in ([] if args.processes_only else VARIANTS):
         results[variant] = result = measure_in_subprocess(args, variant)
         rate = result["tokens"] / result["seconds"]
         peak = f", CUDA peak {result['cuda_peak_mib']:7.0f} MiB" if "cuda_peak_mib" in result else ""
@@ -175,6 +178,8 @@ def main() -> None:
               f"{result['built_peak_rss_mib']:6.0f} MiB, steps added {added:6.0f} MiB){peak}, {rate:7.1f} real "
               f"tokens/s ({result['tokens']} tokens in {result['seconds']:.1f} s, "
               f"largest micro-batch {result['micro_batch_tokens']} tokens)", flush=True)
+    if args.processes_only:
+        return measure_all_processes(args)
     off, on = results["off"], results["on"]
     added = {v: r["peak_rss_mib"] - r["built_peak_rss_mib"] for v, r in results.items()}
     print(f"  ratio on/off: peak RSS {on['peak_rss_mib'] / off['peak_rss_mib']:.3f}, memory the steps added "
@@ -187,6 +192,10 @@ def main() -> None:
           + ("" if same else f" vs {on['losses']}"))
     if args.skip_processes or args.device != "cpu":
         return
+    measure_all_processes(args)
+
+
+def measure_all_processes(args) -> None:
     runs = {}
     for variant in PROCESS_VARIANTS:
         runs[variant] = run = measure_in_subprocess(args, variant)
@@ -198,6 +207,10 @@ def main() -> None:
     loss_diff = max(abs(a - b) for a, b in zip(one["losses"], two["losses"]))
     print(f"  ratio 2p/1p: speed {one['seconds'] / two['seconds']:.3f}, largest rank peak RSS "
           f"{two['rank_peak_rss_mib'] / one['rank_peak_rss_mib']:.3f}; max loss difference {loss_diff:.2e}")
+    sharded = runs["2fsdp"]
+    loss_diff = max(abs(a - b) for a, b in zip(two["losses"], sharded["losses"]))
+    print(f"  ratio 2fsdp/2p: speed {two['seconds'] / sharded['seconds']:.3f}, largest rank peak RSS "
+          f"{sharded['rank_peak_rss_mib'] / two['rank_peak_rss_mib']:.3f}; max loss difference {loss_diff:.2e}")
 
 
 if __name__ == "__main__":

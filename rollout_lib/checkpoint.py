@@ -29,10 +29,10 @@ def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if is_adapted(model):
         return adapter_weights(model)
     state = model.state_dict()
-    return {name: state[name].detach().cpu().contiguous() for name in _unshared_names(state)}
+    return {name: state[name].detach().cpu().contiguous() for name in unshared_names(state)}
 
 
-def _unshared_names(state: dict[str, torch.Tensor]) -> list[str]:
+def unshared_names(state: dict[str, torch.Tensor]) -> list[str]:
     """A state dict's names but those sharing storage with an earlier one (a sharded model's parameters are
     DTensors: their local shards tell the ties)."""
     seen: set[int] = set()
@@ -53,7 +53,7 @@ def gathered_weights(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> d
         from peft import get_peft_model_state_dict
 
         return {name: tensor.contiguous() for name, tensor in get_peft_model_state_dict(model, full).items()}
-    return {name: full[name].contiguous() for name in _unshared_names(model.state_dict())}
+    return {name: full[name].contiguous() for name in unshared_names(model.state_dict())}
 
 
 def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -97,17 +97,16 @@ def save_model_files(store: ObjectStore, model, tokenizer) -> dict[str, Any]:
 
 
 def save_checkpoint(store: ObjectStore, *, model, optimizer, model_files: dict, step: int, parent: str | None,
-                    identity: str, extra: dict[str, Any], gathered: tuple[dict, dict] | None = None) -> str:
-    """`gathered`: (the model's full state dict, the optimizer's state dict) of a sharded trainer, gathered to this
-    process (trainer/sharding.py), written instead of `model` and `optimizer`'s own: the same files either way."""
-    if gathered is None:
-        weights, optimizer_state = model_weights(model), optimizer.state_dict()
+                    identity: str, extra: dict[str, Any], stored: tuple[str, str] | None = None) -> str:
+    """`stored`: (weights id, optimizer id) already in the store, written by a sharded trainer tensor by tensor
+    (trainer/sharding.py: the same objects model_weights and optimizer_state_tensors would give), instead of
+    `model` and `optimizer`'s own."""
+    if stored is None:
+        weights_id = store.put_tensors(model_weights(model), {"format": "pt"})
+        opt_tensors, opt_meta = optimizer_state_tensors(optimizer)
+        optimizer_id = store.put_tensors(opt_tensors, opt_meta)
     else:
-        full, optimizer_state = gathered
-        weights = gathered_weights(model, full)
-    weights_id = store.put_tensors(weights, {"format": "pt"})
-    opt_tensors, opt_meta = optimizer_state_tensors(optimizer_state)
-    optimizer_id = store.put_tensors(opt_tensors, opt_meta)
+        weights_id, optimizer_id = stored
     manifest = {
         "kind": CHECKPOINT_KIND,
         "step": step,
@@ -273,15 +272,20 @@ def resolve_checkpoint(store: ObjectStore, reference: str) -> str:
 # --- optimizer state as named tensors (safetensors: never pickle) -----------------------------------------------
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer | dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Flatten optimizer state (an optimizer, or its state_dict) to named tensors plus JSON metadata, for
-    safetensors (never pickle)."""
-    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Flatten optimizer state to named tensors plus JSON metadata, for safetensors (never pickle)."""
+    entries, metadata = optimizer_state_entries(optimizer.state_dict())
+    return {name: value.detach().cpu().contiguous() for name, value in entries.items()}, metadata
+
+
+def optimizer_state_entries(state: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """An optimizer state dict (torch's index form) as the checkpoint names it: `state.<index>.<key>` -> the tensor
+    as the optimizer holds it (a sharded optimizer's: a DTensor), plus the param groups as JSON metadata."""
     tensors = {}
     for index, entry in state["state"].items():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{index}.{key}"] = value
             elif value is not None:
                 tensors[f"state.{index}.{key}"] = torch.tensor(value)
     groups = [{k: v for k, v in group.items()} for group in state["param_groups"]]

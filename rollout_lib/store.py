@@ -26,9 +26,12 @@ Tensors are stored as safetensors and tables as Arrow IPC streams: nothing in th
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import tempfile
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -176,6 +179,19 @@ def _sorted_header(header: bytes) -> bytes | None:
     parsed["__metadata__"] = dict(sorted(metadata.items()))
     new = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False).encode()
     return new + b" " * (-len(new) % 8)  # keep the data section 8-byte aligned, as safetensors does
+
+
+# safetensors' dtype names, and its data layout: tensors by dtype in descending order of its enum (64-bit first,
+# BOOL last), then by name (tests/test_store.py checks the bytes against safetensors' own).
+_ST_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.float64: "F64",
+              torch.int64: "I64"}
+_ST_ENUM_ORDER = ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+
+
+def safetensors_order(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
+    """The order safetensors lays tensors out in: the order `put_tensors_streamed` must be given them in."""
+    return sorted(shapes, key=lambda name: (-_ST_ENUM_ORDER.index(_ST_DTYPES[shapes[name][0]]), name))
 
 
 class ObjectStore:
@@ -338,6 +354,48 @@ class ObjectStore:
                 if _sorted_header(f.read(int.from_bytes(f.read(8), "little"))) is not None:
                     f.seek(0)  # metadata came out in hash order: rewrite the header, in memory this time
                     return self.put_bytes(_canonical_safetensors(f.read()))
+            object_id = _file_content_id(tmp)
+            path = self._object_fspath(object_id)
+            if not self._holds_intact(path, object_id, os.path.getsize(tmp)):
+                self._commit_local(tmp, path)
+            return object_id
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def put_tensors_streamed(self, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                             tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> str:
+        """`put_tensors` for tensors that are produced one at a time (gathered from shards, say) and should never be
+        in memory together: the header is written from `shapes` (name -> (dtype, shape)), then each tensor's bytes
+        as `tensors` yields it, in `safetensors_order(shapes)`. The same bytes and id as put_tensors of them all."""
+        header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+        offset = 0
+        order = safetensors_order(shapes)
+        for name in order:
+            dtype, shape = shapes[name]
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        blob += b" " * (-len(blob) % 8)
+        tmp = self._local_tmp_path() if self._local else tempfile.mktemp(prefix="rollout-tensors-")
+        try:
+            with open(tmp, "wb") as out:
+                out.write(len(blob).to_bytes(8, "little"))
+                out.write(blob)
+                expected = iter(order)
+                for name, tensor in tensors:
+                    want = next(expected, None)
+                    dtype, shape = shapes[want] if want is not None else (None, None)
+                    if name != want or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                        raise ValueError(f"streamed tensor {name!r} ({tensor.dtype}, {tuple(tensor.shape)}) is not the "
+                                         f"next of the layout: {want!r} ({dtype}, {shape})")
+                    out.write(memoryview(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()))
+                if next(expected, None) is not None:
+                    raise ValueError("the streamed tensors ended before the layout did")
+            if not self._local:
+                with open(tmp, "rb") as f:
+                    return self.put_bytes(f.read())
             object_id = _file_content_id(tmp)
             path = self._object_fspath(object_id)
             if not self._holds_intact(path, object_id, os.path.getsize(tmp)):

@@ -11,7 +11,6 @@ the sharded and unsharded sums of two ranks are the same additions) comes out bi
 from __future__ import annotations
 
 import pytest
-import torch
 
 from clirun import final_result, run_rollout
 from rollout_lib.checkpoint import read_manifest

@@ -111,15 +111,18 @@ def record_step_state(inputs: TrainingInputs, state_id: str, step: int, micro_ba
                                   "micro_batches": micro_batches_id, "training_identity": inputs.identity})
 
 
-def snapshot_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: str, metrics: dict,
-                   gathered: tuple[dict, dict] | None = None) -> str:
+def snapshot_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: str, metrics: dict) -> str | None:
     """The checkpoint of `trainer` (at `state_id`) for the run's interval: the one indexed already (then the
     trainer adopts it, so its next checkpoint names it as parent, as a run that wrote it would have), else written
-    now (its manifest keeps `metrics`; a sharded trainer's from its `gathered` state) and indexed."""
+    now (its manifest keeps `metrics`) and indexed. A sharded trainer: every rank calls it (all read the index before
+    any writes it: rank 0 writes only after the gathers every rank takes part in); the others get None when it is
+    written now."""
     interval = inputs.config.settings.checkpoint_interval
     checkpoint = checkpoint_of(inputs.store, state_id, interval)
     if checkpoint is None:
-        checkpoint = trainer.snapshot(metrics, gathered=gathered)
+        checkpoint = trainer.snapshot(metrics)
+        if checkpoint is None:
+            return None
         inputs.store.set_ref(snapshot_ref(state_id, interval), checkpoint)
     adopt_snapshot(trainer, checkpoint)
     return checkpoint

@@ -20,8 +20,7 @@ from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rollout_lib.hardware import hardware_settings
-from rollout_lib.rl.policy_state import (adopt_snapshot, checkpoint_of, rebuild_policy, record_step_state,
-                                        snapshot_state)
+from rollout_lib.rl.policy_state import adopt_snapshot, rebuild_policy, record_step_state, snapshot_state
 from rollout_lib.trainer.data_parallel import DataParallel
 from rollout_lib.trainer.segment_worker import join_group, kill_step
 
@@ -64,17 +63,14 @@ class PolicyRank:
         return {"state": self.state_id, "metrics": metrics}
 
     def snapshot(self, command: dict) -> dict:
-        """Rank 0 checkpoints the state (or finds it indexed); every rank adopts that checkpoint. Sharded, every rank
-        first takes part in gathering the state whole, unless it is indexed already (all read the same index:
-        rank 0 writes it only after the gather, which waits for every rank)."""
+        """Rank 0 checkpoints the state (or finds it indexed; sharded, every rank takes part in writing it); every
+        rank adopts that checkpoint."""
         trainer = self.at(command["state"])
-        gathered = None
-        if self.sharded and checkpoint_of(self.inputs.store, command["state"],
-                                          self.inputs.config.settings.checkpoint_interval) is None:
-            gathered = trainer.gather()
         checkpoint = [None]
-        if self.data_parallel.rank == 0:
-            checkpoint = [snapshot_state(self.inputs, trainer, command["state"], command["metrics"], gathered)]
+        if self.sharded or self.data_parallel.rank == 0:  # sharded: every rank takes part in writing it
+            written = snapshot_state(self.inputs, trainer, command["state"], command["metrics"])
+            if self.data_parallel.rank == 0:
+                checkpoint = [written]
         dist.broadcast_object_list(checkpoint, src=0)
         adopt_snapshot(trainer, checkpoint[0])
         return {"checkpoint": checkpoint[0]}

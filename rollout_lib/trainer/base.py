@@ -12,11 +12,14 @@ from typing import Any, ClassVar
 
 from rollout_lib.adapters import adapter_config, with_adapter
 from rollout_lib.store import ObjectStore
-from rollout_lib.checkpoint import (ADAPTER_KEY, read_manifest, restore_checkpoint, save_checkpoint,
-                                    save_model_files)
+from rollout_lib.checkpoint import (ADAPTER_KEY, gathered_weights, model_weights, read_manifest, restore_checkpoint,
+                                    save_checkpoint, save_model_files)
+from rollout_lib.hardware import hardware_settings
 from rollout_lib.model.loading import model_content_digest
 from rollout_lib.determinism import GLOBAL_RNG, seed_for_step, seed_torch
-from rollout_lib.trainer.optim import lr_at, set_lr
+from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
+from rollout_lib.trainer.sharding import (full_weights, load_full_optimizer_state, shard_model, stream_state,
+                                          trainable_names)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -140,10 +143,6 @@ class CheckpointedTrainer:
     def shard(self) -> None:
         """Shard the model over the process group (`hardware.sharding = "fsdp"`) and rebuild the optimizer over
         the shards, its state (restored whole from the checkpoint) split the same way. Every rank calls it."""
-        from rollout_lib.hardware import hardware_settings
-        from rollout_lib.trainer.optim import build_optimizer
-        from rollout_lib.trainer.sharding import load_full_optimizer_state, shard_model, trainable_names
-
         hardware = hardware_settings(self.inputs.settings)
         names = trainable_names(self.model)
         state = self.optimizer.state_dict()
@@ -153,35 +152,28 @@ class CheckpointedTrainer:
             load_full_optimizer_state(self.model, self.optimizer, state, names)
         self.sharded_names = names
 
-    def gather(self) -> tuple[dict, dict] | None:
-        """A sharded trainer's full weights and optimizer state on rank 0 (None elsewhere; every rank calls it),
-        for `snapshot(gathered=...)`."""
-        from rollout_lib.trainer.sharding import full_optimizer_state, full_weights
-
-        weights = full_weights(self.model)
-        optimizer = full_optimizer_state(self.model, self.optimizer, self.sharded_names)
-        return (weights, optimizer) if weights is not None else None
-
     def weights_for_export(self) -> dict | None:
         """model_weights of the trainer's model, sharded or not; a sharded one's on rank 0 only (every rank calls
         it; None elsewhere)."""
-        from rollout_lib.checkpoint import gathered_weights, model_weights
-        from rollout_lib.trainer.sharding import full_weights
-
         if self.sharded_names is None:
             return model_weights(self.model)
         full = full_weights(self.model)
         return gathered_weights(self.model, full) if full is not None else None
 
-    def snapshot(self, metrics: dict, history: list[dict] | None = None,
-                 gathered: tuple[dict, dict] | None = None) -> str:
+    def snapshot(self, metrics: dict, history: list[dict] | None = None) -> str | None:
         """Write weights, optimizer state and a manifest; return the checkpoint id. `history`: every step's
         metrics since the last snapshot (kept in the store, so a reused checkpoint still tells its curve).
-        A trainer that has not stepped since its last snapshot returns that snapshot's id. `gathered`: a sharded
-        trainer's state from `gather()`, written in its place (the same checkpoint a 1-process trainer writes)."""
+        A trainer that has not stepped since its last snapshot returns that snapshot's id. A sharded trainer: every
+        rank calls it (its tensors are gathered one by one, trainer/sharding.stream_state), rank 0 writes the same
+        checkpoint a 1-process trainer would and returns its id, the other ranks return None."""
         if self.checkpoint_id is not None and self.snapshot_step == self.step:
             return self.checkpoint_id
         store = self.inputs.store
+        stored = None
+        if self.sharded_names is not None:
+            stored = stream_state(store, self.model, self.optimizer)
+            if stored is None:  # not rank 0: it has done its part
+                return None
         extra = {"kind_of_model": self.kind_of_model, "base_model": self.inputs.settings.base_model.uri,
                  "data": {**self.inputs.data_ids, "cursor": self.step},
                  "seed": self.inputs.config.run.seed, "metrics": deterministic_metrics(metrics)}
@@ -194,7 +186,7 @@ class CheckpointedTrainer:
             extra["history"] = store.put_json([deterministic_metrics(m) for m in history])
         self.checkpoint_id = save_checkpoint(
             store, model=self.model, optimizer=self.optimizer, model_files=self.model_files, step=self.step,
-            parent=self.checkpoint_id, identity=self.inputs.identity, extra=extra, gathered=gathered,
+            parent=self.checkpoint_id, identity=self.inputs.identity, extra=extra, stored=stored,
         )
         self.snapshot_step = self.step
         return self.checkpoint_id

@@ -62,9 +62,8 @@ def main(argv: list[str] | None = None) -> None:
             history.append(metrics)
             if rank == 0:
                 print(STEP_MARKER + json.dumps({"step": step, "metrics": metrics}), flush=True)
-        gathered = trainer.gather() if sharded else None  # every rank takes part; rank 0 receives
+        checkpoint = trainer.snapshot(history[-1], history) if sharded or rank == 0 else None  # sharded: all gather
         if rank == 0:
-            checkpoint = trainer.snapshot(history[-1], history, gathered=gathered)
             with open(spec.result_path + ".partial", "w") as out:
                 json.dump({"checkpoint": checkpoint, "history": history}, out)
             os.replace(spec.result_path + ".partial", spec.result_path)

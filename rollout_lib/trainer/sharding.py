@@ -9,13 +9,13 @@ step-global token counts already normalise the loss, as in data_parallel.py), an
 
 The arithmetic of a step is data_parallel.py's (each rank trains its share of the micro-batches with the step's
 global token counts, fillers included); what changes is where the bytes live. Checkpoints do not change at all:
-a snapshot gathers full tensors (`full_state`: every rank takes part, rank 0 receives them) and writes the same
+a snapshot gathers full tensors one at a time and rank 0 streams them into the store (`stream_state`) and writes the same
 safetensors as a 1-process run, and a sharded trainer is opened from any checkpoint by loading it whole and then
 sharding it, so a checkpoint written by N ranks opens on M.
 
 Settings: `hardware.cpu_offload` keeps the shards (parameters, gradients, optimizer state) on the CPU between uses
 (FSDP2's CPUOffloadPolicy; meaningful on a GPU); `hardware.precision = "bf16"` runs units in bf16 with fp32
-gradient reduction (MixedPrecisionPolicy) instead of autocast.
+gradient reduction (MixedPrecisionPolicy), beside the autocast every forward runs under.
 """
 
 from __future__ import annotations
@@ -26,11 +26,15 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rollout_lib.adapters import base_of
+from rollout_lib.adapters import base_of, is_adapted
+from rollout_lib.checkpoint import gathered_weights, optimizer_state_entries, unshared_names
+from rollout_lib.store import safetensors_order
+
 
 def shard_model(model: torch.nn.Module, *, bf16: bool = False, cpu_offload: bool = False) -> torch.nn.Module:
-    """`model`, sharded in place over the default process group: each decoder layer, then the root (which keeps
-    the embeddings, a tied output head with them, and the final norm). Gradients reduce by SUM."""
+    """`model`, sharded in place over the default process group: each decoder layer, each part that owns its
+    parameters (_callable_parts), then the root (which keeps what is left: embeddings tied to an output head, the
+    final norm). Gradients reduce by SUM."""
     layer_classes = set(getattr(base_of(model), "_no_split_modules", None) or ())
     options = {}
     if bf16:
@@ -90,19 +94,31 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return weights if keep else None
 
 
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: list[str]) -> dict | None:
-    """The optimizer's state dict in torch's index form, as an unsharded optimizer gives it, on rank 0 (None
-    elsewhere; every rank calls it, as full_weights). `names`: trainable_names before sharding."""
-    keep = torch.distributed.get_rank() == 0
-    parameters = dict(model.named_parameters())
-    packed = optimizer.state_dict()  # index form already: the optimizer was built over `names` in order
-    state = {}
-    for index in sorted(packed["state"]):
-        entry = optimizer.state[parameters[names[index]]]
-        gathered = {key: _whole(value) if torch.is_tensor(value) else value for key, value in sorted(entry.items())}
-        if keep:
-            state[index] = gathered
-    return {"state": state, "param_groups": packed["param_groups"]} if keep else None
+def stream_state(store, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, str] | None:
+    """Write a sharded trainer's weights and optimizer state to `store` as the objects an unsharded trainer's
+    checkpoint holds (checkpoint.model_weights, optimizer_state_tensors), gathering one tensor at a time in the
+    objects' own layout order: no rank ever holds more than its shards and one full tensor. Every rank calls it (the
+    gathers are collectives); rank 0 writes and gets (weights id, optimizer id), the others None."""
+    writer = torch.distributed.get_rank() == 0
+    if is_adapted(model):  # an adapter's weights are small: gathered whole, then written as usual
+        full = full_weights(model)
+        weights_id = store.put_tensors(gathered_weights(model, full), {"format": "pt"}) if writer else None
+    else:
+        state = model.state_dict()
+        weights_id = _stream(store, {name: state[name] for name in unshared_names(state)}, {"format": "pt"}, writer)
+    entries, metadata = optimizer_state_entries(optimizer.state_dict())
+    optimizer_id = _stream(store, entries, metadata, writer)
+    return (weights_id, optimizer_id) if writer else None
+
+
+def _stream(store, tensors: dict[str, torch.Tensor], metadata: dict[str, str], writer: bool) -> str | None:
+    shapes = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()}  # a DTensor's: global
+    whole = ((name, _whole(tensors[name])) for name in safetensors_order(shapes))
+    if writer:
+        return store.put_tensors_streamed(shapes, whole, metadata)
+    for _ in whole:  # take part in every gather
+        pass
+    return None
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
