@@ -406,3 +406,25 @@ def test_a_header_rewritten_to_sorted_order_equals_one_safetensors_wrote_sorted(
     unsorted_raw = [data for data in outputs if data.index(b'"a"') > data.index(b'"b"')]
     assert sorted_raw and unsorted_raw  # 50 tries see both orders
     assert {store.put_tensors(tensors, metadata=metadata) for _ in range(20)} == {content_id(sorted_raw[0])}
+
+
+@pytest.mark.parametrize("root", ["local", "memory"])
+def test_tensors_streamed_one_at_a_time_are_the_same_object_as_put_all_at_once(tmp_path, root):
+    """put_tensors_streamed (sharded snapshots, trainer/sharding.py) writes safetensors' own bytes: its layout order
+    (dtype first, then name) and header, whatever dtypes and metadata."""
+    from rollout_lib.store import safetensors_order
+
+    store = ObjectStore(str(tmp_path) if root == "local" else f"memory://streamed-{tmp_path.name}")
+    tensors = {"w": torch.randn(3, 4), "b64": torch.randn(2, dtype=torch.float64), "bf": torch.randn(5).bfloat16(),
+               "step": torch.tensor(3.0), "i": torch.tensor([7, 8]), "mask": torch.tensor([True, False]),
+               "h": torch.randn(2).half(), "u": torch.zeros(3, dtype=torch.uint8), "a.0": torch.randn(1)}
+    shapes = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    order = safetensors_order(shapes)
+    assert order[:2] == ["i", "b64"] and order[-1] == "mask"  # 64-bit first, BOOL last, names within a dtype
+    for metadata in ({"format": "pt", "param_groups": "[]"}, None):
+        streamed = store.put_tensors_streamed(shapes, ((name, tensors[name]) for name in order), metadata)
+        assert streamed == store.put_tensors(tensors, metadata)
+    with pytest.raises(ValueError, match="is not the next of the layout"):
+        store.put_tensors_streamed(shapes, ((name, tensors[name]) for name in reversed(order)))
+    with pytest.raises(ValueError, match="ended before the layout did"):
+        store.put_tensors_streamed(shapes, ((name, tensors[name]) for name in order[:-1]))

@@ -155,14 +155,13 @@ class PolicyGroup:
             channel.flush()
 
     def _start(self) -> None:
-        from rollout_lib.trainer.data_parallel import torchrun_command
+        from rollout_lib.trainer.data_parallel import rank_environment, torchrun_command
 
         listener = socket.create_server(("127.0.0.1", 0))
         spec_path = os.path.join(self._workdir.name, "spec.pkl")
         with open(spec_path, "wb") as out:
             pickle.dump(GroupSpec(self.inputs, listener.getsockname()[1]), out)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.setdefault("OMP_NUM_THREADS", str(self.inputs.config.run.torch_threads))  # torchrun would set 1
+        env = rank_environment(self.inputs)
         command = torchrun_command(self.nproc, spec_path, module="rollout_lib.rl.policy_worker")
         self._tail.clear()
         self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -50,6 +50,10 @@ STEP_MARKER = "ROLLOUT_DATA_PARALLEL_STEP "
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself as it starts that step (a rank dying mid-segment).
 KILL_RANK_ENV = "ROLLOUT_TEST_KILL_RANK_AT_STEP"
 WEIGHT_COLUMNS = ("rl_weights", "ce_weights", "ref_kl_weights")
+# Sharded ranks gather and free a layer's full parameters and gradients every micro-batch; glibc keeps such freed
+# blocks in its heap, so a rank's RSS kept the peak of an unsharded one. Large blocks from mmap, returned on free:
+# SmolLM2 SFT peak RSS per rank 3730 -> 2271 MiB (docs/hardware.md, "Sharded training"). A user's own values win.
+SHARDED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 class DataParallelError(RuntimeError):
@@ -187,6 +191,16 @@ def log_node_commands(commands: dict[int, list[str]]) -> None:
         logger.warning("node %d joins this segment with: %s", node_rank, shlex.join(command))
 
 
+def rank_environment(inputs) -> dict[str, str]:
+    """The environment torchrun starts the ranks with: this process's, unbuffered output, the run's thread count
+    (torchrun would set 1) and, sharded, SHARDED_MALLOC (a user's own values of those win)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(inputs.config.run.torch_threads))
+    if hardware_settings(inputs.settings).sharding == "fsdp":
+        env = {**SHARDED_MALLOC, **env}
+    return env
+
+
 def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, first: int, last: int, nproc: int,
                              announce=log_node_commands, **options) -> tuple[str, list[dict]]:
     """Steps first..last from `checkpoint_id` as `nproc` torchrun processes (per node: with hardware.nnodes > 1 this
@@ -201,8 +215,7 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
         with open(spec_path, "wb") as out:
             pickle.dump(spec, out)
         tail: deque[str] = deque(maxlen=400)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.setdefault("OMP_NUM_THREADS", str(inputs.config.run.torch_threads))  # torchrun would set 1
+        env = rank_environment(inputs)
         run_id = f"rollout-{os.path.basename(workdir)}"
         process = subprocess.Popen(torchrun_command(nproc, spec_path, nodes=nodes, run_id=run_id),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
