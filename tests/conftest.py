@@ -295,9 +295,9 @@ def vllm_tiny():
 SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack"}
 # The longest groups (seconds on one 2-core worker, measured 2026-11-26), handed out first so that neither worker is
 # left with a long group at the end; the rest follow in file order.
-LONGEST_GROUPS = ["vllm_tiny", "worker_stack", "test_policy_engine", "test_off_policy", "test_distillation",
-                  "test_cache_keys", "test_task_runners", "test_rl_data_parallel", "test_rlhf_flow",
-                  "test_served_reward_model"]
+LONGEST_GROUPS = ["vllm_tiny", "worker_stack", "test_policy_engine", "test_sharding", "test_off_policy",
+                  "test_distillation", "test_cache_keys", "test_task_runners", "test_rl_data_parallel", "test_lora",
+                  "test_rlhf_flow", "test_served_reward_model", "test_nodes"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks

@@ -134,7 +134,7 @@ def test_rl_sharded_trains_what_plain_data_parallelism_trains(prefect_server, tm
     for sharding in ("none", "fsdp"):
         done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--nproc", "2",
                            "--set", f"algorithm.rl.hardware.sharding={sharding}",
-                           "--set", "algorithm.rl.budget.max_steps=3", "--set", "algorithm.rl.checkpoint_interval=2",
+                           "--set", "algorithm.rl.budget.max_steps=2", "--set", "algorithm.rl.checkpoint_interval=1",
                            "--set", f"run.store={tmp_path / sharding}")
         assert done.returncode == 0, done.stderr[-3000:]
         ends[sharding] = (ObjectStore(str(tmp_path / sharding)), final_result(done)["checkpoint"])

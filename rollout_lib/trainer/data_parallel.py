@@ -14,8 +14,10 @@ every rank issues the same collectives whatever its share holds: a rank with not
 others.
 
 `run_segment_in_processes` is the launching side: `torchrun --standalone --nproc_per_node N -m
-rollout_lib.trainer.segment_worker SPEC` from the segment's start checkpoint in the store; it returns the
-snapshot's checkpoint id and the per-step metrics, publishing each step as rank 0 reports it. A rank that dies
+rollout_lib.trainer.segment_worker SPEC` from the segment's start checkpoint in the store (with hardware.nnodes > 1:
+node 0 of a c10d rendezvous, the other nodes' commands announced); it returns the snapshot's checkpoint id and the
+per-step metrics, publishing each step as rank 0 reports it. With hardware.sharding = "fsdp" the ranks shard the
+model instead of each holding it (trainer/sharding.py); the arithmetic above is unchanged. A rank that dies
 (an exception, SIGKILL) makes torchrun stop the others; the segment then fails naming its steps and the rank, and
 a rerun trains it again from the same start checkpoint.
 """
