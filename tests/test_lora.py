@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from clirun import cli_env, final_result, run_rollout, run_until_then_kill
+from clirun import final_result, run_rollout
 from rollout_lib.adapters import LoraSettings, adapter_weights, is_adapted, target_problem, with_adapter
 from rollout_lib.checkpoint import ADAPTER_KEY, load_model_weights, model_weights, read_manifest
 from rollout_lib.config import RlConfig, RmConfig, SftConfig, load_config
@@ -153,18 +153,27 @@ def test_a_lora_reward_model_trains_its_head_in_full_and_scores_the_same_from_th
         assert torch.allclose(reward_scores(trainer.model, ids, mask), reward_scores(merged, ids, mask), atol=1e-5)
 
 
-@pytest.mark.slow
-def test_a_lora_sft_run_killed_mid_segment_reruns_to_the_uninterrupted_checkpoint(prefect_server, tmp_path):
-    steps = [*LORA, "--set", "algorithm.sft.budget.max_steps=6", "--set", "algorithm.sft.checkpoint_interval=3"]
-    reference = run_rollout("train", "sft", "--config", "configs/sft-tiny.toml", *steps,
-                            "--set", f"run.store={tmp_path / 'uninterrupted'}")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    args = ["train", "sft", "--config", "configs/sft-tiny.toml", *steps, "--set", f"run.store={tmp_path / 'killed'}"]
-    killed = run_until_then_kill(args, "step 5: ", tmp_path / "killed.log", env=cli_env(ROLLOUT_LOG_LEVEL="DEBUG"))
-    assert "train-steps-1-3' - Finished" in killed
-    rerun = run_rollout(*args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert final_result(rerun)["checkpoint"] == final_result(reference)["checkpoint"]
+def test_a_lora_trainer_reopened_from_its_checkpoint_continues_to_the_uninterrupted_checkpoint(tmp_path):
+    """What a rerun after a kill does (trainer/segment.py): open the last snapshot, replay the steps after it. An
+    adapter checkpoint holds only the adapter and its AdamW state; the frozen base comes from the base model."""
+    from test_data_parallel import sft_inputs
+    from rollout_lib.trainer.causal import CausalLmTrainer
+
+    config = load_config(SftConfig, "configs/sft-tiny.toml", {
+        "run.store": str(tmp_path / "store"), "algorithm.sft.minibatch_size": 3,
+        "algorithm.sft.gradient_accumulation": 3, "algorithm.sft.budget.max_steps": 3,
+        "algorithm.sft.optimizer.kind": "adamw", "algorithm.sft.optimizer.lr": 1e-2, "algorithm.sft.adapter.r": 4})
+    inputs, batches = sft_inputs(config)
+    uninterrupted = CausalLmTrainer.initial(inputs, batches=batches)
+    for step in (1, 2):
+        uninterrupted.train_step(step)
+    middle = uninterrupted.snapshot(metrics={})
+    uninterrupted.train_step(3)
+    expected = uninterrupted.snapshot(metrics={})
+    reopened = CausalLmTrainer.from_checkpoint(inputs, middle, batches=batches)
+    assert is_adapted(reopened.model) and reopened.step == 2
+    reopened.train_step(3)
+    assert reopened.snapshot(metrics={}) == expected
 
 
 @pytest.mark.slow
