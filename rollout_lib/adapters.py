@@ -101,11 +101,13 @@ def with_adapter(model: torch.nn.Module, settings: LoraSettings, *, task: Litera
         return get_peft_model(model, config)
 
 
-def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's weights as PEFT saves them (adapter_model.safetensors' names and tensors), on the CPU."""
+def adapter_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's weights as PEFT saves them (adapter_model.safetensors' names and tensors), on the CPU: the
+    model's own, or taken from `state` (its full state dict, gathered from a sharded model)."""
     from peft import get_peft_model_state_dict
 
-    return {name: tensor.detach().cpu().contiguous() for name, tensor in get_peft_model_state_dict(model).items()}
+    return {name: tensor.detach().cpu().contiguous()
+            for name, tensor in get_peft_model_state_dict(model, state_dict=state).items()}
 
 
 def load_adapter_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

@@ -50,9 +50,7 @@ def unshared_names(state: dict[str, torch.Tensor]) -> list[str]:
 def gathered_weights(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """model_weights of a sharded `model`, from its full state dict gathered by trainer/sharding.py."""
     if is_adapted(model):
-        from peft import get_peft_model_state_dict
-
-        return {name: tensor.contiguous() for name, tensor in get_peft_model_state_dict(model, full).items()}
+        return adapter_weights(model, full)
     return {name: full[name].contiguous() for name in unshared_names(model.state_dict())}
 
 
