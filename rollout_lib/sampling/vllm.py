@@ -56,7 +56,7 @@ class VllmSamplerSettings(SamplerSettings):
     # A LoRA policy (algorithm.rl.adapter) on the engine: "lora" serves the base once and loads each step's adapter
     # in place (vLLM's LoRA: a few MB a step, the way on GPUs); "merged" folds the adapter into the base weights and
     # reloads them whole, as a full fine-tune's (sampling at the base model's speed where vLLM's LoRA kernels are
-    # slow: 4-5x on these CPUs, docs/serving.md "LoRA on the engine"). Ignored without an adapter.
+    # slow: ~6x on these CPUs, docs/serving.md "LoRA on the engine"). Ignored without an adapter.
     adapter_serving: Literal["lora", "merged"] = "lora"
 
     def identity_settings(self) -> dict:
