@@ -354,11 +354,7 @@ class ObjectStore:
                 if _sorted_header(f.read(int.from_bytes(f.read(8), "little"))) is not None:
                     f.seek(0)  # metadata came out in hash order: rewrite the header, in memory this time
                     return self.put_bytes(_canonical_safetensors(f.read()))
-            object_id = _file_content_id(tmp)
-            path = self._object_fspath(object_id)
-            if not self._holds_intact(path, object_id, os.path.getsize(tmp)):
-                self._commit_local(tmp, path)
-            return object_id
+            return self._put_staged_file(tmp)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -378,7 +374,11 @@ class ObjectStore:
             offset += size
         blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
         blob += b" " * (-len(blob) % 8)
-        tmp = self._local_tmp_path() if self._local else tempfile.mktemp(prefix="rollout-tensors-")
+        if self._local:
+            tmp = self._local_tmp_path()
+        else:
+            with tempfile.NamedTemporaryFile(prefix="rollout-tensors-", delete=False) as staging:
+                tmp = staging.name
         try:
             with open(tmp, "wb") as out:
                 out.write(len(blob).to_bytes(8, "little"))
@@ -393,17 +393,22 @@ class ObjectStore:
                     out.write(memoryview(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()))
                 if next(expected, None) is not None:
                     raise ValueError("the streamed tensors ended before the layout did")
-            if not self._local:
-                with open(tmp, "rb") as f:
-                    return self.put_bytes(f.read())
-            object_id = _file_content_id(tmp)
-            path = self._object_fspath(object_id)
-            if not self._holds_intact(path, object_id, os.path.getsize(tmp)):
-                self._commit_local(tmp, path)
-            return object_id
+            return self._put_staged_file(tmp)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+    def _put_staged_file(self, tmp: str) -> str:
+        """Store a complete staging file's bytes; their id. Local stores hash it where it lies and move it into
+        place (no in-memory copy); others read it and upload."""
+        if not self._local:
+            with open(tmp, "rb") as f:
+                return self.put_bytes(f.read())
+        object_id = _file_content_id(tmp)
+        path = self._object_fspath(object_id)
+        if not self._holds_intact(path, object_id, os.path.getsize(tmp)):
+            self._commit_local(tmp, path)
+        return object_id
 
     def get_tensors(self, object_id: str) -> dict[str, torch.Tensor]:
         """Load tensors (on CPU, each with its own storage)."""
