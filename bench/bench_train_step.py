@@ -93,11 +93,11 @@ def rollout_step(model, samples, micro_batch_tokens: int, optimizer_kind: str, p
     return step, micro_batches.num_rows
 
 
-def bare_step(model, samples, optimizer_kind: str):
+def bare_step(model, samples, optimizer_kind: str, device: str = "cpu"):
     import torch
 
-    ids = torch.tensor(samples.column("input_ids").to_pylist())
-    advantages = torch.tensor([row[-1] for row in samples.column("advantages").to_pylist()])
+    ids = torch.tensor(samples.column("input_ids").to_pylist(), device=device)
+    advantages = torch.tensor([row[-1] for row in samples.column("advantages").to_pylist()], device=device)
     optimizer = optimizer_for(model, optimizer_kind)
     tokens = ids.shape[0] * COMPLETION_TOKENS
 

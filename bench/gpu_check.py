@@ -165,7 +165,7 @@ def speed(config_dir: str, steps: int) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from bench_train_step import COMPLETION_TOKENS, SAMPLES, step_flops, synthetic_samples
+    from bench_train_step import COMPLETION_TOKENS, SAMPLES, bare_step, step_flops, synthetic_samples
     from rollout_lib.adapters import LoraSettings, with_adapter
     from rollout_lib.config.common import OptimizerSettings
     from rollout_lib.hardware import ResolvedHardware, place_model
@@ -213,8 +213,9 @@ def speed(config_dir: str, steps: int) -> dict:
             model = with_adapter(model, LoraSettings(r=16), task="causal_lm", where="bench")
         place_model(model, ResolvedHardware(torch.device("cuda"), precision))
         if layout == "bare":
+            step = bare_step(model, samples, "fused", device="cuda")  # bench_train_step's loop, on the GPU
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                median = timed(lambda model=model, samples=samples: _bare_on_cuda(model, samples))
+                median = timed(step)
         else:
             packed = layout.startswith("packed")
             micro_batches = (pack_samples(samples, 2304 * copies) if packed
@@ -231,31 +232,6 @@ def speed(config_dir: str, steps: int) -> dict:
         del model
         torch.cuda.empty_cache()
     return {"step_tokens": step_samples.num_rows * len(step_samples.column("input_ids")[0]), **results}
-
-
-def _bare_on_cuda(model, samples):
-    """bench_train_step's bare loop (padded batch, completion logits only, -(A logp), clip, fused AdamW) on CUDA."""
-    import torch
-
-    from bench_train_step import COMPLETION_TOKENS, PROMPT_TOKENS
-
-    state = _bare_on_cuda.__dict__.setdefault(id(model), {})
-    if not state:
-        state["ids"] = torch.tensor(samples.column("input_ids").to_pylist(), device="cuda")
-        state["advantages"] = torch.tensor([row[-1] for row in samples.column("advantages").to_pylist()],
-                                           device="cuda")
-        state["optimizer"] = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5,
-                                               fused=True)
-    ids, advantages, optimizer = state["ids"], state["advantages"], state["optimizer"]
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=COMPLETION_TOKENS + 1).logits[:, :-1].float() / 0.7
-    targets = ids[:, PROMPT_TOKENS:]
-    logprobs = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    loss = -(torch.exp(logprobs - logprobs.detach()) * advantages[:, None]).sum() / targets.numel()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
 
 
 def main() -> None:

@@ -156,8 +156,6 @@ def export_adapter_directory(store: ObjectStore, checkpoint_id: str, directory: 
     """Write an adapter checkpoint as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors, the
     tokenizer files): what `PeftModel.from_pretrained(base, directory)` and vLLM's LoRA loading read. Its
     `base_model_name_or_path` is the reference the run trained on (`pkg:...`, a hub id, a checkpoint id)."""
-    from safetensors.torch import save_file
-
     manifest = read_manifest(store, checkpoint_id)
     if not is_adapter_checkpoint(manifest):
         raise StoreError(f"checkpoint {checkpoint_id} holds full weights, not an adapter: export it as a model "
@@ -165,7 +163,8 @@ def export_adapter_directory(store: ObjectStore, checkpoint_id: str, directory: 
     directory = _export_target(store, manifest, checkpoint_id, directory)
     (directory / "adapter_config.json").write_text(json.dumps(manifest[ADAPTER_KEY]["config"], indent=2,
                                                               sort_keys=True))
-    save_file(store.get_tensors(manifest["weights"]), str(directory / "adapter_model.safetensors"), {"format": "pt"})
+    # The weights object is already a safetensors file with PEFT's names: its bytes are the adapter file.
+    (directory / "adapter_model.safetensors").write_bytes(store.get_bytes(manifest["weights"]))
     return directory
 
 

@@ -72,7 +72,8 @@ class SharedWeightsFile:
         from safetensors.torch import save_file
 
         self.close()
-        self.directory = self._with_room(sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()))
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        self.directory = directory_with_room(self.candidates, size, "weights file")
         staging = self.directory / f".{WEIGHTS_FILE}.{os.getpid()}.tmp"
         # safetensors refuses tensors that share storage: a tied lm_head is written as its own copy.
         seen: set[int] = set()
@@ -91,14 +92,6 @@ class SharedWeightsFile:
         self._slots = {name: (entry["dtype"], tuple(entry["shape"]), base + entry["data_offsets"][0],
                               base + entry["data_offsets"][1])
                        for name, entry in header.items() if name != "__metadata__"}
-
-    def _with_room(self, size: int) -> Path:
-        """The first candidate directory whose filesystem has room for `size` bytes (and a margin), created."""
-        for directory in self.candidates:
-            if _has_room(directory, size):
-                return directory
-        raise OSError(f"no room for the policy's {size / 2**20:.0f} MB weights file in any of "
-                      f"{', '.join(map(str, self.candidates))}")
 
     def close(self) -> None:
         if self._map is not None:
@@ -130,7 +123,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 class AdapterDirectory:
     """A LoRA policy's weights for the engine: a PEFT adapter directory (adapter_config.json and
     adapter_model.safetensors, adapters.py) rewritten each step, which vLLM loads in place under one adapter name
-    (policy_server.py). The adapter is a few MB where the model is hundreds, so a fresh file each time costs little;
+    (policy_server.py). The adapter is ~19 MB where SmolLM2 is 538 MB, so a fresh file each time costs little;
     it is staged and renamed, so a reader never sees half of one. `directories`: as SharedWeightsFile's."""
 
     def __init__(self, directories: os.PathLike | tuple[os.PathLike, ...], base_model: str):
@@ -143,11 +136,7 @@ class AdapterDirectory:
 
         tensors = adapter_weights(model)
         size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-        root = next((d for d in self.candidates if _has_room(d, size)), None)
-        if root is None:
-            raise OSError(f"no room for the policy's {size / 2**20:.0f} MB adapter in any of "
-                          f"{', '.join(map(str, self.candidates))}")
-        self.directory = root / "adapter"
+        self.directory = directory_with_room(self.candidates, size, "adapter") / "adapter"
         self.directory.mkdir(parents=True, exist_ok=True)
         staging = self.directory / f".adapter_model.{os.getpid()}.tmp"
         save_file(tensors, str(staging), {"format": "pt"})
@@ -157,15 +146,16 @@ class AdapterDirectory:
         os.replace(config, self.directory / "adapter_config.json")
         return "adapter"
 
-    def close(self) -> None:
-        pass
-
     def remove(self) -> None:
         for directory in self.candidates:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _has_room(directory: Path, size: int) -> bool:
-    """`directory`, created, has room for `size` bytes and a margin."""
-    directory.mkdir(parents=True, exist_ok=True)
-    return shutil.disk_usage(directory).free > size * 1.1 + (64 << 20)
+def directory_with_room(candidates: tuple[Path, ...], size: int, what: str) -> Path:
+    """The first candidate directory whose filesystem has room for `size` bytes and a margin, created (writing
+    through a map into a full tmpfs would kill the process with SIGBUS, not raise)."""
+    for directory in candidates:
+        directory.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(directory).free > size * 1.1 + (64 << 20):
+            return directory
+    raise OSError(f"no room for the policy's {size / 2**20:.0f} MB {what} in any of {', '.join(map(str, candidates))}")
