@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 import time
@@ -12,6 +13,8 @@ from typing import Any, Callable, Iterator
 
 import blake3
 from prefect import Task
+from prefect.client.orchestration import get_client
+from prefect.context import FlowRunContext
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -21,7 +24,8 @@ from prefect.artifacts import (
 from prefect.filesystems import RemoteFileSystem
 
 from rollout_lib import step_events
-from rollout_lib.config.loading import load_config
+from rollout_lib.config.loading import apply_overrides, load_config, read_toml
+from rollout_lib.identity.training import training_identity
 from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.runlog.step_log import StepLog
 from rollout_lib.errors import ConfigError
@@ -41,6 +45,71 @@ def load_run_config(config_cls, config_path: str, overrides: list[str] | dict[st
     if max_steps is not None:
         overrides[max_steps_key] = max_steps
     return load_config(config_cls, config_path, overrides)
+
+
+def start_run(config_cls, config_path: str, overrides: list[str] | dict[str, Any] | None, max_steps: int | None,
+              max_steps_key: str):
+    """What every training flow does first: load its settings, claim the run name for their training identity (a
+    run name holds one training, never two), and label the flow run so the UI finds it: tags for the run name,
+    the flow and a short identity, and the resolved settings as the `<run>-settings` table artifact."""
+    cfg = load_run_config(config_cls, config_path, overrides, max_steps, max_steps_key)
+    identity = training_identity(cfg)
+    open_store(cfg).claim_run(cfg.run.name, identity)
+    tag_flow_run(cfg.run.name, identity)
+    create_table_artifact(settings_rows(cfg, identity), key=artifact_key(cfg.run.name, "settings"),
+                          description=f"{cfg.run.name}: resolved settings")
+    return cfg
+
+
+def tag_flow_run(run_name: str, identity: str | None = None) -> None:
+    """Add the run's name, the flow's name and a short training identity to the flow run's tags (a deployment's
+    own tags stay): the UI filters runs by tag."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    tags = {run_name, context.flow.name, *context.flow_run.tags}
+    if identity is not None:
+        tags.add(f"identity:{identity[:12]}")
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(context.flow_run.id, tags=sorted(tags))
+
+
+def settings_rows(cfg, identity: str) -> list[dict[str, str]]:
+    """The run's settings as resolved (defaults filled in, overrides applied), one row per key path, as W&B shows a
+    run's config; never credentials (`run.storage_options`)."""
+    rows = [{"setting": "training identity", "value": identity}]
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, item)
+        elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
+            for index, item in enumerate(value):
+                walk(f"{prefix}[{index}]", item)
+        else:
+            rows.append({"setting": prefix, "value": value if isinstance(value, str) else json.dumps(value)})
+
+    dumped = cfg.model_dump(mode="json")
+    dumped.get("run", {}).pop("storage_options", None)
+    walk("", dumped)
+    return rows
+
+
+def flow_run_name() -> str:
+    """A flow run's name: its run's name (`run.name` of the config and overrides it was started with) and the first
+    hex digits of its flow run id, e.g. `rm-default-4cf0`, so runs are found by name in the UI. Read from the
+    parameters without validating them: a config that does not load still gets a run (named after the flow) that
+    fails with the config's own error."""
+    from prefect.runtime import flow_run
+
+    suffix = str(flow_run.id)[:4]
+    try:
+        parameters = flow_run.parameters
+        raw = apply_overrides(read_toml(parameters["config"]), dict(_as_pairs(parameters.get("overrides"))))
+        name = raw.get("run", {}).get("name", "default")
+    except Exception:  # noqa: BLE001 - the flow reports a bad config; its name must not fail first
+        name = flow_run.flow_name
+    return f"{name}-{suffix}"
 
 
 def _as_pairs(overrides):

@@ -16,7 +16,7 @@ from typing import Any
 from prefect import Flow, flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import artifact_key
+from flows.common import artifact_key, flow_run_name, tag_flow_run
 from flows.train_rl import train_rl
 from flows.train_rm import train_rm
 from flows.train_sft import train_sft
@@ -26,12 +26,13 @@ from rollout_lib.identity.training import training_identity
 STAGE_FLOWS: dict[str, Flow] = {"sft": train_sft, "rm": train_rm, "rl": train_rl}
 
 
-@flow(name="rlhf", log_prints=True)
+@flow(name="rlhf", flow_run_name=flow_run_name, log_prints=True)
 def rlhf(config: str = "configs/rlhf-tiny.toml", overrides: list[str] | dict[str, Any] | None = None) -> dict:
     """SFT -> RM -> RL. `config`: the pipeline's TOML (its three stage configs and their overrides); `overrides`:
     ["key.path=value", ...] or {"key.path": value} on it, e.g. ['rl.overrides=["algorithm.rl.optimizer.lr=5e-3"]']."""
     logger = get_run_logger()
     cfg = load_config(RlhfConfig, config, overrides)  # every stage's settings validated before SFT trains
+    tag_flow_run(cfg.run.name)
 
     sft, _ = run_stage(cfg, "sft")
     rm, _ = run_stage(cfg, "rm", sft_checkpoint=sft["checkpoint"])

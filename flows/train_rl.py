@@ -19,25 +19,31 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import RunTasks, artifact_key, fan_out_runner, load_run_config, metrics_table, recorded_run
+from flows.common import (
+    RunTasks,
+    artifact_key,
+    fan_out_runner,
+    flow_run_name,
+    metrics_table,
+    recorded_run,
+    start_run,
+)
 from flows.rl_steps import METRIC_COLUMNS, OPTIONAL_METRIC_COLUMNS, Resources, RlSteps
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.rl.score import run_reward_loops
 from rollout_lib.serving.served import ServedModels
-from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rl import connect_frozen_models_task, init_policy_task, load_prompts_task
 
-@flow(name="train-rl", log_prints=True)
+@flow(name="train-rl", flow_run_name=flow_run_name, log_prints=True)
 def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[str, Any] | None = None,
              max_steps: int | None = None) -> dict:
     """On-policy RL of a causal LM. `overrides`: ["key.path=value", ...] or {"key.path": value}; `max_steps` is a
     shortcut for algorithm.rl.budget.max_steps."""
     logger = get_run_logger()
-    cfg = load_run_config(RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
-    open_store(cfg).claim_run(cfg.run.name, training_identity(cfg))  # a run name holds one training, never two
+    cfg = start_run(RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
     for locator, message in cfg.plan_warnings():
         logger.warning("%s: %s", locator, message)
     run_task = RunTasks(cfg)

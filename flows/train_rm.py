@@ -19,14 +19,14 @@ from flows.common import (
     Progress,
     RunTasks,
     artifact_key,
-    load_run_config,
+    flow_run_name,
     metrics_table,
     recorded_run,
+    start_run,
     train_in_segments,
 )
 from rollout_lib.config import RmConfig
 from rollout_lib.runlog.recorder import eval_metrics
-from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rm import (
@@ -41,14 +41,13 @@ from tasks.rm import (
 METRIC_COLUMNS = ("step", "loss", "accuracy", "mean_margin", "lr", "grad_norm", "pairs_per_s")
 
 
-@flow(name="train-rm", log_prints=True)
+@flow(name="train-rm", flow_run_name=flow_run_name, log_prints=True)
 def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dict[str, Any] | None = None,
              max_steps: int | None = None) -> dict:
     """Train a reward model. `overrides`: ["key.path=value", ...] or {"key.path": value}; `max_steps` is a
     shortcut for algorithm.rm.budget.max_steps."""
     logger = get_run_logger()
-    cfg = load_run_config(RmConfig, config, overrides, max_steps, "algorithm.rm.budget.max_steps")
-    open_store(cfg).claim_run(cfg.run.name, training_identity(cfg))  # a run name holds one training, never two
+    cfg = start_run(RmConfig, config, overrides, max_steps, "algorithm.rm.budget.max_steps")
     settings = cfg.settings
     run_task = RunTasks(cfg)
     with ResidentTrainer() as resident, recorded_run(cfg, settings.budget.max_steps) as recorder:

@@ -20,14 +20,14 @@ from flows.common import (
     Progress,
     RunTasks,
     artifact_key,
-    load_run_config,
+    flow_run_name,
     metrics_table,
     recorded_run,
+    start_run,
     train_in_segments,
 )
 from rollout_lib.config import SftConfig
 from rollout_lib.runlog.recorder import eval_metrics
-from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.sft import (
@@ -44,14 +44,13 @@ from tasks.sft import (
 METRIC_COLUMNS = ("step", "loss", "tokens/ce", "lr", "grad_norm", "micro_batches", "nonpad_fraction", "tokens_per_s")
 
 
-@flow(name="train-sft", log_prints=True)
+@flow(name="train-sft", flow_run_name=flow_run_name, log_prints=True)
 def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict[str, Any] | None = None,
               max_steps: int | None = None) -> dict:
     """Fine-tune a causal LM on conversations. `overrides`: ["key.path=value", ...] or {"key.path": value};
     `max_steps` is a shortcut for algorithm.sft.budget.max_steps."""
     logger = get_run_logger()
-    cfg = load_run_config(SftConfig, config, overrides, max_steps, "algorithm.sft.budget.max_steps")
-    open_store(cfg).claim_run(cfg.run.name, training_identity(cfg))  # a run name holds one training, never two
+    cfg = start_run(SftConfig, config, overrides, max_steps, "algorithm.sft.budget.max_steps")
     settings = cfg.settings
     run_task = RunTasks(cfg)
     with ResidentTrainer() as resident, recorded_run(cfg, settings.budget.max_steps) as recorder:
