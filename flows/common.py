@@ -25,7 +25,7 @@ from prefect.filesystems import RemoteFileSystem
 
 from rollout_lib import step_events
 from rollout_lib.config.loading import apply_overrides, load_config, read_toml
-from rollout_lib.identity.training import training_identity
+from rollout_lib.identity.training import claim_run_name
 from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.runlog.step_log import StepLog
 from rollout_lib.errors import ConfigError
@@ -53,8 +53,7 @@ def start_run(config_cls, config_path: str, overrides: list[str] | dict[str, Any
     run name holds one training, never two), and label the flow run so the UI finds it: tags for the run name,
     the flow and a short identity, and the resolved settings as the `<run>-settings` table artifact."""
     cfg = load_run_config(config_cls, config_path, overrides, max_steps, max_steps_key)
-    identity = training_identity(cfg)
-    open_store(cfg).claim_run(cfg.run.name, identity)
+    identity = claim_run_name(cfg)
     tag_flow_run(cfg.run.name, identity)
     create_table_artifact(settings_rows(cfg, identity), key=artifact_key(cfg.run.name, "settings"),
                           description=f"{cfg.run.name}: resolved settings")

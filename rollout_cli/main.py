@@ -179,11 +179,9 @@ def _shortcut_overrides(entry_point: str, max_steps: int | None, run_name: str |
 
 
 def _claim_run_name(config) -> None:
-    from rollout_lib.store import ObjectStore
-    from rollout_lib.identity.training import training_identity
+    from rollout_lib.identity.training import claim_run_name
 
-    ObjectStore(config.run.store, config.run.storage_options or None).claim_run(config.run.name,
-                                                                                training_identity(config))
+    claim_run_name(config)
 
 
 def _first_line(exc: BaseException) -> str:

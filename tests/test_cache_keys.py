@@ -109,6 +109,21 @@ def test_the_training_hash_holds_what_decides_the_weights_and_nothing_else():
     assert training_hash(rm_config(*pinned, "algorithm.rm.budget.max_steps=9")) == training_hash(rm_config(*pinned))
 
 
+def test_a_claim_records_what_the_identity_hashes_keyed_as_users_write_it():
+    from rollout_lib.identity.training import claimed_settings
+
+    def differing(*overrides: str) -> set[str]:
+        base, other = claimed_settings(rm_config()), claimed_settings(rm_config(*overrides))
+        return {key for key in base.keys() | other.keys() if base.get(key) != other.get(key)}
+
+    assert differing("run.name=other", "algorithm.rm.budget.max_steps=9") == set()  # a constant schedule
+    assert differing("run.seed=7", "algorithm.rm.optimizer.lr=0.5") == {"run.seed", "algorithm.rm.optimizer.lr"}
+    linear = "algorithm.rm.optimizer.schedule=linear"  # max_steps is the schedule's horizon: it counts
+    assert differing(linear, "algorithm.rm.budget.max_steps=9") == {"algorithm.rm.optimizer.schedule",
+                                                                     "algorithm.rm.budget.max_steps"}
+    assert "algorithm.rm.base_model (files)" in claimed_settings(rm_config())
+
+
 def test_the_base_model_is_its_content_not_its_reference(tiny_model_dir, tmp_path):
     copy = tmp_path / "model"
     shutil.copytree(tiny_model_dir, copy)

@@ -86,6 +86,20 @@ def test_a_name_is_a_string_even_when_it_reads_as_a_number(capsys):
     assert json.loads(out)["run"] == "123"
 
 
+def test_a_run_name_bound_to_other_settings_names_what_differs_and_suggests_name(capsys, tmp_path):
+    from rollout_lib.identity.training import claim_run_name
+
+    store = str(tmp_path / "store")
+    claim_run_name(load_config(config_class("rm"), TINY_CONFIGS["rm"], [f"run.store={store}"]))  # a run before
+    code, out, err = rollout(capsys, "train", "rm", "--config", TINY_CONFIGS["rm"], "--store", store,
+                             "--set", "algorithm.rm.optimizer.lr=1e-4")
+    assert (code, out) == (2, ""), err
+    assert len(err.splitlines()) == 1, err  # refused before any flow starts
+    assert err.startswith(f"rollout: error: run name 'rm-tiny' in {os.path.abspath(store)} already holds a run of "
+                          "other settings: algorithm.rm.optimizer.lr: 0.001 (stored run) vs 0.0001 (this run); "
+                          "rerun with --name <another name>"), err
+
+
 def test_rlhf_takes_name_and_store_for_its_run(capsys, tmp_path):
     store = str(tmp_path / "pipeline-store")
     flags = rollout(capsys, "train", "rlhf", "--config", TINY_CONFIGS["rlhf"], "--dry-run",

@@ -261,8 +261,10 @@ def test_a_run_name_belongs_to_the_identity_that_claimed_it(store):
     store.set_ref("runs/rm-default/latest", checkpoint)
     with pytest.raises(StoreError) as err:
         store.claim_run("rm-default", "identity-b")
-    assert str(err.value) == (f"run name 'rm-default' in {store.root} already holds a run of other settings "
-                              "(identity identity-a, this run's identity-b); choose another run.name")
+    assert str(err.value) == (  # a claim without recorded settings (as claims were before they had any)
+        f"run name 'rm-default' in {store.root} already holds a run of other settings: training identity "
+        "identity-a (stored run) vs identity-b (this run); the stored claim records no settings to compare; rerun "
+        "with --name <another name> (a deployment: the override run.name=<another name>)")
     assert store.get_ref("runs/rm-default/latest") == checkpoint  # untouched, and still a checkpoint id
     store.claim_run("rm-other", "identity-b")  # another name is free
     assert {stored.name for stored in ObjectStore(store.root, store.storage_options).list_refs()} == {
@@ -270,6 +272,30 @@ def test_a_run_name_belongs_to_the_identity_that_claimed_it(store):
     for bad_name, bad_identity in [("../x", "i"), ("a b", "i"), ("ok", ""), ("ok", None)]:
         with pytest.raises(StoreError):
             store.claim_run(bad_name, bad_identity)
+
+
+def test_a_refused_claim_names_the_settings_that_differ(store):
+    settings = {"algorithm.rm.optimizer.lr": 1e-05, "run.seed": 1, "algorithm.rm.max_seq_len": 64,
+                "algorithm.rm.head": "bradley_terry", "algorithm.rm.base_model (files)": "a" * 64}
+    store.claim_run("rm-x", "identity-a", settings)
+    claim = store.get_ref("runs/rm-x/identity")
+    store.claim_run("rm-x", "identity-a", dict(reversed(settings.items())))  # the same settings: the same claim
+    store.claim_run("rm-x", "identity-a")  # the same identity without settings (an older caller): fine
+    assert store.get_ref("runs/rm-x/identity") == claim
+    other = {**settings, "algorithm.rm.optimizer.lr": 0.0001, "run.seed": 2, "algorithm.rm.max_seq_len": 128,
+             "algorithm.rm.base_model (files)": "b" * 64}
+    del other["algorithm.rm.head"]
+    with pytest.raises(StoreError) as err:
+        store.claim_run("rm-x", "identity-b", other)
+    assert str(err.value) == (
+        f"run name 'rm-x' in {store.root} already holds a run of other settings: "
+        f"algorithm.rm.base_model (files): \"{'a' * 36}... (stored run) vs \"{'b' * 36}... (this run), "
+        'algorithm.rm.head: "bradley_terry" (stored run) vs unset (this run), '
+        "algorithm.rm.max_seq_len: 64 (stored run) vs 128 (this run), and 2 more; "
+        "rerun with --name <another name> (a deployment: the override run.name=<another name>)")
+    with pytest.raises(StoreError, match=r"other settings: algorithm.rm.optimizer.lr: 1e-05 \(stored run\) vs "
+                                         r"0.0001 \(this run\); rerun with --name"):
+        store.claim_run("rm-x", "identity-c", {**settings, "algorithm.rm.optimizer.lr": 0.0001})
 
 
 def test_local_first_claims_race_to_one_winner(tmp_path):

@@ -29,6 +29,46 @@ def training_identity(config) -> str:
                      reward_model_contents(config))
 
 
+def claim_run_name(config, identity: str | None = None) -> str:
+    """Claim `run.name` in the run's store for this training (store.claim_run), recording what the identity hashes
+    (`claimed_settings`) so that a refused claim names the settings that differ; returns the identity."""
+    identity = identity or training_identity(config)
+    _store(config).claim_run(config.run.name, identity, claimed_settings(config))
+    return identity
+
+
+def claimed_settings(config) -> dict:
+    """What `training_identity` hashes, flat and keyed as a user writes it (`algorithm.rm.optimizer.lr`,
+    `run.seed`), with each model's content as `<its locator> (files)`: one JSON value per key, so two claims
+    compare key by key."""
+    block = f"algorithm.{config.algorithm.kind}"
+    trained = config.training_settings()
+    flat = {f"run.{key}": trained.pop(key) for key in ("seed", "torch_threads")}
+    horizon = trained.pop("schedule_horizon")
+    if horizon is not None and not config.settings.optimizer.decay_steps:  # the horizon is max_steps itself
+        flat[f"{block}.budget.max_steps"] = horizon
+    _flatten(trained, block, flat)
+    flat[f"{block}.base_model (files)"] = model_content_digest(config.settings.base_model)
+    flat.update((f"{where}.model (files)", content) for where, content in served_model_contents(config).items())
+    reward_models = getattr(config, "reward_models", list)()
+    flat.update((f"{where} (files)", content)
+                for (where, _), content in zip(reward_models, reward_model_contents(config)))
+    return flat
+
+
+def _flatten(value, key: str, into: dict) -> dict:
+    """`{"a": {"b": [1]}}` under `x` -> `{"x.a.b[0]": 1}` (an empty dict or list stays one value)."""
+    if isinstance(value, dict) and value:
+        for name, item in value.items():
+            _flatten(item, f"{key}.{name}", into)
+    elif isinstance(value, list) and value:
+        for index, item in enumerate(value):
+            _flatten(item, f"{key}[{index}]", into)
+    else:
+        into[key] = value
+    return into
+
+
 def content_identity(ref, store: ObjectStore | None) -> str:
     """What a served model's weights are: `checkpoint:<id>` for a checkpoint of the store, else the model's
     content digest."""
