@@ -180,6 +180,31 @@ def test_train_prints_bar_and_summary_on_stderr_and_json_on_stdout(prefect_serve
     assert "flow run: " not in quiet.stderr
 
 
+def test_a_tripped_reward_breaker_ends_the_run_with_its_top_cause_on_the_one_line(capsys):
+    import asyncio
+    import pickle
+
+    from prefect.states import exception_to_failed_state
+
+    from rollout_cli.main import _report
+    from rollout_lib.reward.results import RewardResult, TooManyRewardsMissingError, raise_if_too_many_missing
+
+    top = "compute_score: TypeError: compute_score() missing 1 required positional argument: 'ground_truth'"
+    results = ([RewardResult(1.0)] * 20 + [RewardResult(None, top)] * 9
+               + [RewardResult(None, "compute_score: ValueError: not a number")] * 3)
+    with pytest.raises(TooManyRewardsMissingError) as tripped:
+        raise_if_too_many_missing(results, 0.25, setting="algorithm.rl.reward_loop.max_missing_fraction")
+    failure = pickle.loads(pickle.dumps(tripped.value))  # as a failed task's persisted exception comes back
+    assert failure.error_counts == tripped.value.error_counts and str(failure) == str(tripped.value)
+    state = asyncio.run(exception_to_failed_state(failure))
+    assert _report("rl", state, URL, None, verbose=False) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "rollout: error: flow run failed: 12 of 32 rewards missing (38%), more than "
+        f"algorithm.rl.reward_loop.max_missing_fraction = 0.25 allows; top cause (9x): {top} (logs and tracebacks: "
+        f"{URL}, or rerun with --verbose)"]
+
+
 @pytest.mark.slow
 def test_a_failing_run_ends_with_one_line_and_no_traceback_unless_verbose(prefect_server, tmp_path):
     from clirun import run_rollout

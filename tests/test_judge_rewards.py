@@ -80,7 +80,9 @@ def test_a_verdict_that_does_not_parse_is_a_missing_reward_with_the_judges_text(
         with pytest.raises(AllRewardsFailedError) as failure:
             score_rollouts(config, rollouts_table(), {"words": prompts_table()}, loops)
     message = str(failure.value)
-    assert message.startswith("all 4 rewards failed; most frequent errors:")
+    first_line = message.splitlines()[0]  # the top cause is on it: a failed run's one-line error shows it
+    assert first_line.startswith("all 4 rewards failed; top cause (") and "judge verdict does not parse" in first_line
+    assert message.splitlines()[1] == "most frequent errors:"
     assert "judge verdict does not parse (no match of " in message and "): '" in message  # the judge's own text
 
 

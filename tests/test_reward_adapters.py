@@ -200,7 +200,7 @@ def test_the_breaker_fails_a_step_with_most_rewards_missing(tmp_path, verl_rewar
         score_rollouts(cfg, rollouts, prompts, loops)
     assert str(failed.value) == (
         "3 of 4 rewards missing (75%), more than algorithm.rl.reward_loop.max_missing_fraction = 0.5 allows; "
-        f"most frequent errors:\n  2x {NO_GROUND_TRUTH}\n  1x {NOT_A_NUMBER}")
+        f"top cause (2x): {NO_GROUND_TRUTH}\nmost frequent errors:\n  2x {NO_GROUND_TRUTH}\n  1x {NOT_A_NUMBER}")
     assert failed.value.error_counts == [(NO_GROUND_TRUTH, 2), (NOT_A_NUMBER, 1)]
 
     # max_missing_fraction = 1.0: the step trains on the one reward it has.
@@ -218,7 +218,7 @@ def test_the_breaker_names_each_envs_share(tmp_path, verl_rewards):
         score_rollouts(cfg, rollouts, prompts, loops)
     assert str(failed.value).startswith(
         "3 of 5 rewards missing (60%), more than algorithm.rl.reward_loop.max_missing_fraction = 0.5 allows "
-        "(by env: gsm8k 3 of 4, words 0 of 1); most frequent errors:\n  2x ")
+        f"(by env: gsm8k 3 of 4, words 0 of 1); top cause (2x): {NO_GROUND_TRUTH}\nmost frequent errors:\n  2x ")
 
 
 def test_an_all_missing_step_fails_whatever_the_allowed_share(tmp_path, verl_rewards):
@@ -226,8 +226,8 @@ def test_an_all_missing_step_fails_whatever_the_allowed_share(tmp_path, verl_rew
     rollouts, prompts = _tables([("gsm8k", "#### 1", None), ("gsm8k", "#### 42", "forty-two")])
     with run_reward_loops(cfg) as loops, pytest.raises(AllRewardsFailedError) as failed:
         score_rollouts(cfg, rollouts, prompts, loops)
-    assert str(failed.value) == (f"all 2 rewards failed; most frequent errors:\n  1x {NO_GROUND_TRUTH}\n"
-                                 f"  1x {NOT_A_NUMBER}")
+    assert str(failed.value) == (f"all 2 rewards failed; top cause (1x): {NO_GROUND_TRUTH}\nmost frequent errors:\n"
+                                 f"  1x {NO_GROUND_TRUTH}\n  1x {NOT_A_NUMBER}")
     assert isinstance(failed.value, TooManyRewardsMissingError)  # one `except` catches both
 
 

@@ -23,10 +23,18 @@ class TooManyRewardsMissingError(RuntimeError):
     `errors` holds the most frequent distinct errors, most frequent first; `error_counts` pairs them with counts."""
 
     def __init__(self, summary: str, error_counts: list[tuple[str, int]]) -> None:
+        self.summary = summary
         self.error_counts = error_counts
         self.errors = [error for error, _ in error_counts]
-        shown = "\n  ".join(f"{count}x {error}" for error, count in error_counts)
-        super().__init__(f"{summary}; most frequent errors:\n  {shown}")
+        message = summary
+        if error_counts:  # the top cause on the first line: a failed run's one-line error shows only that line
+            top, count = error_counts[0]
+            message += f"; top cause ({count}x): {(top.strip().splitlines() or [repr(top)])[0]}"
+            message += "\nmost frequent errors:\n  " + "\n  ".join(f"{n}x {error}" for error, n in error_counts)
+        super().__init__(message)
+
+    def __reduce__(self):  # pickled with a failed task's state: rebuilt from what __init__ takes
+        return type(self), (self.summary, self.error_counts)
 
 
 class AllRewardsFailedError(TooManyRewardsMissingError):
