@@ -58,6 +58,22 @@ def arguments(data_source, solution_str, ground_truth, extra_info=None, **kwargs
 
 def no_extra_info(data_source, solution_str, ground_truth):
     return 0.5
+
+
+def bare_compute_score(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+    # verl/utils/reward_score/gsm8k.py's shape: no data_source, no extra_info
+    answer = extract_solution(solution_str)
+    if answer is None:
+        return 0.0
+    return score if float(answer) == float(ground_truth) else format_score
+
+
+def two_texts(completion, answer):
+    return float(completion == answer)
+
+
+def needs_a_tokenizer(solution_str, ground_truth, tokenizer):
+    return 0.0
 '''
 
 
@@ -125,6 +141,56 @@ def test_only_verl_signatures_are_adapted(verl_rewards):
     assert not is_verl_style(lambda solution_str, data_source, ground_truth: 1.0)  # order matters
     assert not is_verl_style(lambda inp: 1.0)
     assert is_verl_style(lambda data_source, solution_str, ground_truth, *rest: 1.0)
+
+
+def test_a_bare_verl_scorer_is_adapted_by_parameter_name(verl_rewards):
+    check_reward_function("verl_gsm8k:bare_compute_score", {"format_score": 0.1})  # plan time: passes
+    assert "verl_gsm8k" not in sys.modules
+    bare = resolve_reward_function("verl_gsm8k:bare_compute_score", {"format_score": 0.1})
+    assert isinstance(bare, VerlRewardFunction) and bare.taken == {"solution_str", "ground_truth"}
+    with RewardLoop([(bare, 1.0)], concurrency=2, timeout_s=30, sync_workers=1) as loop:
+        results = loop.score([_item("#### 42"), _item("#### 41"), _item("#### 7", answer=None, ground_truth="7")])
+    assert [r.reward for r in results] == [1.0, 0.1, 1.0] and results[0].error is None
+
+
+@pytest.mark.parametrize("function, signature", [
+    ("two_texts", "two_texts(completion, answer) cannot be called as a reward (missing a required argument: "
+                  "'answer')"),
+    ("needs_a_tokenizer", "needs_a_tokenizer(solution_str, ground_truth, tokenizer) cannot be called as a reward "
+                          "(missing a required argument: 'tokenizer')"),
+])
+def test_a_function_that_cannot_be_bound_is_refused_at_plan_time_naming_the_wrapper_to_write(verl_rewards, function,
+                                                                                             signature):
+    expected = (f"reward function 'verl_gsm8k:{function}': {signature}: a reward function takes one RewardInput, "
+                f"`def {function}(inp)`, or is verl's `compute_score(data_source, solution_str, ground_truth, "
+                "extra_info=None)` or bare `compute_score(solution_str, ground_truth)`; else write a wrapper, e.g. "
+                f"`def reward(inp): return {function}(inp.completion_text, inp.answer)`")
+    with pytest.raises(ValueError) as at_plan_time:
+        check_reward_function(f"verl_gsm8k:{function}")
+    assert str(at_plan_time.value) == expected
+    assert "verl_gsm8k" not in sys.modules  # found by reading its source, never imported
+    with pytest.raises(ValueError) as at_resolution:  # a reference plan time cannot read is refused when imported
+        resolve_reward_function(f"verl_gsm8k:{function}")
+    assert str(at_resolution.value) == expected
+    check_reward_function("verl_gsm8k:needs_a_tokenizer", {"tokenizer": "t"})  # bound by its kwargs: fine
+
+
+def test_a_dry_run_refuses_an_unbindable_reward_function_in_one_line(verl_rewards):
+    from clirun import run_rollout
+
+    def dry_run(function: str):
+        return run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--dry-run",
+                           "--set", f'algorithm.rl.envs[0].rewards[0].function="verl_gsm8k:{function}"',
+                           "--set", "algorithm.rl.envs[0].rewards[0].kwargs={}", PYTHONPATH=str(verl_rewards))
+
+    refused = dry_run("two_texts")
+    assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr[-2000:]
+    assert refused.stderr.startswith(
+        "rollout: error: configs/rl-tiny.toml: algorithm.rl.envs[0].rewards[0].function: reward function "
+        "'verl_gsm8k:two_texts': two_texts(completion, answer) cannot be called as a reward") and len(
+        refused.stderr.splitlines()) == 1, refused.stderr
+    passed = dry_run("bare_compute_score")
+    assert passed.returncode == 0, passed.stderr[-2000:]
 
 
 def test_kwargs_the_adapter_fills_are_refused_at_plan_time_and_at_resolution(verl_rewards):

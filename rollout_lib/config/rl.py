@@ -425,7 +425,8 @@ class RlConfig(EntryPointConfig):
                 if not isinstance(reward, RewardFunctionSettings):
                     continue  # a reward model resolves against the store (identity/training.py); a judge connects
                 try:
-                    check_reward_function(reward.function, reward.kwargs)
+                    check_reward_function(reward.function, reward.kwargs,
+                                          filled=("judge",) if reward.judge is not None else ())
                 except ValueError as exc:
                     problems.append((f"{where}.rewards[{r_index}].function", str(exc)))
             if isinstance(env.source, ReasoningGymSource):

@@ -20,8 +20,9 @@ import re
 from typing import Any, Callable
 
 from rollout_lib.reward.contract import RewardInput, as_score  # noqa: F401  (the contract, re-exported)
-from rollout_lib.reward.locate import check_reference, import_reference
-from rollout_lib.reward.verl import adapt_verl_function, is_verl_style
+from rollout_lib.reward.locate import check_reference, function_signature, import_reference
+from rollout_lib.reward.verl import (adapt_verl_function, is_verl_signature, is_verl_style, verl_arguments_taken,
+                                     verl_kwargs_problem)
 
 
 # --- built-ins -----------------------------------------------------------------------------------------------
@@ -129,11 +130,14 @@ BUILTIN_REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
 # --- resolution ----------------------------------------------------------------------------------------------
 
 
-def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[..., Any]:
+def resolve_reward_function(spec: str, kwargs: dict | None = None, *,
+                            filled: tuple[str, ...] = ()) -> Callable[..., Any]:
     """A built-in name ("number_match") or an import path ("package.module:attr"), with kwargs bound.
 
     kwargs are bound with `functools.partial`, which stays picklable for the sync worker processes. A verl-style
-    function (first parameters data_source, solution_str, ground_truth) comes back wrapped by `verl.py`.
+    function (first parameters data_source, solution_str, ground_truth, or verl's bare solution_str, ground_truth)
+    comes back wrapped by `verl.py`. `filled`: keyword arguments the caller passes at each call (`judge`); a
+    function that cannot be called so is refused (`reward_call_problem`).
     """
     if ":" in spec:
         target: Any = import_reference(spec, what="reward function")
@@ -154,16 +158,50 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None) -> Callable[.
             raise ValueError(f"reward function {spec!r}: bad kwargs {sorted(kwargs)}: {exc}") from None
         except ValueError:
             pass  # no introspectable signature (some C callables): let the call itself complain
+    if not isinstance(target, type):  # calling a class constructs: nothing to check
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):
+            signature = None  # no introspectable signature: let the call itself complain
+        problem = signature and reward_call_problem(getattr(target, "__name__", spec), signature,
+                                                    {**(kwargs or {}), **dict.fromkeys(filled)})
+        if problem:
+            raise ValueError(f"reward function {spec!r}: {problem}")
     if ":" in spec:
         if is_verl_style(target):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info, ...)
             return adapt_verl_function(target, kwargs, spec)
     return functools.partial(target, **kwargs) if kwargs else target
 
 
-def check_reward_function(spec: str, kwargs: dict | None = None) -> None:
+def check_reward_function(spec: str, kwargs: dict | None = None, *, filled: tuple[str, ...] = ()) -> None:
     """What plan time checks (config validation, `--dry-run`): a built-in is resolved; a user's import path is
-    found and read without running its module (`locate.py`), which happens only when the reward loop starts."""
-    if ":" in spec:
-        check_reference(spec, kwargs, what="reward function")
-    else:
-        resolve_reward_function(spec, kwargs)
+    found and read without running its module (`locate.py`), which happens only when the reward loop starts, and
+    a top-level `def` must be callable as the loop calls it (`reward_call_problem`)."""
+    if ":" not in spec:
+        resolve_reward_function(spec, kwargs, filled=filled)
+        return
+    definition = check_reference(spec, kwargs, what="reward function")
+    if definition is not None:
+        problem = reward_call_problem(definition.name, function_signature(definition),
+                                      {**(kwargs or {}), **dict.fromkeys(filled)})
+        if problem:
+            raise ValueError(f"reward function {spec!r}: {problem}")
+
+
+def reward_call_problem(name: str, signature: inspect.Signature, bound: dict) -> str | None:
+    """Why the loop cannot call a function of this signature, or None. The loop calls `fn(inp, **bound)` (one
+    RewardInput), or a verl-style one with the verl arguments it takes by name (verl.py); `bound`: the configured
+    kwargs and what the caller fills (`judge`)."""
+    try:
+        if is_verl_signature(signature):
+            if verl_kwargs_problem(bound):
+                return verl_kwargs_problem(bound)
+            signature.bind(**dict.fromkeys(verl_arguments_taken(signature)), **bound)
+        else:
+            signature.bind(None, **bound)
+    except TypeError as exc:
+        return (f"{name}{signature} cannot be called as a reward ({exc}): a reward function takes one RewardInput, "
+                f"`def {name}(inp)`, or is verl's `compute_score(data_source, solution_str, ground_truth, "
+                f"extra_info=None)` or bare `compute_score(solution_str, ground_truth)`; else write a wrapper, e.g. "
+                f"`def reward(inp): return {name}(inp.completion_text, inp.answer)`")
+    return None

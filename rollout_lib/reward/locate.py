@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import importlib.machinery
 import sys
 from pathlib import Path
 from typing import Any
 
-from rollout_lib.reward.verl import is_verl_parameter_list, verl_kwargs_problem
+from rollout_lib.reward.verl import is_verl_signature, verl_kwargs_problem
 
 
-def check_reference(spec: str, kwargs: dict | None = None, *, what: str = "reward function") -> None:
+def check_reference(spec: str, kwargs: dict | None = None, *,
+                    what: str = "reward function") -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     """Raise ValueError (naming `what` and `spec`) when the module cannot be found, the attribute is not defined at
-    its top level, or kwargs name a parameter the function does not take."""
+    its top level, or kwargs name a parameter the function does not take. Returns the function's definition when
+    `spec` names a top-level `def` (None: what a static look cannot see)."""
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise ValueError(f"{what} {spec!r}: expected an import path 'package.module:attr'")
@@ -34,20 +37,23 @@ def check_reference(spec: str, kwargs: dict | None = None, *, what: str = "rewar
         raise ValueError(f"{what} {spec!r}: cannot find module {module_name!r} on the Python path")
     source = _python_source(module_spec)
     if source is None:
-        return  # compiled or source-less: only importing it can tell
+        return None  # compiled or source-less: only importing it can tell
     try:
         tree = ast.parse(source.read_bytes(), filename=str(source))
     except SyntaxError as exc:
         raise ValueError(f"{what} {spec!r}: {source}:{exc.lineno}: syntax error: {exc.msg}") from None
     bindings = top_level_bindings(tree)
     if "*" in bindings or "__getattr__" in bindings:
-        return  # names bound at import time: only importing it can tell
+        return None  # names bound at import time: only importing it can tell
     first = attr_path.split(".")[0]
     if first not in bindings:
         raise ValueError(f"{what} {spec!r}: {module_name!r} ({source}) defines no top-level {first!r}")
     definition = bindings[first]
-    if kwargs and "." not in attr_path and isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    if "." in attr_path or not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    if kwargs:
         _check_kwargs(f"{what} {spec!r}", definition, kwargs)
+    return definition
 
 
 def import_reference(spec: str, *, what: str = "reward function") -> Any:
@@ -142,10 +148,29 @@ def top_level_bindings(tree: ast.Module) -> dict[str, ast.AST]:
     return bound
 
 
+def function_signature(function: ast.FunctionDef | ast.AsyncFunctionDef) -> inspect.Signature:
+    """The signature a parsed `def` will have (defaults stand in as `...`: only whether there is one counts)."""
+    arguments = function.args
+    positional = [*arguments.posonlyargs, *arguments.args]
+    first_default = len(positional) - len(arguments.defaults)
+    parameters = [inspect.Parameter(a.arg, inspect.Parameter.POSITIONAL_ONLY if i < len(arguments.posonlyargs)
+                                    else inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                    default=... if i >= first_default else inspect.Parameter.empty)
+                  for i, a in enumerate(positional)]
+    if arguments.vararg is not None:
+        parameters.append(inspect.Parameter(arguments.vararg.arg, inspect.Parameter.VAR_POSITIONAL))
+    parameters += [inspect.Parameter(a.arg, inspect.Parameter.KEYWORD_ONLY,
+                                     default=inspect.Parameter.empty if default is None else ...)
+                   for a, default in zip(arguments.kwonlyargs, arguments.kw_defaults)]
+    if arguments.kwarg is not None:
+        parameters.append(inspect.Parameter(arguments.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(parameters)
+
+
 def _check_kwargs(named: str, function: ast.FunctionDef | ast.AsyncFunctionDef, kwargs: dict) -> None:
 
     arguments = function.args
-    if is_verl_parameter_list([a.arg for a in [*arguments.posonlyargs, *arguments.args]]):
+    if is_verl_signature(function_signature(function)):
         problem = verl_kwargs_problem(kwargs)  # what resolve_reward_function's verl adapter will refuse
         if problem:
             raise ValueError(f"{named}: {problem}")

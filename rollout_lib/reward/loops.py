@@ -51,7 +51,7 @@ class RewardLoops:
         if isinstance(reward, RewardFunctionSettings):
             if reward.judge is None:
                 return resolve_reward_function(reward.function, reward.kwargs)
-            function = resolve_reward_function(reward.function)
+            function = resolve_reward_function(reward.function, filled=("judge", *reward.kwargs))  # WithJudge's
             if not is_async_callable(function):
                 raise ValueError(f"{where}.function: {reward.function!r} is sync; a reward function that calls a "
                                  "judge is async (sync functions run in worker processes, away from the run's pool)")

@@ -3,13 +3,16 @@
 verl calls a custom reward function as `compute_score(data_source=..., solution_str=..., ground_truth=...,
 extra_info=..., **reward_kwargs)` (`verl/workers/reward_manager/naive.py`, `verl/trainer/ppo/reward.py`), `def` or
 `async def`, and reads a float, or a dict whose "score" is the reward (the loop reads "score" and drops the other
-keys, verl's diagnostics). `resolve_reward_function` recognises one by its first three parameters, with no config
-flag, and wraps it here, so it takes one `RewardInput` like ours:
+keys, verl's diagnostics). verl's own scorers (`verl/utils/reward_score/gsm8k.py`) are bare:
+`compute_score(solution_str, ground_truth, ...)`, and users name them as the reward directly.
+`resolve_reward_function` recognises either by its first parameters, with no config flag, and wraps it here, so it
+takes one `RewardInput` like ours; each argument is passed by name, when the function takes it (a parameter of that
+name, or **kwargs):
 
     data_source   info["data_source"] when the row has it, else the env's name
     solution_str  completion_text (in a multi-turn env, the policy's last turn)
     ground_truth  answer; info["ground_truth"] when the row has no answer; neither: a missing reward
-    extra_info    info (a copy); passed only when the function takes it (a parameter of that name or **kwargs)
+    extra_info    info (a copy)
     **kwargs      the reward's configured `kwargs` (verl's `custom_reward_function.reward_kwargs`)
 
 The adapters are module-level classes, so a sync one pickles by reference into the worker processes (the user's
@@ -24,35 +27,43 @@ from typing import Any, Callable
 
 from rollout_lib.reward.contract import RewardInput, is_async_callable
 
-VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")  # how a verl-style function is recognised
-EXTRA_INFO = "extra_info"
+# How a verl-style function is recognised: its first positional parameters are one of these.
+VERL_SIGNATURES = (("data_source", "solution_str", "ground_truth"), ("solution_str", "ground_truth"))
+VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # what the adapter passes by name
 
 
-def is_verl_parameter_list(names: list[str]) -> bool:
-    """True when a function's positional parameters (names, in order) start as verl's compute_score does."""
-    return tuple(names[: len(VERL_PARAMETERS)]) == VERL_PARAMETERS
+def is_verl_signature(signature: inspect.Signature) -> bool:
+    """True when a function's positional parameters start as verl's compute_score or one of its bare scorers."""
+    names = tuple(p.name for p in signature.parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    return any(names[:len(start)] == start for start in VERL_SIGNATURES)
+
+
+def verl_arguments_taken(signature: inspect.Signature) -> frozenset[str]:
+    """The verl arguments a function takes: those it names, every one with **kwargs."""
+    parameters = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return frozenset(VERL_ARGUMENTS)
+    return frozenset(p.name for p in parameters if p.name in VERL_ARGUMENTS)
 
 
 def verl_kwargs_problem(kwargs: dict) -> str | None:
-    """Why configured kwargs cannot go to a verl-style function, or None: the adapter fills its four arguments."""
-    taken = sorted(set(kwargs) & {*VERL_PARAMETERS, EXTRA_INFO})
+    """Why configured kwargs cannot go to a verl-style function, or None: the adapter fills its arguments."""
+    taken = sorted(set(kwargs) & set(VERL_ARGUMENTS))
     if taken:
         return f"kwargs {taken} are filled from each rollout for a verl-style compute_score; they cannot be set"
     return None
 
 
 def is_verl_style(fn: Any) -> bool:
-    """A callable whose first parameters are named data_source, solution_str, ground_truth (through partials and
-    `__call__`). A class is not: calling it constructs."""
+    """A callable whose first parameters are verl's (through partials and `__call__`). A class is not: calling it
+    constructs."""
     if isinstance(fn, type):
         return False
     try:
-        parameters = inspect.signature(fn).parameters.values()
+        return is_verl_signature(inspect.signature(fn))
     except (TypeError, ValueError):  # no introspectable signature: not something we can recognise
         return False
-    positional = [p.name for p in parameters
-                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    return is_verl_parameter_list(positional)
 
 
 def adapt_verl_function(compute_score: Callable[..., Any], kwargs: dict | None, spec: str) -> Callable[..., Any]:
@@ -61,14 +72,13 @@ def adapt_verl_function(compute_score: Callable[..., Any], kwargs: dict | None, 
     problem = verl_kwargs_problem(kwargs)
     if problem:
         raise ValueError(f"reward function {spec!r}: {problem}")
-    parameters = inspect.signature(compute_score).parameters.values()
-    takes_extra_info = any(p.name == EXTRA_INFO or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
     adapter = AsyncVerlRewardFunction if is_async_callable(compute_score) else VerlRewardFunction
-    return adapter(compute_score, kwargs, takes_extra_info)
+    return adapter(compute_score, kwargs, verl_arguments_taken(inspect.signature(compute_score)))
 
 
-def verl_arguments(inp: RewardInput, takes_extra_info: bool = True) -> dict[str, Any]:
-    """The keyword arguments verl would pass for this rollout (the mapping in the module docstring)."""
+def verl_arguments(inp: RewardInput, taken: frozenset[str] = frozenset(VERL_ARGUMENTS)) -> dict[str, Any]:
+    """The keyword arguments verl would pass for this rollout (the mapping in the module docstring), of those in
+    `taken`."""
     ground_truth = inp.answer if inp.answer is not None else inp.info.get("ground_truth")
     if ground_truth is None:
         # verl data always carries reward_model.ground_truth; passing None would let a comparison score 0.
@@ -76,9 +86,9 @@ def verl_arguments(inp: RewardInput, takes_extra_info: bool = True) -> dict[str,
                          "'ground_truth'")
     arguments = {"data_source": inp.info.get("data_source", inp.env), "solution_str": inp.completion_text,
                  "ground_truth": ground_truth}
-    if takes_extra_info:
-        arguments[EXTRA_INFO] = dict(inp.info)  # a copy: verl's own reward managers write into extra_info
-    return arguments
+    if "extra_info" in taken:
+        arguments["extra_info"] = dict(inp.info)  # a copy: verl's own reward managers write into extra_info
+    return {name: value for name, value in arguments.items() if name in taken}
 
 
 def verl_score(value: Any) -> Any:
@@ -92,20 +102,20 @@ def verl_score(value: Any) -> Any:
 class VerlRewardFunction:
     """A sync verl-style compute_score as a reward function (runs in a worker process)."""
 
-    def __init__(self, compute_score: Callable[..., Any], kwargs: dict, takes_extra_info: bool) -> None:
+    def __init__(self, compute_score: Callable[..., Any], kwargs: dict, taken: frozenset[str]) -> None:
         self.compute_score = compute_score
         self.kwargs = kwargs
-        self.takes_extra_info = takes_extra_info
+        self.taken = taken  # the verl arguments it is passed (verl_arguments_taken)
         # Metrics and errors name the user's function, not the adapter.
         self.__name__ = getattr(compute_score, "__name__", type(compute_score).__name__)
         self.__qualname__ = getattr(compute_score, "__qualname__", self.__name__)
 
     def __call__(self, inp: RewardInput) -> Any:
-        return verl_score(self.compute_score(**verl_arguments(inp, self.takes_extra_info), **self.kwargs))
+        return verl_score(self.compute_score(**verl_arguments(inp, self.taken), **self.kwargs))
 
 
 class AsyncVerlRewardFunction(VerlRewardFunction):
     """An `async def` verl-style compute_score as a reward function (awaited on the loop, cancelled on timeout)."""
 
     async def __call__(self, inp: RewardInput) -> Any:
-        return verl_score(await self.compute_score(**verl_arguments(inp, self.takes_extra_info), **self.kwargs))
+        return verl_score(await self.compute_score(**verl_arguments(inp, self.taken), **self.kwargs))
