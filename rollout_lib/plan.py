@@ -1,4 +1,5 @@
-"""`--dry-run`: validate everything that can be validated without loading a model, and describe the plan."""
+"""`--dry-run`: validate everything that can be validated without loading a model, and describe the plan. Every model
+reference must load offline (or downloads be on): checked from the references' files alone, never weights."""
 
 from __future__ import annotations
 
@@ -9,22 +10,51 @@ from rollout_lib.config.rlhf import STAGES, RlhfConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 from rollout_lib.data import load_examples, load_pairs
-from rollout_lib.model.loading import locate_model
+from rollout_lib.model.loading import locate_model, offline_problem
 from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import hardware_settings, resolve_hardware
+from rollout_lib.serving.settings import ServedModel
+from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import StoreError
 
 
 def describe_plan(config) -> dict:
-    if isinstance(config, RmConfig):
-        return {**_rm_plan(config), "hardware": _hardware(config)}
-    if isinstance(config, SftConfig):
-        return {**_sft_plan(config), "hardware": _hardware(config)}
-    if isinstance(config, RlConfig):
-        return {**_rl_plan(config), "hardware": _hardware(config)}
     if isinstance(config, RlhfConfig):
         return _rlhf_plan(config)
-    raise TypeError(f"no plan for {type(config).__name__}")
+    if isinstance(config, RmConfig):
+        plan = _rm_plan(config)
+    elif isinstance(config, SftConfig):
+        plan = _sft_plan(config)
+    elif isinstance(config, RlConfig):
+        plan = _rl_plan(config)
+    else:
+        raise TypeError(f"no plan for {type(config).__name__}")
+    _check_models_offline(config)
+    return {**plan, "hardware": _hardware(config)}
+
+
+def _model_references(config) -> list[tuple[str, ModelRef]]:
+    """(locator, reference) of every model a run loads or serves itself: the base model, the frozen models rollout
+    serves (a teacher, a sampling source, a judge) and the reward models."""
+    found = [(f"algorithm.{config.algorithm.kind}.base_model", config.settings.base_model)]
+    if isinstance(config, RlConfig):
+        found += [(f"{where}.model", _in_run_store(config, frozen.model)) for where, frozen in config.frozen_models()
+                  if isinstance(frozen, ServedModel)]
+        found += [(where, reward.reward_model) for where, reward in config.reward_models()]
+    return found
+
+
+def _check_models_offline(config) -> None:
+    """A hub id the run could not load offline fails here, naming its setting, not when the run loads it."""
+    problems = [(where, problem) for where, ref in _model_references(config)
+                if (problem := offline_problem(ref)) is not None]
+    if problems:
+        raise ConfigError(problems)
+
+
+def _in_run_store(config, ref: ModelRef) -> ModelRef:
+    """A served model's reference as the run resolves it: a checkpoint ref is looked up in the run's store."""
+    return ref if ref.store else ref.model_copy(update={"store": config.run.store})
 
 
 def _hardware(config) -> dict:

@@ -100,6 +100,22 @@ def test_a_run_name_bound_to_other_settings_names_what_differs_and_suggests_name
                           "rerun with --name <another name>"), err
 
 
+def test_dry_run_refuses_a_hub_model_it_cannot_load_offline_and_says_how_to_allow_downloads(capsys, monkeypatch,
+                                                                                               tmp_path):
+    uncached = ["--set", 'algorithm.rm.base_model="rollout-tests/not-in-the-cache"', "--store", str(tmp_path)]
+    code, out, err = rollout(capsys, "train", "rm", "--config", TINY_CONFIGS["rm"], "--dry-run", *uncached)
+    assert (code, out) == (2, ""), err
+    assert err == ("rollout: error: algorithm.rm.base_model: model 'rollout-tests/not-in-the-cache' is not in the "
+                   "Hugging Face cache (no config.json, tokenizer_config.json or tokenizer.json) and downloads are off "
+                   "(HF_HUB_OFFLINE=1): download it where there is internet (`hf download "
+                   "rollout-tests/not-in-the-cache`, then copy the cache here), or allow downloads with "
+                   "HF_HUB_OFFLINE=0\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # downloads allowed: the run may fetch it, the plan passes
+    code, out, err = rollout(capsys, "train", "rm", "--config", TINY_CONFIGS["rm"], "--dry-run", *uncached)
+    assert code == 0, err
+    assert json.loads(out)["model"]["resolved"] == "rollout-tests/not-in-the-cache"
+
+
 def test_rlhf_takes_name_and_store_for_its_run(capsys, tmp_path):
     store = str(tmp_path / "pipeline-store")
     flags = rollout(capsys, "train", "rlhf", "--config", TINY_CONFIGS["rlhf"], "--dry-run",

@@ -189,6 +189,39 @@ def locate_model(ref: ModelRef | str) -> ResolvedModel:
     return ResolvedModel(uri, gguf_file=ref.gguf_file, revision=ref.revision)
 
 
+# AutoTokenizer needs one of these (tokenizer_config.json names the class; tokenizer.json alone also loads).
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def hub_downloads_off() -> bool:
+    """Whether the Hugging Face hub is off (HF_HUB_OFFLINE, read now, as huggingface_hub parses it)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def offline_problem(ref: ModelRef) -> str | None:
+    """Why a run could not load `ref` with the hub off, or None: a hub id whose config or tokenizer files are not in
+    the Hugging Face cache would fail only when the run loads it. Nothing is downloaded or loaded; a local directory,
+    a package, the tiny model and a checkpoint are local by construction."""
+    if not hub_downloads_off() or checkpoint_of(ref) is not None:
+        return None
+    resolved = locate_model(ref)
+    if resolved.is_local:
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(name: str) -> bool:  # a path when cached; None or a "cached as missing" marker otherwise
+        return isinstance(try_to_load_from_cache(resolved.source, name, revision=resolved.revision), str)
+
+    missing = [name for name in ([resolved.gguf_file] if resolved.gguf_file else ["config.json"]) if not cached(name)]
+    if not resolved.gguf_file and not any(cached(name) for name in _TOKENIZER_FILES):
+        missing.append(" or ".join(_TOKENIZER_FILES))
+    if not missing:
+        return None
+    return (f"model {resolved.source!r} is not in the Hugging Face cache (no {', '.join(missing)}) and downloads "
+            f"are off (HF_HUB_OFFLINE=1): download it where there is internet (`hf download {resolved.source}`, "
+            "then copy the cache here), or allow downloads with HF_HUB_OFFLINE=0")
+
+
 def checkpoint_of(ref: ModelRef) -> str | None:
     """The checkpoint id a reference names in its store (`ref.store`), or None when it names no checkpoint: a local
     directory of the same spelling wins, and a hub id ("org/name") is no ref of the store."""
