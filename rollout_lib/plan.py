@@ -1,5 +1,6 @@
 """`--dry-run`: validate everything that can be validated without loading a model, and describe the plan. Every model
-reference must load offline (or downloads be on): checked from the references' files alone, never weights."""
+reference must load offline (or downloads be on), and a served teacher must share the policy's tokenizer: checked
+from the references' files alone (tokenizers, never weights)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from rollout_lib.config.rlhf import STAGES, RlhfConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 from rollout_lib.data import load_examples, load_pairs
-from rollout_lib.model.loading import locate_model, offline_problem
+from rollout_lib.model.loading import load_tokenizer, locate_model, offline_problem
 from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import hardware_settings, resolve_hardware
 from rollout_lib.serving.settings import ServedModel
+from rollout_lib.serving.tokenizers import local_tokenizer_mismatch
 from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import StoreError
 
@@ -30,6 +32,8 @@ def describe_plan(config) -> dict:
     else:
         raise TypeError(f"no plan for {type(config).__name__}")
     _check_models_offline(config)
+    if isinstance(config, RlConfig):
+        _check_shared_tokenizers(config)
     return {**plan, "hardware": _hardware(config)}
 
 
@@ -48,6 +52,27 @@ def _check_models_offline(config) -> None:
     """A hub id the run could not load offline fails here, naming its setting, not when the run loads it."""
     problems = [(where, problem) for where, ref in _model_references(config)
                 if (problem := offline_problem(ref)) is not None]
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_shared_tokenizers(config: RlConfig) -> None:
+    """A teacher or sampling source rollout serves must share the policy's tokenizer: checked here on the two
+    tokenizers, loaded offline from their references (no weights), with the probes the run sends the server once
+    vLLM has started (serving/tokenizers.py). Judges read text: any tokenizer will do."""
+    judges = {where for where, _ in config.judges()}
+    shared = [(where, frozen) for where, frozen in config.frozen_models()
+              if isinstance(frozen, ServedModel) and where not in judges]
+    if not shared:
+        return
+    base_model = config.settings.base_model
+    policy = load_tokenizer(locate_model(base_model))
+    problems = []
+    for where, frozen in shared:
+        mismatch = local_tokenizer_mismatch(load_tokenizer(locate_model(_in_run_store(config, frozen.model))), policy)
+        if mismatch:
+            problems.append((where, f"{frozen.model.uri!r} does not share the policy's tokenizer (base_model "
+                                    f"{base_model.uri!r}): {mismatch}"))
     if problems:
         raise ConfigError(problems)
 

