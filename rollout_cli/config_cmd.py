@@ -48,6 +48,7 @@ def load_settings(entry_point: str | None, config_path: str, overrides: list[str
     from rollout_lib.config import ConfigError, apply_overrides, validate_config
     from rollout_lib.config.loading import read_toml
     from rollout_lib.errors import FILE
+    from rollout_lib.paths import config_base_dir
 
     raw = read_toml(config_path)
     written = written_for(raw)  # the file as written: a --set (or --max-steps) must not change what it is for
@@ -59,7 +60,8 @@ def load_settings(entry_point: str | None, config_path: str, overrides: list[str
         raise ConfigError([(FILE, f"{CONFIG_KINDS[written]}: run {command} {written} --config {config_path}")],
                           config_path)
     entry_point = entry_point or written
-    return entry_point, validate_config(config_class(entry_point), apply_overrides(raw, overrides), config_path)
+    return entry_point, validate_config(config_class(entry_point), apply_overrides(raw, overrides), config_path,
+                                        base_dir=config_base_dir(config_path))
 
 
 @click.group("config")

@@ -30,7 +30,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # load reports are noi
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_lib")  # library log lines reach the flow run
 
-DEFAULT_STORE = ".rollout/store"
+def default_store_url() -> str:
+    from rollout_lib.paths import default_store
+
+    return str(default_store())
+
+
+# A command's --store: by default the store of rollout's home, where `rollout train` writes unless told otherwise.
+STORE_OPTION_DEFAULT = dict(default=default_store_url, show_default="the home's store, .rollout/store")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +113,11 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
 
     It runs on the Prefect server of PREFECT_API_URL if set, else on the project-local one (started on first use).
     """
+    from rollout_lib.paths import use_home_of_config
     from rollout_lib.plan import describe_plan
 
+    # The config's project's home (its server, its default store), whichever directory this was typed in.
+    use_home_of_config(config_path)
     overrides = (*overrides, *_shortcut_overrides(entry_point, max_steps, run_name, store_url, nproc))
     _, config = load_settings(entry_point, config_path, list(overrides), "rollout train")
     plan = describe_plan(config)  # parses every dataset row and resolves the model reference: no model loads
@@ -126,10 +136,12 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
         from flows.rlhf import rlhf as train_flow
     else:
         from flows.train_rm import train_rm as train_flow
-    from rollout_cli.progress import TrainingProgress, flow_run_url, stdout_to_stderr, tracebacks_hidden
+    from rollout_cli.progress import (TrainingProgress, flow_run_url, routine_lines_hidden, stdout_to_stderr,
+                                      tracebacks_hidden)
 
     watching = nullcontext() if quiet else TrainingProgress(entry_point, config)
-    with stdout_to_stderr(), nullcontext() if verbose else tracebacks_hidden(), watching:
+    with stdout_to_stderr(), nullcontext() if verbose else tracebacks_hidden(), \
+            nullcontext() if verbose else routine_lines_hidden(), watching:
         state = train_flow(config=config_path, overrides=list(overrides), return_state=True)
     return _report(entry_point, state, flow_run_url(api_url, str(state.state_details.flow_run_id)),
                    None if quiet else watching.observed(), verbose)
@@ -195,7 +207,7 @@ def _first_line(exc: BaseException) -> str:
 @rollout.command()
 @click.option("--checkpoint", required=True, help="checkpoint id (or a ref such as runs/NAME/latest)")
 @click.option("--data", "data_path", required=True, metavar="PATH", help='JSONL with {"prompt", "response"} rows')
-@click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True, help="store root (fsspec URL)")
+@click.option("--store", "store_url", **STORE_OPTION_DEFAULT, help="store root (fsspec URL)")
 @click.option("--max-seq-len", type=int, default=256, show_default=True)
 def score(checkpoint: str, data_path: str, store_url: str, max_seq_len: int) -> None:
     """Score (prompt, response) rows with a reward model."""
@@ -211,7 +223,7 @@ def score(checkpoint: str, data_path: str, store_url: str, max_seq_len: int) -> 
 @rollout.command()
 @click.option("--checkpoint", required=True, help="checkpoint id (or a ref such as runs/NAME/latest)")
 @click.option("--out", "out_dir", required=True, metavar="DIR", help="directory to write")
-@click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True, help="store root (fsspec URL)")
+@click.option("--store", "store_url", **STORE_OPTION_DEFAULT, help="store root (fsspec URL)")
 @click.option("--merged", is_flag=True, help="a LoRA checkpoint: its base with the adapter merged in, as a plain "
                                              "model directory (default: a PEFT adapter directory)")
 def export(checkpoint: str, out_dir: str, store_url: str, merged: bool) -> None:
@@ -236,7 +248,7 @@ def export(checkpoint: str, out_dir: str, store_url: str, merged: bool) -> None:
 
 
 @rollout.command()
-@click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True, help="store root (fsspec URL)")
+@click.option("--store", "store_url", **STORE_OPTION_DEFAULT, help="store root (fsspec URL)")
 @click.option("--dry-run", is_flag=True, help="print what would be deleted and its bytes; delete nothing")
 @click.option("--grace-hours", type=click.FloatRange(min=0), default=24.0, show_default=True, metavar="N",
               help="keep objects written in the last N hours (a running flow sets its ref only at its end)")
@@ -329,7 +341,7 @@ def serve_group() -> None:
 @click.option("--name", help="served model name (default: from MODEL, e.g. tiny-qwen2)")
 @click.option("--port", type=int, help="the first replica's port (default: a free one; the others are free ones)")
 @click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--store", "store_url", default=DEFAULT_STORE, show_default=True,
+@click.option("--store", "store_url", **STORE_OPTION_DEFAULT,
               help="store root (fsspec URL) where a checkpoint MODEL is found")
 @click.option("--max-model-len", type=click.IntRange(min=1), help="default: min(max_position_embeddings, 2048)")
 @click.option("--runner", type=click.Choice(["generate", "pooling"]), default="generate", show_default=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from contextlib import ExitStack, contextmanager, redirect_stdout
@@ -199,6 +200,42 @@ class _WithoutTraceback(logging.Formatter):
             # A copy: the same record goes on to other handlers (the API's), which keep the traceback.
             record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None, "stack_info": None})
         return self.inner.format(record)
+
+
+# Lines the terminal leaves out (the flow run's logs in the UI keep them): Prefect's routine lifecycle records (a run
+# began, where to view it, a task finished as expected, a worker's submission and pull steps) and the flow's
+# closing checkpoint line, which the summary at the end says once. Warnings and errors always show.
+_ROUTINE = re.compile(
+    r"(Beginning flow run |View at |Finished in state (Completed|Cached)\(|Worker '.*' submitting flow run|"
+    r"Aborted submission of flow run|Flow run '.*' submitted to infrastructure|Running \d+ deployment pull step|"
+    r"Executing deployment step|Deployment step '.*' completed|All deployment steps completed|"
+    r"Opening process|Process .* exited cleanly|final checkpoint [0-9a-f]{64}$)")
+
+
+def is_routine(level: int, message: str) -> bool:
+    return level < logging.WARNING and _ROUTINE.match(message) is not None
+
+
+class _NotRoutine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not is_routine(record.levelno, record.getMessage())
+
+
+class routine_lines_hidden:
+    """Prefect's console handlers leave routine lines out meanwhile (`is_routine`); `--verbose` keeps them."""
+
+    def __init__(self):
+        self.filter = _NotRoutine()
+        self.handlers: list[logging.Handler] = []
+
+    def __enter__(self) -> None:
+        self.handlers = _console_handlers()
+        for handler in self.handlers:
+            handler.addFilter(self.filter)
+
+    def __exit__(self, *exc_info) -> None:
+        for handler in self.handlers:
+            handler.removeFilter(self.filter)
 
 
 def _console_handlers() -> list[logging.Handler]:

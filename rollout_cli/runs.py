@@ -22,10 +22,10 @@ _STORE_HELP = "store root (fsspec URL) [default: .rollout/store]"
 
 
 def _open_store(store_url: str | None):
-    from rollout_cli.main import DEFAULT_STORE
+    from rollout_cli.main import default_store_url
     from rollout_lib.store import ObjectStore
 
-    return ObjectStore(store_url or DEFAULT_STORE)
+    return ObjectStore(store_url or default_store_url())
 
 
 @click.group("runs", invoke_without_command=True)

@@ -104,7 +104,7 @@ def start(port: int | None = None, schedules: bool = True, log=print) -> dict:
         log(f"deployed {', '.join(deployment_names(client))} to work pool {WORK_POOL!r}")
         if not schedules:
             pause_schedules(client)
-            log("schedules paused (runs start only when asked for)")
+        log(schedules_line(client))
         record["worker"] = _keep_or_start_worker(previous, record, env, logs / "worker.log", client, log)
     _write_record(record)
     return record
@@ -256,14 +256,39 @@ def _on_pool() -> WorkPoolFilter:
     return WorkPoolFilter(name=WorkPoolFilterName(any_=[WORK_POOL]))
 
 
-def deployment_names(client: SyncPrefectClient) -> list[str]:
-    """`flow/deployment` of every deployment on the pool."""
+def _named_deployments(client: SyncPrefectClient) -> list[tuple[str, DeploymentResponse]]:
+    """(`flow/deployment`, the deployment) of every deployment on the pool, by name."""
     from prefect.client.schemas.filters import FlowFilter, FlowFilterId
 
     deployments = _pool_deployments(client)
     flow_ids = [deployment.flow_id for deployment in deployments]
     flows = {flow.id: flow.name for flow in client.read_flows(flow_filter=FlowFilter(id=FlowFilterId(any_=flow_ids)))}
-    return sorted(f"{flows.get(deployment.flow_id, '?')}/{deployment.name}" for deployment in deployments)
+    return sorted(((f"{flows.get(d.flow_id, '?')}/{d.name}", d) for d in deployments), key=lambda pair: pair[0])
+
+
+def deployment_names(client: SyncPrefectClient) -> list[str]:
+    """`flow/deployment` of every deployment on the pool."""
+    return [name for name, _ in _named_deployments(client)]
+
+
+def active_schedules(client: SyncPrefectClient) -> list[str]:
+    """Every active schedule of the pool's deployments, as `flow/deployment: cron ... (timezone)`."""
+    found = []
+    for name, deployment in _named_deployments(client):
+        for schedule in deployment.schedules:
+            if schedule.active:
+                when = getattr(schedule.schedule, "cron", None) or str(schedule.schedule)
+                found.append(f"{name}: cron {when!r} ({getattr(schedule.schedule, 'timezone', None) or 'UTC'})")
+    return found
+
+
+def schedules_line(client: SyncPrefectClient) -> str:
+    """What `stack start` says of schedules: which run by themselves, and how to pause them."""
+    active = active_schedules(client)
+    if not active:
+        return "no schedule is active: runs start only when asked for"
+    return (f"scheduled: {'; '.join(active)}. Pause: rollout stack start --no-schedule (or in the UI, the "
+            "deployment's Schedules toggle)")
 
 
 # --- stop / status / env --------------------------------------------------------------------------------------
@@ -310,13 +335,17 @@ def _stop_worker(worker_pid: int, api_url: str) -> dict[int, str | None]:
 def status() -> dict:
     """What runs and answers, as JSON-ready data; `running` when the server answers and the worker is alive."""
     record = read_record()
-    if record is None:
-        return {"running": False}
+    if record is None:  # no stack; a run of `rollout train` may still have started the home's server
+        server = local_server.read_record()
+        return {"running": False, "home": str(state_dir()),
+                "server": None if server is None else {"pid": server["pid"], "ui_url": server["ui_url"],
+                                                       "healthy": is_healthy(server["api_url"])}}
     worker = record.get("worker") or {}
     server = record.get("server") or {}
     healthy = is_healthy(record["api_url"])
     alive = bool(worker.get("pid")) and is_prefect_process(worker["pid"])
-    report = {"running": healthy and alive, "ui_url": record["ui_url"], "api_url": record["api_url"],
+    report = {"running": healthy and alive, "home": str(state_dir()), "ui_url": record["ui_url"],
+              "api_url": record["api_url"],
               "server": {"pid": server.get("pid"), "owned": server.get("owned"), "healthy": healthy},
               "worker": {**worker, "alive": alive, "online": False}, "work_pool": record.get("work_pool")}
     if healthy:

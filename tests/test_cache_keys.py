@@ -94,7 +94,7 @@ def test_the_training_hash_holds_what_decides_the_weights_and_nothing_else():
     same = [
         "algorithm.rm.budget.max_steps=9", "algorithm.rm.checkpoint_interval=7", "algorithm.rm.eval_batch_size=3",
         "run.name=other", "run.store=/tmp/elsewhere", "run.storage_options.key=secret",
-        "algorithm.rm.dataset.path=moved.jsonl",  # the data's content enters keys as its content id
+        "algorithm.rm.dataset.path=data/pairs-heldout.jsonl",  # the data's content enters keys as its content id
     ]
     for override in same:
         assert training_hash(rm_config(override)) == base, override

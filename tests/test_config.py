@@ -65,9 +65,9 @@ def test_missing_section_names_its_place():
 
 def test_dataset_accepts_type_or_kind_but_not_both():
     raw = rm_raw()
-    raw["algorithm"]["rm"]["dataset"] = {"kind": "jsonl_path", "path": "x.jsonl"}
-    assert validate_config(RmConfig, raw).settings.dataset.type == "jsonl_path"
-    raw["algorithm"]["rm"]["dataset"] = {"kind": "jsonl_path", "type": "jsonl_path", "path": "x.jsonl"}
+    raw["algorithm"]["rm"]["dataset"] = {"kind": "jsonl_path", "path": "data/rm-tiny.jsonl"}
+    assert validate_config(RmConfig, raw, base_dir=ROOT).settings.dataset.type == "jsonl_path"
+    raw["algorithm"]["rm"]["dataset"] = {"kind": "jsonl_path", "type": "jsonl_path", "path": "data/rm-tiny.jsonl"}
     assert "algorithm.rm.dataset: give either `type` or `kind`" in error_of(raw)
 
 

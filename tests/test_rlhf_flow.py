@@ -38,16 +38,17 @@ def rlhf(store, *extra: str):
     (['rm.overrides=["algorithm.rm.base_model=tiny:qwen2"]'],
      "rm.overrides[0]: sets algorithm.rm.base_model, which the pipeline sets: the RM starts from the SFT stage's "
      "checkpoint (rm.start_from)"),
-    (['rl.rm_rewards[0].env="math"'], "rl.rm_rewards[0].env: no env 'math' in configs/rl-tiny.toml (its envs: words)"),
+    (['rl.rm_rewards[0].env="math"'],
+     f"rl.rm_rewards[0].env: no env 'math' in {ROOT}/configs/rl-tiny.toml (its envs: words)"),
     (['rl.overrides=["algorithm.rl.envs[0].rewards[0].weight=2"]'],
      "rl.overrides[0]: sets algorithm.rl.envs[0].rewards[0].weight, but the RM checkpoint replaces the rewards of env "
      "'words' (rl.rm_rewards: keep_rewards = false)"),
     (['rl.overrides=["algorithm.rl.optimizer.lr=-1"]'],
-     "rl: configs/rl-tiny.toml: algorithm.rl.optimizer.lr: must be > 0.0 (got -1)"),
-    (['sft.config="configs/missing.toml"'], "sft.config: configs/missing.toml: config file not found"),
+     f"rl: {ROOT}/configs/rl-tiny.toml: algorithm.rl.optimizer.lr: must be > 0.0 (got -1)"),
+    (['sft.config="configs/missing.toml"'], f"sft.config: {ROOT}/configs/missing.toml: config file not found"),
 ])
 def test_a_bad_pipeline_setting_fails_before_any_stage_naming_its_place(overrides, error, monkeypatch):
-    monkeypatch.chdir(ROOT)  # stage configs and data paths are relative to the working directory, as in the CLI
+    monkeypatch.chdir("/")  # stage configs and data paths resolve from the pipeline config's project, wherever this runs
     with pytest.raises(ConfigError) as raised:
         load_config(RlhfConfig, ROOT / "configs/rlhf-tiny.toml", overrides)
     assert str(raised.value) == f"{ROOT / 'configs/rlhf-tiny.toml'}: {error}"

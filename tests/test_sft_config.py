@@ -1,6 +1,7 @@
 """SFT settings: the seed's TOML shape, its validate_plan errors as dotted locators, overrides, and --dry-run."""
 
 import json
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def test_seed_shape_validates_with_vetted_defaults():
     assert settings.base_model.uri == "tiny:qwen2"
     assert settings.loss_on.kind == "assistant_only"
     assert (settings.packing.kind, settings.packing.max_seq_len) == ("off", 2048)
-    assert settings.dataset.path == "data/sft-tiny.jsonl" and settings.optimizer.kind == "sgd"
+    assert settings.dataset.path == str(Path.cwd() / "data/sft-tiny.jsonl") and settings.optimizer.kind == "sgd"
     assert settings.sequences_per_micro_batch == 8 and not settings.packed
 
     raw = seed_raw()
@@ -124,6 +125,8 @@ def test_loss_on_accepts_a_plain_string():
 def test_set_overrides_reach_nested_tables(tmp_path):
     path = tmp_path / "sft.toml"
     path.write_text(SEED_TOML)
+    (tmp_path / "data").mkdir()  # a config outside any project: its relative paths resolve from its directory
+    shutil.copy(ROOT / "data/sft-tiny.jsonl", tmp_path / "data")
     config = load_config(SftConfig, path, ["algorithm.sft.packing.kind=on", "algorithm.sft.packing.max_seq_len=64",
                                            "algorithm.sft.loss_on.kind=all", "algorithm.sft.optimizer.lr=0.5"])
     assert config.settings.packed and config.settings.packing.max_seq_len == 64

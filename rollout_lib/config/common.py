@@ -5,12 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from rollout_lib.paths import default_store
 from rollout_lib.hardware import HardwareSettings, hardware_settings, resolve_hardware  # noqa: F401  (composed here)
 from rollout_lib.settings_base import ModelRef, StrictModel
 
 __all__ = ["ModelRef", "StrictModel"]  # defined in settings_base (importable without this package), used here
+
+# The validation context's key for the directory relative paths resolve from (config/loading.py sets it to the
+# config file's project root).
+BASE_DIR = "base_dir"
+
+
+def resolve_path(path: str, info: ValidationInfo) -> str:
+    """A relative path made absolute from the validation context's BASE_DIR (without one: the working directory),
+    so a setting names one file whatever directory the run starts in."""
+    expanded = Path(path).expanduser()
+    if expanded.is_absolute():
+        return str(expanded)
+    base = (info.context or {}).get(BASE_DIR)
+    return str((Path(base) if base else Path.cwd()) / expanded)
 
 
 class TaskRunnerSettings(StrictModel):
@@ -54,7 +69,9 @@ class RunSettings(StrictModel):
     # differently, so byte-identical checkpoints across machines need the same count: pinned, not "all cores".
     torch_threads: int = Field(2, ge=1)
     # Any fsspec URL: a local directory (default), memory://..., s3://bucket/prefix.
-    store: str = ".rollout/store"
+    # A relative local path resolves from the config's project root. Default: rollout's home's store
+    # (`.rollout/store` of the config's project unless ROLLOUT_HOME says otherwise; paths.default_store).
+    store: str = Field(default_factory=lambda: str(default_store()), validate_default=True)
     storage_options: dict[str, Any] = Field(default_factory=dict)
     # Also write each step's metrics as TensorBoard event files (docs/runs.md: beside the metrics file for a local
     # store, .rollout/tensorboard/<name> for a remote one). How a run is watched, never what it trains: like the
@@ -65,10 +82,10 @@ class RunSettings(StrictModel):
 
     @field_validator("store")
     @classmethod
-    def _absolute_local_store(cls, store: str) -> str:
+    def _absolute_local_store(cls, store: str, info: ValidationInfo) -> str:
         # A relative local root would point somewhere else from another working directory (a worker, a test);
         # made absolute once, at validation, it names one place in every cache key that carries it.
-        return store if "://" in store else str(Path(store).expanduser().resolve())
+        return store if "://" in store else str(Path(resolve_path(store, info)).resolve())
 
 
 class OptimizerSettings(StrictModel):
@@ -110,6 +127,19 @@ class JsonlDataset(StrictModel):
 
     type: Literal["jsonl_path"] = "jsonl_path"
     path: str = Field(min_length=1)
+
+    @field_validator("path")
+    @classmethod
+    def _from_the_config(cls, path: str, info: ValidationInfo) -> str:
+        resolved = resolve_path(path, info)
+        if "://" in path or Path(resolved).exists():
+            return resolved
+        if Path(path).expanduser().is_absolute():
+            raise ValueError(f"no file {resolved}")
+        base = (info.context or {}).get(BASE_DIR)
+        where = (f"relative paths resolve from {base}, the config's project root (the nearest directory above it "
+                 "with a prefect.yaml)") if base else "relative to the working directory"
+        raise ValueError(f"no file {resolved} ({where}; give an absolute path or one from there)")
 
     @model_validator(mode="before")
     @classmethod

@@ -11,8 +11,10 @@ from typing import Any, TypeVar
 import blake3
 from pydantic import BaseModel, ValidationError
 
+from rollout_lib.config.common import BASE_DIR
 from rollout_lib.config.keys import closest_key, key_paths
 from rollout_lib.errors import FILE, ConfigError, from_validation_error, locator
+from rollout_lib.paths import config_base_dir
 from rollout_lib.store import canonical_json
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
@@ -98,9 +100,11 @@ def read_toml(path: str | Path) -> dict:
         raise ConfigError([(FILE, f"not valid TOML: {exc}")], source=str(path)) from None
 
 
-def validate_config(cls: type[ConfigT], raw: dict, source: str | None = None) -> ConfigT:
+def validate_config(cls: type[ConfigT], raw: dict, source: str | None = None,
+                    base_dir: str | Path | None = None) -> ConfigT:
+    """Validate settings; relative paths in them resolve from `base_dir` (default: the working directory)."""
     try:
-        config = cls.model_validate(raw)
+        config = cls.model_validate(raw, context={BASE_DIR: str(base_dir)} if base_dir is not None else None)
     except ValidationError as exc:
         raise from_validation_error(exc, source, suggest=lambda unknown: closest_key(unknown, key_paths(cls))) from None
     problems = config.plan_problems() if hasattr(config, "plan_problems") else []
@@ -110,7 +114,10 @@ def validate_config(cls: type[ConfigT], raw: dict, source: str | None = None) ->
 
 
 def load_config(cls: type[ConfigT], path: str | Path, overrides: list[str] | dict | None = None) -> ConfigT:
-    return validate_config(cls, apply_overrides(read_toml(path), overrides), source=str(path))
+    """A config file's settings with `overrides` applied; relative paths in both resolve from the file's project
+    root (paths.config_base_dir), whatever the working directory."""
+    return validate_config(cls, apply_overrides(read_toml(path), overrides), source=str(path),
+                           base_dir=config_base_dir(path))
 
 
 def training_hash(config) -> str:

@@ -31,6 +31,7 @@ from pydantic import Field, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
 from rollout_lib.algo.base import trains_env_tokens
+from rollout_lib.digests import file_digest
 from rollout_lib.envs import interaction_settings_types
 from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, FrozenModel, PolicyOrFrozen
 from rollout_lib.adapters import AdapterSettings
@@ -373,6 +374,8 @@ class RlConfig(EntryPointConfig):
         for dumped in settings["envs"]:
             dumped.pop("eval")  # evaluation watches the policy, it never changes it
         for env, dumped in zip(self.settings.envs, settings["envs"]):
+            if env.source.type == "jsonl_path":  # the prompts' content, not where this checkout keeps the file
+                dumped["source"] = {"type": env.source.type, "file": file_digest(env.source.path)}
             if env.sampler.frozen is not None:
                 dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()
             for name, value in _frozen_fields(env.algo):

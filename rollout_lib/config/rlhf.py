@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from rollout_lib.config.common import EntryPointConfig, RunSettings, StrictModel
+from rollout_lib.config.common import EntryPointConfig, RunSettings, StrictModel, resolve_path
 from rollout_lib.errors import FILE, ConfigError
 from rollout_lib.config.loading import apply_overrides, load_config, parse_override, read_toml
 from rollout_lib.config.rl import RlConfig, env_locator
@@ -41,7 +41,7 @@ class RlhfRunSettings(StrictModel):
 
     name: str = "rlhf"
     # Validated when defaulted too: the stages get the store as an absolute path.
-    store: str = Field(RunSettings.model_fields["store"].default, validate_default=True)
+    store: str = Field(default_factory=RunSettings.model_fields["store"].default_factory, validate_default=True)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name", "store")
@@ -50,14 +50,20 @@ class RlhfRunSettings(StrictModel):
         """The entry points' rules (a run name's spelling; a local store made absolute, so that every stage names
         the same place), kept in one place: RunSettings."""
         try:
-            return getattr(RunSettings.model_validate({info.field_name: value}), info.field_name)
+            return getattr(RunSettings.model_validate({info.field_name: value}, context=info.context),
+                           info.field_name)
         except ValidationError as exc:
             raise ValueError(exc.errors()[0]["msg"]) from None
 
 
 class StageSettings(StrictModel):
-    config: str = Field(min_length=1)  # the stage's TOML, relative to the working directory like every path
+    config: str = Field(min_length=1)  # the stage's TOML; relative to the pipeline config's project, as every path
     overrides: list[str] = Field(default_factory=list)  # "key.path=value", as `rollout train <stage> --set`
+
+    @field_validator("config")
+    @classmethod
+    def _from_the_pipeline_config(cls, config: str, info: ValidationInfo) -> str:
+        return resolve_path(config, info)
 
     @field_validator("overrides")
     @classmethod

@@ -25,8 +25,10 @@ def _env(config, name: str):
 def prompt_sources(config, env_name: str) -> dict:
     """What an env's prompts are made of: its source settings (and the file's digest) and how many a step draws."""
     env = _env(config, env_name)
-    source = {"source": env.source.model_dump(mode="json"), "prompts_per_step": env.prompts_per_step}
-    return {**source, "file": file_digest(env.source.path)} if env.source.type == "jsonl_path" else source
+    if env.source.type == "jsonl_path":  # the file's content, not where this checkout keeps it
+        return {"source": {"type": env.source.type, "file": file_digest(env.source.path)},
+                "prompts_per_step": env.prompts_per_step}
+    return {"source": env.source.model_dump(mode="json"), "prompts_per_step": env.prompts_per_step}
 
 
 def reward_sources(config) -> dict:
@@ -64,8 +66,8 @@ def eval_sources(config, env_name: str) -> dict:
     reward functions and the content of reward models it scores with."""
     evaluation = _env(config, env_name).eval
     sources = {"eval": evaluation.model_dump(mode="json")}
-    if evaluation.source.type == "jsonl_path":
-        sources["file"] = file_digest(evaluation.source.path)
+    if evaluation.source.type == "jsonl_path":  # the file's content, not where this checkout keeps it
+        sources["eval"]["source"] = {"type": evaluation.source.type, "file": file_digest(evaluation.source.path)}
     for reward in evaluation.rewards or ():
         if hasattr(reward, "function") and ":" in reward.function:
             sources[reward.function] = module_source_digest(reward.function.partition(":")[0])
