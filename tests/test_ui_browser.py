@@ -1,5 +1,6 @@
-"""The failed step as a user finds it: the Prefect UI page of the failed `train-rm/default` run, rendered in
-headless Chromium, shows the failed task's name and its error. A screenshot is kept in test-artifacts/.
+"""Runs as a user finds them in the Prefect UI, rendered in headless Chromium: the page of a failed
+`train-rm/default` run shows the failed task's name and its error; a finished run's page its name and tags, its
+settings and curves as artifacts. Screenshots are kept in test-artifacts/.
 
 Needs Debian's `chromium` and `chromium-driver` (README, test set-up); the test installs nothing. Set
 ROLLOUT_SKIP_BROWSER=1 to skip it on a machine without them.
@@ -76,9 +77,11 @@ def test_failed_flow_run_page_shows_failed_task_and_error(worker_stack, failed_r
     assert not missing, f"{url} never showed {missing}; screenshot {screenshot}; rendered text:\n{text[:3000]}"
 
 
-def test_a_finished_runs_curves_render_in_the_ui(prefect_server, browser, tmp_path):
-    """`rollout train rm` attaches its curves to the run (`<run>-curves`, a PNG inside a markdown artifact): the
-    artifact's page shows the image, decoded by the browser (naturalWidth > 0), not a broken-image icon."""
+def test_a_finished_run_is_found_by_name_with_its_tags_settings_and_curves_in_the_ui(prefect_server, browser,
+                                                                                     tmp_path):
+    """A `rollout train rm` run as a user finds it in the UI: its page is named after the run and shows its tags
+    (run name, flow, short identity); its resolved settings are a table artifact; its curves (`<run>-curves`, a PNG
+    inside a markdown artifact) render, decoded by the browser (naturalWidth > 0), not a broken-image icon."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -110,3 +113,21 @@ def test_a_finished_runs_curves_render_in_the_ui(prefect_server, browser, tmp_pa
     browser.save_screenshot(str(screenshot))
     assert widths and all(width > 100 for width in widths), f"{url}: curve image not rendered ({widths}); " \
                                                             f"screenshot {screenshot}"
+
+    flow_run_id = str(artifact.flow_run_id)
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(artifact.flow_run_id)
+        settings = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rm-curves-settings"])))
+    assert flow_run.name == f"rm-curves-{flow_run_id[:4]}"
+    identity_tag = next(tag for tag in flow_run.tags if tag.startswith("identity:"))
+    assert {"rm-curves", "train-rm"} <= set(flow_run.tags)
+    for page, needles, shot in (
+            (f"/runs/flow-run/{flow_run_id}", [flow_run.name, "rm-curves", "train-rm", identity_tag], "run-page.png"),
+            (f"/artifacts/artifact/{max(settings, key=lambda found: found.created).id}",
+             ["algorithm.rm.optimizer.lr", "run.seed", "training identity"], "run-settings.png")):
+        browser.get(f"{prefect_server['ui_url']}{page}")
+        text = _wait_for_text(browser, needles, timeout=60)
+        browser.save_screenshot(str(ARTIFACTS_DIR / shot))
+        missing = [needle for needle in needles if needle not in text]
+        assert not missing, f"{page} never showed {missing}; screenshot {ARTIFACTS_DIR / shot}:\n{text[:2000]}"
