@@ -106,7 +106,7 @@ def steps_per_hour(store: str, name: str) -> float:
     from rollout_lib.runlog.metrics_file import read_metrics
     from rollout_lib.store import ObjectStore
 
-    steps = read_metrics(ObjectStore(store), name)
+    steps = [record for record in read_metrics(ObjectStore(store), name) if record["step"] >= 1]  # not step 0's eval
     return 3600 * (len(steps) - 2) / (steps[-1]["wall_time"] - steps[1]["wall_time"])
 
 

@@ -218,7 +218,8 @@ def run_rollout(args, work: Path) -> dict:
     from rollout_lib.runlog.metrics_file import read_metrics
     from rollout_lib.store import ObjectStore
 
-    lines = read_metrics(ObjectStore(str(store)), name)
+    recorded = read_metrics(ObjectStore(str(store)), name)
+    lines = [line for line in recorded if line["step"] >= 1]  # step 0, the evaluation before training: below
     env_name = next(key.split("/")[1] for key in result["eval_curves"])
     records = [{"step": line["step"], "end": line["wall_time"], "eval_s": line.get(f"eval/{env_name}/eval_s", 0.0),
                 "accuracy": line.get(f"eval/{env_name}/pass_rate"), "reward": line.get("reward_mean"),
@@ -228,10 +229,9 @@ def run_rollout(args, work: Path) -> dict:
         if record["accuracy"] is None:
             del record["accuracy"]
     before = dict(result["eval_curves"][f"eval/{env_name}/pass_rate"]).get(0)
-    first = lines[0] if lines else None
-    # Step 0 is not in the metrics file: its evaluation ended about when step 1 began.
-    step0_end = first["wall_time"] - sum(first.get(stage, 0.0) for stage in STAGES) if first else None
-    records.insert(0, {"step": 0, "end": step0_end, "eval_s": None, "accuracy": before, "approximate_end": True})
+    # Step 0's record is written as the evaluation before training ends.
+    step0_end = recorded[0]["wall_time"] if recorded and recorded[0]["step"] == 0 else None
+    records.insert(0, {"step": 0, "end": step0_end, "eval_s": None, "accuracy": before})
     return {"launched": launched, "exited": exited, "records": records, "command": command, "run_name": name}
 
 

@@ -218,35 +218,51 @@ class Progress:
 
 class CurvesArtifact:
     """The run's curves (rollout_lib/runlog/plot.py, from its metrics file) as an image in a markdown artifact,
-    `<run>-curves`, shown by the UI on the flow run's Artifacts tab. Updated after snapshots, at most every
-    `min_interval_s` (each version is ~100 KB that the server keeps twice: a long run must not fill its database),
-    and always at the end. Never fails the run."""
+    `<run>-curves`, shown by the UI on the flow run's Artifacts tab. Updated at each snapshot, so a run is watched
+    as it trains, and always at the end. Never fails the run.
 
-    def __init__(self, cfg, flow_name: str, min_interval_s: float = 120.0):
+    The server keeps every version, twice (the artifact and its event): ~80 KB of base64 each. Snapshots of a small
+    model can come every second, so an update waits `min_interval_s` (30 s) after the last one, or 5% of the time
+    from the first update to the last when that is longer: a watched run updates every 30 s for its first 10
+    minutes, and a 10-hour run stores ~100 versions (~16 MB), not 1200."""
+
+    def __init__(self, cfg, flow_name: str, min_interval_s: float = 30.0, interval_fraction: float = 0.05):
         self.cfg = cfg
         self.flow_name = flow_name
         self.key = artifact_key(cfg.run.name, "curves")
         self.min_interval_s = min_interval_s
-        self._last_update = time.monotonic()
+        self.interval_fraction = interval_fraction
+        self._first_update: float | None = None
+        self._last_update: float | None = None
+
+    def due(self, now: float) -> bool:
+        if self._last_update is None:
+            return True
+        wait = max(self.min_interval_s, self.interval_fraction * (self._last_update - self._first_update))
+        return now - self._last_update >= wait
 
     def update(self, final: bool = False) -> None:
         now = time.monotonic()
-        if not final and now - self._last_update < self.min_interval_s:
+        if not final and not self.due(now):
             return
         self._last_update = now
+        if self._first_update is None:
+            self._first_update = now
         from rollout_lib.runlog.metrics_file import read_metrics
         from rollout_lib.runlog.plot import plot_curves
 
         try:
             history = read_metrics(open_store(self.cfg), self.cfg.run.name)
-            png = plot_curves(history, f"{self.flow_name} {self.cfg.run.name}: {len(history)} steps")
+            steps = history[-1]["step"] if history else 0
+            png = plot_curves(history, f"{self.flow_name} {self.cfg.run.name}: step {steps}")
         except Exception as exc:  # noqa: BLE001 - a picture is not worth a failed run
             logging.getLogger(__name__).warning("curves of %s not drawn: %s", self.cfg.run.name, exc)
             return
         create_markdown_artifact(
             f"# {self.flow_name} `{self.cfg.run.name}`: curves\n\n"
             f"![curves of {self.cfg.run.name}](data:image/png;base64,{base64.b64encode(png).decode()})\n\n"
-            f"Steps 1-{history[-1]['step']}. The same image: `rollout runs plot {self.cfg.run.name}`.",
+            f"Steps 1-{steps}{' and the evaluation before training (step 0)' if history[0]['step'] == 0 else ''}. "
+            f"The same image: `rollout runs plot {self.cfg.run.name}`.",
             key=self.key, description=f"{self.flow_name} curves")
 
 

@@ -25,6 +25,7 @@ from rollout_lib import step_events
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.curriculum import initial_state
 from rollout_lib.rl.schedule import OffPolicySchedule
+from rollout_lib.runlog.step_log import segment_means
 from tasks.common import open_store
 from tasks.rl import (
     advantages_task,
@@ -84,6 +85,7 @@ class RlSteps:
         self.in_flight: dict = {}  # off-policy runs: step -> its sample task's future
         self.unfinished: tuple | None = None  # (finish's arguments) of the step whose evaluation runs beside this one
         self.history: list[dict] = []
+        self.segment_first = 1  # the first step after the last snapshot: its log line quotes the segment's means
         self.progress = Progress(artifact_key(cfg.run.name, "progress"), self.total,
                                  f"train-rl {cfg.run.name}: steps done")
         self.curves = CurvesArtifact(cfg, "train-rl")
@@ -172,15 +174,21 @@ class RlSteps:
 
     def _finish(self, step: int, metrics: dict, checkpoint: str | None, evaluating: list = ()) -> None:
         """Record step `step`: its held-out metrics (from `evaluating`, when they ran beside the next step), the
-        metrics file and UI table, the log line, the progress and (at a snapshot) the curves."""
+        metrics file and UI table, the log line, the progress and, at a snapshot, the segment's line and the
+        curves."""
         for future in evaluating:
             metrics.update(future.result()["metrics"])
         self.history.append(metrics)
         step_events.publish(step, metrics)
-        self.logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s%s", step,
-                         metrics["reward_mean"], metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
-                         " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics),
-                         f" -> checkpoint {checkpoint}" if checkpoint else "")
+        self.logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s", step, metrics["reward_mean"],
+                         metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
+                         " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics))
+        if checkpoint:  # the segment's line, as train-rm's and train-sft's: one step's reward is a few prompts' worth
+            segment = [m for m in self.history if m["step"] >= self.segment_first]
+            means = segment_means(segment, ("reward_mean", "loss"))
+            self.logger.info("steps %d-%d: mean reward %.3f, mean loss %.4f -> checkpoint %s", self.segment_first,
+                             step, means["reward_mean"], means["loss"], checkpoint[:12])
+            self.segment_first = step + 1
         self.progress.update(step)
         if checkpoint:
             self.curves.update()

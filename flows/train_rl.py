@@ -52,7 +52,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     with ResidentTrainer(frozen_capacity=schedule.frozen_capacity) as resident, \
             ServedModels(cfg.run.store) as served_models, \
             run_reward_loops(cfg, served_models) as reward_loops, fan_out_runner(cfg.run.task_runner) as runner, \
-            recorded_run(cfg, total, log_steps=False):
+            recorded_run(cfg, total, log_steps=False) as recorder:
         if cfg.frozen_models() or cfg.served_reward_models():
             for connected in connect_frozen_models_task(cfg, served_models, reward_loops):
                 logger.info("frozen model %s", connected)
@@ -61,14 +61,14 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         steps = RlSteps(cfg, run_task, schedule, prompts, initial,
                         Resources(resident, served_models, reward_loops, runner))
         eval_before = steps.evaluate(0)
-        for name, value in eval_before.items():
-            if name.endswith("/reward_mean"):
-                logger.info("held-out before training: %s %.3f", name, value)
+        _log_held_out(logger, "before", eval_before)
+        recorder.annotate(0, eval_before)  # step 0 of the metrics file: the evaluation alone
         started = time.perf_counter()
         with steps.in_flight_waited():
             for step in range(1, total + 1):
                 steps.run(step)
         train_seconds = time.perf_counter() - started
+        _log_held_out(logger, "after", steps.history[-1])  # the last step's evaluation (always due)
 
     checkpoint, history = steps.checkpoint, steps.history
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
@@ -85,6 +85,12 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                    for name, value in eval_before.items() if name.endswith(("/reward_mean", "/pass_rate"))}
     return {"checkpoint": checkpoint, "steps": total, "reward_curve": rewards, "eval_curves": eval_curves,
             "last_metrics": history[-1], "train_seconds": train_seconds}
+
+
+def _log_held_out(logger, when: str, metrics: dict) -> None:
+    for name, value in metrics.items():
+        if name.startswith("eval/") and name.endswith("/reward_mean") and value is not None:
+            logger.info("held-out %s training: %s %.3f", when, name, value)
 
 
 def _summary(cfg: RlConfig, checkpoint: str, history: list[dict], eval_before: dict) -> str:

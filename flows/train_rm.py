@@ -27,6 +27,7 @@ from flows.common import (
 )
 from rollout_lib.config import RmConfig
 from rollout_lib.runlog.recorder import eval_metrics
+from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.rm import (
@@ -63,14 +64,15 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
         if before:
             logger.info("held-out before training: accuracy %.3f over %d pairs", before["accuracy"],
                         before["pairs"])
+            recorder.annotate(0, eval_metrics(before))  # step 0 of the metrics file: the evaluation alone
 
         total = settings.budget.max_steps
         progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rm {cfg.run.name}: steps done")
 
         def report(segment, checkpoint, metrics):
-            last = metrics[-1]
-            logger.info("steps %d-%d: loss %.4f accuracy %.2f -> checkpoint %s", segment.first, segment.last,
-                        last["loss"], last["accuracy"], checkpoint)
+            means = segment_means(metrics, ("loss", "accuracy"))
+            logger.info("steps %d-%d: mean loss %.4f, mean accuracy %.3f -> checkpoint %s", segment.first,
+                        segment.last, means["loss"], means["accuracy"], checkpoint[:12])
 
         train_started = time.perf_counter()
         curves = CurvesArtifact(cfg, "train-rm")
@@ -80,6 +82,8 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
             on_segment=report, recorder=recorder, curves=curves)
         train_seconds = time.perf_counter() - train_started
         after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
+        if after:
+            logger.info("held-out after training: accuracy %.3f over %d pairs", after["accuracy"], after["pairs"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 

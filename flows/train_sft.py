@@ -28,6 +28,7 @@ from flows.common import (
 )
 from rollout_lib.config import SftConfig
 from rollout_lib.runlog.recorder import eval_metrics
+from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import open_store
 from tasks.sft import (
@@ -75,13 +76,15 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
         before = run_task(evaluate_task)(cfg, initial, held_out, "step-0", resident) if held_out else None
         if before:
             logger.info("held-out before training: loss %.4f over %d tokens", before["loss"], before["tokens"])
+            recorder.annotate(0, eval_metrics(before))  # step 0 of the metrics file: the evaluation alone
 
         total = settings.budget.max_steps
         progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-sft {cfg.run.name}: steps done")
 
         def report(segment, checkpoint, metrics):
-            logger.info("steps %d-%d: loss %.4f over %d tokens -> checkpoint %s", segment.first, segment.last,
-                        metrics[-1]["loss"], metrics[-1]["tokens/ce"], checkpoint)
+            logger.info("steps %d-%d: mean loss %.4f over %d tokens -> checkpoint %s", segment.first, segment.last,
+                        segment_means(metrics, ("loss",))["loss"], sum(m["tokens/ce"] for m in metrics),
+                        checkpoint[:12])
 
         curves = CurvesArtifact(cfg, "train-sft")
         train_started = time.perf_counter()
@@ -91,6 +94,8 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
             on_segment=report, recorder=recorder, curves=curves)
         train_seconds = time.perf_counter() - train_started
         after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
+        if after:
+            logger.info("held-out after training: loss %.4f over %d tokens", after["loss"], after["tokens"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 

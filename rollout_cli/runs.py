@@ -15,9 +15,11 @@ import time
 import click
 
 # Shown by `runs show` when a run has them, in this order: the numbers one reads a run by, for every kind of run
-# (a reward model, SFT, RL). --columns picks others; --json prints everything.
+# (a reward model, SFT, RL), then RL's held-out reward per env (`eval/<env>/reward_mean`). --columns picks others;
+# --json prints everything.
 COMPACT_COLUMNS = ("reward_mean", "reward_std", "loss", "accuracy", "mean_margin", "tokens/ce", "eval/accuracy",
                    "eval/loss", "lr", "grad_norm")
+HELD_OUT_REWARD_SUFFIX = "/reward_mean"
 _STORE_HELP = "store root (fsspec URL) [default: .rollout/store]"
 
 
@@ -65,7 +67,7 @@ def runs_group(ctx: click.Context, store_url: str | None) -> None:
 @click.option("--columns", metavar="NAME,NAME,...", help="the metrics to show (default: a compact choice)")
 @click.pass_context
 def runs_show(ctx: click.Context, name: str, store_url: str | None, as_json: bool, columns: str | None) -> None:
-    """Print run NAME's metrics, one row per step."""
+    """Print run NAME's metrics, one row per step (step 0: the held-out evaluation before training)."""
     from rollout_lib.runlog.metrics_file import WALL_TIME, json_line
     from rollout_lib.runlog.runs import run_history
 
@@ -83,6 +85,8 @@ def runs_show(ctx: click.Context, name: str, store_url: str | None, as_json: boo
     else:
         present = {metric for record in history for metric in record}
         shown = [column for column in COMPACT_COLUMNS if column in present]
+        shown += sorted(metric for metric in present
+                        if metric.startswith("eval/") and metric.endswith(HELD_OUT_REWARD_SUFFIX))
     with_time = any(WALL_TIME in record for record in history)
     rows = [("step", *shown, *(("time",) if with_time else ()))]
     for record in history:
@@ -108,7 +112,7 @@ def runs_plot(ctx: click.Context, name: str, store_url: str | None, out_path: st
     if not history:
         raise click.ClickException(f"run {name!r} in {store.root} has no recorded steps yet")
     target = Path(out_path or f"{name}-curves.png")
-    target.write_bytes(plot_curves(history, f"{name} ({len(history)} steps)"))
+    target.write_bytes(plot_curves(history, f"{name}: step {history[-1]['step']}"))
     click.echo(f"wrote {target}")
 
 

@@ -266,8 +266,11 @@ def test_a_train_rl_run_samples_on_the_engine_and_records_each_state(prefect_ser
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert len(final_result(completed)["reward_curve"]) == 3
     store = ObjectStore(str(store_root))
-    steps = read_metrics(store, "rl-engine")
+    step_0, *steps = read_metrics(store, "rl-engine")  # step 0: the held-out evaluation before training, alone
+    assert step_0["step"] == 0 and "eval/words/reward_mean" in step_0 and "reward_mean" not in step_0
     assert [record["step"] for record in steps] == [1, 2, 3]
+    after = steps[-1]["eval/words/reward_mean"]
+    assert f"held-out after training: eval/words/reward_mean {after:.3f}" in completed.stdout + completed.stderr
     # A new state every step, each loaded once: by the step that samples from it, or by the held-out evaluation
     # that ran on it (before step 1; after step 2 the evaluation runs beside step 3's sampling, so either of them
     # loads state 2, never both); every reload within the tolerance.

@@ -109,6 +109,33 @@ def test_backfill_adds_only_missing_steps_and_annotate_keeps_the_wall_time(tmp_p
     assert len(metrics_path(store).read_text().splitlines()) == 2
 
 
+def test_step_0_is_the_evaluation_before_training_once_whatever_the_reruns(tmp_path):
+    store = ObjectStore(str(tmp_path / "store"))
+    before, after = {"eval/loss": 0.69, "eval/accuracy": 0.5}, {"eval/loss": 0.4, "eval/accuracy": 0.9}
+    log = MetricsFile(store, RUN, total_steps=4)
+    log.annotate(0, before)  # the evaluation of the initial model: a record of its own
+    for step in range(1, 5):
+        log.record(step, {"loss": 1.0 / step})
+    log.annotate(4, after)
+    lines = strict_lines(metrics_path(store))
+    assert steps(lines) == [0, 1, 2, 3, 4]
+    assert set(lines[0]) == {"step", "eval/loss", "eval/accuracy", "wall_time"}  # the evaluation alone
+
+    for _ in range(2):  # reruns: the cached evaluation again, then steps 3.. replayed from the snapshot at 2
+        rerun = MetricsFile(store, RUN, total_steps=4)
+        rerun.annotate(0, before)
+        for step in (3, 4):
+            rerun.record(step, {"loss": 2.0 / step})
+        rerun.annotate(4, after)
+    lines = strict_lines(metrics_path(store))
+    assert steps(lines) == [0, 1, 2, 3, 4] and lines[0]["eval/accuracy"] == 0.5 and lines[4]["loss"] == 0.5
+
+    older = MetricsFile(store, "older-run")  # a run recorded before step 0 was: its rerun adds it in step order
+    older.record(1, {"loss": 1.0})
+    MetricsFile(store, "older-run").annotate(0, before)
+    assert steps(strict_lines(metrics_path(store, "older-run"))) == [0, 1]
+
+
 def test_a_half_written_last_line_is_skipped_then_dropped(tmp_path):
     store = ObjectStore(str(tmp_path / "store"))
     MetricsFile(store, RUN).record(1, {"loss": 1.0})
@@ -204,8 +231,9 @@ def test_runs_are_listed_with_their_headline_and_older_runs_from_their_manifest(
 def test_the_runs_commands(tmp_path):
     store = ObjectStore(str(tmp_path / "store"))
     recorder = RunRecorder(store, "rl-run", total_steps=2)
+    recorder.annotate(0, {"eval/words/reward_mean": 0.125, "eval/words/eval_s": 1.5})  # before training
     recorder.record(1, {"step": 1, "reward_mean": 0.25, "loss": math.nan})
-    recorder.record(2, {"step": 2, "reward_mean": 0.5, "loss": 0.125})
+    recorder.record(2, {"step": 2, "reward_mean": 0.5, "loss": 0.125, "eval/words/reward_mean": 0.75})
     runner = CliRunner()
 
     listed = runner.invoke(runs_group, ["--store", store.root])
@@ -217,33 +245,94 @@ def test_the_runs_commands(tmp_path):
     shown = runner.invoke(runs_group, ["show", "rl-run", "--store", store.root])
     assert shown.exit_code == 0, shown.output
     lines = shown.output.splitlines()
-    assert lines[0].split() == ["step", "reward_mean", "loss", "time"]
-    assert lines[1].split()[:3] == ["1", "0.25", "nan"] and lines[2].split()[:3] == ["2", "0.5", "0.125"]
+    assert lines[0].split() == ["step", "reward_mean", "loss", "eval/words/reward_mean", "time"]
+    assert lines[1].split()[:2] == ["0", "0.125"]  # step 0: the held-out evaluation alone
+    assert lines[2].split()[:3] == ["1", "0.25", "nan"] and lines[3].split()[:4] == ["2", "0.5", "0.125", "0.75"]
 
     as_json = runner.invoke(runs_group, ["show", "rl-run", "--store", store.root, "--json"])
-    assert [decode_record(line)["step"] for line in as_json.output.splitlines()] == [1, 2]
+    assert [decode_record(line)["step"] for line in as_json.output.splitlines()] == [0, 1, 2]
     assert '"loss": "NaN"' in as_json.output
 
     picked = runner.invoke(runs_group, ["--store", store.root, "show", "rl-run", "--columns", "loss"])
     assert picked.output.splitlines()[0].split() == ["step", "loss", "time"]
 
 
-def test_runs_plot_writes_the_curves_png(tmp_path):
-    from rollout_lib.runlog.plot import panels_of
+def test_smoothing_is_tensorboards_debiased_ema():
+    from rollout_lib.runlog.plot import smooth, smoothing_weight
 
+    assert smooth([1.0, 2.0, 3.0], 0.5) == pytest.approx([1.0, 1.25 / 0.75, 2.125 / 0.875])
+    assert smooth([0.7] * 5, 0.9) == pytest.approx([0.7] * 5)  # debiased: no pull towards 0 at the start
+    assert [smoothing_weight(n) for n in (5, 10, 30, 75, 150, 1000)] == pytest.approx([0.0, 0.6, 0.6, 0.8, 0.9, 0.9])
+
+
+def test_curves_share_the_step_axis_with_held_out_points_on_their_training_panel():
+    from rollout_lib.runlog.plot import curve_panels, smooth, smoothing_weight
+
+    rm = [{"step": 0, "eval/loss": 0.7, "eval/accuracy": 0.5, "eval/mean_margin": 0.0, "eval/pairs": 4}]
+    rm += [{"step": step, "loss": 0.7 - step / 100 + (-1) ** step / 10, "accuracy": 0.5 + step / 80,
+            "mean_margin": step / 20, "lr": 0.001, "grad_norm": math.nan if step == 3 else 1.0}
+           for step in range(1, 31)]
+    rm[-1].update({"eval/loss": 0.4, "eval/accuracy": 0.9, "eval/mean_margin": 1.5})
+    panels = {panel.title: panel for panel in curve_panels(rm)}
+    assert list(panels) == ["loss", "pair accuracy", "mean margin", "learning rate", "gradient norm"]
+    train, held_out = panels["loss"].series
+    assert (train.label, train.steps, train.held_out) == ("train", list(range(1, 31)), False)
+    assert train.smoothed == pytest.approx(smooth(train.values, smoothing_weight(30)))
+    assert (held_out.steps, held_out.values, held_out.held_out) == ([0, 30], [0.7, 0.4], True)  # step 0 included
+    assert panels["pair accuracy"].series[1].values == [0.5, 0.9]
+    (lr,) = panels["learning rate"].series
+    assert lr.smoothed is None and panels["learning rate"].from_zero  # a schedule, drawn as it is
+    assert 3 not in panels["gradient norm"].series[0].steps  # a NaN is no point
+
+    rl = [{"step": 0, "eval/words/reward_mean": 0.25, "eval/words/pass_rate": 0.0, "eval/math/reward_mean": 0.5}]
+    rl += [{"step": step, "reward_mean": step / 10, "loss": 0.1,
+            **({"eval/words/reward_mean": step / 20, "eval/math/reward_mean": 0.5} if step % 5 == 0 else {})}
+           for step in range(1, 11)]
+    panels = {panel.title: panel for panel in curve_panels(rl)}
+    assert list(panels) == ["loss", "mean reward", "held-out pass rate"]
+    assert [(s.label, s.steps) for s in panels["mean reward"].series] == [
+        ("train", list(range(1, 11))), ("held-out math", [0, 5, 10]), ("held-out words", [0, 5, 10])]
+    assert panels["held-out pass rate"].series[0].steps == [0]
+    assert curve_panels([{"step": 1, "pairs": 2}]) == []
+
+
+def test_runs_plot_writes_the_curves_png(tmp_path):
     store = ObjectStore(str(tmp_path / "store"))
     metrics = MetricsFile(store, "rl-run")
+    metrics.annotate(0, {"eval/words/reward_mean": 0.0})
     for step in range(1, 11):
-        metrics.record(step, {"loss": 1.0 / step, "reward_mean": step / 10,
+        metrics.record(step, {"loss": 1.0 / step, "reward_mean": step / 10, "lr": 0.01, "grad_norm": 1.0 / step,
                               **({"eval/words/reward_mean": step / 20} if step % 5 == 0 else {})})
-    assert [name for name, _ in panels_of(read_metrics(store, "rl-run"))] == [
-        "loss", "reward_mean", "eval/words/reward_mean"]
     out = tmp_path / "curves.png"
     done = CliRunner().invoke(runs_group, ["--store", store.root, "plot", "rl-run", "--out", str(out)])
     assert done.exit_code == 0, done.output
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    from PIL import Image
+
+    with Image.open(out) as image:  # sized for the UI's ~960 px content column: 4 panels, 2 by 2
+        assert image.format == "PNG" and image.size == (960, 600)
     empty = CliRunner().invoke(runs_group, ["--store", store.root, "plot", "nothing"])
     assert empty.exit_code != 0
+
+
+def test_segment_means_are_the_means_of_the_segments_steps():
+    from rollout_lib.runlog.step_log import segment_means
+
+    segment = [{"loss": 0.5, "accuracy": 1.0}, {"loss": 0.25, "accuracy": 0.5}, {"loss": math.nan, "accuracy": 0.0}]
+    means = segment_means(segment, ("loss", "accuracy", "reward_mean"))
+    assert means["loss"] == 0.375 and means["accuracy"] == 0.5 and math.isnan(means["reward_mean"])
+
+
+def test_the_curves_artifact_updates_at_snapshots_at_most_every_30_s_then_5_percent_of_the_run():
+    from types import SimpleNamespace
+
+    from flows.common import CurvesArtifact
+
+    curves = CurvesArtifact(SimpleNamespace(run=SimpleNamespace(name="r")), "train-rm")
+    assert curves.due(0.0)  # the first snapshot: always
+    curves._first_update = curves._last_update = 0.0
+    assert not curves.due(29.0) and curves.due(30.0)
+    curves._last_update = 3600.0  # an hour in: 180 s between versions
+    assert not curves.due(3600.0 + 179.0) and curves.due(3600.0 + 181.0)
 
 
 def test_an_unknown_run_is_one_line_naming_the_store(tmp_path, capsys):
@@ -305,21 +394,34 @@ def test_tensorboard_does_not_change_the_training_identity():
 def test_train_rm_records_its_steps_lists_the_run_and_tensorboard_reuses_every_step(prefect_server, tmp_path):
     store = ObjectStore(str(tmp_path / "store"))
     args = ["train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={store.root}",
+            "--set", "algorithm.rm.checkpoint_interval=2",
             "--set", 'algorithm.rm.eval_dataset={type = "jsonl_path", path = "data/rm-tiny.jsonl"}']
     done = run_rollout(*args)
     assert done.returncode == 0, done.stderr[-3000:]
-    checkpoint = final_result(done)["checkpoint"]
+    result = final_result(done)
+    checkpoint = result["checkpoint"]
     records = read_metrics(store, "rm-tiny")
-    assert steps(strict_lines(metrics_path(store, "rm-tiny"))) == [1, 2]
-    assert {"loss", "accuracy", "lr", "wall_time"} <= set(records[0])
-    assert "eval/accuracy" in records[1] and "eval/accuracy" not in records[0]
+    assert steps(strict_lines(metrics_path(store, "rm-tiny"))) == [0, 1, 2]
+    # step 0: the held-out evaluation before training, alone; the one after training is on the last step's line
+    assert records[0] == {"step": 0, **{f"eval/{name}": value for name, value in result["eval_before"].items()},
+                          "wall_time": records[0]["wall_time"]}
+    assert {"loss", "accuracy", "lr", "wall_time"} <= set(records[1])
+    assert "eval/accuracy" in records[2] and "eval/accuracy" not in records[1]
+
+    # The flow's lines: the segment's means (not its last batch), the checkpoint's short id, held-out after.
+    log = done.stdout + done.stderr
+    loss, accuracy = (sum(record[name] for record in records[1:]) / 2 for name in ("loss", "accuracy"))
+    assert f"steps 1-2: mean loss {loss:.4f}, mean accuracy {accuracy:.3f} -> checkpoint {checkpoint[:12]}\n" in log
+    after = result["eval_after"]
+    assert f"held-out after training: accuracy {after['accuracy']:.3f} over {after['pairs']} pairs" in log
 
     listed = CliRunner().invoke(runs_group, ["--store", store.root])
     assert listed.exit_code == 0, listed.output
     row = listed.output.splitlines()[1].split()
     assert row[:5] == ["rm-tiny", checkpoint[:12], "2", "held-out", "accuracy"]
     shown = CliRunner().invoke(runs_group, ["show", "rm-tiny", "--store", store.root])
-    assert [line.split()[0] for line in shown.output.splitlines()] == ["step", "1", "2"]
+    assert [line.split()[0] for line in shown.output.splitlines()] == ["step", "0", "1", "2"]
+    assert shown.output.splitlines()[1].split()[1] == f"{result['eval_before']['accuracy']:.4g}"  # eval/accuracy
 
     # The same run with TensorBoard on: the same training (the name's claim holds, every step is reused), and
     # TensorBoard gets the steps the run already had; the metrics file is left as it was.
@@ -328,7 +430,7 @@ def test_train_rm_records_its_steps_lists_the_run_and_tensorboard_reuses_every_s
     assert final_result(again)["checkpoint"] == checkpoint
     assert read_metrics(store, "rm-tiny") == records
     losses = scalars(Path(store.root) / "runs" / "rm-tiny" / "tensorboard", "loss")
-    assert losses == pytest.approx({1: records[0]["loss"], 2: records[1]["loss"]})
+    assert losses == pytest.approx({1: records[1]["loss"], 2: records[2]["loss"]})
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ Where, under the store's root (beside ``objects/`` and ``refs/``, never inside t
 The reader takes both layouts (a local store copied to s3 reads the same). A line is the step's metrics as the
 trainer reported them, with ``"step"`` first and ``"wall_time"`` (POSIX seconds, when the line was written) last;
 a float that JSON cannot hold is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` and read back
-as that float.
+as that float. Step 0, when a run evaluates its initial model on held-out data, is a line of that evaluation alone
+(``eval/<name>``, :meth:`MetricsFile.annotate`): readers that want optimizer steps take ``step >= 1``.
 
 A run resumed after a kill replays the steps after its last snapshot, and publishes them again: a step recorded
 again replaces its line and drops the lines after it (they belong to the attempt being replayed), so the file
@@ -244,11 +245,15 @@ class MetricsFile:
         return added
 
     def annotate(self, step: int, extra: dict) -> None:
-        """Add ``extra`` (held-out evaluation at that step) to ``step``'s line, keeping its wall time."""
+        """Add ``extra`` (held-out evaluation at that step) to ``step``'s line, keeping its wall time; a step without
+        a line gets one of ``extra`` alone (step 0: the evaluation before training), in step order."""
         if self.local:
             if any(record["step"] == step for record in self._records):
                 self._rewrite_local([{**record, **extra} if record["step"] == step else record
                                      for record in self._records])
+            elif self._max_local_step is not None and step < self._max_local_step:  # a rerun's step 0
+                self._rewrite_local(sorted([*self._records, decode_record(encode_record(step, extra))],
+                                           key=lambda record: record["step"]))
             else:
                 self._append_local(encode_record(step, extra))
             return

@@ -4,11 +4,13 @@ per step would cost the orchestrator more than the step (issue 18). Every step i
 (docs/runs.md); ROLLOUT_LOG_LEVEL=DEBUG adds the segment loop's own line per step.
 
 The line: `step 12/100: loss 0.6931, accuracy 0.500, 1.8 steps/s` (the entry point's key metrics, then the
-throughput since the previous line: tokens/s when the steps report tokens)."""
+throughput since the previous line: tokens/s when the steps report tokens). The flows' line per segment (from one
+snapshot to the next) quotes the segment's means: `segment_means`."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 log = logging.getLogger("rollout_lib.steps")
@@ -47,3 +49,14 @@ class StepLog:
         shown = [f"{name} {metrics[name]:.4g}" for name in KEY_METRICS if isinstance(metrics.get(name), float)]
         total = f"/{self.total_steps}" if self.total_steps else ""
         return f"step {step}{total}: " + ", ".join(shown + ([rate] if rate else []))
+
+
+def segment_means(metrics: list[dict], names: tuple[str, ...]) -> dict[str, float]:
+    """The mean of each of ``names`` over a segment's steps (NaN for a metric no step reports as a finite number).
+    A segment's log line quotes these: its last batch alone makes a noisy metric look as if training regressed."""
+    means = {}
+    for name in names:
+        values = [float(step[name]) for step in metrics if isinstance(step.get(name), (int, float))
+                  and not isinstance(step.get(name), bool) and math.isfinite(step[name])]
+        means[name] = math.fsum(values) / len(values) if values else math.nan
+    return means
