@@ -60,6 +60,17 @@ def start_run(config_cls, config_path: str, overrides: list[str] | dict[str, Any
     return cfg
 
 
+def publish_result(run_name: str, result: dict) -> dict:
+    """The flow's result as the `<run>-result` artifact (JSON in a fenced block, read back by rollout_cli/follow.py):
+    what `rollout train` prints on stdout, readable from the API, so `rollout follow` ends a deployment's run with
+    the same summary. Returns `result`."""
+    context = FlowRunContext.get()
+    flow_name = context.flow.name if context is not None and context.flow is not None else "flow"
+    text = f"# {flow_name} `{run_name}`: result\n\n```json\n{json.dumps(result, indent=1)}\n```"
+    create_markdown_artifact(text, key=artifact_key(run_name, "result"), description=f"{flow_name} result (JSON)")
+    return result
+
+
 def tag_flow_run(run_name: str, identity: str | None = None) -> None:
     """Add the run's name, the flow's name and a short training identity to the flow run's tags (a deployment's
     own tags stay): the UI filters runs by tag."""

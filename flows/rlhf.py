@@ -16,7 +16,7 @@ from typing import Any
 from prefect import Flow, flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.common import artifact_key, flow_run_name, tag_flow_run
+from flows.common import artifact_key, flow_run_name, publish_result, tag_flow_run
 from flows.train_rl import train_rl
 from flows.train_rm import train_rm
 from flows.train_sft import train_sft
@@ -42,8 +42,9 @@ def rlhf(config: str = "configs/rlhf-tiny.toml", overrides: list[str] | dict[str
     create_markdown_artifact(_summary(cfg, stages, rl_result["reward_curve"]),
                              key=artifact_key(cfg.run.name, "summary"), description="rlhf summary")
     logger.info("final checkpoint %s (run %s)", rl["checkpoint"], rl["run"])
-    return {"checkpoint": rl["checkpoint"], "stages": stages, "reward_curve": rl_result["reward_curve"],
-            "eval_curves": rl_result["eval_curves"], "last_metrics": rl_result["last_metrics"]}
+    return publish_result(cfg.run.name, {
+        "checkpoint": rl["checkpoint"], "stages": stages, "reward_curve": rl_result["reward_curve"],
+        "eval_curves": rl_result["eval_curves"], "last_metrics": rl_result["last_metrics"]})
 
 
 def run_stage(cfg: RlhfConfig, stage: str, **checkpoints: str) -> tuple[dict, dict]:

@@ -25,6 +25,7 @@ from flows.common import (
     fan_out_runner,
     flow_run_name,
     metrics_table,
+    publish_result,
     recorded_run,
     start_run,
 )
@@ -83,8 +84,9 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     rewards = [m["reward_mean"] for m in history]
     eval_curves = {name: [[0, value]] + [[m["step"], m[name]] for m in history if name in m]
                    for name, value in eval_before.items() if name.endswith(("/reward_mean", "/pass_rate"))}
-    return {"checkpoint": checkpoint, "steps": total, "reward_curve": rewards, "eval_curves": eval_curves,
-            "last_metrics": history[-1], "train_seconds": train_seconds}
+    return publish_result(cfg.run.name, {
+        "checkpoint": checkpoint, "steps": total, "reward_curve": rewards, "eval_curves": eval_curves,
+        "last_metrics": history[-1], "train_seconds": train_seconds})
 
 
 def _log_held_out(logger, when: str, metrics: dict) -> None:

@@ -21,6 +21,7 @@ from flows.common import (
     artifact_key,
     flow_run_name,
     metrics_table,
+    publish_result,
     recorded_run,
     start_run,
     train_in_segments,
@@ -92,8 +93,9 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     create_markdown_artifact(_summary(cfg, checkpoint, before, after), key=artifact_key(cfg.run.name, "summary"),
                              description="train-rm summary")
     logger.info("final checkpoint %s", checkpoint)
-    return {"checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
-            "last_metrics": history[-1], "train_seconds": train_seconds}
+    return publish_result(cfg.run.name, {
+        "checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
+        "last_metrics": history[-1], "train_seconds": train_seconds})
 
 
 def _summary(cfg: RmConfig, checkpoint: str, before: dict | None, after: dict | None) -> str:

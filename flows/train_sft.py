@@ -22,6 +22,7 @@ from flows.common import (
     artifact_key,
     flow_run_name,
     metrics_table,
+    publish_result,
     recorded_run,
     start_run,
     train_in_segments,
@@ -104,9 +105,10 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
     create_markdown_artifact(_summary(cfg, checkpoint, tokenized, packed, before, after),
                              key=artifact_key(cfg.run.name, "summary"), description="train-sft summary")
     logger.info("final checkpoint %s", checkpoint)
-    return {"checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
-            "last_metrics": history[-1], "data": {"tokenized": tokenized, "packed": packed},
-            "train_seconds": train_seconds}
+    return publish_result(cfg.run.name, {
+        "checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
+        "last_metrics": history[-1], "data": {"tokenized": tokenized, "packed": packed},
+        "train_seconds": train_seconds})
 
 
 def _report_tokenized(logger, cfg: SftConfig, tokenized: dict, split: str) -> None:
