@@ -23,6 +23,7 @@ from prefect.artifacts import (
 )
 from prefect.filesystems import RemoteFileSystem
 
+from flows.api_watch import watch_worker_flow_run
 from rollout_lib import step_events
 from rollout_lib.config.loading import apply_overrides, load_config, read_toml
 from rollout_lib.identity.training import claim_run_name
@@ -41,6 +42,7 @@ logging.getLogger("rollout_lib").setLevel(os.environ.get("ROLLOUT_LOG_LEVEL", "I
 
 def load_run_config(config_cls, config_path: str, overrides: list[str] | dict[str, Any] | None,
                     max_steps: int | None, max_steps_key: str):
+    watch_worker_flow_run()  # a deployment run ends in one line when its server goes away (flows/api_watch.py)
     overrides = dict(_as_pairs(overrides))
     if max_steps is not None:
         overrides[max_steps_key] = max_steps

@@ -42,8 +42,9 @@ STORE_OPTION_DEFAULT = dict(default=default_store_url, show_default="the home's 
 
 def main(argv: list[str] | None = None) -> int:
     """Run `rollout` with `argv` (default: the command line); return the exit code."""
-    try:
-        return rollout.main(args=argv, prog_name="rollout", standalone_mode=False) or 0
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:  # obj: the command line, which `train` names as the command that resumes a run
+        return rollout.main(args=argv, prog_name="rollout", standalone_mode=False, obj={"argv": argv}) or 0
     except click.ClickException as exc:  # a usage error: click's message
         exc.show()
         return exc.exit_code
@@ -127,6 +128,7 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
 
     if entry_point != "rlhf":  # rlhf's stages are named by their training identity: each claims its own name
         _claim_run_name(config)  # a name that holds another training fails here, in one line, before anything starts
+    own_server = not os.environ.get("PREFECT_API_URL")
     api_url = use_prefect_api()  # before the flow module imports Prefect, which reads its settings once
     if entry_point == "sft":
         from flows.train_sft import train_sft as train_flow
@@ -139,12 +141,22 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
     from rollout_cli.progress import (TrainingProgress, flow_run_url, routine_lines_hidden, stdout_to_stderr,
                                       tracebacks_hidden)
 
+    from flows.api_watch import cli_rerun, watch
+
     watching = nullcontext() if quiet else TrainingProgress(entry_point, config)
+    # The server going away ends the run in one line naming the command that resumes it (flows/api_watch.py).
+    server = watch(api_url, cli_rerun(click.get_current_context().obj["argv"], own_server),
+                   before_exit=None if quiet else watching.progress.stop)
     with stdout_to_stderr(), nullcontext() if verbose else tracebacks_hidden(), \
             nullcontext() if verbose else routine_lines_hidden(), watching:
-        state = train_flow(config=config_path, overrides=list(overrides), return_state=True)
-    return _report(entry_point, state, flow_run_url(api_url, str(state.state_details.flow_run_id)),
+        try:
+            state = train_flow(config=config_path, overrides=list(overrides), return_state=True)
+        finally:
+            server.settle()  # a failure the lost server caused ends in that line, not in a traceback
+    code = _report(entry_point, state, flow_run_url(api_url, str(state.state_details.flow_run_id)),
                    None if quiet else watching.observed(), verbose)
+    server.run_ended(code)
+    return code
 
 
 def _report(entry_point: str, state, url: str, observed: dict | None, verbose: bool) -> int:

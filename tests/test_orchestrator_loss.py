@@ -1,0 +1,202 @@
+"""The Prefect server going away mid-run (issue 27, flows/api_watch.py): the run stops within 30 s with one line
+naming the server and the command that resumes it, and that command, rerun, ends where an uninterrupted run
+ends. The watch itself against a small HTTP server of the test's, the whole path against a real `rollout train`
+whose project-local server is SIGKILLed."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from clirun import ROOT, cli_env, rollout_command
+from flows.api_watch import EXIT_SERVER_LOST, ApiWatch, cli_rerun, deployment_run_command, watch
+from rollout_cli.processes import is_prefect_process, stop_process_group
+from rollout_lib.runlog.metrics_file import read_metrics
+from rollout_lib.store import ObjectStore
+
+FAST = {"interval_s": 0.05, "timeout_s": 0.5, "lost_after_s": 1.5, "min_failures": 3}
+
+
+class Health:
+    """A /health endpoint on 127.0.0.1 that the test takes down and brings back on the same port."""
+
+    def __init__(self):
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
+        self.port = self.server.server_address[1]
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self._serve()
+
+    def _serve(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def down(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def up(self):
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), _Ok)
+        self._serve()
+
+
+class _Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/api/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def _watch(api_url: str, **options) -> tuple[ApiWatch, list]:
+    exits: list = []
+    return ApiWatch(api_url, "rerun it", end_process=lambda line, code: exits.append((line, code)),
+                    **{**FAST, **options}).start(), exits
+
+
+def _wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_lost_server_ends_the_run_in_one_line_and_a_blip_does_not():
+    health = Health()
+    watcher, exits = _watch(health.api_url)
+    try:
+        time.sleep(0.2)
+        health.down()
+        time.sleep(0.3)  # a blip, much shorter than lost_after_s
+        health.up()
+        time.sleep(2.0)
+        assert exits == []
+        health.down()
+        lost_at = time.monotonic()
+        _wait_for(lambda: exits)
+        assert time.monotonic() - lost_at >= FAST["lost_after_s"]
+        line, code = exits[0]
+        assert code == EXIT_SERVER_LOST
+        assert line.startswith(f"rollout: error: lost the Prefect server at {health.api_url} (no answer for ")
+        assert line.endswith("; nothing is lost: rerun it")
+    finally:
+        watcher.stop()
+
+
+def test_a_server_that_never_answered_the_probe_ends_nothing():
+    health = Health()
+    health.down()  # nothing listens on the port: the probe never got an answer, so the watch never arms
+    watcher, exits = _watch(health.api_url)
+    time.sleep(1.0)
+    watcher.stop()
+    assert exits == []
+
+
+def test_settle_waits_for_the_verdict_only_while_the_server_fails():
+    health = Health()
+    watcher, exits = _watch(health.api_url)
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        watcher.settle()  # answering: returns at once
+        assert time.monotonic() - started < 0.1
+        health.down()
+        _wait_for(lambda: watcher._failing_since is not None)
+        watcher.settle()  # failing: returns once the watch has decided (here: lost)
+        assert exits and exits[0][1] == EXIT_SERVER_LOST
+    finally:
+        watcher.stop()
+
+
+def test_after_the_result_a_lost_server_exits_with_the_runs_code_and_a_warning():
+    health = Health()
+    watcher, exits = _watch(health.api_url)
+    try:
+        time.sleep(0.2)
+        watcher.run_ended(0)
+        health.down()
+        _wait_for(lambda: exits)
+        line, code = exits[0]
+        assert code == 0 and line.startswith("rollout: warning: lost the Prefect server at ")
+    finally:
+        watcher.stop()
+
+
+def test_no_api_url_watches_nothing_and_the_resume_commands():
+    assert watch(None, "rerun") is None and watch("", "rerun") is None
+    assert cli_rerun(["train", "rm", "--config", "configs/rm tiny.toml"], own_server=True) == (
+        "rerun the same command to resume (it starts the server again): "
+        "rollout train rm --config 'configs/rm tiny.toml'")
+    assert cli_rerun(["train", "rm"], own_server=False).startswith("once the server answers again, rerun")
+    command = deployment_run_command("train-rm", "default", {"config": "configs/rm-tiny.toml",
+                                                            "overrides": ["run.name=it's"]})
+    assert command == ("prefect deployment run train-rm/default --params "
+                       "'{\"config\":\"configs/rm-tiny.toml\",\"overrides\":[\"run.name=it'\"'\"'s\"]}'")
+    assert deployment_run_command("train-rm", "default", {}) == "prefect deployment run train-rm/default"
+
+
+@pytest.mark.slow
+def test_killing_the_server_mid_run_stops_it_in_one_line_and_the_rerun_ends_on_the_uninterrupted_checkpoint(
+        tmp_path):
+    """rm-tiny (40 one-step segments) on the CLI's project-local server, which is SIGKILLed at the first step line:
+    the run exits within 30 s of the kill (EXIT_SERVER_LOST, the line last on stderr, no traceback), and the same
+    command rerun (on a new server) resumes from cache and ends on the checkpoint an uninterrupted run in a fresh
+    store ends on."""
+    state = tmp_path / "state"
+    env = {k: v for k, v in cli_env(ROLLOUT_STATE_DIR=str(state), ROLLOUT_HOME=str(state)).items()
+           if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+
+    def args(store):
+        return ["train", "rm", "--config", "configs/rm-tiny.toml", "--max-steps", "40", "--store", str(store)]
+
+    def run(store) -> subprocess.CompletedProcess:
+        return subprocess.run(rollout_command(*args(store)), cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    try:
+        err_path = tmp_path / "killed.err"
+        with err_path.open("w") as err:
+            process = subprocess.Popen(rollout_command(*args(tmp_path / "store")), cwd=ROOT, env=env,
+                                       stdout=subprocess.PIPE, stderr=err, text=True)
+            deadline = time.monotonic() + 120
+            while "step 1/40" not in err_path.read_text():
+                assert process.poll() is None, err_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no step line"
+                time.sleep(0.05)
+            server = json.loads((state / "prefect" / "server.json").read_text())
+            os.killpg(server["pid"], signal.SIGKILL)
+            killed_at = time.monotonic()
+            out, _ = process.communicate(timeout=60)
+            took = time.monotonic() - killed_at
+        stderr = err_path.read_text()
+        assert process.returncode == EXIT_SERVER_LOST, stderr[-3000:]
+        assert took < 30 + 3, f"{took:.1f} s from the kill to the exit"
+        assert out == "" and "Traceback" not in stderr
+        command = "rollout " + " ".join(args(tmp_path / "store"))
+        assert stderr.rstrip("\n").splitlines()[-1] == (
+            f"rollout: error: lost the Prefect server at {server['api_url']} (no answer for "
+            f"{stderr.rsplit('(no answer for ', 1)[1].split(' s)', 1)[0]} s); nothing is lost: rerun the same "
+            f"command to resume (it starts the server again): {command}")
+        store = ObjectStore(str(tmp_path / "store"))
+        for object_id in store.list_objects():  # whatever the exit left is whole (get_bytes re-hashes)
+            store.get_bytes(object_id)
+
+        first = read_metrics(store, "rm-tiny")[0]  # step 1: its segment finished before the kill could stop it
+        assert first["step"] == 1
+
+        rerun = run(tmp_path / "store")
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert read_metrics(store, "rm-tiny")[0] == first  # resumed: step 1 came from cache, its record kept
+        uninterrupted = run(tmp_path / "fresh")
+        assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+        assert json.loads(rerun.stdout)["checkpoint"] == json.loads(uninterrupted.stdout)["checkpoint"]
+    finally:
+        record = state / "prefect" / "server.json"
+        if record.exists() and is_prefect_process(pid := json.loads(record.read_text())["pid"]):
+            stop_process_group(pid)
