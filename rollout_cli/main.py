@@ -316,7 +316,7 @@ def stack_start(port: int | None, no_schedule: bool) -> None:
     record = stack.start(port=port, schedules=not no_schedule)
     print(f"\nstack up: UI {record['ui_url']}\n"
           f"  eval \"$(rollout stack env)\"      # point `prefect` at it\n"
-          f"  prefect deployment run train-rm/default --watch\n"
+          f"  prefect deployment run train-rm/default && rollout follow --latest\n"
           f"  rollout stack stop                # stop worker and server")
 
 
