@@ -1,10 +1,14 @@
 """LLM judges in the reward loop: the built-in judge reward (template, verdict parser; a verdict that does not parse
-is a missing reward carrying the judge's text) and user reward functions handed the judge client, against the
-session's real vLLM replicas (tiny:qwen2, random weights: its verdicts never parse, which is the failure path)."""
+is a missing reward carrying the judge's text), user reward functions handed the judge client (async, and sync in a
+worker process through the judge's router), and seed 004's verl GenRM function through `reward_router_address` in an
+RL run and across a replica's SIGKILL, against the session's real vLLM replicas (tiny:qwen2, random weights: its
+verdicts never parse, which is the failure path)."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -17,6 +21,8 @@ from rollout_lib.reward.judge import parse_score, render
 from rollout_lib.reward.results import AllRewardsFailedError
 from rollout_lib.rl.score import env_reward_loop, run_reward_loops, score_rollouts
 from rollout_lib.serving.served import ServedModels
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rl_config(rewards: list[dict], **reward_loop) -> RlConfig:
@@ -104,11 +110,15 @@ def test_a_user_reward_function_gets_the_judge_client(vllm_tiny, tmp_path, monke
     rewards = scored.column("reward").to_pylist()
     assert metrics["missing_rewards"] == 0 and all(1.0 < r <= 2.0 for r in rewards), rewards  # the judge answered
 
-    sync = rl_config([{"function": "judged_rewards:sync_one", "judge": judge}])
+    # A sync one runs in a worker process and asks through the judge's router (tests/example_genrm_rewards.py).
+    sync = rl_config([{"function": "example_genrm_rewards:sync_judged", "judge": judge, "judge_max_tokens": 16,
+                       "kwargs": {"bonus": 1.0}}])
     with ServedModels() as served_models, run_reward_loops(sync, served_models) as loops:
-        with pytest.raises(ValueError, match=r"algorithm.rl.envs\[0\].rewards\[0\].function: 'judged_rewards:sync_one' "
-                                             r"is sync; a reward function that calls a judge is async"):
-            score_rollouts(sync, rollouts_table(), {"words": prompts_table()}, loops)
+        scored, metrics = score_rollouts(sync, rollouts_table(), {"words": prompts_table()}, loops)
+        sync_workers = env_reward_loop(loops, sync, sync.settings.envs[0]).sync_worker_pids()
+    rewards = scored.column("reward").to_pylist()
+    assert metrics["missing_rewards"] == 0 and all(1.0 < r <= 2.0 for r in rewards), rewards
+    assert sync_workers and os.getpid() not in sync_workers
     assert json.dumps(sync.training_settings())  # the judge's identity is plain JSON
 
 
@@ -154,3 +164,114 @@ def test_a_judge_replica_killed_mid_step_fails_over_without_stalling(vllm_tiny):
     assert len(results) == 32 and all(r.reward is None for r in results)
     assert all("judge verdict does not parse" in r.error for r in results), {r.error for r in results}
     assert pool.failures[pool.urls[0]] >= 1 and outcome["seconds"] < 60
+
+
+def vllm_requests_answered(base_urls: list[str]) -> float:
+    """Requests the replicas have finished, from vLLM's Prometheus counters (vllm:request_success_total)."""
+    import re
+
+    import httpx
+
+    total = 0.0
+    for url in base_urls:
+        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+        total += sum(float(value) for value in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+    return total
+
+
+@pytest.mark.slow
+def test_the_seeds_genrm_compute_score_runs_unchanged_in_an_rl_run(vllm_tiny, prefect_server, tmp_path):
+    """Seed 004's GenRM example (`compute_score_gsm8k`: a prompt to the judge through `reward_router_address`, the
+    last paragraph of the verdict as an int), as a user's file (tests/example_genrm_rewards.py), in `rollout train
+    rl` for 2 steps of rl-tiny with the session's two vLLM replicas as judge. The random judge's verdicts are no
+    int, so every score is the function's own 0, never a missing reward; every rollout's verdict came from vLLM."""
+    from clirun import final_result, run_rollout
+
+    vllm_tiny.ensure_running()
+    prompts = tmp_path / "gsm8k.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b),
+                                           "info": {"question": f"What is {a} * {b}?", "data_source": "gsm8k"}}) + "\n"
+                               for a, b in [(6, 7), (3, 4), (5, 9), (8, 8)]))
+    base_urls = ", ".join(json.dumps(url) for url in vllm_tiny.base_urls)
+    config = tmp_path / "rl-genrm.toml"
+    config.write_text(f"""
+[run]
+name = "rl-genrm"
+seed = 1
+store = "{tmp_path / 'store'}"
+
+[algorithm.rl]
+base_model = "tiny:qwen2"
+max_seq_len = 128
+
+[algorithm.rl.optimizer]
+kind = "adamw"
+lr = 1.0e-2
+
+[algorithm.rl.budget]
+max_steps = 2
+
+[[algorithm.rl.envs]]
+name = "gsm8k"
+source = {{ type = "jsonl_path", path = "{prompts}" }}
+prompts_per_step = 2
+sampling = {{ group_size = 4, temperature = 1.0, max_tokens = 16 }}
+algo = {{ type = "grpo" }}
+
+[[algorithm.rl.envs.rewards]]
+function = "example_genrm_rewards:compute_score_gsm8k"
+judge = {{ base_url = [{base_urls}], name = "{vllm_tiny.name}", tokenizer = "{vllm_tiny.model_dir}" }}
+""")
+    answered_before = vllm_requests_answered(vllm_tiny.base_urls)
+    run = run_rollout("train", "rl", "--config", str(config), PYTHONPATH=str(ROOT / "tests"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = final_result(run)
+    assert len(result["reward_curve"]) == 2 and all(0 <= r <= 1e9 for r in result["reward_curve"])
+    # 2 steps x 2 prompts x 4 samples: every verdict asked through the router and answered by a replica
+    assert vllm_requests_answered(vllm_tiny.base_urls) - answered_before >= 16
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_step_costs_no_request_through_the_router(vllm_tiny):
+    """The seed's compute_score_gsm8k asks through the router: 32 verdicts in flight on the two replicas, one
+    replica is SIGKILLed, and every call is still answered (a score, never a missing reward)."""
+    import signal
+    import threading
+    import time
+
+    from rollout_lib.serving.settings import ExternalModel
+
+    vllm_tiny.ensure_running()
+    judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name, "timeout_s": 60.0,
+             "tokenizer": str(vllm_tiny.model_dir)}
+    config = rl_config([{"function": "example_genrm_rewards:compute_score_gsm8k", "judge": judge}])
+    inputs = [RewardInput(prompt=[{"role": "user", "content": "What is 6 * 7?"}], completion_text=f"It is {i}.",
+                          answer="42", info={"question": "What is 6 * 7?"}) for i in range(32)]
+    with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
+        loop = env_reward_loop(loops, config, config.settings.envs[0])
+        pool = served_models.pool(ExternalModel(**judge), where="test")
+        router = served_models.router(ExternalModel(**judge), where="test")
+        outcome: dict = {}
+
+        def score() -> None:
+            started = time.monotonic()
+            outcome["results"] = loop.score(inputs)
+            outcome["seconds"] = time.monotonic() - started
+
+        worker = threading.Thread(target=score)
+        try:
+            worker.start()
+            deadline = time.monotonic() + 60
+            while not (sum(pool.outstanding.values()) >= 16 and pool.outstanding[pool.urls[0]] > 0):
+                assert time.monotonic() < deadline and worker.is_alive(), "the verdicts never went out"
+                time.sleep(0.05)
+            os.killpg(vllm_tiny.pids[0], signal.SIGKILL)
+            worker.join(timeout=120)
+        finally:
+            vllm_tiny.ensure_running()
+        assert router.address.startswith("127.0.0.1:")
+    assert not worker.is_alive(), "the step stalled"
+    results = outcome["results"]
+    assert len(results) == 32 and [r.error for r in results] == [None] * 32, {r.error for r in results}
+    assert pool.failures[pool.urls[0]] >= 1 and set(pool.outstanding.values()) == {0}
+    print(f"32 verdicts through the router, one replica SIGKILLed: {outcome['seconds']:.1f} s")

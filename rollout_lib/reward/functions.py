@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from rollout_lib.reward.contract import RewardInput, as_score  # noqa: F401  (the contract, re-exported)
 from rollout_lib.reward.locate import check_reference, function_signature, import_reference
-from rollout_lib.reward.verl import (adapt_verl_function, is_verl_signature, is_verl_style, verl_arguments_taken,
-                                     verl_kwargs_problem)
+from rollout_lib.reward.verl import (adapt_verl_function, is_verl_signature, is_verl_style, reward_server_problem,
+                                     verl_arguments_taken, verl_kwargs_problem)
 
 
 # --- built-ins -----------------------------------------------------------------------------------------------
@@ -130,14 +130,15 @@ BUILTIN_REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
 # --- resolution ----------------------------------------------------------------------------------------------
 
 
-def resolve_reward_function(spec: str, kwargs: dict | None = None, *,
-                            filled: tuple[str, ...] = ()) -> Callable[..., Any]:
+def resolve_reward_function(spec: str, kwargs: dict | None = None, *, filled: tuple[str, ...] = (),
+                            reward_server: Callable[[frozenset[str]], Any] | None = None) -> Callable[..., Any]:
     """A built-in name ("number_match") or an import path ("package.module:attr"), with kwargs bound.
 
     kwargs are bound with `functools.partial`, which stays picklable for the sync worker processes. A verl-style
     function (first parameters data_source, solution_str, ground_truth, or verl's bare solution_str, ground_truth)
-    comes back wrapped by `verl.py`. `filled`: keyword arguments the caller passes at each call (`judge`); a
-    function that cannot be called so is refused (`reward_call_problem`).
+    comes back wrapped by `verl.py`, handed `reward_server(taken)` (its judge's router and tokenizer, verl.py) when
+    its reward names a judge. `filled`: keyword arguments the caller passes at each call (`judge`); a function that
+    cannot be called so is refused (`reward_call_problem`).
     """
     if ":" in spec:
         target: Any = import_reference(spec, what="reward function")
@@ -169,7 +170,7 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None, *,
             raise ValueError(f"reward function {spec!r}: {problem}")
     if ":" in spec:
         if is_verl_style(target):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info, ...)
-            return adapt_verl_function(target, kwargs, spec)
+            return adapt_verl_function(target, kwargs, spec, reward_server)
     return functools.partial(target, **kwargs) if kwargs else target
 
 
@@ -191,12 +192,16 @@ def check_reward_function(spec: str, kwargs: dict | None = None, *, filled: tupl
 def reward_call_problem(name: str, signature: inspect.Signature, bound: dict) -> str | None:
     """Why the loop cannot call a function of this signature, or None. The loop calls `fn(inp, **bound)` (one
     RewardInput), or a verl-style one with the verl arguments it takes by name (verl.py); `bound`: the configured
-    kwargs and what the caller fills (`judge`)."""
+    kwargs and what the caller fills (`judge`: a verl-style function gets its judge as reward_router_address and
+    reward_model_tokenizer instead)."""
     try:
         if is_verl_signature(signature):
-            if verl_kwargs_problem(bound):
-                return verl_kwargs_problem(bound)
-            signature.bind(**dict.fromkeys(verl_arguments_taken(signature)), **bound)
+            judged = "judge" in bound
+            bound = {key: value for key, value in bound.items() if key != "judge"}
+            problem = verl_kwargs_problem(bound) or reward_server_problem(signature, judged=judged)
+            if problem:
+                return problem
+            signature.bind(**dict.fromkeys(verl_arguments_taken(signature, judged=judged)), **bound)
         else:
             signature.bind(None, **bound)
     except TypeError as exc:

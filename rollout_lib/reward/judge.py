@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 
-from rollout_lib.reward.contract import RewardInput
+from rollout_lib.reward.contract import RewardInput, function_name
+from rollout_lib.reward.servers import RewardServer
 
 PLACEHOLDERS = re.compile(r"\{(prompt|response|answer)\}")
 
@@ -81,6 +82,42 @@ class LlmJudge:
         return parse_score(verdict, self.pattern, *self.score_range)
 
 
+class SyncJudgeClient:
+    """What a user's *sync* reward function is handed as `judge`: the same `chat`, blocking, over HTTP to the judge's
+    router (serving/router.py), since sync functions run in worker processes, away from the run's pool. The router
+    keeps the pool's guarantees (least outstanding, per-attempt timeouts, failover); the reward loop's `timeout_s`
+    kills the worker, as for any sync function, so the HTTP call needs no timeout of its own."""
+
+    def __init__(self, router_address: str, max_tokens: int, temperature: float, where: str):
+        self.server = RewardServer(router_address, where=where)
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+
+    def chat(self, messages: list[dict], *, max_tokens: int | None = None, temperature: float | None = None,
+             seed: int | None = None) -> str:
+        import httpx  # here, not at module level: only workers of functions that ask a judge pay for it
+
+        body = {"messages": list(messages), "max_tokens": max_tokens or self.max_tokens,
+                "temperature": self.temperature if temperature is None else temperature}
+        if seed is not None:
+            body["seed"] = seed
+        try:
+            response = httpx.post(f"http://{self.server.router_address}/v1/chat/completions", json=body, timeout=None)
+        except httpx.TransportError as exc:
+            raise self.server.explained(exc) or exc
+        if response.status_code >= 400:
+            raise RuntimeError(_router_error(response))
+        return response.json()["choices"][0]["message"]["content"]
+
+
+def _router_error(response) -> str:
+    """The router's one line (it names the judge's setting), or the status when the body is not the router's."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code} from the judge's router: {response.text[:200]!r}"
+
+
 class WithJudge:
     """A user's async reward function called as `fn(inp, judge=<JudgeClient>, **kwargs)`."""
 
@@ -88,7 +125,21 @@ class WithJudge:
         self.function = function
         self.client = client
         self.kwargs = kwargs
-        self.__name__ = getattr(function, "__name__", "reward")
+        self.__name__ = function_name(function)  # through the partial that binds kwargs
 
     async def __call__(self, inp: RewardInput) -> float:
         return await self.function(inp, judge=self.client, **self.kwargs)
+
+
+class SyncWithJudge:
+    """A user's sync reward function called as `fn(inp, judge=<SyncJudgeClient>, **kwargs)` in a worker process
+    (module-level, so it pickles by reference)."""
+
+    def __init__(self, function, client: SyncJudgeClient, kwargs: dict):
+        self.function = function
+        self.client = client
+        self.kwargs = kwargs
+        self.__name__ = function_name(function)  # through the partial that binds kwargs
+
+    def __call__(self, inp: RewardInput) -> float:
+        return self.function(inp, judge=self.client, **self.kwargs)

@@ -1,6 +1,6 @@
 """A run's rewards: one RewardLoop per distinct reward settings (each owns worker processes), the reward models
 they score with (each loaded, or served, once and shared by every env that names it) and the judges they call
-through the run's served models."""
+through the run's served models (a client of the judge's pool, or its router's address: serving/router.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import blake3
 
 from rollout_lib.reward.contract import is_async_callable
 from rollout_lib.reward.functions import resolve_reward_function
-from rollout_lib.reward.judge import JudgeClient, LlmJudge, WithJudge
+from rollout_lib.reward.judge import JudgeClient, LlmJudge, SyncJudgeClient, SyncWithJudge, WithJudge
+from rollout_lib.reward.judge_tokenizer import judge_tokenizer
 from rollout_lib.reward.loop import RewardLoop
 from rollout_lib.reward.reward_model import COUNTS, RewardModelScorer, ServedRewardModelScorer, load_scorer
+from rollout_lib.reward.servers import RewardServer
 from rollout_lib.reward.settings import JudgeSettings, RewardFunctionSettings, RewardLoopSettings, RewardModelSettings
+from rollout_lib.reward.verl import VerlRewardFunction
 from rollout_lib.store import canonical_json
 
 
@@ -49,15 +52,37 @@ class RewardLoops:
             client = self._judge_client(reward.judge, reward.max_tokens, reward.temperature, where)
             return LlmJudge(client, reward.template, reward.pattern, reward.score_range, reward.system_prompt)
         if isinstance(reward, RewardFunctionSettings):
-            if reward.judge is None:
-                return resolve_reward_function(reward.function, reward.kwargs)
-            function = resolve_reward_function(reward.function, filled=("judge", *reward.kwargs))  # WithJudge's
-            if not is_async_callable(function):
-                raise ValueError(f"{where}.function: {reward.function!r} is sync; a reward function that calls a "
-                                 "judge is async (sync functions run in worker processes, away from the run's pool)")
-            return WithJudge(function, self._judge_client(reward.judge, reward.judge_max_tokens, 0.0, where),
-                             reward.kwargs)
+            return self._function(reward, where)
         return self.reward_model(reward, f"{where}.reward_model")
+
+    def _function(self, reward: RewardFunctionSettings, where: str):
+        """A reward function; with a judge, handed it: a verl-style one as verl's reward loop does (the judge's
+        router address and tokenizer), ours as `judge=` (the pool's client when async; when sync, in a worker
+        process, a client of the judge's router)."""
+        if reward.judge is None:
+            return resolve_reward_function(reward.function, reward.kwargs)
+        judge_where = f"{where}.judge"
+
+        def reward_server(taken: frozenset[str]) -> RewardServer:
+            router = self._router(reward.judge, judge_where)
+            tokenizer = (judge_tokenizer(reward.judge, self.served_models, judge_where)
+                         if "reward_model_tokenizer" in taken else None)
+            return RewardServer(router.address, tokenizer, judge_where)
+
+        function = resolve_reward_function(reward.function, reward.kwargs, filled=("judge",),
+                                           reward_server=reward_server)
+        if isinstance(function, VerlRewardFunction):
+            return function
+        if is_async_callable(function):  # kwargs are bound already (a partial)
+            return WithJudge(function, self._judge_client(reward.judge, reward.judge_max_tokens, 0.0, where), {})
+        client = SyncJudgeClient(self._router(reward.judge, judge_where).address, reward.judge_max_tokens, 0.0,
+                                 judge_where)
+        return SyncWithJudge(function, client, {})
+
+    def _router(self, judge, where: str):
+        if self.served_models is None:
+            raise ValueError(f"{where}: a judge needs the run's ServedModels (RewardLoops(settings, served_models))")
+        return self.served_models.router(judge, where=where)
 
     def reward_model(self, reward: RewardModelSettings, where: str) -> RewardModelScorer | ServedRewardModelScorer:
         """The scorer of a reward model, loaded (or served) on first use and shared by every env that names it."""

@@ -13,7 +13,13 @@ name, or **kwargs):
     solution_str  completion_text (in a multi-turn env, the policy's last turn)
     ground_truth  answer; info["ground_truth"] when the row has no answer; neither: a missing reward
     extra_info    info (a copy)
+    reward_router_address   "127.0.0.1:PORT": the router in front of the reward's judge (serving/router.py)
+    reward_model_tokenizer  the judge's tokenizer, loaded offline (servers.py)
     **kwargs      the reward's configured `kwargs` (verl's `custom_reward_function.reward_kwargs`)
+
+The last two are what verl's reward loop adds (seed 004): a reward that names a judge hands them to a function
+taking them by name or with **kwargs; without a judge, a function naming them gets None (as in verl) when it has a
+default, and is refused at plan time when it requires them.
 
 The adapters are module-level classes, so a sync one pickles by reference into the worker processes (the user's
 function must be importable there, as any sync reward function). This module imports nothing heavy: every worker
@@ -26,10 +32,12 @@ import inspect
 from typing import Any, Callable
 
 from rollout_lib.reward.contract import RewardInput, is_async_callable
+from rollout_lib.reward.servers import RewardServer
 
 # How a verl-style function is recognised: its first positional parameters are one of these.
 VERL_SIGNATURES = (("data_source", "solution_str", "ground_truth"), ("solution_str", "ground_truth"))
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # what the adapter passes by name
+REWARD_SERVER_ARGUMENTS = ("reward_router_address", "reward_model_tokenizer")  # and these, from the reward's judge
 
 
 def is_verl_signature(signature: inspect.Signature) -> bool:
@@ -39,17 +47,29 @@ def is_verl_signature(signature: inspect.Signature) -> bool:
     return any(names[:len(start)] == start for start in VERL_SIGNATURES)
 
 
-def verl_arguments_taken(signature: inspect.Signature) -> frozenset[str]:
-    """The verl arguments a function takes: those it names, every one with **kwargs."""
+def verl_arguments_taken(signature: inspect.Signature, *, judged: bool = False) -> frozenset[str]:
+    """The verl arguments a function takes: those it names; with **kwargs every one (the reward-server ones only
+    when its reward names a judge: `judged`)."""
     parameters = signature.parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return frozenset(VERL_ARGUMENTS)
-    return frozenset(p.name for p in parameters if p.name in VERL_ARGUMENTS)
+        return frozenset(VERL_ARGUMENTS + (REWARD_SERVER_ARGUMENTS if judged else ()))
+    return frozenset(p.name for p in parameters if p.name in VERL_ARGUMENTS + REWARD_SERVER_ARGUMENTS)
+
+
+def reward_server_problem(signature: inspect.Signature, *, judged: bool) -> str | None:
+    """Why a function cannot get the reward-server arguments it requires, or None: without a judge there is no
+    router and no tokenizer to hand it, and a required one would only get None."""
+    required = [p.name for p in signature.parameters.values()
+                if p.name in REWARD_SERVER_ARGUMENTS and p.default is inspect.Parameter.empty]
+    if required and not judged:
+        return (f"it requires {', '.join(required)}, and this reward names no judge: add `judge = {{ model = "
+                f"\"<ref>\" }}` or `judge = {{ base_url = [...], name = \"...\" }}` (the model it asks)")
+    return None
 
 
 def verl_kwargs_problem(kwargs: dict) -> str | None:
     """Why configured kwargs cannot go to a verl-style function, or None: the adapter fills its arguments."""
-    taken = sorted(set(kwargs) & set(VERL_ARGUMENTS))
+    taken = sorted(set(kwargs) & set(VERL_ARGUMENTS + REWARD_SERVER_ARGUMENTS))
     if taken:
         return f"kwargs {taken} are filled from each rollout for a verl-style compute_score; they cannot be set"
     return None
@@ -66,19 +86,25 @@ def is_verl_style(fn: Any) -> bool:
         return False
 
 
-def adapt_verl_function(compute_score: Callable[..., Any], kwargs: dict | None, spec: str) -> Callable[..., Any]:
-    """compute_score wrapped to take one RewardInput: a sync or an async adapter, as compute_score is."""
+def adapt_verl_function(compute_score: Callable[..., Any], kwargs: dict | None, spec: str,
+                        reward_server: Callable[[frozenset[str]], RewardServer] | None = None) -> Callable[..., Any]:
+    """compute_score wrapped to take one RewardInput: a sync or an async adapter, as compute_score is.
+    `reward_server`: for a reward that names a judge, what makes its RewardServer, given the arguments the function
+    takes (so that a tokenizer is loaded only for a function that takes it)."""
     kwargs = dict(kwargs or {})
     problem = verl_kwargs_problem(kwargs)
     if problem:
         raise ValueError(f"reward function {spec!r}: {problem}")
+    taken = verl_arguments_taken(inspect.signature(compute_score), judged=reward_server is not None)
+    server = reward_server(taken) if reward_server is not None else RewardServer()
     adapter = AsyncVerlRewardFunction if is_async_callable(compute_score) else VerlRewardFunction
-    return adapter(compute_score, kwargs, verl_arguments_taken(inspect.signature(compute_score)))
+    return adapter(compute_score, kwargs, taken, server)
 
 
-def verl_arguments(inp: RewardInput, taken: frozenset[str] = frozenset(VERL_ARGUMENTS)) -> dict[str, Any]:
+def verl_arguments(inp: RewardInput, taken: frozenset[str] = frozenset(VERL_ARGUMENTS),
+                   server: RewardServer | None = None) -> dict[str, Any]:
     """The keyword arguments verl would pass for this rollout (the mapping in the module docstring), of those in
-    `taken`."""
+    `taken`; the reward-server ones from `server` (None without one)."""
     ground_truth = inp.answer if inp.answer is not None else inp.info.get("ground_truth")
     if ground_truth is None:
         # verl data always carries reward_model.ground_truth; passing None would let a comparison score 0.
@@ -88,6 +114,9 @@ def verl_arguments(inp: RewardInput, taken: frozenset[str] = frozenset(VERL_ARGU
                  "ground_truth": ground_truth}
     if "extra_info" in taken:
         arguments["extra_info"] = dict(inp.info)  # a copy: verl's own reward managers write into extra_info
+    server = server or RewardServer()
+    arguments["reward_router_address"] = server.router_address
+    arguments["reward_model_tokenizer"] = server.tokenizer
     return {name: value for name, value in arguments.items() if name in taken}
 
 
@@ -102,20 +131,36 @@ def verl_score(value: Any) -> Any:
 class VerlRewardFunction:
     """A sync verl-style compute_score as a reward function (runs in a worker process)."""
 
-    def __init__(self, compute_score: Callable[..., Any], kwargs: dict, taken: frozenset[str]) -> None:
+    def __init__(self, compute_score: Callable[..., Any], kwargs: dict, taken: frozenset[str],
+                 server: RewardServer | None = None) -> None:
         self.compute_score = compute_score
         self.kwargs = kwargs
         self.taken = taken  # the verl arguments it is passed (verl_arguments_taken)
+        self.server = server or RewardServer()
         # Metrics and errors name the user's function, not the adapter.
         self.__name__ = getattr(compute_score, "__name__", type(compute_score).__name__)
         self.__qualname__ = getattr(compute_score, "__qualname__", self.__name__)
 
     def __call__(self, inp: RewardInput) -> Any:
-        return verl_score(self.compute_score(**verl_arguments(inp, self.taken), **self.kwargs))
+        arguments = verl_arguments(inp, self.taken, self.server)
+        try:
+            return verl_score(self.compute_score(**arguments, **self.kwargs))
+        except Exception as exc:
+            explained = self.server.explained(exc)
+            if explained is None:
+                raise
+            raise explained from exc
 
 
 class AsyncVerlRewardFunction(VerlRewardFunction):
     """An `async def` verl-style compute_score as a reward function (awaited on the loop, cancelled on timeout)."""
 
     async def __call__(self, inp: RewardInput) -> Any:
-        return verl_score(await self.compute_score(**verl_arguments(inp, self.taken), **self.kwargs))
+        arguments = verl_arguments(inp, self.taken, self.server)
+        try:
+            return verl_score(await self.compute_score(**arguments, **self.kwargs))
+        except Exception as exc:
+            explained = self.server.explained(exc)
+            if explained is None:
+                raise
+            raise explained from exc

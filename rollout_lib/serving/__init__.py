@@ -5,6 +5,8 @@ here).
     client.py         one async HTTP client for one replica (generate with logprobs, prefill scoring, chat, tokenize)
     pool.py           several replicas of one served model: least outstanding requests, timeouts, failover,
                       ejection, and restart of the dead replicas rollout serves
+    router.py         a pool over HTTP on 127.0.0.1: the one address a reward function POSTs to (verl's
+                      reward_router_address), with the pool's guarantees
     served.py         ServedModels: every model a run reaches (frozen models, served reward models, the policy server)
     policy_server.py  the live policy's server: weights reloaded in place each step, checked by a probe
     weight_sync.py    the weights file in shared memory the policy server reloads from

@@ -1,5 +1,5 @@
 """Every model a run reaches over HTTP, owned in one place: `ServedModels` starts or connects each one once, hands out
-its replica pool, and stops what it started at `close()`. Three kinds:
+its replica pool, and stops what it started at `close()`:
 
 - **Frozen models** (teachers, judges, frozen samplers): each distinct setting becomes one started replica pool.
   `{ base_url = [...], name = ... }`: a pool over the user's replicas, probed at connection. `{ model = "<ref>" }`:
@@ -11,6 +11,9 @@ its replica pool, and stops what it started at `close()`. Three kinds:
 - **The policy server** (`policy_server`, serving/policy_server.py) when the live policy samples on the engine: a
   deployment of the base model in dev mode, started for this run (or a killed run's orphan of the same model
   adopted), never shared with frozen models or another run.
+
+A frozen model's pool may also be reached over HTTP: `router` serves it on 127.0.0.1, the address a judge's reward
+function is handed (serving/router.py).
 
 Every replica rollout serves is restarted when a request finds none of them answering (pool.py, "Recovery"): a
 teacher, judge or reward model with one replica survives a SIGKILL, as the policy server does.
@@ -37,6 +40,7 @@ from rollout_lib.serving import engine
 from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer, lora_server_args
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.references import default_name, served_model_directory
+from rollout_lib.serving.router import PoolRouter
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
 from rollout_lib.store import canonical_json
 
@@ -51,6 +55,7 @@ class ServedModels:
         self._started: list[str] = []  # deployments this object started, stopped by close()
         self._lock = threading.Lock()  # tasks may run in threads of one flow process
         self._policy_servers: dict[bytes, PolicyServer] = {}
+        self._routers: dict[bytes, PoolRouter] = {}  # per frozen model a reward function reaches over HTTP
 
     def pool(self, frozen: ExternalModel | ServedModel, *, tokenizer=None, where: str) -> EndpointPool:
         """The started pool of `frozen` (connecting on first use); `tokenizer`: the policy's, checked once."""
@@ -67,6 +72,18 @@ class ServedModels:
                 self._pools[key] = pool
                 self.described[key] = described
             return pool
+
+    def router(self, frozen: ExternalModel | ServedModel, *, where: str) -> PoolRouter:
+        """The HTTP router in front of `frozen`'s pool (serving/router.py: one address for every replica, with the
+        pool's guarantees), started on first use on 127.0.0.1 and stopped at close(). `where` names the setting in
+        the router's errors (the first to ask: later ones share it)."""
+        pool = self.pool(frozen, where=where)
+        key = canonical_json(frozen.model_dump(mode="json"))
+        with self._lock:
+            router = self._routers.get(key)
+            if router is None or not router.alive():
+                router = self._routers[key] = PoolRouter(pool, where=where).start()
+            return router
 
     def connect(self, frozen: ExternalModel | ServedModel, *, tokenizer, where: str) -> str:
         """Connect `frozen` now (serving it if rollout is to) and check its tokenizer; returns what it connected."""
@@ -169,6 +186,9 @@ class ServedModels:
     def close(self) -> None:
         """Close every pool; stop the deployments this object started."""
         with self._lock:
+            for router in self._routers.values():  # first: they send through the pools
+                router.close()
+            self._routers.clear()
             for pool in self._pools.values():
                 asyncio.run(pool.aclose())
             self._pools.clear()

@@ -33,6 +33,9 @@ class ExternalModel(FrozenClientSettings):
 
     base_url: list[str] = Field(min_length=1)
     name: str = Field(min_length=1)
+    # Its tokenizer (a model reference, loaded offline), for a judge's reward function that takes
+    # `reward_model_tokenizer` (docs/rewards.md); default: `name` as a hub id in the local cache. Not an identity.
+    tokenizer: ModelRef | None = None
 
     @field_validator("base_url", mode="before")
     @classmethod

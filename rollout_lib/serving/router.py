@@ -1,0 +1,130 @@
+"""One served model's replica pool over HTTP: the address a user's reward function POSTs OpenAI-compatible requests
+to (verl's `reward_router_address`, seed 004), with the pool's guarantees.
+
+    router = PoolRouter(pool, where="algorithm.rl.envs[0].rewards[0].judge").start()
+    router.address          # "127.0.0.1:PORT", verl's format: the function builds f"http://{address}/v1/..."
+    router.close()
+
+It is the pool itself, not a second balancer: each request is `pool.call(...)`, so selection is least outstanding
+requests (counted together with the run's own calls to that model, the built-in judge's included), every attempt
+has the pool's timeout, a failed attempt moves to another replica, a replica rollout serves is restarted when none
+answers, and the in-flight count is released on every path (pool.py). Why not `vllm-router` (docs/serving.md):
+a second process with its own health view and counts, no least-outstanding policy, and no restart of the replicas
+rollout serves.
+
+The server is uvicorn running a Starlette app in a daemon thread of the caller's process (its own event loop; the
+pool serves several loops), bound to 127.0.0.1 on a port the kernel picks. Any path is forwarded (GET and POST), so
+`/v1/chat/completions`, `/v1/completions`, `/tokenize` and a pooling server's `/classify` all work. A body without
+`"model"` gets the pool's served name (verl's requests name none). Streaming is refused: the reply is one JSON body.
+A failure is an OpenAI-style error body whose message is one line naming the setting (`where`) and the replicas:
+the replica's own 4xx status and text when it refused the request, 503 when no replica answered, 502 for a reply
+that is not JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rollout_lib.serving.client import RequestRejected, ServingError
+from rollout_lib.serving.pool import EndpointPool, PoolUnavailable
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 30.0
+
+
+class PoolRouter:
+    def __init__(self, pool: EndpointPool, *, where: str):
+        """`where`: the setting whose model this is (every error the router answers names it)."""
+        self.pool = pool
+        self.where = where
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))  # the kernel's free port, held from now on: no race for it
+        self.port = self._socket.getsockname()[1]
+        app = Starlette(routes=[Route("/{path:path}", self._forward, methods=["GET", "POST"])])
+        config = uvicorn.Config(app, loop="asyncio", log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, name=f"rollout-reward-router {self.port}", daemon=True)
+        self._failed: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port, as verl hands it to compute_score."""
+        return f"127.0.0.1:{self.port}"
+
+    def __repr__(self) -> str:
+        return f"PoolRouter({self.address}, {self.pool!r})"
+
+    def start(self) -> "PoolRouter":
+        """Serve from a daemon thread; returns once the server accepts connections (raises, naming the setting, if it
+        does not within START_TIMEOUT_S)."""
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if self._failed is not None or not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise ServingError(self.address, f"{self.where}: the reward router did not start"
+                                                 + (f": {self._failed}" if self._failed else ""))
+            time.sleep(0.01)
+        return self
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._server.should_exit
+
+    def close(self) -> None:
+        """Stop serving (requests in flight get up to 5 s to finish) and join the thread. Idempotent."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._socket.close()
+
+    def _serve(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket])
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self._failed = exc
+
+    async def _forward(self, request: Request) -> JSONResponse:
+        path = "/" + request.path_params["path"]
+        body = None
+        if request.method == "POST":
+            try:
+                body = json.loads(await request.body())
+            except ValueError as exc:
+                return self._error(400, f"the request body is not JSON ({exc})")
+            if not isinstance(body, dict):
+                return self._error(400, f"the request body is a JSON {type(body).__name__}, not an object")
+            if body.get("stream"):
+                return self._error(400, "streaming is not supported: send the request without \"stream\"")
+            body.setdefault("model", self.pool.model)
+        try:
+            reply = await self.pool.call(lambda replica: replica.request(request.method, path, body))
+        except RequestRejected as exc:
+            return self._error(exc.status, str(exc))
+        except PoolUnavailable as exc:
+            return self._error(503, str(exc))
+        except ServingError as exc:  # a reply that is not JSON, or of the wrong shape
+            return self._error(502, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the caller gets one line, not a dropped connection
+            log.exception("reward router of %s", self.where)
+            return self._error(500, f"{type(exc).__name__}: {exc}")
+        return JSONResponse(reply)
+
+    def _error(self, status: int, message: str) -> JSONResponse:
+        line = " ".join(f"reward router of {self.where} (model {self.pool.model!r}): {message}".split())
+        return JSONResponse({"error": {"message": line, "code": status}}, status_code=status)

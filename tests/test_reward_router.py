@@ -1,0 +1,263 @@
+"""The reward router (rollout_lib/serving/router.py): a judge's replica pool over HTTP, the `reward_router_address`
+verl's reward loop hands a user function (seed 004), and what reaches a function through it: verl-style functions,
+async and sync (in worker processes), with the judge's tokenizer; bad input and faults, one line naming the setting.
+
+Against canned replicas (httpx.MockTransport behind the pool, a real HTTP server in front of it); the runs against
+the session's vLLM replicas (an RL run, a replica SIGKILLed mid-step) are in tests/test_judge_rewards.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from rollout_lib.config import ConfigError, RlConfig, validate_config
+from rollout_lib.config.loading import read_toml
+from rollout_lib.reward.functions import RewardInput, check_reward_function
+from rollout_lib.reward.loop import RewardLoop, raise_if_too_many_missing
+from rollout_lib.reward.loops import RewardLoops
+from rollout_lib.reward.results import TooManyRewardsMissingError
+from rollout_lib.serving.client import HttpSession
+from rollout_lib.serving.pool import EndpointPool
+from rollout_lib.serving.router import PoolRouter
+from rollout_lib.serving.settings import ExternalModel
+
+A, B = "http://a.test", "http://b.test"
+WHERE = "algorithm.rl.envs[0].rewards[0].judge"
+
+
+class FakeJudges:
+    """Replicas answering chat completions with "<verdict>\\n\\n7" (by host). `mode[url]`: "ok", "500", "400",
+    "refuse". `hold`: completions wait until it is set (a threading.Event), so requests pile up in flight."""
+
+    def __init__(self, *urls: str):
+        self.mode = dict.fromkeys(urls, "ok")
+        self.calls: Counter[str] = Counter()
+        self.bodies: list[dict] = []
+        self.hold: threading.Event | None = None
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}"
+        if self.mode[url] == "refuse":
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "judge-m", "max_model_len": 512}]})
+        self.calls[url] += 1
+        self.bodies.append(json.loads(request.content))
+        if self.mode[url] == "500":
+            return httpx.Response(500, json={"error": {"message": "engine died"}})
+        if self.mode[url] == "400":
+            return httpx.Response(400, json={"error": {"message": "max_tokens must be at least 1, got -1"}})
+        while self.hold is not None and not self.hold.is_set():
+            await asyncio.sleep(0.005)
+        return httpx.Response(200, json={"choices": [{"message": {"role": "assistant",
+                                                                  "content": "Looks right.\n\n7"}}]})
+
+
+def fake_router(fake: FakeJudges, **options) -> PoolRouter:
+    pool = EndpointPool(list(fake.mode), "judge-m", session=HttpSession(transport=httpx.MockTransport(fake)),
+                        **options)
+    return PoolRouter(pool, where=WHERE).start()
+
+
+def post(router: PoolRouter, body, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(f"http://{router.address}{path}", json=body, timeout=30)
+
+
+def test_the_router_forwards_to_the_least_loaded_replica_and_fills_in_the_model():
+    fake = FakeJudges(A, B)
+    fake.hold = threading.Event()
+    router = fake_router(fake)
+    try:
+        assert router.address.startswith("127.0.0.1:")
+        replies: list = []
+        threads = [threading.Thread(target=lambda: replies.append(post(router, {"messages": [
+            {"role": "user", "content": "hi"}], "max_tokens": 4}))) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while sum(router.pool.outstanding.values()) < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert router.pool.outstanding == {A: 4, B: 4}  # least outstanding requests: evenly spread
+        fake.hold.set()
+        for thread in threads:
+            thread.join(timeout=10)
+        assert [r.status_code for r in replies] == [200] * 8
+        assert replies[0].json()["choices"][0]["message"]["content"] == "Looks right.\n\n7"
+        assert {body["model"] for body in fake.bodies} == {"judge-m"}  # verl's requests name no model
+        assert router.pool.outstanding == {A: 0, B: 0} and router.pool.served == {A: 4, B: 4}
+        models = httpx.get(f"http://{router.address}/v1/models", timeout=10)
+        assert models.json()["data"][0]["id"] == "judge-m"
+    finally:
+        router.close()
+    with pytest.raises(httpx.ConnectError):
+        post(router, {"messages": []})
+
+
+def test_the_router_fails_over_and_answers_errors_in_one_line_naming_the_setting():
+    fake = FakeJudges(A, B)
+    fake.mode[A] = "500"
+    router = fake_router(fake, eject_after=1, probe_interval_s=3600)
+    try:
+        replies = [post(router, {"messages": [{"role": "user", "content": "hi"}]}) for _ in range(3)]
+        assert [r.status_code for r in replies] == [200] * 3 and fake.calls[A] == 1  # then ejected
+        assert router.pool.outstanding == {A: 0, B: 0}
+
+        fake.mode[B] = "400"  # the caller's mistake: every replica would refuse it, so it is not retried
+        rejected = post(router, {"messages": [], "max_tokens": -1})
+        assert rejected.status_code == 400
+        message = rejected.json()["error"]["message"]
+        assert message.startswith(f"reward router of {WHERE} (model 'judge-m'): http://b.test: POST "
+                                  "/v1/chat/completions: HTTP 400: max_tokens must be at least 1")
+        assert "\n" not in message
+
+        fake.mode[B] = "refuse"
+        down = post(router, {"messages": []})
+        assert down.status_code == 503
+        assert down.json()["error"]["message"].startswith(f"reward router of {WHERE} (model 'judge-m'): no replica")
+
+        streamed = post(router, {"messages": [], "stream": True})
+        assert streamed.status_code == 400 and "streaming is not supported" in streamed.json()["error"]["message"]
+        not_json = httpx.post(f"http://{router.address}/v1/chat/completions", content=b"{oops", timeout=10)
+        assert not_json.status_code == 400 and "is not JSON" in not_json.json()["error"]["message"]
+        assert set(router.pool.outstanding.values()) == {0}
+    finally:
+        router.close()
+
+
+# --- what a reward function gets through the router -----------------------------------------------------------------
+
+
+class RoutedServedModels:
+    """The part of ServedModels RewardLoops uses for judges, over one fake router."""
+
+    store_url = None
+
+    def __init__(self, router: PoolRouter):
+        self._router = router
+
+    def router(self, judge, *, where: str) -> PoolRouter:
+        return self._router
+
+    def pool(self, judge, *, where: str) -> EndpointPool:
+        return self._router.pool
+
+
+def rl_config(rewards: list[dict]) -> RlConfig:
+    raw = read_toml("configs/rl-tiny.toml")
+    raw["algorithm"]["rl"]["envs"][0]["rewards"] = rewards
+    return validate_config(RlConfig, raw)
+
+
+def judge_setting(**extra) -> dict:
+    return {"base_url": [A, B], "name": "judge-m", **extra}
+
+
+def gsm8k_inputs(n: int = 4) -> list[RewardInput]:
+    return [RewardInput(prompt=[{"role": "user", "content": "What is 6 * 7?"}], completion_text=f"6 * 7 = 42 ({i})",
+                        answer="42", info={"question": "What is 6 * 7?"}) for i in range(n)]
+
+
+def score(router: PoolRouter, rewards: list[dict], inputs=None):
+    config = rl_config(rewards)
+    with RewardLoops(config.settings.reward_loop, RoutedServedModels(router)) as loops:
+        loop = loops.for_rewards(config.settings.envs[0].rewards, "algorithm.rl.envs[0].rewards")
+        results = loop.score(inputs or gsm8k_inputs())
+        return loop.sync_worker_pids(), results
+
+
+def test_verl_genrm_functions_async_and_sync_get_the_router_and_the_judges_tokenizer(tiny_model_dir):
+    fake = FakeJudges(A, B)
+    router = fake_router(fake)
+    judge = judge_setting(tokenizer=str(tiny_model_dir))
+    try:
+        worker_pids, results = score(router, [
+            {"function": "example_genrm_rewards:compute_score_gsm8k", "judge": judge},  # the seed's, unchanged
+            {"function": "example_genrm_rewards:compute_score_gsm8k_sync", "judge": judge, "weight": 0.5},
+            {"function": "example_genrm_rewards:sync_judged", "judge": judge, "kwargs": {"bonus": 1.0}}])
+        assert [r.error for r in results] == [None] * 4
+        assert [r.reward for r in results] == pytest.approx([7 + 0.5 * 7 + 1.15] * 4)  # the verdict: 7; 15 chars
+        assert worker_pids  # the sync ones ran in worker processes
+        assert fake.calls[A] + fake.calls[B] == 12 and min(fake.calls.values()) >= 4  # spread over both replicas
+        prompts = [body["messages"][0]["content"] for body in fake.bodies]
+        assert sum("Problem: What is 6 * 7?" in prompt for prompt in prompts) == 8  # the template, filled
+        assert set(router.pool.outstanding.values()) == {0}
+    finally:
+        router.close()
+
+
+def test_the_reward_server_arguments_are_checked_at_plan_time():
+    # A function that requires the router, in a reward without a judge: refused, naming the function.
+    with pytest.raises(ValueError, match=r"requires reward_router_address, reward_model_tokenizer, and this reward "
+                                         r"names no judge: add `judge = "):
+        check_reward_function("example_genrm_rewards:compute_score_gsm8k")
+    check_reward_function("example_genrm_rewards:compute_score_gsm8k", filled=("judge",))
+    with pytest.raises(ValueError, match=r"kwargs \['reward_router_address'\] are filled from each rollout"):
+        check_reward_function("example_genrm_rewards:compute_score_gsm8k", {"reward_router_address": "x:1"},
+                              filled=("judge",))
+    with pytest.raises(ConfigError, match=r"^algorithm.rl.envs\[0\].rewards\[0\].function: reward function "
+                                          r"'example_genrm_rewards:compute_score_gsm8k': it requires "
+                                          r"reward_router_address"):
+        rl_config([{"function": "example_genrm_rewards:compute_score_gsm8k"}])  # validation runs the plan's checks
+
+
+def test_a_router_that_does_not_answer_is_named_with_its_setting_and_trips_the_circuit_breaker(tiny_model_dir):
+    fake = FakeJudges(A, B)
+    router = fake_router(fake)
+    router.close()  # nothing listens at its address any more
+    _, results = score(router, [{"function": "example_genrm_rewards:compute_score_gsm8k",
+                                 "judge": judge_setting(tokenizer=str(tiny_model_dir))}])
+    _, sync_results = score(router, [{"function": "example_genrm_rewards:sync_judged", "judge": judge_setting()}])
+    for result in [*results, *sync_results]:
+        assert result.reward is None and "\n" not in result.error
+        assert result.error.startswith("RouterUnreachable: reward fn '")
+        assert f"reward_router_address {router.address} ({WHERE}) does not answer: " in result.error
+    with pytest.raises(TooManyRewardsMissingError, match=r"^4 of 4 rewards missing \(100%\), .*; top cause \(4x\): "
+                                                         r"RouterUnreachable: reward fn 'compute_score_gsm8k'"):
+        raise_if_too_many_missing(results, 0.5, setting="algorithm.rl.reward_loop.max_missing_fraction")
+
+
+def test_a_function_failing_inside_the_router_path_gets_the_judges_one_line_error():
+    fake = FakeJudges(A, B)
+    fake.mode[A] = fake.mode[B] = "400"
+    router = fake_router(fake)
+    try:
+        _, results = score(router, [{"function": "example_genrm_rewards:asks_with_a_bad_request",
+                                     "judge": judge_setting()}])
+    finally:
+        router.close()
+    for result in results:  # the replica's refusal, through the router, in the function's own error
+        assert result.reward is None and "\n" not in result.error
+        assert result.error.startswith("RuntimeError: reward fn 'asks_with_a_bad_request': chat_complete: HTTP 400: ")
+        assert f"reward router of {WHERE} (model 'judge-m'): http://" in result.error
+        assert "max_tokens must be at least 1" in result.error
+    with pytest.raises(TooManyRewardsMissingError, match=r"^4 of 4 rewards missing .*top cause \(\dx\): RuntimeError: reward fn "
+                                                         r"'asks_with_a_bad_request'"):
+        raise_if_too_many_missing(results, 0.5, setting="algorithm.rl.reward_loop.max_missing_fraction")
+
+
+def test_a_judge_tokenizer_that_cannot_load_offline_is_one_line_naming_the_setting():
+    fake = FakeJudges(A, B)
+    router = fake_router(fake)
+    try:
+        for judge, setting in [(judge_setting(tokenizer="no-such-org/no-such-model"), f"{WHERE}.tokenizer"),
+                               (judge_setting(), f"{WHERE}.name")]:  # the served name, tried as a hub id
+            with pytest.raises(ConfigError) as failure:
+                score(router, [{"function": "example_genrm_rewards:compute_score_gsm8k", "judge": judge}])
+            message = str(failure.value)
+            assert "\n" not in message and message.startswith(
+                f"{setting}: cannot load the judge's tokenizer (reward_model_tokenizer) offline: ")
+            assert (f"set {WHERE}.tokenizer" in message) == (setting.endswith(".name"))
+        # A function that does not take the tokenizer never loads it: the served name need not be a hub id.
+        _, results = score(router, [{"function": "example_genrm_rewards:asks_with_a_bad_request",
+                                     "judge": judge_setting()}])
+        assert all("reward_model_tokenizer" not in (r.error or "") for r in results)
+    finally:
+        router.close()
