@@ -122,16 +122,40 @@ def test_a_user_reward_function_gets_the_judge_client(vllm_tiny, tmp_path, monke
     assert json.dumps(sync.training_settings())  # the judge's identity is plain JSON
 
 
+def score_while_a_replica_dies(vllm_tiny, loop, pool, inputs) -> tuple[list, float]:
+    """`loop.score(inputs)` in a thread; once 16 calls are in flight with some on the first replica, that replica's
+    group is SIGKILLed. Returns the results and the seconds scoring took; the replica is running again after."""
+    import signal
+    import threading
+    import time
+
+    outcome: dict = {}
+
+    def score() -> None:
+        started = time.monotonic()
+        outcome["results"] = loop.score(inputs)
+        outcome["seconds"] = time.monotonic() - started
+
+    worker = threading.Thread(target=score)
+    try:
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not (sum(pool.outstanding.values()) >= 16 and pool.outstanding[pool.urls[0]] > 0):
+            assert time.monotonic() < deadline and worker.is_alive(), "the calls never went out"
+            time.sleep(0.05)
+        os.killpg(vllm_tiny.pids[0], signal.SIGKILL)
+        worker.join(timeout=120)
+    finally:
+        vllm_tiny.ensure_running()
+    assert not worker.is_alive(), "the step stalled"
+    return outcome["results"], outcome["seconds"]
+
+
 @pytest.mark.slow
 def test_a_judge_replica_killed_mid_step_fails_over_without_stalling(vllm_tiny):
     """32 verdicts in flight on the two replicas; one replica is SIGKILLed: every rollout still gets the judge's
     answer (here a verdict that does not parse, so the error carries the judge's text), none a 'no replica' error,
     and the step ends in about the time the survivor needs, not a timeout."""
-    import os
-    import signal
-    import threading
-    import time
-
     from rollout_lib.reward.tables import reward_inputs
     from rollout_lib.serving.settings import ExternalModel
 
@@ -141,29 +165,11 @@ def test_a_judge_replica_killed_mid_step_fails_over_without_stalling(vllm_tiny):
     with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
         loop = env_reward_loop(loops, config, config.settings.envs[0])
         pool = served_models.pool(ExternalModel(**judge), where="test")
-        outcome: dict = {}
-
-        def score() -> None:
-            started = time.monotonic()
-            outcome["results"] = loop.score(reward_inputs(rollouts_table(32), prompts_table()))
-            outcome["seconds"] = time.monotonic() - started
-
-        worker = threading.Thread(target=score)
-        try:
-            worker.start()
-            deadline = time.monotonic() + 60
-            while not (sum(pool.outstanding.values()) >= 16 and pool.outstanding[pool.urls[0]] > 0):
-                assert time.monotonic() < deadline and worker.is_alive(), "the verdicts never went out"
-                time.sleep(0.05)
-            os.killpg(vllm_tiny.pids[0], signal.SIGKILL)
-            worker.join(timeout=120)
-        finally:
-            vllm_tiny.ensure_running()
-    assert not worker.is_alive(), "the step stalled"
-    results = outcome["results"]
+        results, seconds = score_while_a_replica_dies(vllm_tiny, loop, pool,
+                                                      reward_inputs(rollouts_table(32), prompts_table()))
     assert len(results) == 32 and all(r.reward is None for r in results)
     assert all("judge verdict does not parse" in r.error for r in results), {r.error for r in results}
-    assert pool.failures[pool.urls[0]] >= 1 and outcome["seconds"] < 60
+    assert pool.failures[pool.urls[0]] >= 1 and seconds < 60
 
 
 def vllm_requests_answered(base_urls: list[str]) -> float:
@@ -235,10 +241,6 @@ judge = {{ base_url = [{base_urls}], name = "{vllm_tiny.name}", tokenizer = "{vl
 def test_a_replica_killed_mid_step_costs_no_request_through_the_router(vllm_tiny):
     """The seed's compute_score_gsm8k asks through the router: 32 verdicts in flight on the two replicas, one
     replica is SIGKILLed, and every call is still answered (a score, never a missing reward)."""
-    import signal
-    import threading
-    import time
-
     from rollout_lib.serving.settings import ExternalModel
 
     vllm_tiny.ensure_running()
@@ -250,28 +252,8 @@ def test_a_replica_killed_mid_step_costs_no_request_through_the_router(vllm_tiny
     with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
         loop = env_reward_loop(loops, config, config.settings.envs[0])
         pool = served_models.pool(ExternalModel(**judge), where="test")
-        router = served_models.router(ExternalModel(**judge), where="test")
-        outcome: dict = {}
-
-        def score() -> None:
-            started = time.monotonic()
-            outcome["results"] = loop.score(inputs)
-            outcome["seconds"] = time.monotonic() - started
-
-        worker = threading.Thread(target=score)
-        try:
-            worker.start()
-            deadline = time.monotonic() + 60
-            while not (sum(pool.outstanding.values()) >= 16 and pool.outstanding[pool.urls[0]] > 0):
-                assert time.monotonic() < deadline and worker.is_alive(), "the verdicts never went out"
-                time.sleep(0.05)
-            os.killpg(vllm_tiny.pids[0], signal.SIGKILL)
-            worker.join(timeout=120)
-        finally:
-            vllm_tiny.ensure_running()
-        assert router.address.startswith("127.0.0.1:")
-    assert not worker.is_alive(), "the step stalled"
-    results = outcome["results"]
+        assert served_models.router(ExternalModel(**judge), where="test").pool is pool  # the router sends through it
+        results, seconds = score_while_a_replica_dies(vllm_tiny, loop, pool, inputs)
     assert len(results) == 32 and [r.error for r in results] == [None] * 32, {r.error for r in results}
     assert pool.failures[pool.urls[0]] >= 1 and set(pool.outstanding.values()) == {0}
-    print(f"32 verdicts through the router, one replica SIGKILLed: {outcome['seconds']:.1f} s")
+    print(f"32 verdicts through the router, one replica SIGKILLed: {seconds:.1f} s")
