@@ -14,7 +14,7 @@ from rollout_lib.data import load_examples, load_pairs
 from rollout_lib.model.loading import load_tokenizer, locate_model, offline_problem
 from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import hardware_settings, resolve_hardware
-from rollout_lib.serving.settings import ServedModel
+from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving.tokenizers import local_tokenizer_mismatch
 from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import StoreError
@@ -45,6 +45,8 @@ def _model_references(config) -> list[tuple[str, ModelRef]]:
         found += [(f"{where}.model", _in_run_store(config, frozen.model)) for where, frozen in config.frozen_models()
                   if isinstance(frozen, ServedModel)]
         found += [(where, reward.reward_model) for where, reward in config.reward_models()]
+        found += [(f"{where}.tokenizer", frozen.tokenizer) for where, frozen in config.judges()  # for reward functions
+                  if isinstance(frozen, ExternalModel) and frozen.tokenizer is not None]
     return found
 
 

@@ -261,3 +261,40 @@ def test_a_judge_tokenizer_that_cannot_load_offline_is_one_line_naming_the_setti
         assert all("reward_model_tokenizer" not in (r.error or "") for r in results)
     finally:
         router.close()
+
+
+def test_dry_run_refuses_a_judge_tokenizer_not_in_the_cache_and_a_router_without_a_judge(tmp_path):
+    """Plan time: exit 2 and one line naming the setting, before anything is served or loaded."""
+    from clirun import ROOT, run_rollout
+
+    def dry_run(reward: str) -> tuple[int, str, str]:
+        config = tmp_path / "genrm.toml"
+        config.write_text(f"""
+[run]
+name = "genrm"
+store = "{tmp_path / 'store'}"
+[algorithm.rl]
+base_model = "tiny:qwen2"
+optimizer = {{ kind = "adamw", lr = 1.0e-2 }}
+budget = {{ max_steps = 1 }}
+[[algorithm.rl.envs]]
+name = "gsm8k"
+source = {{ type = "jsonl_path", path = "{ROOT / 'data' / 'rl-tiny-prompts.jsonl'}" }}
+prompts_per_step = 2
+[[algorithm.rl.envs.rewards]]
+function = "example_genrm_rewards:compute_score_gsm8k"
+{reward}
+""")
+        done = run_rollout("train", "rl", "--config", str(config), "--dry-run", PYTHONPATH=str(ROOT / "tests"))
+        return done.returncode, done.stdout, done.stderr
+
+    code, out, err = dry_run('judge = { base_url = "http://127.0.0.1:9/v1", name = "j", '
+                             'tokenizer = "no-such-org/no-such-model" }')
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith(f"rollout: error: {WHERE}.tokenizer: model 'no-such-org/no-such-model' is not in the "
+                          "Hugging Face cache")
+    code, out, err = dry_run("")
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith(f"rollout: error: {tmp_path / 'genrm.toml'}: algorithm.rl.envs[0].rewards[0].function: "
+                          "reward function 'example_genrm_rewards:compute_score_gsm8k': it requires "
+                          "reward_router_address"), err

@@ -8,6 +8,7 @@
 - `results`: RewardResult, reward_metrics, raise_if_all_missing, raise_if_too_many_missing (the circuit breaker)
 - `tables`: reward_inputs / apply_rewards between the loop and the ROLLOUTS wire
 - `verl`: the adapter that runs verl-style compute_score functions unchanged
+- `servers`, `judge_tokenizer`: what a function that asks a judge is handed (its router's address, its tokenizer)
 
 Deliberately no re-exports here: every sync worker process imports this package, and should pay only for
 `pool` and the user's functions, not for pyarrow.

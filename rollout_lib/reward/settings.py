@@ -21,8 +21,9 @@ class RewardFunctionSettings(StrictModel):
     function: str = Field(min_length=1)  # a built-in name or an import path "package.module:attr"
     weight: float = 1.0
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    # A judge model the function may call: an async function is called as fn(inp, judge=<JudgeClient>, **kwargs)
-    # (reward/judge.py: `await judge.chat(messages)` through the run's replica pool).
+    # A judge model the function may call: ours is called as fn(inp, judge=<client>, **kwargs) (reward/judge.py:
+    # `await judge.chat(messages)` through the run's replica pool; sync, `judge.chat(messages)` through its router);
+    # a verl-style one gets reward_router_address and reward_model_tokenizer (reward/verl.py).
     judge: FrozenModel | None = None
     judge_max_tokens: int = Field(256, ge=1)
 
