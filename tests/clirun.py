@@ -37,9 +37,10 @@ def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: f
                         env: dict | None = None) -> str:
     """Start the CLI with `args`, SIGKILL it as soon as `marker` shows in its output; return that output.
 
-    Fails if the process exits on its own first (the kill would prove nothing) or the marker never comes."""
+    Fails if the process exits on its own first (the kill would prove nothing) or the marker never comes. The run
+    is --verbose: its terminal keeps Prefect's per-task lines (`train-steps-1-8' - Finished`) markers wait for."""
     with log_path.open("w") as log:
-        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=env or cli_env(), stdout=log,
+        process = subprocess.Popen(rollout_command(*args, "--verbose"), cwd=ROOT, env=env or cli_env(), stdout=log,
                                    stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while marker not in log_path.read_text():
