@@ -298,3 +298,32 @@ function = "example_genrm_rewards:compute_score_gsm8k"
     assert err.startswith(f"rollout: error: {tmp_path / 'genrm.toml'}: algorithm.rl.envs[0].rewards[0].function: "
                           "reward function 'example_genrm_rewards:compute_score_gsm8k': it requires "
                           "reward_router_address"), err
+
+
+def test_a_sync_function_hung_on_its_judge_is_killed_at_the_timeout_and_the_router_releases_its_counts():
+    """Sync functions asking a judge keep the sync semantics: `timeout_s` kills the worker (a missing reward), the
+    next call gets a fresh worker; the router's own requests end when the replica answers, counts released."""
+    from rollout_lib.reward.settings import RewardLoopSettings
+
+    fake = FakeJudges(A, B)
+    fake.hold = threading.Event()  # the judge answers nothing until set
+    router = fake_router(fake)
+    config = rl_config([{"function": "example_genrm_rewards:sync_judged", "judge": judge_setting()}])
+    try:
+        with RewardLoops(RewardLoopSettings(timeout_s=1.0, sync_workers=2), RoutedServedModels(router)) as loops:
+            loop = loops.for_rewards(config.settings.envs[0].rewards, "algorithm.rl.envs[0].rewards")
+            started = time.monotonic()
+            hung = loop.score(gsm8k_inputs(2))
+            seconds = time.monotonic() - started
+            assert [r.error for r in hung] == ["TimeoutError: reward fn 'sync_judged' exceeded 1.0s"] * 2
+            assert 1.0 <= seconds < 5 and loop.sync_worker_pids() == []  # both workers were killed
+            fake.hold.set()
+            answered = loop.score(gsm8k_inputs(2))
+            assert [r.error for r in answered] == [None, None] and loop.sync_worker_pids()  # fresh workers
+        deadline = time.monotonic() + 10
+        while sum(router.pool.outstanding.values()):
+            assert time.monotonic() < deadline, router.pool.outstanding
+            time.sleep(0.01)
+    finally:
+        fake.hold.set()
+        router.close()

@@ -23,7 +23,6 @@ that is not JSON.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import socket
@@ -118,8 +117,6 @@ class PoolRouter:
             return self._error(503, str(exc))
         except ServingError as exc:  # a reply that is not JSON, or of the wrong shape
             return self._error(502, str(exc))
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the caller gets one line, not a dropped connection
             log.exception("reward router of %s", self.where)
             return self._error(500, f"{type(exc).__name__}: {exc}")
