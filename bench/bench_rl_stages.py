@@ -28,7 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-STAGES = ("sample_s", "score_s", "advantages_s", "pack_s", "train_s")
+# score_tail_s: a streamed step's wait for its last rewards after sampling (reward_loop.streamed; absent when staged)
+STAGES = ("sample_s", "score_tail_s", "score_s", "advantages_s", "pack_s", "train_s")
 
 
 def run_flow(config: str, steps: int) -> dict:
@@ -99,8 +100,8 @@ def main() -> None:
     steady = [row for row in rows if row["step"] > 1]
     print(f"train-rl on {args.config}, {args.steps} steps; medians over steps 2..{args.steps}")
     for stage in STAGES:
-        print(f"  {stage[:-2]:<11}: {statistics.median(row[stage] for row in steady) * 1000:8.1f} ms")
-    overheads = [walls[row["step"]] - sum(row[stage] for stage in STAGES) for row in steady]
+        print(f"  {stage[:-2]:<11}: {statistics.median(row.get(stage) or 0.0 for row in steady) * 1000:8.1f} ms")
+    overheads = [walls[row["step"]] - sum(row.get(stage) or 0.0 for stage in STAGES) for row in steady]
     shares = [overhead / walls[row["step"]] for overhead, row in zip(overheads, steady)]
     print(f"  step wall  : {statistics.median(walls[row['step']] for row in steady) * 1000:8.1f} ms")
     print(f"  prefect    : {statistics.median(overheads) * 1000:8.1f} ms per step, "

@@ -98,7 +98,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 ROLLOUT = ROOT / ".venv" / "bin" / "rollout"
 CURVE_STEPS = (0, 5, 10, 15, 20, 25)
-STAGES = ("sample_s", "score_s", "advantages_s", "pack_s", "train_s")
+STAGES = ("sample_s", "score_tail_s", "score_s", "advantages_s", "pack_s", "train_s")  # score_tail_s: streamed
 RELOAD_TIMES = ("policy_server/reload_s", "policy_server/write_s")  # inside sample_s
 
 

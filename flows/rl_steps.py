@@ -9,7 +9,9 @@ crosses steps.
   stages: the policy server holds state n for both (one reload), and the engine batches both requests. It is waited
   for before step n+1 trains (it reads the trainer at state n); step n's record waits for it. Elsewhere an
   evaluation runs in line (after the samplings in flight: the server then reloads to the newest state).
-- With `run.task_runner` of type dask or ray, a step's scoring fans out to that cluster in chunks.
+- Streamed (`reward_loop.streamed`, the default): sample-step-k scores each rollout as soon as it is sampled and
+  score-step-k puts those rewards into the table; staged: score-step-k scores them all after the last is sampled.
+- With `run.task_runner` of type dask or ray, a step's scoring fans out to that cluster in chunks (staged).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tasks.rl import (
     evaluate_task,
     load_eval_prompts_task,
     pack_task,
+    sample_and_score_task,
     sample_task,
     score_chunk_task,
     score_merge_task,
@@ -48,12 +51,12 @@ METRIC_COLUMNS = (
     "rl/masked_fraction", "grad_norm", "lr", "tokens", "completion_len_mean", "sample_s", "score_s",
     "advantages_s", "pack_s", "train_s",
 )
-STAGE_TIMES = ("sample_s", "score_s", "advantages_s", "pack_s", "train_s")
+STAGE_TIMES = ("sample_s", "score_tail_s", "score_s", "advantages_s", "pack_s", "train_s")
 # Columns only some runs have (multi-turn envs, reward models): in the table when a step reports them.
 OPTIONAL_METRIC_COLUMNS = (
     "turns_mean", "env_token_fraction", "truncated_fraction", "reward_model/scored", "reward_model/prompt_truncated",
     "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long", "off_policy_lag",
-    "behaviour/sampler_diff_max", "behaviour/sampler_kl",
+    "behaviour/sampler_diff_max", "behaviour/sampler_kl", "score_tail_s",
 )
 
 
@@ -82,6 +85,9 @@ class RlSteps:
         self.evaluations = {env.name: run_task(load_eval_prompts_task)(cfg, env.name)["prompts"]
                             for env in settings.envs if env.eval is not None}
         self.overlap_evaluation = schedule.synchronous and settings.policy_sampler.type != "hf"
+        # Each rollout scored as soon as it is sampled (rl/streamed.py), unless scoring fans out to a dask or ray
+        # cluster: its chunks are tasks on other workers, which a sampling stage cannot feed as it goes.
+        self.streamed = settings.reward_loop.streamed and resources.runner is None
         self.in_flight: dict = {}  # off-policy runs: step -> its sample task's future
         self.unfinished: tuple | None = None  # (finish's arguments) of the step whose evaluation runs beside this one
         self.history: list[dict] = []
@@ -97,14 +103,16 @@ class RlSteps:
     def run(self, step: int) -> None:
         cfg, prompts, res, task = self.cfg, self.prompts, self.res, self.run_task
         if self.schedule.synchronous:
-            sampled = task(sample_task)(cfg, prompts, self.state, step, res.resident, res.served_models,
-                                        self._pools_for(step))
+            sample, arguments = self._sampling(step)
+            sampled = sample(*arguments)
         else:
             ahead = self.schedule.submitted_while_training(step, self.total)
             if ahead is not None:
                 self._submit_sampling(ahead)  # from states[step - 1]: sampled while this step trains
             sampled = self.in_flight.pop(step).result()
-        if res.runner is None:
+        if self.streamed:  # the rewards are in: score-step-k puts them into the table
+            scored = task(score_merge_task)(cfg, sampled["rollouts"], step, [sampled["rewards"]])
+        elif res.runner is None:
             scored = task(score_task)(cfg, prompts, sampled["rollouts"], step, res.reward_loops)
         else:
             scored = self._score_in_chunks(sampled["rollouts"], step)
@@ -196,11 +204,20 @@ class RlSteps:
     def _pools_for(self, step: int) -> str | None:
         return None if self.pools is None else self.pools[self.schedule.sampled_after(step)]
 
+    def _sampling(self, step: int) -> tuple:
+        """Step `step`'s sample task and its arguments: streamed, each rollout scored as it is sampled
+        (sample-and-score), or staged, scored by the score task after the last (sample)."""
+        res = self.res
+        arguments = (self.cfg, self.prompts, self.states[self.schedule.sampled_after(step)], step, res.resident,
+                     res.served_models)
+        if self.streamed:
+            return self.run_task(sample_and_score_task), (*arguments, res.reward_loops, self._pools_for(step))
+        return self.run_task(sample_task), (*arguments, self._pools_for(step))
+
     def _submit_sampling(self, step: int) -> None:
         before = [self.in_flight[step - 1]] if step - 1 in self.in_flight else None
-        self.in_flight[step] = self.run_task(sample_task).submit(
-            self.cfg, self.prompts, self.states[self.schedule.sampled_after(step)], step, self.res.resident,
-            self.res.served_models, self._pools_for(step), wait_for=before)
+        sample, arguments = self._sampling(step)
+        self.in_flight[step] = sample.submit(*arguments, wait_for=before)
 
     def _score_in_chunks(self, rollouts_id: str, step: int) -> dict:
         """A step's scoring on the run's task runner (`run.task_runner`, type dask or ray): its rollouts in

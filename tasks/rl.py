@@ -7,6 +7,8 @@ rollout_lib.rl, write the result and return its id (plus JSON metrics).
     score-step-k       rollouts                       -> scored rollouts    (the reward loop; with a dask or ray
                                                                             task runner, score-step-k-chunk-i
                                                                             tasks on its workers, then a merge)
+    (streamed, `reward_loop.streamed`: sample-step-k scores each rollout as it is sampled, and score-step-k
+    merges those rewards into the table: the same ids as the staged pair)
     advantages-step-k  scored rollouts                -> training samples   (per-env algorithms, stamping)
     pack-step-k        training samples               -> micro-batches
     train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step)
@@ -45,11 +47,12 @@ from rollout_lib.rl.policy import (
 )
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import build_samplers, policy_sampler, reload_metrics, sample_rollouts
+from rollout_lib.rl.streamed import sample_and_score
 from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.rl.score import (
     results_from_json,
-    results_json,
     reward_results,
+    rewards_json,
     run_reward_loops,
     score_rollouts,
     scored_rollouts,
@@ -158,6 +161,32 @@ def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str
             "metrics": {**metrics, **reload_metrics(samplers.values()), "sample_s": time.perf_counter() - started}}
 
 
+def _sample_and_score_sources(parameters: dict) -> dict:
+    return {**_interaction_sources(parameters), **_reward_sources(parameters)}
+
+
+@task(name="sample-and-score", task_run_name="sample-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=_sample_and_score_sources))
+def sample_and_score_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
+                          resident: ResidentTrainer, served_models: ServedModels, reward_loops: RewardLoops,
+                          curriculum: str | None = None) -> dict:
+    """A streamed step's sample stage (`algorithm.rl.reward_loop.streamed`): sample_task's rollouts and metrics,
+    each rollout scored the moment it is sampled (rl/streamed.py). `rewards`: the id of their results in row order,
+    which score_merge_task (score-step-k) puts into the table: the table, id and metrics score_task gives.
+    `score_tail_s`: how long the stage waited for rewards after its last rollout."""
+    started = time.perf_counter()
+    store = open_store(config)
+    policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident)
+    samplers = build_samplers(config, policy.model, policy.tokenizer, served_models, policy_state=policy_state)
+    streamed = sample_and_score(config, samplers, _prompt_tables(config, prompts_ids), step, reward_loops,
+                                curriculum_state=None if curriculum is None else store.get_json(curriculum))
+    return {"rollouts": store.put_table(streamed.rollouts),
+            "rewards": store.put_json(rewards_json(streamed.results, streamed.reward_model_metrics)),
+            "metrics": {**streamed.sample_metrics, **reload_metrics(samplers.values()),
+                        "sample_s": streamed.sampled_at - started,
+                        "score_tail_s": streamed.scored_at - streamed.sampled_at}}
+
+
 @task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_reward_sources))
 def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int,
                reward_loops: RewardLoops) -> dict:
@@ -180,23 +209,21 @@ def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id:
     """The rewards of one chunk of a step's rollouts (chunk_rows), scored where the run's task runner put this
     task (a Dask or Ray worker): with reward functions built here, since the flow's RewardLoops cannot travel.
     Judges and reward models served over HTTP are reached from here; an embedded reward model loads here, once
-    per chunk. Returns the id of the chunk's results (JSON: rollout_lib.rl.score.results_json)."""
+    per chunk. Returns the id of the chunk's results (JSON: rollout_lib.rl.score.rewards_json)."""
     store = open_store(config)
     rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
     start, stop = chunk_rows(rollouts.num_rows, chunk, chunks)
     with ServedModels(config.run.store) as served_models, run_reward_loops(config, served_models) as reward_loops:
         results, reward_model_metrics = reward_results(config, rollouts.slice(start, stop - start),
                                                        _prompt_tables(config, prompts_ids), reward_loops)
-    # Pairs, not an object: the store's JSON sorts keys, and the metrics keep score_task's order.
-    return store.put_json({"results": results_json(results),
-                           "reward_model_metrics": list(reward_model_metrics.items())})
+    return store.put_json(rewards_json(results, reward_model_metrics))
 
 
 @task(name="score-merge", task_run_name="score-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_reward_sources))
 def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: list[str]) -> dict:
-    """The step's scored rollouts from its chunks' results, concatenated in row order: the table (and its id)
-    and metrics score_task gives."""
+    """The step's scored rollouts from its chunks' results, concatenated in row order (a streamed step's: one
+    chunk, scored as it was sampled): the table (and its id) and metrics score_task gives."""
     started = time.perf_counter()
     store = open_store(config)
     rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)

@@ -360,6 +360,8 @@ class RlConfig(EntryPointConfig):
         settings = super().training_settings()
         # The circuit breaker decides whether a step fails, never what a step that runs trains.
         settings["reward_loop"].pop("max_missing_fraction")
+        # Scoring each rollout as it is sampled or after the last changes when a reward is computed, never its value.
+        settings["reward_loop"].pop("streamed")
         settings["policy_sampler"] = self.settings.policy_sampler.identity_settings()
         # What the logprobs are, not how it was spelt: "auto" and the value it resolves to are one training. At
         # their defaults (k = 0, the sampler's logprobs) both are left out: the synchronous loop's identity is as

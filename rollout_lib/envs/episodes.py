@@ -63,9 +63,12 @@ class Episode:
 
 def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt_rows: list[dict],
                  prompt_ids: list[list[int]], params, seed: int, stop_ids: list[int],
-                 context_limit: int | None = None) -> list[Episode]:
+                 context_limit: int | None = None,
+                 on_end: Callable[[int, Episode], None] | None = None) -> list[Episode]:
     """`params.group_size` episodes per prompt row, prompt-major. `generate(sequences, params, seed)` continues
-    each sequence by one model turn. Raises EpisodeError when an episode cannot go on."""
+    each sequence by one model turn. `on_end(index, episode)`: told of each episode at the end of the turn it
+    ended in (a streamed step scores it while the others play on). Raises EpisodeError when an episode cannot go
+    on."""
     episodes = []
     for row, ids in zip(prompt_rows, prompt_ids):
         for _ in range(params.group_size):
@@ -75,6 +78,14 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
                                    f"{_example(row)}, not a dict")
             episodes.append(Episode(row, list(ids), state, [dict(m) for m in row["messages"]]))
     stops = set(stop_ids)
+    told: set[int] = set()
+
+    def tell(every: bool = False) -> None:  # the ended ones (every one, at the end), in index order
+        for index, episode in enumerate(episodes):
+            if on_end is not None and index not in told and (every or episode.end is not None):
+                told.add(index)
+                on_end(index, episode)
+
     for turn in range(interaction.settings.max_turns):
         running = [episode for episode in episodes if episode.end is None]
         if context_limit is not None:
@@ -82,6 +93,7 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
                 if len(episode.sequence) >= context_limit:
                     episode.end = "context"
             running = [episode for episode in running if episode.end is None]
+        tell()  # what ended last turn (or just now, at the context limit) scores while this turn samples
         if not running:
             break
         outputs = generate([episode.sequence for episode in running], params, derived_seed("episode-turn", seed, turn))
@@ -94,6 +106,7 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
                 episode.end = "truncated"
             else:
                 _env_turn(episode, interaction, tokenizer, ids[-1])
+    tell(every=True)
     return episodes
 
 

@@ -137,12 +137,14 @@ class RewardLoop:
         """Score from sync code (runs its own event loop; use `ascore` inside a running loop)."""
         return asyncio.run(self.ascore(items))
 
-    async def ascore(self, items: Sequence[RewardInput]) -> list[RewardResult]:
-        """One RewardResult per item, in order."""
+    async def ascore(self, items: Sequence[RewardInput],
+                     slots: asyncio.Semaphore | None = None) -> list[RewardResult]:
+        """One RewardResult per item, in order. `slots`: a bound shared with other calls (a streamed step scores
+        each rollout in a call of its own), else one of `concurrency` for this call."""
         if self._closed:
             raise RuntimeError("RewardLoop is closed")
         # Bounds function calls in flight, whatever mix of items and functions they belong to.
-        slots = asyncio.Semaphore(self.concurrency)
+        slots = asyncio.Semaphore(self.concurrency) if slots is None else slots
         return list(await asyncio.gather(*(self._score_item(item, slots) for item in items)))
 
     async def _score_item(self, item: RewardInput, slots: asyncio.Semaphore) -> RewardResult:

@@ -133,3 +133,7 @@ class RewardLoopSettings(StrictModel):
     # rollouts the failure happened to spare (often the easy or short ones), not on the batch that was sampled.
     # 1.0: only a step where every reward is missing fails.
     max_missing_fraction: float = Field(0.5, ge=0, le=1)
+    # Score each rollout as soon as it is sampled, while the step samples on (seed 004's agent reward loop), instead
+    # of after the step's last rollout. The same rewards either way, so not part of the training identity. A run
+    # with a dask or ray task runner scores in chunks after sampling whatever this says (docs/rewards.md).
+    streamed: bool = True

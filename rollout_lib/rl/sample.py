@@ -6,6 +6,7 @@ id, or `frozen:<identity>`."""
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ from rollout_lib.envs import build_interaction
 from rollout_lib.envs.episodes import EpisodeError
 from rollout_lib.rl.prompts import select_prompts
 from rollout_lib.sampling import SAMPLERS, SamplingContext
+from rollout_lib.sampling.base import OnRollout
 from rollout_lib.sampling.frozen import FrozenSampler
 from rollout_lib.determinism import derived_seed
 from rollout_lib.identity.training import frozen_identity
@@ -51,8 +53,13 @@ def policy_sampler(config: RlConfig, model, tokenizer, served_models, policy_sta
 
 
 def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table],
-                    step: int, curriculum_state: dict | None = None) -> tuple[pa.Table, dict]:
+                    step: int, curriculum_state: dict | None = None,
+                    stream_to: Callable[[str, pa.Table], OnRollout] | None = None) -> tuple[pa.Table, dict]:
     """ROLLOUTS of every env for `step` (rewards null), and sampling metrics.
+
+    `stream_to(env name, the env's chosen PROMPTS)`: the callback its sampler tells of each of the env's rows as
+    soon as the row is final (sampling.base.RolloutRows), by its index among the env's rows (rl/streamed.py
+    scores it then). The table is the same with or without it.
 
     `curriculum_state`: the difficulty pools to draw with (rl/curriculum.py, `{env: {example_id: pool}}`), read
     by the envs that set `curriculum`; None: every env draws uniformly. Per such env, the metrics count the
@@ -69,10 +76,12 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
             curriculum_metrics[f"curriculum/{env.name}/drawn_easy"] = pools.count("easy")
             curriculum_metrics[f"curriculum/{env.name}/drawn_hard"] = pools.count("hard")
         interaction = build_interaction(env.interaction) if env.interaction is not None else None
+        streaming = {} if stream_to is None else {"on_rollout": stream_to(env.name, chosen)}
         try:
             parts.append(samplers[env.name].sample(chosen, env.sampling,
                                                    derived_seed(config.run.seed, "sample", step, env_index),
-                                                   interaction=interaction, context_limit=config.settings.max_seq_len))
+                                                   interaction=interaction, context_limit=config.settings.max_seq_len,
+                                                   **streaming))
         except EpisodeError as exc:
             raise EpisodeError(f"{env_locator(env_index, 'interaction')}: {exc}") from exc
     rollouts = pa.concat_tables(parts)

@@ -104,6 +104,13 @@ def results_from_json(rows: list[dict]) -> list[RewardResult]:
     return [RewardResult(row["reward"], row["error"], dict(row["per_function"])) for row in rows]
 
 
+def rewards_json(results: list[RewardResult], reward_model_metrics: dict[str, int]) -> dict:
+    """Rewards of some rows, in row order, and the reward models' counts, as stored between a stage that scored
+    them (a chunk of a dask or ray fan-out, a streamed sample stage) and the one that puts them into the table:
+    pairs, not an object, for the counts, since the store's JSON sorts keys and the metrics keep their order."""
+    return {"results": results_json(results), "reward_model_metrics": list(reward_model_metrics.items())}
+
+
 def function_means(env_name: str | None, results: list) -> dict[str, float | None]:
     """`reward/<function>` (`reward/<env>/<function>` with several envs): each reward function's unweighted mean
     over the rollouts it scored, for envs with more than one (a weight-0 function is watched, not trained on)."""

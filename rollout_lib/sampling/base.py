@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
@@ -79,6 +79,9 @@ class Sampler(ABC):
 
     type_name: ClassVar[str]
     settings_class: ClassVar[type[SamplerSettings]]
+    # Whether `generate` takes `on_done(index, completion)`, called as each sequence's completion is final (before
+    # the call returns), so a streamed step scores it at once; a backend without it is told of every row at the end.
+    streams_completions: ClassVar[bool] = False
 
     def __init__(self, settings: SamplerSettings, model, tokenizer, context: SamplingContext | None = None):
         self.settings = settings
@@ -98,23 +101,34 @@ class Sampler(ABC):
     def generate(self, sequences: list[list[int]], params: SamplingParams,
                  seed: int) -> list[tuple[list[int], list[float]]]:
         """Each sequence continued by one model turn: (token ids up to and including the stop token if one was
-        produced, the logprob each was drawn with), in order. Seeded: the same call gives the same tokens."""
+        produced, the logprob each was drawn with), in order. Seeded: the same call gives the same tokens. A backend
+        with `streams_completions` also takes `on_done=None`, called with (index, completion) as each is final."""
 
     def sample(self, prompts: pa.Table, params: SamplingParams, seed: int, interaction=None,
-               context_limit: int | None = None) -> pa.Table:
+               context_limit: int | None = None, on_rollout: OnRollout | None = None) -> pa.Table:
         """ROLLOUTS rows (reward and reward_error null) for every PROMPTS row, `params.group_size` each; with an
-        interaction (envs.base.Interaction), each row is a whole episode of at most `context_limit` tokens."""
+        interaction (envs.base.Interaction), each row is a whole episode of at most `context_limit` tokens.
+        `on_rollout(index, row)`: told of each row as soon as it is final (RolloutRows), in any order."""
         prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
         sampled_from = self.context.policy_state
         if interaction is not None:
             return sample_episodes(self.generate, self.tokenizer, interaction, prompts, prompt_ids, params, seed,
                                    stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None)),
-                                   context_limit, sampled_from)
+                                   context_limit, sampled_from, on_rollout=on_rollout)
+        rows = RolloutRows(prompts, params.group_size, prompt_ids, sampled_from=sampled_from, on_rollout=on_rollout)
+
+        def done(index: int, completion: tuple[list[int], list[float]]) -> None:
+            ids, logprobs = completion
+            rows.add(index, ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True))
+
         # Prompt-major: the group of prompt 0, then of prompt 1, ...
         sequences = [ids for ids in prompt_ids for _ in range(params.group_size)]
-        completions = [(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True))
-                       for ids, logprobs in self.generate(sequences, params, seed)]
-        return rollouts_table(prompts, params.group_size, prompt_ids, completions, sampled_from=sampled_from)
+        if self.streams_completions:
+            self.generate(sequences, params, seed, on_done=done)
+        else:
+            for index, completion in enumerate(self.generate(sequences, params, seed)):
+                done(index, completion)
+        return rows.table()
 
 
 SAMPLERS: dict[str, type[Sampler]] = {}
@@ -129,42 +143,58 @@ def sample_id(example_id: str, group_index: int) -> str:
 
 def sample_episodes(generate, tokenizer, interaction, prompts: pa.Table, prompt_ids: list[list[int]],
                     params: SamplingParams, seed: int, stop_ids: list[int], context_limit: int | None,
-                    sampled_from: str | None = None) -> pa.Table:
-    """ROLLOUTS of whole episodes (envs/episodes.py), with their turns and episode records."""
+                    sampled_from: str | None = None, on_rollout: OnRollout | None = None) -> pa.Table:
+    """ROLLOUTS of whole episodes (envs/episodes.py), with their turns and episode records; `on_rollout` is told of
+    each episode's row when it ends (at the end of the turn it ended in)."""
     from rollout_lib.envs.episodes import run_episodes
 
     rows = prompts.to_pylist()
     for row in rows:
         row["info"] = json.loads(row["info"]) if row["info"] else {}
-    episodes = run_episodes(generate, tokenizer, interaction, rows, prompt_ids, params, seed, stop_ids, context_limit)
-    completions = [(e.completion_ids, e.logprobs, tokenizer.decode(e.completion_ids, skip_special_tokens=True))
-                   for e in episodes]
-    return rollouts_table(prompts, params.group_size, prompt_ids, completions,
-                          [(e.turns, e.record()) for e in episodes], sampled_from=sampled_from)
+    table = RolloutRows(prompts, params.group_size, prompt_ids, sampled_from=sampled_from, on_rollout=on_rollout)
+
+    def ended(index: int, episode) -> None:
+        table.add(index, episode.completion_ids, episode.logprobs,
+                  tokenizer.decode(episode.completion_ids, skip_special_tokens=True), (episode.turns, episode.record()))
+
+    run_episodes(generate, tokenizer, interaction, rows, prompt_ids, params, seed, stop_ids, context_limit,
+                 on_end=ended)
+    return table.table()
 
 
-def rollouts_table(prompts: pa.Table, group_size: int, prompt_ids: list[list[int]],
-                   completions: list[tuple[list[int], list[float | None], str]],
-                   episodes: list[tuple[list[dict], str]] | None = None, *,
-                   sampled_from: str | None = None) -> pa.Table:
-    """Assemble ROLLOUTS rows from per-prompt ids and prompt-major (ids, logprobs, text) completions, and for a
-    multi-turn env each one's (turns, episode record); `sampled_from`: what sampled them (wire.ROLLOUTS)."""
-    rows = prompts.to_pylist()
-    if len(completions) != len(rows) * group_size:
-        raise ValueError(f"{len(completions)} completions for {len(rows)} prompts x group_size {group_size}")
-    records: list[dict[str, Any]] = []
-    for index, (ids, logprobs, text) in enumerate(completions):
-        prompt_row, group_index = divmod(index, group_size)
-        row = rows[prompt_row]
+# Told of one ROLLOUTS row (a dict, as wire.ROLLOUTS) by its prompt-major index, once the row is final.
+OnRollout = Callable[[int, dict], None]
+
+
+class RolloutRows:
+    """A stage's ROLLOUTS rows, added as their completions finish, in any order: each handed to `on_rollout` when
+    added, and the table, prompt-major, once all are in. The table is the same whatever the order rows came in,
+    and each row handed over is the very dict the table is built from."""
+
+    def __init__(self, prompts: pa.Table, group_size: int, prompt_ids: list[list[int]], *,
+                 sampled_from: str | None = None, on_rollout: OnRollout | None = None):
+        self.prompt_rows = prompts.to_pylist()
+        self.group_size = group_size
+        self.prompt_ids = prompt_ids
+        self.sampled_from = sampled_from
+        self.on_rollout = on_rollout
+        self.records: list[dict[str, Any] | None] = [None] * (len(self.prompt_rows) * group_size)
+
+    def add(self, index: int, ids: list[int], logprobs: list[float | None], text: str,
+            episode: tuple[list[dict], str] | None = None) -> None:
+        """Completion `index` (prompt-major): its tokens, their logprobs, its text, and for a multi-turn env its
+        (turns, episode record)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"completion {index}: {len(ids)} tokens but {len(logprobs)} logprobs")
-        turns, episode = episodes[index] if episodes is not None else (None, None)
-        records.append({
+        prompt_row, group_index = divmod(index, self.group_size)
+        row = self.prompt_rows[prompt_row]
+        turns, record = episode if episode is not None else (None, None)
+        self.records[index] = {
             "sample_id": sample_id(row["example_id"], group_index),
             "example_id": row["example_id"],
             "env": row["env"],
             "group_index": group_index,
-            "prompt_ids": prompt_ids[prompt_row],
+            "prompt_ids": self.prompt_ids[prompt_row],
             "completion_ids": ids,
             "sampling_logprobs": logprobs,
             "completion_text": text,
@@ -173,10 +203,32 @@ def rollouts_table(prompts: pa.Table, group_size: int, prompt_ids: list[list[int
             "reward": None,
             "reward_error": None,
             "completion_turns": turns,
-            "episode": episode,
-            "sampled_from": sampled_from,
-        })
-    return pa.Table.from_pylist(records, schema=wire.ROLLOUTS)
+            "episode": record,
+            "sampled_from": self.sampled_from,
+        }
+        if self.on_rollout is not None:
+            self.on_rollout(index, self.records[index])
+
+    def table(self) -> pa.Table:
+        missing = sum(record is None for record in self.records)
+        if missing:
+            raise ValueError(f"{len(self.records) - missing} completions for {len(self.prompt_rows)} prompts x "
+                             f"group_size {self.group_size}")
+        return pa.Table.from_pylist(self.records, schema=wire.ROLLOUTS)
+
+
+def rollouts_table(prompts: pa.Table, group_size: int, prompt_ids: list[list[int]],
+                   completions: list[tuple[list[int], list[float | None], str]],
+                   episodes: list[tuple[list[dict], str]] | None = None, *,
+                   sampled_from: str | None = None) -> pa.Table:
+    """Assemble ROLLOUTS rows from per-prompt ids and prompt-major (ids, logprobs, text) completions, and for a
+    multi-turn env each one's (turns, episode record); `sampled_from`: what sampled them (wire.ROLLOUTS)."""
+    rows = RolloutRows(prompts, group_size, prompt_ids, sampled_from=sampled_from)
+    if len(completions) != len(rows.records):
+        raise ValueError(f"{len(completions)} completions for {prompts.num_rows} prompts x group_size {group_size}")
+    for index, (ids, logprobs, text) in enumerate(completions):
+        rows.add(index, ids, logprobs, text, episodes[index] if episodes is not None else None)
+    return rows.table()
 
 
 def prompt_messages(prompts: pa.Table) -> list[list[dict]]:

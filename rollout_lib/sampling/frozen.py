@@ -20,10 +20,11 @@ import asyncio
 import pyarrow as pa
 
 from rollout_lib.sampling.base import (
+    OnRollout,
+    RolloutRows,
     SamplingParams,
     encode_prompt,
     prompt_messages,
-    rollouts_table,
     sample_episodes,
     stop_token_ids,
 )
@@ -42,15 +43,17 @@ class FrozenSampler:
         self.sampled_from = sampled_from
 
     def sample(self, prompts: pa.Table, params: SamplingParams, seed: int, interaction=None,
-               context_limit: int | None = None) -> pa.Table:
+               context_limit: int | None = None, on_rollout: OnRollout | None = None) -> pa.Table:
+        """As every sampler's (base.Sampler.sample): `on_rollout` is told of each row as its request returns."""
         prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
         if interaction is not None:
             return sample_episodes(self.generate, self.tokenizer, interaction, prompts, prompt_ids, params, seed,
-                                   stop_token_ids(self.tokenizer), context_limit, self.sampled_from)
-        generations = asyncio.run(self._generate_all(prompt_ids, params, seed))
-        completions = [(g.token_ids, g.logprobs, self.tokenizer.decode(g.token_ids, skip_special_tokens=True))
-                       for g in generations]
-        return rollouts_table(prompts, params.group_size, prompt_ids, completions, sampled_from=self.sampled_from)
+                                   stop_token_ids(self.tokenizer), context_limit, self.sampled_from,
+                                   on_rollout=on_rollout)
+        rows = RolloutRows(prompts, params.group_size, prompt_ids, sampled_from=self.sampled_from,
+                           on_rollout=on_rollout)
+        asyncio.run(self._generate_all(prompt_ids, params, seed, rows))
+        return rows.table()
 
     def generate(self, sequences: list[list[int]], params: SamplingParams,
                  seed: int) -> list[tuple[list[int], list[float]]]:
@@ -70,17 +73,19 @@ class FrozenSampler:
 
         return [(g.token_ids, g.logprobs) for g in asyncio.run(every())]
 
-    async def _generate_all(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> list:
+    async def _generate_all(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
+                            rows: RolloutRows) -> None:
         gate = asyncio.Semaphore(self.concurrency)
         stops = stop_token_ids(self.tokenizer)
 
         async def one(row: int, group_index: int):
             async with gate:
-                return await self.pool.generate(
+                g = await self.pool.generate(
                     prompt_ids[row], max_tokens=params.max_tokens, temperature=params.temperature,
                     top_p=params.top_p, seed=derived_seed("frozen-sampler", seed, row, group_index),
                     stop_token_ids=stops)
+            # Placed by its prompt-major index, whatever order requests finish in.
+            rows.add(row * params.group_size + group_index, g.token_ids, g.logprobs,
+                     self.tokenizer.decode(g.token_ids, skip_special_tokens=True))
 
-        # Prompt-major, as rollouts_table expects; gather keeps this order whatever order requests finish in.
-        return await asyncio.gather(*(one(row, g) for row in range(len(prompt_ids))
-                                      for g in range(params.group_size)))
+        await asyncio.gather(*(one(row, g) for row in range(len(prompt_ids)) for g in range(params.group_size)))

@@ -32,14 +32,19 @@ class HfSamplerSettings(SamplerSettings):
 class HfSampler(Sampler):
     type_name = "hf"
     settings_class = HfSamplerSettings
+    streams_completions = True  # a batch's completions are final when its generate call returns
 
-    def generate(self, sequences: list[list[int]], params: SamplingParams,
-                 seed: int) -> list[tuple[list[int], list[float]]]:
+    def generate(self, sequences: list[list[int]], params: SamplingParams, seed: int,
+                 on_done=None) -> list[tuple[list[int], list[float]]]:
         completions: list[tuple[list[int], list[float]]] = []
         size = self.settings.batch_size
         for chunk_index, start in enumerate(range(0, len(sequences), size)):
             chunk_seed = derived_seed("hf-sampler", seed, chunk_index)
-            completions.extend(self._generate(sequences[start:start + size], params, chunk_seed))
+            chunk = self._generate(sequences[start:start + size], params, chunk_seed)
+            if on_done is not None:
+                for index, completion in enumerate(chunk, start):
+                    on_done(index, completion)
+            completions.extend(chunk)
         return completions
 
     @torch.no_grad()

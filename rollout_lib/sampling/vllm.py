@@ -83,6 +83,7 @@ class VllmSamplerSettings(SamplerSettings):
 class VllmSampler(Sampler):
     type_name = "vllm"
     settings_class = VllmSamplerSettings
+    streams_completions = True  # each request's completion, as it comes back
 
     def __init__(self, settings: VllmSamplerSettings, model, tokenizer, context=None):
         super().__init__(settings, model, tokenizer, context)
@@ -103,12 +104,14 @@ class VllmSampler(Sampler):
     def _hold(self) -> None:
         self.hold_reports.append(self.server.hold(self.context.policy_state, self.model, self.tokenizer))
 
-    def sample(self, prompts, params: SamplingParams, seed: int, interaction=None, context_limit: int | None = None):
+    def sample(self, prompts, params: SamplingParams, seed: int, interaction=None, context_limit: int | None = None,
+               on_rollout=None):
         self._hold()
-        return super().sample(prompts, params, seed, interaction=interaction, context_limit=context_limit)
+        return super().sample(prompts, params, seed, interaction=interaction, context_limit=context_limit,
+                              on_rollout=on_rollout)
 
-    def generate(self, sequences: list[list[int]], params: SamplingParams,
-                 seed: int) -> list[tuple[list[int], list[float]]]:
+    def generate(self, sequences: list[list[int]], params: SamplingParams, seed: int,
+                 on_done=None) -> list[tuple[list[int], list[float]]]:
         from rollout_lib.serving.client import ReplicaUnavailable
         from rollout_lib.serving.pool import PoolUnavailable
 
@@ -119,7 +122,7 @@ class VllmSampler(Sampler):
         results: list[tuple[list[int], list[float]] | None] = [None] * len(sequences)
         pending = list(range(len(sequences)))
         for recovery in range(self.settings.max_recoveries + 1):
-            outcomes = asyncio.run(self._generate_some(pending, sequences, params, seeds, stops))
+            outcomes = asyncio.run(self._generate_some(pending, sequences, params, seeds, stops, on_done))
             failed = []
             for index, outcome in zip(pending, outcomes):
                 if isinstance(outcome, BaseException):
@@ -144,14 +147,17 @@ class VllmSampler(Sampler):
         raise AssertionError("unreachable")
 
     async def _generate_some(self, indices: list[int], sequences: list[list[int]], params: SamplingParams,
-                             seeds: list[int], stops: list[int]) -> list:
+                             seeds: list[int], stops: list[int], on_done=None) -> list:
         gate = asyncio.Semaphore(self.settings.concurrency)
         pool = self.server.pool
 
         async def one(index: int):
             async with gate:
-                return await pool.generate(sequences[index], max_tokens=params.max_tokens,
-                                           temperature=params.temperature, top_p=params.top_p, seed=seeds[index],
-                                           stop_token_ids=stops)
+                generation = await pool.generate(sequences[index], max_tokens=params.max_tokens,
+                                                 temperature=params.temperature, top_p=params.top_p,
+                                                 seed=seeds[index], stop_token_ids=stops)
+            if on_done is not None:  # a streamed step scores it now, while the other requests sample
+                on_done(index, (generation.token_ids, generation.logprobs))
+            return generation
 
         return await asyncio.gather(*(one(index) for index in indices), return_exceptions=True)

@@ -1,0 +1,152 @@
+"""The agent reward loop (seed 004): a step's rollouts scored as they are sampled, not after the last one.
+
+A streamed step's sample stage hands each rollout to StreamedScoring the moment its sampler has it final (a
+request back from the engine, a batch of the embedded sampler, an episode that ended: sampling.base.RolloutRows),
+and StreamedScoring starts its reward at once, on an event loop in a thread of its own, while the caller's thread
+samples on. Every reward depends on its own row alone, so the results, put in row order, are the ones the staged
+score stage gives (rl/score.py) and the scored table, its id and the step's checkpoint are the same either way;
+only the time differs (docs/rewards.md, "Scoring while sampling").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from rollout_lib import wire
+from rollout_lib.config.rl import RlConfig
+from rollout_lib.reward.loop import RewardResult
+from rollout_lib.reward.loops import RewardLoops
+from rollout_lib.reward.tables import reward_inputs
+from rollout_lib.rl.sample import sample_rollouts
+from rollout_lib.rl.score import env_reward_loop
+from rollout_lib.sampling.base import OnRollout
+
+
+@dataclass(frozen=True)
+class StreamedStep:
+    """What a streamed sample stage found: sample_rollouts' table and metrics, each row's reward in row order, the
+    reward models' counts (as rl.score.reward_results gives them) and when the last rollout and last reward
+    came (perf_counter seconds)."""
+
+    rollouts: pa.Table
+    sample_metrics: dict
+    results: list[RewardResult]
+    reward_model_metrics: dict[str, int]
+    sampled_at: float
+    scored_at: float
+
+
+def sample_and_score(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table], step: int,
+                     loops: RewardLoops, curriculum_state: dict | None = None) -> StreamedStep:
+    """sample_rollouts with every rollout scored as soon as it is sampled."""
+    with StreamedScoring(config, loops) as scoring:
+        rollouts, metrics = sample_rollouts(config, samplers, prompt_tables, step, curriculum_state,
+                                            stream_to=scoring.stream_to)
+        sampled_at = time.perf_counter()
+        results, reward_model_metrics = scoring.results(rollouts, prompt_tables)
+    return StreamedStep(rollouts, metrics, results, reward_model_metrics, sampled_at, time.perf_counter())
+
+
+class StreamedScoring:
+    """Scores rollouts as they are handed over (`stream_to`), each env with its own reward loop and its own bound
+    of `reward_loop.concurrency` calls in flight, as the staged stage's. Leaving the `with` block before
+    `results` (sampling failed) cancels the rewards in flight; the thread always ends there."""
+
+    def __init__(self, config: RlConfig, loops: RewardLoops):
+        self.loops = loops
+        # Built here, outside the event loop: building one may connect a judge.
+        self._env_loops = {env.name: env_reward_loop(loops, config, env) for env in config.settings.envs}
+        self._scoring: dict[tuple[str, int], tuple[str, concurrent.futures.Future]] = {}
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(started,), name="streamed-scoring", daemon=True)
+        self._thread.start()
+        started.wait()
+        if self._event_loop is None:
+            raise RuntimeError("the streamed scoring thread did not start")
+
+    # -- the scoring thread ---------------------------------------------------------------------------------------
+
+    def _serve(self, started: threading.Event) -> None:
+        # asyncio.run: at the end it cancels what is left and closes the loop's clients, as a staged score's does.
+        asyncio.run(self._until_stopped(started))
+
+    async def _until_stopped(self, started: threading.Event) -> None:
+        try:
+            self._stop = asyncio.Event()
+            self._slots = {name: asyncio.Semaphore(loop.concurrency) for name, loop in self._env_loops.items()}
+            self._event_loop = asyncio.get_running_loop()
+        finally:
+            started.set()
+        await self._stop.wait()
+
+    async def _score(self, env_name: str, item) -> RewardResult:
+        (result,) = await self._env_loops[env_name].ascore([item], self._slots[env_name])
+        return result
+
+    # -- the sampling thread --------------------------------------------------------------------------------------
+
+    def stream_to(self, env_name: str, prompts: pa.Table) -> OnRollout:
+        """The callback an env's sampler tells of each row (by its index among the env's rows); `prompts`: the
+        env's PROMPTS rows the step drew (their messages are the rewards' prompt)."""
+
+        def on_rollout(index: int, record: dict) -> None:
+            (item,) = reward_inputs(pa.Table.from_pylist([record], schema=wire.ROLLOUTS), prompts)
+            self._submit(env_name, index, record["sample_id"], item)
+
+        return on_rollout
+
+    def _submit(self, env_name: str, index: int, sample_id: str, item) -> None:
+        assert self._event_loop is not None
+        future = asyncio.run_coroutine_threadsafe(self._score(env_name, item), self._event_loop)
+        self._scoring[(env_name, index)] = (sample_id, future)
+
+    def results(self, rollouts: pa.Table, prompt_tables: dict[str, pa.Table]) -> tuple[list[RewardResult],
+                                                                                        dict[str, int]]:
+        """Each row's RewardResult, row for row, once all are in, and the reward models' counts. A row no sampler
+        handed over (a backend that does not stream) is scored now; a row handed over under another sample id
+        than the table's is a bug in a sampler's indices, and fails loudly."""
+        envs = rollouts.column("env").to_pylist()
+        sample_ids = rollouts.column("sample_id").to_pylist()
+        seen: Counter = Counter()
+        futures = []
+        for row, (env_name, sample_id) in enumerate(zip(envs, sample_ids)):
+            key = (env_name, seen[env_name])  # the env's rows are contiguous, in the order its sampler indexed them
+            seen[env_name] += 1
+            if key not in self._scoring:
+                (item,) = reward_inputs(rollouts.slice(row, 1), prompt_tables[env_name])
+                self._submit(env_name, key[1], sample_id, item)
+            handed, future = self._scoring[key]
+            if handed != sample_id:
+                raise AssertionError(f"streamed scoring: row {row} is {sample_id!r}, its sampler handed over "
+                                     f"{handed!r} at that index")
+            futures.append(future)
+        if len(futures) != len(self._scoring):
+            raise AssertionError(f"streamed scoring: {len(self._scoring)} rollouts handed over, {len(futures)} in "
+                                 "the table")
+        return [future.result() for future in futures], self.loops.take_reward_model_metrics()
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        for _, future in self._scoring.values():
+            future.cancel()  # nothing, once all are in; a failed stage's rewards in flight otherwise
+        if self._thread.is_alive():
+            assert self._event_loop is not None and self._stop is not None
+            self._event_loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join()
+
+    def __enter__(self) -> StreamedScoring:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,260 @@
+"""Scoring while sampling (`algorithm.rl.reward_loop.streamed`, seed 004's agent reward loop): each rollout's reward
+starts as soon as the rollout is sampled, and the step's tables, metrics and checkpoint are the staged path's.
+
+In process: a streamed sample stage gives the staged stages' tables and metrics, for a single-turn and a multi-turn
+env; rewards start before the last completion is sampled; an episode is told as soon as the turn it ended in is
+done. Through the CLI (slow): streamed and staged runs end on the same checkpoint, single- and multi-turn, and a
+streamed run SIGKILLed inside a sample-and-score stage reruns to it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pyarrow as pa
+import pytest
+
+import streamed_rewards
+from rollout_lib import wire
+from rollout_lib.config import RlConfig, load_config, training_hash
+from rollout_lib.envs import build_interaction
+from rollout_lib.envs.calculator import CalculatorSettings
+from rollout_lib.envs.episodes import run_episodes
+from rollout_lib.identity.training import training_identity
+from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs
+from rollout_lib.rl.prompts import load_prompts
+from rollout_lib.rl.sample import build_samplers, sample_rollouts
+from rollout_lib.rl.score import run_reward_loops, score_rollouts, scored_rollouts
+from rollout_lib.rl.streamed import sample_and_score
+from rollout_lib.sampling import SamplingParams
+from rollout_lib.sampling.base import encode_prompt
+from rollout_lib.sampling.hf import HfSampler
+from rollout_lib.store import ObjectStore
+from rollout_lib.trainer.resident import ResidentTrainer
+
+from clirun import ROOT, final_result, run_rollout, task_run_states
+
+TINY = str(ROOT / "configs/rl-tiny.toml")
+# Batches of 8 sequences: the embedded sampler's completions come back a batch at a time, so they stream.
+EMBEDDED_IN_BATCHES = 'algorithm.rl.policy_sampler={ type = "hf", batch_size = 8 }'
+CALCULATOR_ENV = {
+    "name": "calculator", "source": {"type": "jsonl_path", "path": str(ROOT / "data/rl-calculator-prompts.jsonl")},
+    "prompts_per_step": 2, "sampling": {"group_size": 4, "max_tokens": 12},
+    "interaction": {"type": "calculator", "max_turns": 3}, "algo": {"type": "echo"},
+    "rewards": [{"function": "env_score"}],
+}
+
+
+def config(*overrides: str, calculator: bool = False) -> RlConfig:
+    """rl-tiny (and a multi-turn calculator env beside it), in an in-memory store."""
+    extra = [f"algorithm.rl.envs={json_to_toml([*rl_tiny_envs(), CALCULATOR_ENV])}"] if calculator else []
+    return load_config(RlConfig, TINY, ["run.store=memory://streamed", EMBEDDED_IN_BATCHES, *extra, *overrides])
+
+
+def rl_tiny_envs() -> list[dict]:
+    return [{"name": "words", "source": {"type": "jsonl_path", "path": str(ROOT / "data/rl-tiny-prompts.jsonl")},
+             "prompts_per_step": 4, "sampling": {"group_size": 8, "temperature": 1.0, "max_tokens": 16},
+             "algo": {"type": "grpo"}, "rewards": [{"function": "target_length",
+                                                     "kwargs": {"target": 12, "unit": "words"}}]}]
+
+
+def json_to_toml(value) -> str:
+    """An inline TOML value (what `--set key=value` takes) from JSON-like data."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{key} = {json_to_toml(item)}" for key, item in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(json_to_toml(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+@pytest.fixture
+def policy_run():
+    """(config -> (samplers, prompt tables, reward loops)) at the initial policy; everything closed after."""
+    opened = []
+
+    def at_start(cfg: RlConfig):
+        store = ObjectStore(cfg.run.store)
+        prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
+        run = policy_inputs(store, cfg, {name: store.put_table(table) for name, table in prompts.items()})
+        resident, loops = ResidentTrainer(), run_reward_loops(cfg)
+        opened.extend([resident, loops])
+        policy = policy_at(run, initial_policy(run, resident), resident)
+        return lambda: build_samplers(cfg, policy.model, policy.tokenizer), prompts, loops
+
+    yield at_start
+    for thing in opened:
+        thing.close()
+
+
+@pytest.mark.parametrize("calculator", [False, True], ids=["single-turn", "with-multi-turn"])
+def test_a_streamed_sample_stage_gives_the_staged_tables_and_metrics(policy_run, calculator):
+    cfg = config(calculator=calculator)
+    samplers, prompts, loops = policy_run(cfg)
+    rollouts, sample_metrics = sample_rollouts(cfg, samplers(), prompts, 1)
+    scored, score_metrics = score_rollouts(cfg, rollouts, prompts, loops)
+
+    streamed = sample_and_score(cfg, samplers(), prompts, 1, loops)
+    assert streamed.rollouts.equals(rollouts) and streamed.sample_metrics == sample_metrics
+    streamed_scored, streamed_metrics = scored_rollouts(cfg, streamed.rollouts, streamed.results,
+                                                        streamed.reward_model_metrics)
+    assert streamed_scored.equals(scored) and streamed_metrics == score_metrics
+    if calculator:  # both envs scored, episodes included
+        assert set(scored.column("env").to_pylist()) == {"words", "calculator"}
+        assert scored.filter(pa.compute.equal(scored["env"], "calculator"))["episode"].null_count == 0
+    assert streamed.sampled_at <= streamed.scored_at
+
+
+def test_rewards_start_before_the_last_completion_is_sampled(policy_run, monkeypatch):
+    """4 batches of 8 completions: the first batch's rewards start while the later batches sample."""
+    cfg = config('algorithm.rl.envs[0].rewards=[{ function = "streamed_rewards:recorded_target_length" }]')
+    samplers, prompts, loops = policy_run(cfg)
+    batch_ends = []
+    generate = HfSampler._generate
+
+    def timed(self, *args, **kwargs):
+        completions = generate(self, *args, **kwargs)
+        batch_ends.append(time.monotonic())
+        return completions
+
+    monkeypatch.setattr(HfSampler, "_generate", timed)
+    streamed_rewards.STARTED.clear()
+    streamed = sample_and_score(cfg, samplers(), prompts, 1, loops)
+    assert len(batch_ends) == 4 and len(streamed_rewards.STARTED) == 32
+    # Every batch but the last was being scored before the last batch was sampled.
+    assert sum(start < batch_ends[-1] for start in streamed_rewards.STARTED) >= 24, (streamed_rewards.STARTED,
+                                                                                   batch_ends)
+    assert all(result.reward is not None for result in streamed.results)
+
+
+def test_an_episode_is_handed_over_when_the_turn_it_ended_in_is_done():
+    """Episode 0 answers at once, episode 1 calls the calculator first: 0 is told before turn 2 is sampled."""
+    from rollout_lib.model.loading import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model("tiny:qwen2"))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    events = []
+
+    def generate(sequences, params, seed):
+        events.append(("turn", len(sequences)))
+        outputs = []
+        for sequence in sequences:
+            text = tokenizer.decode(sequence)
+            turn = text.count("<|im_start|>assistant") - 1
+            answer = "It is 2." if "1 + 1" in text else ["calc: 3 * 5", "It is 15."][turn]
+            ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [end]
+            outputs.append((ids, [-0.5] * len(ids)))
+        return outputs
+
+    questions = ["What is 1 + 1?", "What is 3 * 5?"]
+    rows = [{"example_id": f"q{i}", "env": "calc", "messages": [{"role": "user", "content": q}], "answer": answer,
+             "info": {}} for i, (q, answer) in enumerate(zip(questions, ["2", "15"]))]
+    prompt_ids = [encode_prompt(tokenizer, row["messages"]) for row in rows]
+    episodes = run_episodes(generate, tokenizer, build_interaction(CalculatorSettings(max_turns=3)), rows, prompt_ids,
+                            SamplingParams(group_size=1, max_tokens=16), 0, [end], 256,
+                            on_end=lambda index, episode: events.append(("ended", index, episode.end)))
+    assert events == [("turn", 2), ("ended", 0, "env"), ("turn", 1), ("ended", 1, "env")]
+    assert [episode.model_turns for episode in episodes] == [1, 2]
+
+
+def test_the_streamed_tasks_return_the_staged_tasks_ids(tmp_path):
+    """sample-and-score then score-merge (streamed) give the ids sample then score (staged) give."""
+    from tasks.rl import init_policy_task, sample_and_score_task, sample_task, score_merge_task, score_task
+
+    cfg = config(f"run.store={tmp_path / 'store'}", calculator=True)
+    store = ObjectStore(cfg.run.store)
+    prompts = {env.name: store.put_table(load_prompts(env)) for env in cfg.settings.envs}
+    with ResidentTrainer() as resident, run_reward_loops(cfg) as loops:
+        state = init_policy_task.fn(cfg, prompts, resident)["checkpoint"]
+        sampled = sample_task.fn(cfg, prompts, state, 1, resident, None)
+        scored = score_task.fn(cfg, prompts, sampled["rollouts"], 1, loops)
+        streamed = sample_and_score_task.fn(cfg, prompts, state, 1, resident, None, loops)
+        merged = score_merge_task.fn(cfg, streamed["rollouts"], 1, [streamed["rewards"]])
+
+    def untimed(metrics: dict) -> dict:
+        return {name: value for name, value in metrics.items() if not name.endswith("_s")}
+
+    assert streamed["rollouts"] == sampled["rollouts"] and untimed(streamed["metrics"]) == untimed(sampled["metrics"])
+    assert merged["rollouts"] == scored["rollouts"] and untimed(merged["metrics"]) == untimed(scored["metrics"])
+    assert streamed["metrics"]["score_tail_s"] >= 0
+
+
+def test_streaming_is_the_default_and_in_no_identity():
+    streamed, staged = load_config(RlConfig, TINY), load_config(RlConfig, TINY, ["algorithm.rl.reward_loop.streamed=false"])
+    assert streamed.settings.reward_loop.streamed and not staged.settings.reward_loop.streamed
+    assert training_hash(streamed) == training_hash(staged)
+    assert training_identity(streamed) == training_identity(staged)
+
+
+# --- through the CLI, on the session's Prefect server ------------------------------------------------------------
+
+STAGED = ["--set", "algorithm.rl.reward_loop.streamed=false"]
+
+
+def rl_run(store, *settings: str, steps: int = 2) -> dict:
+    done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--set", f"run.store={store}",
+                       "--set", f"algorithm.rl.budget.max_steps={steps}", *settings)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return final_result(done)
+
+
+@pytest.mark.slow
+def test_streamed_and_staged_runs_end_on_the_same_checkpoint(prefect_server, tmp_path):
+    """rl-tiny, 2 steps: synchronous, one step off-policy, and with a multi-turn env beside it."""
+    streamed = rl_run(tmp_path / "streamed")
+    staged = rl_run(tmp_path / "staged", *STAGED)
+    assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
+    states = task_run_states(streamed["flow_run_id"])
+    assert {f"{stage}-step-{k}" for stage in ("sample", "score", "train") for k in (1, 2)} <= set(states)
+
+    # One step off-policy: step n+1's sample-and-score runs while step n trains.
+    off_policy = ["--set", "algorithm.rl.max_off_policy_steps=1"]
+    streamed = rl_run(tmp_path / "streamed-k1", *off_policy)
+    staged = rl_run(tmp_path / "staged-k1", *off_policy, *STAGED)
+    assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
+
+    # A multi-turn env beside it, sampled in batches of 8 so that completions and episodes stream.
+    envs = ["--set", EMBEDDED_IN_BATCHES, "--set", f"algorithm.rl.envs={json_to_toml([*rl_tiny_envs(), CALCULATOR_ENV])}"]
+    streamed = rl_run(tmp_path / "streamed-multi", *envs)
+    staged = rl_run(tmp_path / "staged-multi", *envs, *STAGED)
+    assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
+
+
+@pytest.mark.slow
+def test_a_streamed_run_killed_inside_a_sample_and_score_stage_reruns_to_its_checkpoint(prefect_server, tmp_path):
+    """3 steps whose reward takes 0.1 s a call; SIGKILLed once step 2's rewards are 8 in (its stage half done), the
+    rerun takes step 1 from cache, samples and scores step 2 again and ends on the uninterrupted run's checkpoint."""
+    import signal
+    import subprocess
+
+    from clirun import cli_env, rollout_command
+
+    slow = ["--set", 'algorithm.rl.envs[0].rewards=[{ function = "streamed_rewards:slow_target_length", '
+                     'kwargs = { sleep_s = 0.1, target = 12 } }]']
+    calls = tmp_path / "reward-calls"
+    env = cli_env(PYTHONPATH="tests", STREAMED_REWARD_CALLS=str(calls))
+    args = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=3", *slow]
+
+    whole = run_rollout(*args, "--set", f"run.store={tmp_path / 'whole'}", PYTHONPATH="tests")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = final_result(whole)
+
+    interrupted = [*args, "--set", f"run.store={tmp_path / 'interrupted'}"]
+    log_path = tmp_path / "killed.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(rollout_command(*interrupted), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while not calls.exists() or len(calls.read_text().splitlines()) < 32 + 8:  # step 1's 32, then 8 of step 2's
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "step 2's rewards never started"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert "step 1: reward" in log_path.read_text()  # step 1 was done; step 2's stage was not (below: it reruns)
+
+    rerun = run_rollout(*interrupted, PYTHONPATH="tests")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed = final_result(rerun)
+    assert resumed["checkpoint"] == expected["checkpoint"] and resumed["reward_curve"] == expected["reward_curve"]
+    states = task_run_states(resumed["flow_run_id"])
+    assert states["sample-step-1"] == states["score-step-1"] == states["train-step-1"] == "Cached"
+    assert states["sample-step-2"] == "Completed"  # killed inside it: run again, not from cache
