@@ -14,7 +14,8 @@ from rollout_lib.data import load_examples, load_pairs
 from rollout_lib.model.loading import load_tokenizer, locate_model, offline_problem
 from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import hardware_settings, resolve_hardware
-from rollout_lib.serving.settings import ExternalModel, ServedModel
+from rollout_lib.reward.judge_tokenizer import plan_problem as judge_tokenizer_problem
+from rollout_lib.serving.settings import ServedModel
 from rollout_lib.serving.tokenizers import local_tokenizer_mismatch
 from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import StoreError
@@ -45,15 +46,22 @@ def _model_references(config) -> list[tuple[str, ModelRef]]:
         found += [(f"{where}.model", _in_run_store(config, frozen.model)) for where, frozen in config.frozen_models()
                   if isinstance(frozen, ServedModel)]
         found += [(where, reward.reward_model) for where, reward in config.reward_models()]
-        found += [(f"{where}.tokenizer", frozen.tokenizer) for where, frozen in config.judges()  # for reward functions
-                  if isinstance(frozen, ExternalModel) and frozen.tokenizer is not None]
     return found
+
+
+def _judged_rewards(config: RlConfig) -> list[tuple[str, object]]:
+    """(locator of its judge, reward) of every reward that names a judge."""
+    return [(env_locator(index, f"rewards[{r_index}].judge"), reward) for index, env in enumerate(config.settings.envs)
+            for r_index, reward in enumerate(env.rewards) if getattr(reward, "judge", None) is not None]
 
 
 def _check_models_offline(config) -> None:
     """A hub id the run could not load offline fails here, naming its setting, not when the run loads it."""
     problems = [(where, problem) for where, ref in _model_references(config)
                 if (problem := offline_problem(ref)) is not None]
+    if isinstance(config, RlConfig):  # the judge's tokenizer a reward function takes
+        problems += [problem for where, reward in _judged_rewards(config)
+                     if (problem := judge_tokenizer_problem(reward, where)) is not None]
     if problems:
         raise ConfigError(problems)
 

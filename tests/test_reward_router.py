@@ -288,14 +288,20 @@ function = "example_genrm_rewards:compute_score_gsm8k"
         done = run_rollout("train", "rl", "--config", str(config), "--dry-run", PYTHONPATH=str(ROOT / "tests"))
         return done.returncode, done.stdout, done.stderr
 
+    prefix = "rollout: error: "  # plan time's problems; validation's below also name the config file
     code, out, err = dry_run('judge = { base_url = "http://127.0.0.1:9/v1", name = "j", '
                              'tokenizer = "no-such-org/no-such-model" }')
     assert (code, out) == (2, "") and err.count("\n") == 1, err
-    assert err.startswith(f"rollout: error: {WHERE}.tokenizer: model 'no-such-org/no-such-model' is not in the "
-                          "Hugging Face cache")
+    assert err.startswith(f"{prefix}{WHERE}.tokenizer: the judge's tokenizer (reward_model_tokenizer): model "
+                          "'no-such-org/no-such-model' is not in the Hugging Face cache"), err
+    code, out, err = dry_run('judge = { base_url = "http://127.0.0.1:9/v1", name = "no-such-org/served-name" }')
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith(f"{prefix}{WHERE}.name: the judge's tokenizer (reward_model_tokenizer): model "
+                          "'no-such-org/served-name' is not in the Hugging Face cache"), err
+    assert err.endswith(f"; set {WHERE}.tokenizer to the judge's tokenizer (a local directory or a cached hub id)\n")
     code, out, err = dry_run("")
     assert (code, out) == (2, "") and err.count("\n") == 1, err
-    assert err.startswith(f"rollout: error: {tmp_path / 'genrm.toml'}: algorithm.rl.envs[0].rewards[0].function: "
+    assert err.startswith(f"{prefix}{tmp_path / 'genrm.toml'}: algorithm.rl.envs[0].rewards[0].function: "
                           "reward function 'example_genrm_rewards:compute_score_gsm8k': it requires "
                           "reward_router_address"), err
 

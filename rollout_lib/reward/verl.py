@@ -14,7 +14,7 @@ name, or **kwargs):
     ground_truth  answer; info["ground_truth"] when the row has no answer; neither: a missing reward
     extra_info    info (a copy)
     reward_router_address   "127.0.0.1:PORT": the router in front of the reward's judge (serving/router.py)
-    reward_model_tokenizer  the judge's tokenizer, loaded offline (servers.py)
+    reward_model_tokenizer  the judge's tokenizer, loaded offline (judge_tokenizer.py)
     **kwargs      the reward's configured `kwargs` (verl's `custom_reward_function.reward_kwargs`)
 
 The last two are what verl's reward loop adds (seed 004): a reward that names a judge hands them to a function
