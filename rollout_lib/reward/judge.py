@@ -11,6 +11,7 @@ rollout is inserted, never interpreted (no format-string attribute lookups, no r
 
 from __future__ import annotations
 
+import functools
 import re
 
 from rollout_lib.reward.contract import RewardInput, function_name
@@ -95,19 +96,28 @@ class SyncJudgeClient:
 
     def chat(self, messages: list[dict], *, max_tokens: int | None = None, temperature: float | None = None,
              seed: int | None = None) -> str:
-        import httpx  # here, not at module level: only workers of functions that ask a judge pay for it
+        import httpx
 
         body = {"messages": list(messages), "max_tokens": max_tokens or self.max_tokens,
                 "temperature": self.temperature if temperature is None else temperature}
         if seed is not None:
             body["seed"] = seed
         try:
-            response = httpx.post(f"http://{self.server.router_address}/v1/chat/completions", json=body, timeout=None)
+            response = _http_client().post(f"http://{self.server.router_address}/v1/chat/completions", json=body)
         except httpx.TransportError as exc:
             raise self.server.explained(exc) or exc
         if response.status_code >= 400:
             raise RuntimeError(_router_error(response))
         return response.json()["choices"][0]["message"]["content"]
+
+
+@functools.cache
+def _http_client():
+    """One keep-alive client per worker process: a fresh httpx client per call costs ~20 ms (measured), the call
+    through the router ~0.5 ms. No timeout of its own (see SyncJudgeClient)."""
+    import httpx  # here, not at module level: only workers of functions that ask a judge pay for it
+
+    return httpx.Client(timeout=None)
 
 
 def _router_error(response) -> str:

@@ -48,7 +48,9 @@ class PoolRouter:
         """`where`: the setting whose model this is (every error the router answers names it)."""
         self.pool = pool
         self.where = where
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and without it every reply
+        # (headers, then body) waits ~40 ms for the client's delayed ACK.
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))  # the kernel's free port, held from now on: no race for it
         self.port = self._socket.getsockname()[1]
