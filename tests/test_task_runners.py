@@ -1,10 +1,13 @@
-"""`run.task_runner`: a step's scoring fanned out to a Dask cluster (prefect-dask) or a local Ray instance
+"""`run.task_runner`: a step's scoring fanned out to a Dask cluster (prefect-dask) or a Ray cluster of two nodes
 (prefect-ray) in chunks scores every rollout as the default thread runner's single score task does, so a run ends
 on the same checkpoint; the runner is how fast, never what, so it is in no identity or cache key."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import secrets
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,11 +111,11 @@ def chunk_states(states: dict) -> dict:
     return {name: state for name, state in states.items() if name.startswith("score-step-")}
 
 
-def run_on_a_cluster(store: Path, runner: list[str], started: str, expected: dict) -> dict:
+def run_on_a_cluster(store: Path, runner: list[str], started: str, expected: dict, **env: str) -> dict:
     """2 rl-tiny steps scored in 2 chunks a step on the runner `runner` stands for: the run's result, checked to
     end on the thread runner's checkpoint and reward curve (`expected`), with every chunk task run and `started`
-    (the runner's line saying it started a cluster) in its output."""
-    done = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store}", *STEPS, *runner)
+    (the runner's line saying it started or joined a cluster) in its output."""
+    done = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store}", *STEPS, *runner, **env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = final_result(done)
     assert result["checkpoint"] == expected["checkpoint"]
@@ -148,11 +151,49 @@ def test_a_run_scored_on_a_dask_local_cluster_ends_on_the_default_runners_checkp
 RAY = ["--set", "run.task_runner.type=ray", "--set", "run.task_runner.chunks=2"]
 
 
+@pytest.fixture
+def two_node_ray_cluster():
+    """A Ray cluster of two nodes on this machine, as on two machines: `ray start --head` and a second `ray start
+    --address` (each its own raylet, one CPU and a resource of its own), token-authenticated as Ray 2.60 clusters
+    are (RAY_AUTH_MODE=token, the token in RAY_AUTH_TOKEN: every process of the cluster and every driver needs
+    it). Yields (address, dashboard URL, the environment a driver needs); `ray stop` at the end."""
+    from rollout_lib.processes import free_port
+
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    ray = str(Path(sys.executable).parent / "ray")
+    port, dashboard = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--object-store-memory", "200000000",
+              "--disable-usage-stats"]
+    try:
+        for args in (["--head", "--port", str(port), "--resources", '{"node_a": 1}', "--include-dashboard", "true",
+                      "--dashboard-port", str(dashboard)],
+                     ["--address", address, "--resources", '{"node_b": 1}']):
+            started = subprocess.run([ray, "start", *args, *common], env=env, capture_output=True, text=True,
+                                     timeout=120)
+            assert started.returncode == 0, started.stdout + started.stderr
+        yield address, f"http://127.0.0.1:{dashboard}", {key: env[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("prefect_ray") is None, reason="the ray extra (scripts/setup.sh --test)")
-def test_a_run_scored_on_a_local_ray_cluster_ends_on_the_default_runners_checkpoint(thread_run, tmp_path):
+def test_a_run_scored_on_a_two_node_ray_cluster_ends_on_the_default_runners_checkpoint(thread_run, tmp_path,
+                                                                                      two_node_ray_cluster):
     expected, _ = thread_run
-    run_on_a_cluster(tmp_path / "ray", RAY, "Started a local Ray instance", expected)
+    address, dashboard, auth = two_node_ray_cluster
+    run_on_a_cluster(tmp_path / "ray", [*RAY, "--set", f"run.task_runner.address={address}"],
+                     "Using Ray cluster with 2 nodes.", expected, **auth)
+    # The step's score chunks ran on both nodes (the cluster's own record of its tasks, read as a driver would:
+    # in a process of its own with the cluster's token).
+    listed = subprocess.run([sys.executable, "-c", (
+        "from ray.util.state import list_tasks\n"
+        f"tasks = list_tasks(address={dashboard!r}, filters=[('name', '=', 'score-chunk')], limit=1000)\n"
+        "print(len({task.node_id for task in tasks}))")], env={**os.environ, **auth}, capture_output=True,
+        text=True, timeout=120)
+    assert listed.stdout.strip().splitlines()[-1:] == ["2"], listed.stdout + listed.stderr[-2000:]
 
 
 @pytest.mark.slow
