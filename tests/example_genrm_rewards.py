@@ -100,3 +100,15 @@ def sync_judged(inp, *, judge, bonus=0.0):
     """Ours (one RewardInput), sync, asking the judge through the client it is handed (in a worker process)."""
     verdict = judge.chat([{"role": "user", "content": "Rate: " + inp.completion_text}], seed=1)
     return min(1.0, len(verdict) / 100) + bonus
+
+
+def compute_score_disrm(data_source, solution_str, ground_truth, extra_info, reward_router_address,
+                        reward_model_tokenizer):
+    """A discriminative reward model's raw score of (question, solution) through the router: the pair encoded by the
+    reward model's own tokenizer, POST /classify (vLLM's pooling runner; no sigmoid)."""
+    ids = reward_model_tokenizer(extra_info["question"], solution_str)["input_ids"]
+    response = requests.post(f"http://{reward_router_address}/classify",
+                             json={"input": [ids], "use_activation": False}, timeout=120)
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
+    return float(response.json()["data"][0]["probs"][0])

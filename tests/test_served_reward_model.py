@@ -110,6 +110,35 @@ def test_a_replica_killed_mid_step_fails_over(served_rm):
         engine.restart_dead_replicas(deployment)
 
 
+def test_a_reward_function_scores_with_the_served_reward_model_through_its_router(served_rm):
+    """verl's DisRM shape: a function with a judge served by the pooling runner (`runner = "pooling"`, the running
+    deployment reused) posts /classify to `reward_router_address`, token ids from `reward_model_tokenizer`; its
+    scores are the served model's (the same request sent to the pool directly)."""
+    from rollout_lib.reward.loops import RewardLoops
+
+    store, checkpoint, served_models, served = served_rm
+    raw = read_toml(ROOT / "configs/rl-tiny.toml")
+    raw["run"]["store"] = str(store)
+    raw["algorithm"]["rl"]["envs"][0]["rewards"] = [{"function": "example_genrm_rewards:compute_score_disrm",
+                                                     "judge": {"model": checkpoint, "runner": "pooling"}}]
+    config = validate_config(RlConfig, raw)
+    items = [RewardInput(item.prompt, item.completion_text, answer="-", info={"question": item.prompt[0]["content"]})
+             for item in ITEMS[:6]]
+    with RewardLoops(config.settings.reward_loop, served_models) as loops:
+        loop = loops.for_rewards(config.settings.envs[0].rewards, "algorithm.rl.envs[0].rewards")
+        results = loop.score(items)
+        function = loop._functions[0]
+        tokenizer = function.server.tokenizer
+    assert [r.error for r in results] == [None] * 6
+    expected = [asyncio.run(served.pool.classify([tokenizer(item.info["question"], item.completion_text)["input_ids"]]))[0]
+                for item in items]
+    assert [r.reward for r in results] == expected
+    assert served_models.router(config.settings.envs[0].rewards[0].judge, where="test").pool.model == served.pool.model
+    with pytest.raises(ConfigError, match=r"sampler\.source\.runner: 'pooling' serves a reward model"):
+        raw["algorithm"]["rl"]["envs"][0]["sampler"] = {"source": {"model": checkpoint, "runner": "pooling"}}
+        validate_config(RlConfig, raw)
+
+
 def test_served_reward_model_settings(tmp_path):
     def config(rewards: str) -> RlConfig:
         overrides = [f"run.store={tmp_path}", f"algorithm.rl.envs[0].rewards={rewards}"]

@@ -421,6 +421,10 @@ class RlConfig(EntryPointConfig):
 
         settings = self.settings
         problems = self.adapter_problems()
+        judges = {where for where, _ in self.judges()}
+        problems += [(f"{where}.runner", "'pooling' serves a reward model: only a reward function's judge may name one")
+                     for where, frozen in self.frozen_models()
+                     if getattr(frozen, "runner", "generate") != "generate" and where not in judges]
         names = [env.name for env in settings.envs]
         for index, env in enumerate(settings.envs):
             where = env_locator(index)

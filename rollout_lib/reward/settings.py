@@ -60,6 +60,9 @@ class JudgeSettings(StrictModel):
             raise ValueError(f"score_range must be [low, high] with low < high, got {list(self.score_range)}")
         if "{response}" not in self.template:
             raise ValueError("template has no {response}: the judge would never see what it judges")
+        if getattr(self.judge, "runner", "generate") != "generate":
+            raise ValueError("judge.runner = 'pooling' serves a reward model, which writes no verdict: name it as "
+                             "`reward_model = ...`, or as the judge of a reward function that calls /classify")
         return self
 
 

@@ -153,7 +153,7 @@ class ServedModels:
             urls, name = frozen.base_url, frozen.name
         else:
             deployment = self._deployment(frozen.model.uri, self.store_url, replicas=frozen.replicas,
-                                          max_model_len=frozen.max_model_len, runner="generate")
+                                          max_model_len=frozen.max_model_len, runner=frozen.runner)
             urls, name, recover = deployment.base_urls, deployment.name, _restarter(deployment)
         pool = EndpointPool(urls, name, timeout_s=frozen.timeout_s, max_attempts=frozen.max_attempts,
                             recover=recover)

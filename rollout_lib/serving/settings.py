@@ -60,11 +60,14 @@ class ServedModel(FrozenClientSettings):
     model: ModelRef
     replicas: int = Field(1, ge=1)
     max_model_len: int | None = Field(None, ge=16)  # default: the model's own, at most 2048
+    # "pooling": a reward model (a sequence classifier) served with vLLM's pooling runner (`/classify`), for a reward
+    # function's judge only (it scores through reward_router_address: docs/rewards.md); everything else generates.
+    runner: Literal["generate", "pooling"] = "generate"
 
     def identity_settings(self) -> dict:
         # The reference's spelling is not its identity: identity.training adds the content digest of what it
         # names (the same files under another path, or a checkpoint by id or by ref, are the same model).
-        return {"served_by": "rollout"}
+        return {"served_by": "rollout", **({"runner": self.runner} if self.runner != "generate" else {})}
 
 
 FROZEN_MODEL_TYPES = (ServedModel, ExternalModel)
