@@ -114,6 +114,7 @@ def test_a_reward_function_scores_with_the_served_reward_model_through_its_route
     """verl's DisRM shape: a function with a judge served by the pooling runner (`runner = "pooling"`, the running
     deployment reused) posts /classify to `reward_router_address`, token ids from `reward_model_tokenizer`; its
     scores are the served model's (the same request sent to the pool directly)."""
+    from rollout_lib.reward.judge_tokenizer import judge_tokenizer
     from rollout_lib.reward.loops import RewardLoops
 
     store, checkpoint, served_models, served = served_rm
@@ -127,8 +128,7 @@ def test_a_reward_function_scores_with_the_served_reward_model_through_its_route
     with RewardLoops(config.settings.reward_loop, served_models) as loops:
         loop = loops.for_rewards(config.settings.envs[0].rewards, "algorithm.rl.envs[0].rewards")
         results = loop.score(items)
-        function = loop._functions[0]
-        tokenizer = function.server.tokenizer
+    tokenizer = judge_tokenizer(config.settings.envs[0].rewards[0].judge, served_models, "test")  # the function's
     assert [r.error for r in results] == [None] * 6
     expected = [asyncio.run(served.pool.classify([tokenizer(item.info["question"], item.completion_text)["input_ids"]]))[0]
                 for item in items]
