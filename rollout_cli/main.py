@@ -359,17 +359,27 @@ def serve_group() -> None:
 @click.option("--runner", type=click.Choice(["generate", "pooling"]), default="generate", show_default=True,
               help="pooling: a reward model (POST /classify)")
 @click.option("--ready-timeout", type=click.FloatRange(min=1), default=600, show_default=True, metavar="SECONDS")
+@click.option("--live-policy", is_flag=True, help="a policy server for a run on another node "
+              "(algorithm.rl.policy_sampler.base_url): each step's weights reloaded in place from the run's store")
+@click.option("--lora-rank", type=click.IntRange(min=1), metavar="R",
+              help="with --live-policy: the run trains a LoRA adapter of rank R (loaded in place each step)")
 def serve_start(model: str, name: str | None, port: int | None, replicas: int, store_url: str,
-                max_model_len: int | None, runner: str, ready_timeout: float) -> None:
+                max_model_len: int | None, runner: str, ready_timeout: float, live_policy: bool,
+                lora_rank: int | None) -> None:
     """Serve MODEL until `rollout serve stop`.
 
     MODEL: a local directory, pkg:<package>, tiny:qwen2, a checkpoint id or a ref (runs/NAME/latest) in --store,
     or a hub id in the Hugging Face cache. A deployment of that name already serving MODEL is reused.
     """
     from rollout_lib.serving import engine
+    from rollout_lib.serving.policy_server import lora_server_args
 
+    if lora_rank is not None and not live_policy:
+        raise click.UsageError("--lora-rank: the rank of a live policy's adapter; give --live-policy too")
     deployment = engine.start_deployment(model, name=name, replicas=replicas, port=port, store_url=store_url,
-                                         max_model_len=max_model_len, runner=runner, ready_timeout_s=ready_timeout)
+                                         max_model_len=max_model_len, runner=runner, ready_timeout_s=ready_timeout,
+                                         live_policy=live_policy,
+                                         extra_args=lora_server_args(lora_rank) if lora_rank is not None else ())
     print(f"serving {deployment.name!r} ({deployment.model_dir}) on {len(deployment.replicas)} "
           f"replica{'s' if len(deployment.replicas) > 1 else ''}:")
     for replica in deployment.replicas:

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable
@@ -553,6 +554,35 @@ class ObjectStore:
             if object_id is not None:  # None: removed since the listing
                 refs[stored] = object_id
         return refs
+
+    def put_transfer_file(self, name: str, local_path: str | os.PathLike) -> str:
+        """Copy a local file to ``<root>/transfer/<name>``, replacing what was there whole (a reader sees the old
+        file or the new one, never half of one), and return its URL. ``transfer/`` holds what is shipped, not
+        kept: a policy state for a policy server on another node (serving/store_fetch.py), rewritten each step
+        and removed by its writer; it holds no object a ref reaches."""
+        path = f"{self._base}/transfer/{name}"
+        if self._local:
+            tmp = self._local_tmp_path()
+            try:  # no fsync: what is shipped need not survive a crash, only never be seen half-written
+                shutil.copyfile(local_path, tmp)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        else:  # one PUT is all-or-nothing
+            self.fs.put_file(str(local_path), path)
+        self.fs.invalidate_cache(path)
+        return f"{self.root}/transfer/{name}"
+
+    def remove_transfer(self, name: str) -> None:
+        """Remove ``<root>/transfer/<name>`` (a file or a directory) if there is one."""
+        path = f"{self._base}/transfer/{name}"
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
 
     def list_files(self, area: str) -> list[StoredFile]:
         """The files under ``<root>/<area>`` (``objects``, ``refs``, ``tmp``, ``prefect-results``), by name."""

@@ -58,6 +58,13 @@ class VllmSamplerSettings(SamplerSettings):
     # reloads them whole, as a full fine-tune's (sampling at the base model's speed where vLLM's LoRA kernels are
     # slow: ~6x on these CPUs, docs/serving.md "LoRA on the engine"). Ignored without an adapter.
     adapter_serving: Literal["lora", "merged"] = "lora"
+    # Policy servers on other nodes, started there with `rollout serve start BASE --live-policy` and reached by URL
+    # only: each state's weights (or adapter) are shipped through the run's store, which those servers read
+    # themselves (serving/store_fetch.py), then reloaded and probed as a local server's. None: rollout starts the
+    # policy server on this machine (`replicas` of them). `served_name`: the model they serve, if not the one
+    # their /v1/models lists. Where the policy samples, never what: not in the identity.
+    base_url: list[str] | None = Field(None, min_length=1)
+    served_name: str | None = None
 
     def identity_settings(self) -> dict:
         # Replicas, concurrency, timeouts and the tolerance are resources or checks: they never decide which tokens
@@ -98,7 +105,8 @@ class VllmSampler(Sampler):
             max_attempts=settings.max_attempts, tolerance=settings.tolerance, extra_args=settings.server_args(),
             probe_dtype=torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32,
             adapter_rank=(model.peft_config["default"].r if is_adapted(model) and settings.adapter_serving == "lora"
-                          else None))
+                          else None),
+            remote_urls=settings.base_url or (), served_name=settings.served_name)
         self.hold_reports: list = []  # serving.policy_server.HoldReport of every hold this sampler made (metrics, tests)
 
     def _hold(self) -> None:

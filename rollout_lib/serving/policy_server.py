@@ -43,10 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -54,7 +57,9 @@ import torch
 from rollout_lib.serving import engine
 from rollout_lib.serving.client import EndpointClient, ServingError
 from rollout_lib.serving.pool import EndpointPool
+from rollout_lib.serving.store_fetch import STATE_FILES
 from rollout_lib.serving.weight_sync import AdapterDirectory, SharedWeightsFile
+from rollout_lib.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +125,12 @@ class PolicyServer:
 
     def __init__(self, deployment: engine.Deployment, *, timeout_s: float | None = 120.0, max_attempts: int = 3,
                  tolerance: float = DEFAULT_TOLERANCE, probe_dtype: torch.dtype = torch.float32,
-                 adapter_base: str | None = None):
+                 adapter_base: str | None = None, ship_through: ObjectStore | None = None):
         self.deployment = deployment
+        # Replicas on another node (`remote_deployment`): each state goes through the run's store, which they read
+        # themselves (store_fetch.py); rollout neither restarts them nor knows their processes, so every hold
+        # reloads and checks them.
+        self.store = ship_through
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.tolerance = tolerance
@@ -153,14 +162,21 @@ class PolicyServer:
         return EndpointPool(self.deployment.base_urls, self.served_name, timeout_s=self.timeout_s,
                             max_attempts=self.max_attempts)
 
+    @property
+    def remote(self) -> bool:
+        return self.store is not None
+
     def holds(self, state_id: str) -> bool:
-        """Whether every replica, as it runs now, was loaded with `state_id` and checked."""
-        return all(self._holds.get(replica.base_url) == (replica.pid, state_id)
+        """Whether every replica, as it runs now, was loaded with `state_id` and checked (a remote replica's process
+        is unknown, a restart unseen: never taken as holding anything)."""
+        return not self.remote and all(self._holds.get(replica.base_url) == (replica.pid, state_id)
                    for replica in self.deployment.replicas)
 
     def recover(self) -> list[str]:
         """Restart the replicas whose process is gone (engine.restart_dead_replicas) and start a fresh pool (the old
         one ejected them); the URLs restarted. They hold the base model until the next `hold` reloads them."""
+        if self.remote:  # another node's servers: theirs to restart
+            return []
         with self._lock:
             before = {replica.base_url: replica.pid for replica in self.deployment.replicas}
             self.deployment = engine.restart_dead_replicas(self.deployment)
@@ -180,16 +196,18 @@ class PolicyServer:
         with self._lock:
             report = HoldReport()
             started = time.perf_counter()
-            if any(not replica.alive for replica in self.deployment.replicas):
+            if not self.remote and any(not replica.alive for replica in self.deployment.replicas):
                 self.deployment = engine.restart_dead_replicas(self.deployment)
                 self._replace_pool()
             stale = [replica for replica in self.deployment.replicas
-                     if self._holds.get(replica.base_url) != (replica.pid, state_id)]
+                     if self.remote or self._holds.get(replica.base_url) != (replica.pid, state_id)]
             if not stale:
                 return report
             log.info("policy server %s: reloading %s to state %s", self.name,
                      ", ".join(replica.base_url for replica in stale), state_id)
             self.weights.write(model)
+            if self.remote:
+                self._ship()
             report.write_seconds = time.perf_counter() - started
             for replica in stale:
                 self._holds.pop(replica.base_url, None)
@@ -226,18 +244,45 @@ class PolicyServer:
                     "unknown weights")
         return max(diffs)
 
+    @property
+    def _shipped(self) -> str:
+        """Where in the store a remote replica fetches the state from."""
+        return f"{self.store.root}/transfer/{self.name}"
+
+    def _ship(self) -> None:
+        """The state's files, as just written here, to the store's transfer area (store.put_transfer_file)."""
+        for name in STATE_FILES:
+            local = self.weights.directory / name
+            if local.is_file():
+                self.store.put_transfer_file(f"{self.name}/{name}", local)
+
+    async def _fetched(self, client: EndpointClient, url: str) -> str:
+        """Have a remote replica copy the shipped state to its own machine; the directory it reloads from there."""
+        try:
+            answer = await client.request("POST", "/collective_rpc", {"method": "fetch_from_store",
+                                                                     "args": [self._shipped]})
+        except ServingError as exc:
+            raise PolicyServerError(
+                f"policy server {url} ({self.name!r}) cannot read the policy state from the run's store at "
+                f"{self._shipped}: {exc.detail}. A policy server on another node reads the store itself: give the "
+                "run a store its node reaches (a shared filesystem path, or an s3:// URL with credentials in its "
+                "environment), and start it with `rollout serve start BASE --live-policy` (its worker extension "
+                "fetches the state)") from None
+        return answer["results"][0]
+
     async def _probe_all(self, urls: list[str], probe: list[int], expected: list[float], *,
                          reload: bool) -> list[float]:
         async def one(url: str) -> float:
             client = EndpointClient(url, self.served_name, timeout_s=RELOAD_TIMEOUT_S)
             try:
                 if reload:
+                    directory = await self._fetched(client, url) if self.remote else str(self.weights.directory)
                     try:
                         if self.adapter:
-                            await client.load_lora_adapter(self.served_name, str(self.weights.directory))
+                            await client.load_lora_adapter(self.served_name, directory)
                         else:
                             await client.request("POST", "/collective_rpc", {
-                                "method": "reload_weights", "kwargs": {"weights_path": str(self.weights.directory)}})
+                                "method": "reload_weights", "kwargs": {"weights_path": directory}})
                     except ServingError as exc:
                         raise PolicyServerError(f"policy server {url} ({self.name!r}): weight reload failed: "
                                                 f"{exc.detail}") from None
@@ -253,6 +298,34 @@ class PolicyServer:
         return list(await asyncio.gather(*(one(url) for url in urls)))
 
     def close(self) -> None:
-        """Close the pool and delete the weights directory (the deployment is stopped by its owner)."""
+        """Close the pool and delete the weights directory and what was shipped (the deployment is stopped by its
+        owner)."""
         asyncio.run(self.pool.aclose())
         self.weights.remove()
+        if self.remote:
+            self.store.remove_transfer(self.name)
+
+
+def remote_deployment(base_urls: list[str], served_name: str | None = None) -> engine.Deployment:
+    """Policy servers on other nodes, known by URL only (`policy_sampler.base_url`), as a deployment: the model
+    name they serve (`served_name`, else the one their /v1/models lists) and no process of ours."""
+    roots = [url.rstrip("/").removesuffix("/v1") for url in base_urls]
+    if served_name is None:
+        served_name = _served_name(roots[0])
+    replicas = [engine.Replica(index=index, pid=0, port=urlsplit(root).port or 0, base_url=root, log="",
+                               started_at="") for index, root in enumerate(roots)]
+    return engine.Deployment(name=served_name, model=roots[0], model_dir="", runner="generate", max_model_len=0,
+                             replicas=replicas, ready=True, live_policy=True)
+
+
+def _served_name(root: str) -> str:
+    try:
+        with urllib.request.urlopen(f"{root}/v1/models", timeout=30) as response:
+            names = [entry["id"] for entry in json.loads(response.read()).get("data", [])]
+    except (OSError, ValueError, KeyError) as exc:
+        raise PolicyServerError(f"policy server {root} (algorithm.rl.policy_sampler.base_url) does not answer "
+                                f"GET /v1/models: {exc}") from None
+    if len(names) != 1:
+        raise PolicyServerError(f"policy server {root} serves {len(names)} models ({', '.join(names) or 'none'}): "
+                                "name the policy's in algorithm.rl.policy_sampler.served_name")
+    return names[0]

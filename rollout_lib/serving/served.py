@@ -37,12 +37,12 @@ from collections.abc import Sequence
 from rollout_lib.errors import ConfigError
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
-from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer, lora_server_args
+from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer, lora_server_args, remote_deployment
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.references import default_name, served_model_directory
 from rollout_lib.serving.router import PoolRouter
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
-from rollout_lib.store import canonical_json
+from rollout_lib.store import ObjectStore, canonical_json
 
 log = logging.getLogger(__name__)
 
@@ -111,17 +111,27 @@ class ServedModels:
     def policy_server(self, base_model, *, replicas: int = 1, max_model_len: int | None = None,
                       timeout_s: float | None = 120.0, max_attempts: int = 3,
                       tolerance: float = DEFAULT_TOLERANCE, extra_args: Sequence[str] = (),
-                      probe_dtype=None, adapter_rank: int | None = None) -> PolicyServer:
+                      probe_dtype=None, adapter_rank: int | None = None, remote_urls: Sequence[str] = (),
+                      served_name: str | None = None) -> PolicyServer:
         """The run's policy server for `base_model` (a ModelRef), started on first use: a live-policy deployment
         named `policy-<model>-<this pid>`, or an orphaned one of the same model (its run was killed) adopted.
         What it holds is unknown until `PolicyServer.hold` reloads and checks it. `extra_args`: server flags
         (engine.start_deployment), e.g. the engine's dtype; an orphan is adopted only if started with the same.
-        `adapter_rank`: the policy is a LoRA adapter of that rank on `base_model` (policy_server.py)."""
+        `adapter_rank`: the policy is a LoRA adapter of that rank on `base_model` (policy_server.py).
+        `remote_urls`: policy servers on other nodes, started there (`rollout serve start BASE --live-policy`),
+        reached by URL, shipped each state through the run's store; none is started here."""
         if adapter_rank is not None:
             extra_args = [*extra_args, *lora_server_args(adapter_rank)]
-        key = canonical_json(["policy", base_model.uri, replicas, max_model_len, list(extra_args)])
+        key = canonical_json(["policy", base_model.uri, replicas, max_model_len, list(extra_args), list(remote_urls)])
         with self._lock:
             server = self._policy_servers.get(key)
+            if server is None and remote_urls:
+                server = PolicyServer(remote_deployment(list(remote_urls), served_name), timeout_s=timeout_s,
+                                      max_attempts=max_attempts, tolerance=tolerance,
+                                      adapter_base=base_model.uri if adapter_rank is not None else None,
+                                      ship_through=ObjectStore(self.store_url),
+                                      **({"probe_dtype": probe_dtype} if probe_dtype is not None else {}))
+                self._policy_servers[key] = server
             if server is None:
                 store_url = base_model.store or self.store_url
                 model_dir = served_model_directory(base_model, store_url)
