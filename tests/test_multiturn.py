@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollout_lib import wire
-from rollout_lib.algo.echo import Echo, EchoSettings
+from rollout_lib.algo.echo import Echo, EchoSettings, trajectory_steps
 from rollout_lib.algo.grpo import Grpo, GrpoSettings
 from rollout_lib.algo.stamping import assign_advantages, score_for_shipping, stamp_training_samples
 from rollout_lib.envs import EnvReply, build_interaction
@@ -158,25 +158,86 @@ def test_env_tokens_never_train_rl_and_echo_trains_tool_bodies_at_alpha(tokenize
 def test_echo_role_table_and_filter(tokenizer, tmp_path, monkeypatch):
     rollouts = calculator_episodes(tokenizer, ["calc: 37 * 24", "The answer is 888."])
     row = rollouts.to_pylist()[0]
-    tool = row["completion_turns"][1]
+    n_prompt, tool, answer = len(row["prompt_ids"]), row["completion_turns"][1], row["completion_turns"][2]
     assert Echo(EchoSettings(roles={"user": {"alpha": 1.0}})).observation_weights(row) == [0.0] * len(
         row["completion_ids"])  # setting roles replaces the table: tool bodies no longer train
 
     (tmp_path / "echo_filters.py").write_text(
-        "def drop_digits(rollout, keep_first=0):\n"
-        "    return [i < keep_first for i in range(len(rollout['completion_ids']))]\n"
-        "def wrong_shape(rollout):\n"
-        "    return [True]\n")
+        "def keep_first(rollout, keep_first=0):\n"  # step k's mask over its prompt_ids + completion_ids
+        "    n = len(rollout['prompt_ids'])\n"
+        "    return [[i < n + keep_first for i in range(n + s['completion_end'])]\n"
+        "            for s in rollout['trajectory_steps']]\n"
+        "def one_flat_mask(rollout):\n"  # the old contract: one bool per completion token
+        "    return [True] * len(rollout['completion_ids'])\n"
+        "def short_last_step(rollout):\n"
+        "    return [[True] * (s['prompt_len'] + s['completion_end'] - s['completion_start'] - i)\n"
+        "            for i, s in enumerate(rollout['trajectory_steps'])]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    keep_all = Echo(EchoSettings(filter={"import_path": "echo_filters:drop_digits",
+    keep_all = Echo(EchoSettings(filter={"import_path": "echo_filters:keep_first",
                                          "kwargs": {"keep_first": tool["body_start"] + 1}}))
     weights = keep_all.observation_weights(row)
     assert [i for i, w in enumerate(weights) if w] == [tool["body_start"]]  # the filter kept the first body token
-    broken = Echo(EchoSettings(filter={"import_path": "echo_filters:wrong_shape"}),
-                  where="algorithm.rl.envs[0].algo")
-    with pytest.raises(ValueError, match=r"algorithm.rl.envs\[0\].algo.filter: echo filter 'echo_filters:wrong_shape' "
-                                         r"returned 1 for sample 'q0#0'; expected a list of \d+ bools"):
-        broken.observation_weights(row)
+    assert trajectory_steps(row) == [  # two model calls: the second was given the tool's reply in its prompt
+        {"prompt_len": n_prompt, "completion_start": 0, "completion_end": tool["start"]},
+        {"prompt_len": n_prompt + answer["start"], "completion_start": answer["start"],
+         "completion_end": answer["start"] + answer["length"]}]
+    lengths = [n_prompt + tool["start"], n_prompt + len(row["completion_ids"])]
+    for name, got in (("one_flat_mask", rf"{len(row['completion_ids'])} entries, not all lists of bools"),
+                      ("short_last_step", rf"2 keep-masks of lengths \[{lengths[0]}, {lengths[1] - 1}\]")):
+        broken = Echo(EchoSettings(filter={"import_path": f"echo_filters:{name}"}), where="algorithm.rl.envs[0].algo")
+        with pytest.raises(ValueError, match=rf"^algorithm.rl.envs\[0\].algo.filter: echo filter "
+                                             rf"'echo_filters:{name}' returned {got} for sample 'q0#0'; expected 2 "
+                                             rf"keep-masks \(one per trajectory step, each over its prompt_ids \+ "
+                                             rf"completion_ids\) of lengths \[{lengths[0]}, {lengths[1]}\]$"):
+            broken.observation_weights(row)
+
+
+def test_echo_filter_an_env_token_is_decided_by_the_first_step_shown_it(tokenizer, tmp_path, monkeypatch):
+    """Three model calls, two tool replies: reply j is first in step j+1's prompt, and that step's mask decides it;
+    later steps' masks over it are not read, nor entries on the row's prompt or on sampled tokens."""
+    rollouts = calculator_episodes(tokenizer, ["calc: 1 + 1", "calc: 2 + 2", "The answer is 4."], group_size=1)
+    row = rollouts.to_pylist()[0]
+    n_prompt, turns = len(row["prompt_ids"]), row["completion_turns"]
+    assert [(t["role"], t["sampled"]) for t in turns] == [("assistant", True), ("tool", False), ("assistant", True),
+                                                           ("tool", False), ("assistant", True)]
+    first, second = turns[1], turns[3]
+    bodies = [list(range(t["body_start"], t["body_start"] + t["body_length"])) for t in (first, second)]
+    default = Echo(EchoSettings()).observation_weights(row)
+    assert [i for i, w in enumerate(default) if w] == bodies[0] + bodies[1]
+
+    (tmp_path / "step_filters.py").write_text(
+        "SEEN = []\n"
+        "def drop(rollout, drops):\n"  # drops: [step, completion position] pairs set False in that step's mask
+        "    SEEN.append(rollout['trajectory_steps'])\n"
+        "    n = len(rollout['prompt_ids'])\n"
+        "    masks = [[True] * (s['prompt_len'] + s['completion_end'] - s['completion_start'])\n"
+        "             for s in rollout['trajectory_steps']]\n"
+        "    for step, position in drops:\n"
+        "        masks[step][n + position] = False\n"
+        "    return masks\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import step_filters
+
+    def kept(drops):
+        echo = Echo(EchoSettings(filter={"import_path": "step_filters:drop", "kwargs": {"drops": drops}}))
+        return [i for i, w in enumerate(echo.observation_weights(row)) if w]
+
+    # The first reply's last body token dropped through step 1's prompt (the step it was first shown to): gone.
+    assert kept([[1, bodies[0][-1]]]) == bodies[0][:-1] + bodies[1]
+    assert len(step_filters.SEEN[-1]) == 3 and step_filters.SEEN[-1][1]["prompt_len"] == n_prompt + turns[2]["start"]
+    # Step 2's prompt holds the first reply too, but step 1 decided it: step 2's mask drops only the second reply.
+    assert kept([[2, bodies[0][0]], [2, bodies[1][0]]]) == bodies[0] + bodies[1][1:]
+    # Entries on the row's prompt and on sampled tokens are not read (neither trains ce).
+    assert kept([[0, 0], [2, turns[2]["start"]]]) == bodies[0] + bodies[1]
+    # A reply after the last model call (an episode stopped at the context limit) is in no step's prompt: dropped.
+    cut = dict(row, completion_ids=row["completion_ids"][:turns[4]["start"]], completion_turns=turns[:4],
+               sampling_logprobs=row["sampling_logprobs"][:turns[4]["start"]])
+    echo = Echo(EchoSettings(filter={"import_path": "step_filters:drop", "kwargs": {"drops": []}}))
+    assert [i for i, w in enumerate(echo.observation_weights(cut)) if w] == bodies[0]
+    # A single-turn rollout is one step over its whole prompt + completion.
+    single = dict(row, completion_turns=None)
+    assert trajectory_steps(single) == [{"prompt_len": n_prompt, "completion_start": 0,
+                                         "completion_end": len(row["completion_ids"])}]
 
 
 def test_reward_functions_read_the_last_turn_and_the_episode_state(tokenizer):

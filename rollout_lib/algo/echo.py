@@ -8,9 +8,21 @@ every other role untrained; setting `roles` replaces the whole table. Only the m
 template's framing around it (role headers, end-of-turn tokens), which the model would learn for free.
 
 An optional filter (`filter = { import_path = "pkg.module:fn", kwargs = {...} }`) narrows the selection per
-rollout: `fn(rollout, **kwargs)` gets the ROLLOUTS row as a dict (completion_ids, completion_turns with each
-segment's role and content, sampling_logprobs, episode, info, ...) and returns one bool per completion token;
-False drops that token's ce weight. Its module's source enters the advantages stage's cache key.
+rollout with seed 002's contract: `fn(rollout, **kwargs) -> list[list[bool]]`, one keep-mask per trajectory step
+spanning that step's `prompt_ids + completion_ids`. A trajectory step is one model call: its prompt is what the
+model was given (the row's prompt_ids + the completion tokens before its sampled turn), its completion the turn it
+sampled. `rollout` is the ROLLOUTS row as a dict (completion_ids, completion_turns with each segment's role and
+content, sampling_logprobs, episode, info, ...) plus `trajectory_steps`, one
+`{"prompt_len", "completion_start", "completion_end"}` per step: step k's mask has `prompt_len + completion_end -
+completion_start` (= len(prompt_ids) + completion_end) entries, aligned with `(prompt_ids +
+completion_ids)[:len(prompt_ids) + completion_end]`. A single-turn rollout is one step.
+
+An env token lies in the prompt of every step after its reply; the first of them decides it (seed 002 slices each
+step's extension span, the tokens its prompt adds to the previous step's prompt + completion): False there drops
+its ce weight, and later steps' masks never revive or drop it. Mask entries on the row's prompt and on sampled
+tokens are not read (neither trains ce here). Env tokens after the last sampled turn (an episode stopped at the
+context limit) were in no step's prompt: with a filter set they train nothing. Its module's source enters the
+advantages stage's cache key.
 """
 
 from __future__ import annotations
@@ -74,14 +86,47 @@ class Echo(Grpo):
                 continue
             for position in range(turn["body_start"], turn["body_start"] + turn["body_length"]):
                 weights[position] = role.alpha
-        if self.filter is not None:
-            keep = self.filter(rollout, **self.settings.filter.kwargs)
-            named = f"{self.where}.filter: {WHAT} {self.settings.filter.import_path!r}"
-            if not isinstance(keep, (list, tuple)) or len(keep) != len(weights):
-                size = len(keep) if isinstance(keep, (list, tuple)) else type(keep).__name__
-                raise ValueError(f"{named} returned {size} for sample {rollout['sample_id']!r}; expected a list of "
-                                 f"{len(weights)} bools (one per completion token)")
-            if not all(isinstance(value, bool) for value in keep):
-                raise ValueError(f"{named}: the keep-mask of sample {rollout['sample_id']!r} holds a non-bool")
-            weights = [weight if kept else 0.0 for weight, kept in zip(weights, keep)]
-        return weights
+        if self.filter is None:
+            return weights
+        steps = trajectory_steps(rollout)
+        masks = self.filter({**rollout, "trajectory_steps": steps}, **self.settings.filter.kwargs)
+        self._check_masks(masks, steps, rollout["sample_id"])
+        # Each env token is decided by the first step whose prompt holds it: the span that step's prompt adds.
+        decided = [False] * len(weights)  # env tokens after the last step's turn: in no prompt, dropped
+        previous_end = 0
+        for step, mask in zip(steps, masks):
+            offset = step["prompt_len"] - step["completion_start"]  # = len(prompt_ids)
+            for position in range(previous_end, step["completion_start"]):
+                decided[position] = mask[offset + position]
+            previous_end = step["completion_end"]
+        return [weight if kept else 0.0 for weight, kept in zip(weights, decided)]
+
+    def _check_masks(self, masks: Any, steps: list[dict[str, int]], sample_id: str) -> None:
+        named = f"{self.where}.filter: {WHAT} {self.settings.filter.import_path!r}"
+        lengths = [step["prompt_len"] + step["completion_end"] - step["completion_start"] for step in steps]
+        if not isinstance(masks, (list, tuple)):
+            got = type(masks).__name__
+        elif not all(isinstance(mask, (list, tuple)) for mask in masks):
+            got = f"{len(masks)} entries, not all lists of bools"
+        else:
+            got = f"{len(masks)} keep-masks of lengths {[len(mask) for mask in masks]}"
+            if [len(mask) for mask in masks] == lengths:
+                for index, mask in enumerate(masks):
+                    if not all(isinstance(value, bool) for value in mask):
+                        raise ValueError(f"{named}: the keep-mask of trajectory step {index} of sample "
+                                         f"{sample_id!r} holds a non-bool")
+                return
+        raise ValueError(f"{named} returned {got} for sample {sample_id!r}; expected {len(lengths)} keep-masks (one "
+                         f"per trajectory step, each over its prompt_ids + completion_ids) of lengths {lengths}")
+
+
+def trajectory_steps(rollout: dict[str, Any]) -> list[dict[str, int]]:
+    """One span per model call of a ROLLOUTS row: its sampled turn is completion_ids[completion_start:
+    completion_end], its prompt the row's prompt_ids + completion_ids[:completion_start] (prompt_len tokens). A
+    single-turn rollout is one step."""
+    n_prompt = len(rollout["prompt_ids"])
+    turns = rollout["completion_turns"]
+    if turns is None:
+        return [{"prompt_len": n_prompt, "completion_start": 0, "completion_end": len(rollout["completion_ids"])}]
+    return [{"prompt_len": n_prompt + turn["start"], "completion_start": turn["start"],
+             "completion_end": turn["start"] + turn["length"]} for turn in turns if turn["sampled"]]
