@@ -3,20 +3,23 @@ streamed vs staged, side by side, for a reward that takes --sync-s seconds a cal
 one that awaits --async-s seconds (async, a judge's request), the policy sampling on the engine (vLLM's CPU build,
 `policy_sampler.type = "vllm"`) or embedded (--sampler hf).
 
-A step is what train-rl's tasks run, called in this process without Prefect (their `.fn`): staged, sample then
-score (after the last rollout) then advantages, pack, train; streamed, sample-and-score (each rollout scored as it
-comes back) then score-merge, advantages, pack, train. Each variant runs --steps steps from the initial policy, on
-one policy server started once; step 1 (the engine's warm-up) is not counted; the figures are medians over steps
-2.. and the variants alternate (--repeats times) so that load drifting on the machine hits both alike.
+A step is what train-rl's tasks run, called in this process without Prefect (their `.fn`). Each step's sample and
+score stages run both ways from the same state, one right after the other (which goes first alternates), so that
+load drifting on this shared machine hits both alike: staged, sample then score (after the last rollout);
+streamed, sample-and-score (each rollout scored as it comes back) then score-merge. The policy server's reload of
+the state is paid by whichever runs first; it is taken out of both and counted once, as a real step pays it. Then
+advantages, pack and the train step run once: a step's time either way is its own sample+score plus that rest (the
+tables are the same either way). Step 1 (the engine's and the workers' warm-up) is not counted; figures are medians
+over steps 2..N.
 
-    .venv/bin/python bench/bench_streamed_scoring.py [--sampler vllm|hf] [--steps 4] [--repeats 2]
-        [--prompts 4] [--group 8] [--max-tokens 16] [--engine-concurrency 8] [--sync-s 0.2] [--async-s 0.5]
-        [--sync-workers 8]
+    .venv/bin/python bench/bench_streamed_scoring.py [--sampler vllm|hf] [--steps 10] [--prompts 4] [--group 8]
+        [--max-tokens 112] [--engine-concurrency 8] [--sync-s 0.2] [--sync-workers 8] [--async-s 0.5]
+        [--async-concurrency 16] [--rewards sync,async] [--json FILE]
 
 `--engine-concurrency`: requests the engine serves at once (`policy_sampler.concurrency`); below the step's
-rollouts, completions come back in waves, as on an engine whose KV cache holds part of a step (the tiny random
-policy never stops early, so with every request in one batch all completions land at the same decode step and
-there is nothing to overlap).
+rollouts, completions come back in waves, as on an engine whose KV cache holds part of a step. `--sync-workers` and
+`--async-concurrency` (`reward_loop.sync_workers`, `.concurrency`) make scoring throughput-bound, about as long as
+sampling: a reward with room for every rollout at once costs one call's latency after sampling either way.
 """
 
 from __future__ import annotations
@@ -46,17 +49,23 @@ def bench_config(args, store: str, reward: str):
                if args.sampler == "vllm" else f'{{ type = "hf", batch_size = {args.hf_batch} }}')
     return load_config(RlConfig, ROOT / "configs/rl-tiny.toml", [
         f"run.store={store}", f"algorithm.rl.policy_sampler={sampler}",
+        f"algorithm.rl.max_seq_len={args.max_tokens + 48}",  # rl-tiny's prompts are under 48 tokens
         f"algorithm.rl.envs[0].prompts_per_step={args.prompts}",
         f"algorithm.rl.envs[0].sampling={{ group_size = {args.group}, temperature = 1.0, "
         f"max_tokens = {args.max_tokens} }}",
         f'algorithm.rl.envs[0].rewards=[{{ function = "{function}", kwargs = {{ sleep_s = {sleep_s}, '
         f'target = 12 }} }}]',
         f"algorithm.rl.reward_loop.sync_workers={args.sync_workers}",
+        *([f"algorithm.rl.reward_loop.concurrency={args.async_concurrency}"] if reward == "async" else []),
     ])
 
 
-def run_variant(cfg, steps: int, streamed: bool, resident, served, loops) -> list[dict]:
-    """`steps` steps from the initial policy, as train-rl's tasks run them: each step's wall time and stage times."""
+def run_paired(cfg, steps: int, resident, served, loops) -> list[dict]:
+    """`steps` steps from the initial policy, as train-rl's tasks run them, each step's sample and score stages run
+    both ways from the same state (staged: sample, then score; streamed: sample-and-score, then score-merge; which
+    goes first alternates), then its advantages, pack and train step once. Per step: each way's seconds to its
+    scored table less the policy server's reload (paid once per state, by whichever ran first: `hold_s`), when
+    its sampling ended, the rest of the step, and whether both ways scored the same rewards."""
     from rollout_lib.rl.prompts import load_prompts
     from tasks.common import open_store
     from tasks.rl import (
@@ -70,26 +79,40 @@ def run_variant(cfg, steps: int, streamed: bool, resident, served, loops) -> lis
         train_step_task,
     )
 
+    def staged(step: int) -> dict:
+        sampled = sample_task.fn(cfg, prompts, state, step, resident, served)
+        return {"sampled": sampled, "scored": score_task.fn(cfg, prompts, sampled["rollouts"], step, loops)}
+
+    def streamed(step: int) -> dict:
+        sampled = sample_and_score_task.fn(cfg, prompts, state, step, resident, served, loops)
+        return {"sampled": sampled, "scored": score_merge_task.fn(cfg, sampled["rollouts"], step, [sampled["rewards"]])}
+
     store = open_store(cfg)
     prompts = {env.name: store.put_table(load_prompts(env)) for env in cfg.settings.envs}
     state = init_policy_task.fn(cfg, prompts, resident)["checkpoint"]
     records = []
     for step in range(1, steps + 1):
+        record, ways = {}, {"staged": staged, "streamed": streamed}
+        for way in sorted(ways, reverse=step % 2 == 0):
+            began = time.perf_counter()
+            done = ways[way](step)
+            seconds = time.perf_counter() - began
+            metrics = done["sampled"]["metrics"]
+            reload_s = metrics.get("policy_server/reload_s", 0.0)
+            record[way] = {"seconds": seconds - reload_s, "sampled": metrics["sample_s"] - reload_s,
+                           "rewards": done["scored"]["metrics"]["reward_mean"], "scored": done["scored"]}
+            record["hold_s"] = max(record.get("hold_s", 0.0), reload_s)
         began = time.perf_counter()
-        if streamed:
-            sampled = sample_and_score_task.fn(cfg, prompts, state, step, resident, served, loops)
-            scored = score_merge_task.fn(cfg, sampled["rollouts"], step, [sampled["rewards"]])
-        else:
-            sampled = sample_task.fn(cfg, prompts, state, step, resident, served)
-            scored = score_task.fn(cfg, prompts, sampled["rollouts"], step, loops)
-        scoring_done = time.perf_counter()
-        samples = advantages_task.fn(cfg, prompts, state, scored["rollouts"], step, resident, served)
+        scored = record["staged"]["scored"]["rollouts"]
+        samples = advantages_task.fn(cfg, prompts, state, scored, step, resident, served)
         packed = pack_task.fn(cfg, samples["samples"], step)
-        trained = train_step_task.fn(cfg, prompts, state, packed["micro_batches"], step, resident)
-        state = trained["state"]
-        records.append({"step_s": time.perf_counter() - began, "sample_score_s": scoring_done - began,
-                        "sample_s": sampled["metrics"]["sample_s"], "scored": scored["rollouts"],
-                        "reward_mean": scored["metrics"]["reward_mean"]})
+        state = train_step_task.fn(cfg, prompts, state, packed["micro_batches"], step, resident)["state"]
+        rest = time.perf_counter() - began + record["hold_s"]
+        records.append({
+            "staged_step_s": record["staged"]["seconds"] + rest, "streamed_step_s": record["streamed"]["seconds"] + rest,
+            "staged_sampled_s": record["staged"]["sampled"], "streamed_sampled_s": record["streamed"]["sampled"],
+            "staged_scored_s": record["staged"]["seconds"], "streamed_scored_s": record["streamed"]["seconds"],
+            "same_rewards": record["staged"]["rewards"] == record["streamed"]["rewards"]})
     return records
 
 
@@ -100,16 +123,16 @@ def median(records: list[dict], key: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sampler", choices=("vllm", "hf"), default="vllm")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=112)
     parser.add_argument("--engine-concurrency", type=int, default=8)
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--sync-s", type=float, default=0.2)
     parser.add_argument("--async-s", type=float, default=0.5)
     parser.add_argument("--sync-workers", type=int, default=8)
+    parser.add_argument("--async-concurrency", type=int, default=16)
     parser.add_argument("--rewards", default="sync,async")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
@@ -126,36 +149,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-streamed-") as store, ServedModels(store) as served:
         for reward in args.rewards.split(","):
             cfg = bench_config(args, store, reward)
-            runs: dict[str, list[dict]] = {"staged": [], "streamed": []}
             with ResidentTrainer() as resident, run_reward_loops(cfg, served) as loops:
-                for repeat in range(args.repeats):
-                    for variant in ("staged", "streamed") if repeat % 2 == 0 else ("streamed", "staged"):
-                        records = run_variant(cfg, args.steps, variant == "streamed", resident, served, loops)
-                        runs[variant].extend(records[1:])  # step 1 warms the engine (and the workers) up
-                        print(f"{reward} {variant:>8} repeat {repeat}: steps "
-                              + " ".join(f"{r['step_s']:.2f}" for r in records) + " s (sample+score "
-                              + " ".join(f"{r['sample_score_s']:.2f}" for r in records) + ")", flush=True)
-            staged, streamed = runs["staged"], runs["streamed"]
-            same_rewards = [r["reward_mean"] for r in staged[:args.steps - 1]] == \
-                [r["reward_mean"] for r in streamed[:args.steps - 1]]
-            figures[reward] = {
-                "staged_step_s": median(staged, "step_s"), "streamed_step_s": median(streamed, "step_s"),
-                "staged_sample_score_s": median(staged, "sample_score_s"),
-                "streamed_sample_score_s": median(streamed, "sample_score_s"),
-                "sample_s": median(staged, "sample_s"),
-                "ratio": median(streamed, "step_s") / median(staged, "step_s"),
-                "same_rewards": same_rewards,
-            }
+                records = run_paired(cfg, args.steps, resident, served, loops)
+            for step, r in enumerate(records, 1):
+                print(f"{reward} step {step}: staged {r['staged_step_s']:.2f} s (sampled at {r['staged_sampled_s']:.2f},"
+                      f" scored at {r['staged_scored_s']:.2f}), streamed {r['streamed_step_s']:.2f} s (sampled at "
+                      f"{r['streamed_sampled_s']:.2f}, scored at {r['streamed_scored_s']:.2f})", flush=True)
+            steady = records[1:]  # step 1 warms the engine and the reward workers up
+            figures[reward] = {key: median(steady, key) for key in steady[0] if key != "same_rewards"}
+            figures[reward]["ratio"] = statistics.median(r["streamed_step_s"] / r["staged_step_s"] for r in steady)
+            figures[reward]["same_rewards"] = all(r["same_rewards"] for r in records)
     print(f"\nsampler: {args.sampler}; {args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens; "
-          f"medians over steps 2..{args.steps}, {args.repeats} runs of each variant")
-    print(f"{'reward':<28} {'staged step':>12} {'streamed step':>14} {'ratio':>6}   (sampling alone; sample+score "
-          "staged / streamed)")
+          f"medians over steps 2..{args.steps} (ratio: the median of each step's streamed / staged)")
+    print(f"{'reward':<28} {'staged step':>12} {'streamed step':>14} {'ratio':>6}   (sampled at, scored at: staged; "
+          "streamed)")
     for reward, f in figures.items():
         label = f"sync {args.sync_s} s ({args.sync_workers} workers)" if reward == "sync" else \
-            f"async {args.async_s} s"
+            f"async {args.async_s} s ({args.async_concurrency} at once)"
         print(f"{label:<28} {f['staged_step_s']:>11.2f}s {f['streamed_step_s']:>13.2f}s {f['ratio']:>6.2f}   "
-              f"({f['sample_s']:.2f} s; {f['staged_sample_score_s']:.2f} / {f['streamed_sample_score_s']:.2f} s)"
-              f"{'' if f['same_rewards'] else '  REWARDS DIFFER'}")
+              f"({f['staged_sampled_s']:.2f}, {f['staged_scored_s']:.2f} s; {f['streamed_sampled_s']:.2f}, "
+              f"{f['streamed_scored_s']:.2f} s){'' if f['same_rewards'] else '  REWARDS DIFFER'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "figures": figures}, indent=1))
 

@@ -126,6 +126,33 @@ def test_rewards_start_before_the_last_completion_is_sampled(policy_run, monkeyp
     assert all(result.reward is not None for result in streamed.results)
 
 
+def test_a_served_models_rows_are_handed_over_as_their_requests_return():
+    """Per request (the frozen sampler's, as the engine's policy sampler's): rows come in the order requests finish,
+    and the table is the one sampled without the callback."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rollout_lib.model.loading import load_tokenizer, resolve_model
+    from rollout_lib.sampling.frozen import FrozenSampler
+
+    class SlowFirstPool:  # the first requests take longest
+        async def generate(self, prompt_ids, *, seed, **_):
+            await asyncio.sleep(0.05 if seed % 3 == 0 else 0.0)
+            return SimpleNamespace(token_ids=[11 + seed % 50, 12], logprobs=[-1.0, -0.5])
+
+    prompts = pa.Table.from_pylist([{"example_id": f"p{i}", "env": "words", "answer": None, "info": None,
+                                     "source_line": i + 1,
+                                     "messages": [{"role": "user", "content": f"Say {i} words."}]}
+                                    for i in range(3)], schema=wire.PROMPTS)
+    sampler = FrozenSampler(SlowFirstPool(), load_tokenizer(resolve_model("tiny:qwen2")), 8, "frozen:test")
+    params = SamplingParams(group_size=2, max_tokens=2)
+    handed = []
+    table = sampler.sample(prompts, params, 7, on_rollout=lambda index, row: handed.append((index, row["sample_id"])))
+    assert table.equals(sampler.sample(prompts, params, 7))
+    assert sorted(handed) == list(enumerate(table.column("sample_id").to_pylist()))
+    assert [index for index, _ in handed] != sorted(index for index, _ in handed)  # in the order they returned
+
+
 def test_an_episode_is_handed_over_when_the_turn_it_ended_in_is_done():
     """Episode 0 answers at once, episode 1 calls the calculator first: 0 is told before turn 2 is sampled."""
     from rollout_lib.model.loading import load_tokenizer, resolve_model
