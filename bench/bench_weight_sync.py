@@ -85,8 +85,9 @@ def main() -> None:
                     for parameter in trained:
                         parameter.add_(torch.randn(parameter.shape, generator=generator) * 1e-4)
                 report = server.hold(f"bench-{mode}-{hold}", model, tokenizer)
-                print(f"{mode} hold {hold}: {report.seconds:.2f} s (write {report.write_seconds:.2f} s, reload + probe "
-                      f"{report.seconds - report.write_seconds:.2f} s), probe diff {report.max_probe_diff:.1e}",
+                print(f"{mode} hold {hold}: {report.seconds:.2f} s (write {report.write_seconds:.2f} s, engine reload "
+                      f"{report.engine_reload_seconds:.2f} s, probe {report.probe_seconds:.2f} s), probe diff "
+                      f"{report.max_probe_diff:.1e}",
                       flush=True)
                 if hold:
                     steady.append(report.seconds)

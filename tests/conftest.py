@@ -200,6 +200,8 @@ def worker_stack(prefect_server):
         started = subprocess.run([sys.executable, "-m", "rollout_cli", "stack", "start", "--no-schedule"], cwd=ROOT,
                                  env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
         assert started.returncode == 0, f"rollout stack start failed:\n{started.stdout}\n{started.stderr}"
+        # It says which schedules run by themselves: none, once --no-schedule paused them.
+        assert "no schedule is active: runs start only when asked for" in started.stdout, started.stdout
         record = stack.read_record()
         assert record["server"]["owned"] is False and record["api_url"] == prefect_server["api_url"]
         yield DeploymentStack(record)

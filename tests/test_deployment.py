@@ -135,6 +135,9 @@ def test_nightly_schedule_creates_runs_and_one_run_at_a_time(worker_stack):
     assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
     assert deployment["parameters"] == {"config": "configs/rm-default.toml", "overrides": []}
     assert not schedule["active"]  # the session's stack was started with --no-schedule
+    # Only train-rm/default is scheduled: the others run when asked for.
+    for other in ("train-sft/default", "train-rl/default", "rlhf/default"):
+        assert worker_stack.api("GET", f"/deployments/name/{other}")["schedules"] == [], other
 
     path = f"/deployments/{deployment['id']}/schedules/{schedule['id']}"
     query = {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}, "state": {"type": {"any_": ["SCHEDULED"]}}}}

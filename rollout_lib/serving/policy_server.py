@@ -95,6 +95,8 @@ class HoldReport:
     reloaded: list[str] = field(default_factory=list)
     seconds: float = 0.0
     write_seconds: float = 0.0
+    engine_reload_seconds: float = 0.0  # the slowest replica's reload call (fetch included for a remote one)
+    probe_seconds: float = 0.0  # the trainer's forward of the probe, then the slowest replica's scoring of it
     max_probe_diff: float | None = None
 
 
@@ -212,7 +214,8 @@ class PolicyServer:
             for replica in stale:
                 self._holds.pop(replica.base_url, None)
             report.reloaded = [replica.base_url for replica in stale]
-            report.max_probe_diff = self._verify(report.reloaded, state_id, model, tokenizer, reload=True)
+            report.max_probe_diff = self._verify(report.reloaded, state_id, model, tokenizer, reload=True,
+                                                 report=report)
             for replica in stale:
                 self._holds[replica.base_url] = (replica.pid, state_id)
             report.seconds = time.perf_counter() - started
@@ -226,15 +229,19 @@ class PolicyServer:
         difference, or PolicyServerError naming the replica that does not."""
         return self._verify(self.deployment.base_urls, state_id, model, tokenizer, reload=False)
 
-    def _verify(self, urls: list[str], state_id: str, model, tokenizer, *, reload: bool) -> float:
+    def _verify(self, urls: list[str], state_id: str, model, tokenizer, *, reload: bool,
+                report: HoldReport | None = None) -> float:
         """(Reload, then) score the probe on each replica of `urls` and compare with the trainer's logprobs: the
-        largest difference, or PolicyServerError naming the first replica beyond the tolerance."""
+        largest difference, or PolicyServerError naming the first replica beyond the tolerance. `report` gets the
+        seconds of each part."""
         probe = probe_ids(model, tokenizer)
-        if self.probe_dtype == torch.float32:
-            expected = trainer_logprobs(model, probe)
-        else:  # the weights rounded as the engine rounds them (a copy: the trainer's model stays fp32)
-            expected = trainer_logprobs(copy.deepcopy(model).to(self.probe_dtype), probe)
-        diffs = asyncio.run(self._probe_all(urls, probe, expected, reload=reload))
+        started = time.perf_counter()
+        expected = self._expected(model, probe)
+        timings: dict[str, float] = {"trainer": time.perf_counter() - started}
+        diffs = asyncio.run(self._probe_all(urls, probe, expected, reload=reload, timings=timings))
+        if report is not None:
+            report.engine_reload_seconds = timings.get("reload", 0.0)
+            report.probe_seconds = timings.get("trainer", 0.0) + timings.get("score", 0.0)
         for url, diff in zip(urls, diffs):
             if diff > self.tolerance:
                 raise PolicyServerError(
@@ -243,6 +250,13 @@ class PolicyServer:
                     f"from the trainer's by up to {diff:.3g} (tolerance {self.tolerance:g}); refusing to sample from "
                     "unknown weights")
         return max(diffs)
+
+    def _expected(self, model, probe: list[int]) -> list[float]:
+        """The trainer's logprobs of the probe, in the engine's dtype."""
+        if self.probe_dtype == torch.float32:
+            return trainer_logprobs(model, probe)
+        # the weights rounded as the engine rounds them (a copy: the trainer's model stays fp32)
+        return trainer_logprobs(copy.deepcopy(model).to(self.probe_dtype), probe)
 
     @property
     def _shipped(self) -> str:
@@ -270,32 +284,47 @@ class PolicyServer:
                 "fetches the state)") from None
         return answer["results"][0]
 
-    async def _probe_all(self, urls: list[str], probe: list[int], expected: list[float], *,
-                         reload: bool) -> list[float]:
-        async def one(url: str) -> float:
-            client = EndpointClient(url, self.served_name, timeout_s=RELOAD_TIMEOUT_S)
-            try:
-                if reload:
-                    directory = await self._fetched(client, url) if self.remote else str(self.weights.directory)
-                    try:
-                        if self.adapter:
-                            await client.load_lora_adapter(self.served_name, directory)
-                        else:
-                            await client.request("POST", "/collective_rpc", {
-                                "method": "reload_weights", "kwargs": {"weights_path": directory}})
-                    except ServingError as exc:
-                        raise PolicyServerError(f"policy server {url} ({self.name!r}): weight reload failed: "
-                                                f"{exc.detail}") from None
-                try:
-                    served = await client.score(probe)
-                except ServingError as exc:
-                    raise PolicyServerError(f"policy server {url} ({self.name!r}): scoring the probe failed: "
-                                            f"{exc.detail}") from None
-                return float(np.max(np.abs(np.asarray(served) - np.asarray(expected))))
-            finally:
-                await client.aclose()
+    async def _probe_all(self, urls: list[str], probe: list[int], expected: list[float], *, reload: bool,
+                         timings: dict[str, float]) -> list[float]:
+        """Each replica reloaded (if `reload`), then scoring the probe; each replica's largest |difference| from
+        `expected`. The trainer's side of the probe is computed before, not beside the reload: with 2 cores, the
+        two together made the hold slower (0.56-1.5 s against 0.55, bench/bench_weight_sync.py); on a GPU, where
+        they would not share cores, overlapping them would pay."""
+        async def timed(key: str, work):
+            started = time.perf_counter()
+            result = await work
+            timings[key] = max(timings.get(key, 0.0), time.perf_counter() - started)
+            return result
 
-        return list(await asyncio.gather(*(one(url) for url in urls)))
+        clients = [EndpointClient(url, self.served_name, timeout_s=RELOAD_TIMEOUT_S) for url in urls]
+        try:
+            if reload:
+                await asyncio.gather(*(timed("reload", self._reload(client, url))
+                                       for client, url in zip(clients, urls)))
+            served = await asyncio.gather(*(timed("score", self._score(client, url, probe))
+                                            for client, url in zip(clients, urls)))
+        finally:
+            await asyncio.gather(*(client.aclose() for client in clients))
+        return [float(np.max(np.abs(np.asarray(logprobs) - np.asarray(expected)))) for logprobs in served]
+
+    async def _reload(self, client: EndpointClient, url: str) -> None:
+        directory = await self._fetched(client, url) if self.remote else str(self.weights.directory)
+        try:
+            if self.adapter:
+                await client.load_lora_adapter(self.served_name, directory)
+            else:
+                await client.request("POST", "/collective_rpc", {
+                    "method": "reload_weights", "kwargs": {"weights_path": directory}})
+        except ServingError as exc:
+            raise PolicyServerError(f"policy server {url} ({self.name!r}): weight reload failed: "
+                                    f"{exc.detail}") from None
+
+    async def _score(self, client: EndpointClient, url: str, probe: list[int]) -> list[float]:
+        try:
+            return await client.score(probe)
+        except ServingError as exc:
+            raise PolicyServerError(f"policy server {url} ({self.name!r}): scoring the probe failed: "
+                                    f"{exc.detail}") from None
 
     def close(self) -> None:
         """Close the pool and delete the weights directory and what was shipped (the deployment is stopped by its
