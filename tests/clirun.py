@@ -56,10 +56,12 @@ def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: f
 def run_and_act_at(args: list[str], marker: str, action: Callable[[], None], log_path: Path,
                    timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the CLI with `args`; call `action()` (SIGKILL a server, say) as soon as `marker` shows in its output,
-    then let the run go on to its end. Fails if the run ends before the marker shows."""
+    then let the run go on to its end. Fails if the run ends before the marker shows. --verbose, as
+    `run_until_then_kill`: markers are Prefect's per-task lines."""
     err_path = log_path.with_suffix(".err")
     with log_path.open("w") as out, err_path.open("w") as err:
-        process = subprocess.Popen(rollout_command(*args), cwd=ROOT, env=cli_env(), stdout=out, stderr=err)
+        process = subprocess.Popen(rollout_command(*args, "--verbose"), cwd=ROOT, env=cli_env(), stdout=out,
+                                   stderr=err)
         deadline = time.monotonic() + timeout
         while marker not in log_path.read_text() + err_path.read_text():
             assert process.poll() is None, err_path.read_text()[-3000:]
