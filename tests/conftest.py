@@ -299,7 +299,8 @@ SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "fai
 # left with a long group at the end; the rest follow in file order.
 LONGEST_GROUPS = ["vllm_tiny", "worker_stack", "test_policy_engine", "test_sharding", "test_off_policy",
                   "test_distillation", "test_cache_keys", "test_task_runners", "test_rl_data_parallel", "test_lora",
-                  "test_rlhf_flow", "test_served_reward_model", "test_nodes"]
+                  "test_rlhf_flow", "test_served_reward_model", "test_nodes", "test_streamed_scoring",
+                  "test_orchestrator_loss", "test_policy_remote"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks

@@ -206,7 +206,8 @@ def test_the_streamed_tasks_return_the_staged_tasks_ids(tmp_path):
 
 
 def test_streaming_is_the_default_and_in_no_identity():
-    streamed, staged = load_config(RlConfig, TINY), load_config(RlConfig, TINY, ["algorithm.rl.reward_loop.streamed=false"])
+    streamed = load_config(RlConfig, TINY)
+    staged = load_config(RlConfig, TINY, ["algorithm.rl.reward_loop.streamed=false"])
     assert streamed.settings.reward_loop.streamed and not staged.settings.reward_loop.streamed
     assert training_hash(streamed) == training_hash(staged)
     assert training_identity(streamed) == training_identity(staged)
@@ -226,9 +227,13 @@ def rl_run(store, *settings: str, steps: int = 2) -> dict:
 
 @pytest.mark.slow
 def test_streamed_and_staged_runs_end_on_the_same_checkpoint(prefect_server, tmp_path):
-    """rl-tiny, 2 steps: synchronous, one step off-policy, and with a multi-turn env beside it."""
-    streamed = rl_run(tmp_path / "streamed")
-    staged = rl_run(tmp_path / "staged", *STAGED)
+    """rl-tiny, 2 steps: with a multi-turn env beside it (synchronous), and one step off-policy. (rl-tiny alone,
+    synchronous, is the first case without its second env: the in-process tests above cover it.)"""
+    # A multi-turn env beside rl-tiny's, sampled in batches of 8 so that completions and episodes stream.
+    envs = ["--set", EMBEDDED_IN_BATCHES,
+            "--set", f"algorithm.rl.envs={json_to_toml([*rl_tiny_envs(), CALCULATOR_ENV])}"]
+    streamed = rl_run(tmp_path / "streamed-multi", *envs)
+    staged = rl_run(tmp_path / "staged-multi", *envs, *STAGED)
     assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
     states = task_run_states(streamed["flow_run_id"])
     assert {f"{stage}-step-{k}" for stage in ("sample", "score", "train") for k in (1, 2)} <= set(states)
@@ -237,12 +242,6 @@ def test_streamed_and_staged_runs_end_on_the_same_checkpoint(prefect_server, tmp
     off_policy = ["--set", "algorithm.rl.max_off_policy_steps=1"]
     streamed = rl_run(tmp_path / "streamed-k1", *off_policy)
     staged = rl_run(tmp_path / "staged-k1", *off_policy, *STAGED)
-    assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
-
-    # A multi-turn env beside it, sampled in batches of 8 so that completions and episodes stream.
-    envs = ["--set", EMBEDDED_IN_BATCHES, "--set", f"algorithm.rl.envs={json_to_toml([*rl_tiny_envs(), CALCULATOR_ENV])}"]
-    streamed = rl_run(tmp_path / "streamed-multi", *envs)
-    staged = rl_run(tmp_path / "staged-multi", *envs, *STAGED)
     assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
 
 
@@ -268,7 +267,8 @@ def test_a_streamed_run_killed_inside_a_sample_and_score_stage_reruns_to_its_che
     interrupted = [*args, "--set", f"run.store={tmp_path / 'interrupted'}"]
     log_path = tmp_path / "killed.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen(rollout_command(*interrupted), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(rollout_command(*interrupted), cwd=ROOT, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while not calls.exists() or len(calls.read_text().splitlines()) < 32 + 8:  # step 1's 32, then 8 of step 2's
             assert process.poll() is None, log_path.read_text()[-3000:]
