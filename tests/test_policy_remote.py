@@ -31,14 +31,19 @@ def other_node(home, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def remote_policy(tmp_path_factory):
     """tiny:qwen2 served as a live policy by the other node; its URL. Stopped at the end."""
+    from rollout_lib.serving.store_fetch import fetch_directory
+
     home = tmp_path_factory.mktemp("node1") / "home"
     started = other_node(home, "serve", "start", "tiny:qwen2", "--name", "remote-policy", "--live-policy")
+    replica = None
     try:
         assert started.returncode == 0, started.stdout + started.stderr
-        status = json.loads(other_node(home, "serve", "status").stdout)
-        yield status[0]["replicas"][0]["base_url"]
+        [replica] = json.loads(other_node(home, "serve", "status").stdout)[0]["replicas"]
+        yield replica["base_url"]
     finally:
         other_node(home, "serve", "stop", "--all")
+    # What the server fetched (a model's size, in shared memory) went with it.
+    assert not os.path.exists(fetch_directory(replica["pid"]))
 
 
 def test_a_run_samples_on_a_policy_server_of_another_node_shipping_each_state_through_the_store(

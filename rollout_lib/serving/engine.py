@@ -37,6 +37,7 @@ from typing import Iterator, Mapping, Sequence
 import psutil
 
 from rollout_lib.paths import PROJECT_ROOT, state_dir
+from rollout_lib.serving.store_fetch import fetch_directory
 from rollout_lib.processes import cmdline_contains, free_ports, group_members, port_is_free
 from rollout_lib.serving.references import default_max_model_len, default_name, served_model_directory
 
@@ -379,6 +380,8 @@ def _stop_groups(pids: Sequence[int], grace_s: float = STOP_GRACE_S) -> None:
         if process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=1)  # reap our own child
+    for member in processes:  # a live policy's fetched states (store_fetch.py): a model's size in shared memory
+        shutil.rmtree(fetch_directory(member.pid), ignore_errors=True)
 
 
 def _wait_gone(processes: Sequence[psutil.Process], timeout_s: float) -> bool:

@@ -44,10 +44,16 @@ def fetch(source: str, target: str) -> str:
     return target
 
 
+def fetch_directory(pid: int) -> str:
+    """Where the server process `pid` keeps what it fetched: in shared memory where there is one. A model's size:
+    engine.py removes it when it stops the server (vLLM's shutdown runs no exit handlers)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"rollout-policy-fetch-{pid}")
+
+
 class StoreFetch:
-    """Mixed into vLLM's worker: `fetch_from_store(source)` copies a state into this process's own directory (in
-    shared memory where there is one) and returns it."""
+    """Mixed into vLLM's worker: `fetch_from_store(source)` copies a state into this process's own directory
+    (`fetch_directory`) and returns it."""
 
     def fetch_from_store(self, source: str) -> str:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        return fetch(source, os.path.join(base, f"rollout-policy-fetch-{os.getpid()}"))
+        return fetch(source, fetch_directory(os.getpid()))
