@@ -216,15 +216,15 @@ def _sorted_header(header: bytes) -> bytes | None:
 
 # safetensors' dtype names, and its data layout: tensors by dtype in descending order of its enum (64-bit first,
 # BOOL last), then by name (tests/test_store.py checks the bytes against safetensors' own).
-_ST_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
-              torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.float64: "F64",
-              torch.int64: "I64"}
+SAFETENSORS_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+                      torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32",
+                      torch.float64: "F64", torch.int64: "I64"}
 _ST_ENUM_ORDER = ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
 
 
 def safetensors_order(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
     """The order safetensors lays tensors out in: the order `put_tensors_streamed` must be given them in."""
-    return sorted(shapes, key=lambda name: (-_ST_ENUM_ORDER.index(_ST_DTYPES[shapes[name][0]]), name))
+    return sorted(shapes, key=lambda name: (-_ST_ENUM_ORDER.index(SAFETENSORS_DTYPES[shapes[name][0]]), name))
 
 
 class ObjectStore:
@@ -403,7 +403,7 @@ class ObjectStore:
         for name in order:
             dtype, shape = shapes[name]
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size
         blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
         blob += b" " * (-len(blob) % 8)

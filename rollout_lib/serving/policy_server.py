@@ -43,11 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -172,7 +170,7 @@ class PolicyServer:
         """Whether every replica, as it runs now, was loaded with `state_id` and checked (a remote replica's process
         is unknown, a restart unseen: never taken as holding anything)."""
         return not self.remote and all(self._holds.get(replica.base_url) == (replica.pid, state_id)
-                   for replica in self.deployment.replicas)
+                                       for replica in self.deployment.replicas)
 
     def recover(self) -> list[str]:
         """Restart the replicas whose process is gone (engine.restart_dead_replicas) and start a fresh pool (the old
@@ -348,12 +346,17 @@ def remote_deployment(base_urls: list[str], served_name: str | None = None) -> e
 
 
 def _served_name(root: str) -> str:
+    async def listed() -> list[str]:
+        client = EndpointClient(root, "", timeout_s=30.0)
+        try:
+            return list(await client.models())
+        finally:
+            await client.aclose()
+
     try:
-        with urllib.request.urlopen(f"{root}/v1/models", timeout=30) as response:
-            names = [entry["id"] for entry in json.loads(response.read()).get("data", [])]
-    except (OSError, ValueError, KeyError) as exc:
-        raise PolicyServerError(f"policy server {root} (algorithm.rl.policy_sampler.base_url) does not answer "
-                                f"GET /v1/models: {exc}") from None
+        names = asyncio.run(listed())
+    except ServingError as exc:
+        raise PolicyServerError(f"policy server {root} (algorithm.rl.policy_sampler.base_url): {exc.detail}") from None
     if len(names) != 1:
         raise PolicyServerError(f"policy server {root} serves {len(names)} models ({', '.join(names) or 'none'}): "
                                 "name the policy's in algorithm.rl.policy_sampler.served_name")

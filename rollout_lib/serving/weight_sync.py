@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from rollout_lib.adapters import adapter_config, adapter_weights, merged_state_dict
+from rollout_lib.store import SAFETENSORS_DTYPES
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -105,14 +106,8 @@ class SharedWeightsFile:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-# safetensors' dtype names (its header's "dtype"), for the dtypes a model's state dict holds
-_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                torch.bool: "BOOL"}
-
-
 def _dtype_name(tensor: torch.Tensor) -> str:
-    return _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+    return SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
