@@ -210,7 +210,7 @@ def follow(run: str | None, latest: bool, all_lines: bool, poll_s: float) -> int
     with bars.progress:
         while True:
             ids = flow_run_ids(api, flow_run_id)
-            runs = {run["id"]: run for run in api("POST", "/flow_runs/filter",
+            runs = {found["id"]: found for found in api("POST", "/flow_runs/filter",
                                                   {"flow_runs": {"id": {"any_": ids}}}) or []}
             names.update({run_id: run["name"] for run_id, run in runs.items()})
             unknown_flows = sorted({run["flow_id"] for run in runs.values()} - set(flow_names))
