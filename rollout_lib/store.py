@@ -227,6 +227,12 @@ def safetensors_order(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) ->
     return sorted(shapes, key=lambda name: (-_ST_ENUM_ORDER.index(SAFETENSORS_DTYPES[shapes[name][0]]), name))
 
 
+def is_process_local(root: str) -> bool:
+    """A store only this process can read (fsspec's in-memory filesystem, ``memory://``): no other process, node
+    or server finds anything in it."""
+    return fsspec.core.split_protocol(os.fspath(root))[0] == "memory"
+
+
 class ObjectStore:
     """A content-addressed store rooted at a local path or fsspec URL."""
 

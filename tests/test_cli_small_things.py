@@ -265,6 +265,37 @@ def test_a_config_of_another_entry_point_says_which_command_it_is_for(capsys, co
                f"{config}\n")
 
 
+# Scale-out settings that cannot work (issue 26, docs/scale.md): refused as the settings load, before any model,
+# store or process, in one line naming the setting and what to do.
+REMOTE_POLICY = 'algorithm.rl.policy_sampler={ type = "vllm", base_url = ["http://127.0.0.1:9/v1"] }'
+
+
+@pytest.mark.parametrize(("entry_point", "overrides", "error"), [
+    ("sft", ["--set", "algorithm.sft.hardware.sharding=fsdp"],
+     'algorithm.sft.hardware: sharding = "fsdp" shards the model over the nproc processes, and nproc = 1: set nproc '
+     ">= 2"),
+    ("rl", ["--set", 'algorithm.rl.adapter.target_modules=["q_proj", "vproj"]'],
+     "algorithm.rl.adapter.target_modules: 'vproj' matches no module of Qwen2ForCausalLM; its linear layers are "),
+    ("rl", ["--set", REMOTE_POLICY, "--store", "memory://scale-run"],
+     "algorithm.rl.policy_sampler.base_url: policy servers at a URL read each state's weights from the run's store "
+     "themselves, and run.store = 'memory://scale-run' is this process's memory, which no server reaches: set "
+     "run.store to a directory or bucket those servers read too"),
+])
+def test_scale_settings_that_cannot_work_fail_in_one_line_before_anything_runs(capsys, entry_point, overrides,
+                                                                                 error):
+    code, out, err = rollout(capsys, "train", entry_point, "--config", TINY_CONFIGS[entry_point], "--dry-run",
+                             *overrides)
+    assert (code, out) == (2, ""), err
+    assert err.startswith(f"rollout: error: {TINY_CONFIGS[entry_point]}: {error}") and len(err.splitlines()) == 1, err
+
+
+def test_a_remote_policy_server_with_a_store_it_can_read_passes_the_plan(capsys, tmp_path):
+    code, out, err = rollout(capsys, "train", "rl", "--config", TINY_CONFIGS["rl"], "--dry-run", "--set",
+                             REMOTE_POLICY, "--store", str(tmp_path / "store"))
+    assert code == 0, err
+    assert json.loads(out)["policy_sampler"]["base_url"] == ["http://127.0.0.1:9/v1"]
+
+
 def test_a_missing_config_file_is_named(capsys):
     assert rollout(capsys, "train", "rm", "--config", "configs/nope.toml", "--dry-run") == (
         2, "", "rollout: error: configs/nope.toml: config file not found\n")

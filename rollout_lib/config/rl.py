@@ -61,7 +61,7 @@ from rollout_lib.reward.settings import (
 )
 from rollout_lib.sampling import SamplingParams, sampler_settings_types
 from rollout_lib.settings_base import tagged_union
-from rollout_lib.store import canonical_json
+from rollout_lib.store import canonical_json, is_process_local
 
 
 def env_locator(index: int, path: str = "") -> str:
@@ -455,6 +455,12 @@ class RlConfig(EntryPointConfig):
         if settings.hardware.nnodes > 1:
             problems.append(("algorithm.rl.hardware.nnodes", "train-rl's policy group runs on one node (across nodes "
                              "is not built yet); use nnodes = 1 with nproc ranks, and serve the policy elsewhere"))
+        if getattr(settings.policy_sampler, "base_url", None) and is_process_local(self.run.store):
+            problems.append(("algorithm.rl.policy_sampler.base_url",
+                             "policy servers at a URL read each state's weights from the run's store themselves, and "
+                             f"run.store = {self.run.store!r} is this process's memory, which no server reaches: set "
+                             "run.store to a directory or bucket those servers read too (a shared filesystem, "
+                             "s3://...), or leave base_url out to serve the policy on this machine"))
         if settings.micro_batch_tokens is not None and settings.micro_batch_tokens < settings.max_seq_len:
             problems.append(("algorithm.rl.micro_batch_tokens", f"must be >= max_seq_len ({settings.max_seq_len})"))
         return problems
