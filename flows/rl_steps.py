@@ -11,6 +11,8 @@ crosses steps.
   evaluation runs in line (after the samplings in flight: the server then reloads to the newest state).
 - Streamed (`reward_loop.streamed`, the default): sample-step-k scores each rollout as soon as it is sampled and
   score-step-k puts those rewards into the table; staged: score-step-k scores them all after the last is sampled.
+  Off-policy and streamed, sample-step-k also computes the behaviour logprobs as rollouts come in, and
+  advantages-step-k adopts them (rl/behaviour_stream.py).
 - With `run.task_runner` of type dask or ray, a step's scoring fans out to that cluster in chunks (staged).
 """
 
@@ -56,7 +58,8 @@ STAGE_TIMES = ("sample_s", "score_tail_s", "score_s", "advantages_s", "pack_s", 
 OPTIONAL_METRIC_COLUMNS = (
     "turns_mean", "env_token_fraction", "truncated_fraction", "reward_model/scored", "reward_model/prompt_truncated",
     "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long", "off_policy_lag",
-    "behaviour/sampler_diff_max", "behaviour/sampler_kl", "score_tail_s",
+    "behaviour/sampler_diff_max", "behaviour/sampler_kl", "score_tail_s", "behaviour/precomputed_rows",
+    "behaviour/recompute_s", "behaviour/precompute_s", "behaviour/precompute_tail_s",
 )
 
 
@@ -118,7 +121,8 @@ class RlSteps:
             scored = self._score_in_chunks(sampled["rollouts"], step)
         samples = task(advantages_task)(cfg, prompts, self.states[self.schedule.sampled_after(step)],
                                         scored["rollouts"], step, res.resident, res.served_models,
-                                        None if self.pools is None else self.pools[step - 1])
+                                        None if self.pools is None else self.pools[step - 1],
+                                        sampled.get("behaviour"))
         if self.pools is not None:
             self.pools[step] = samples["curriculum"]
         packed = task(pack_task)(cfg, samples["samples"], step)

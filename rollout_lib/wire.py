@@ -178,6 +178,20 @@ REQUIRED_STREAMS = {
     "ref_kl": ("ref_logprobs", "inference_logprobs"),
 }
 
+# Behaviour logprobs a streamed off-policy step computed while it sampled (rl/behaviour_stream.py): one row per
+# rollouts row of each chunk it finished, in chunk order. The advantages stage adopts a chunk only where its rows
+# and its forward inputs (`inputs_digest`, rl/behaviour.py ForwardInputs) are the recompute's.
+BEHAVIOUR_LOGPROBS = pa.schema(
+    [
+        pa.field("chunk", pa.int32(), nullable=False),  # index among the recompute's chunks (rl/behaviour.py)
+        pa.field("row", pa.int32(), nullable=False),  # the rollouts row
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("inputs_digest", pa.string(), nullable=False),
+        # Aligned with the sample's input_ids: log p(token t | tokens before it), 0.0 where loss_mask is false.
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    ]
+)
+
 # One row per micro-batch: the concatenation of its samples, with per-sequence position ids restarting at 0.
 MICRO_BATCHES = pa.schema(
     [

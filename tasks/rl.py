@@ -173,16 +173,20 @@ def sample_and_score_task(config: RlConfig, prompts_ids: dict[str, str], policy_
     """A streamed step's sample stage (`algorithm.rl.reward_loop.streamed`): sample_task's rollouts and metrics,
     each rollout scored the moment it is sampled (rl/streamed.py). `rewards`: the id of their results in row order,
     which score_merge_task (score-step-k) puts into the table: the table, id and metrics score_task gives.
-    `score_tail_s`: how long the stage waited for rewards after its last rollout."""
+    `score_tail_s`: how long the stage waited for rewards after its last rollout. `behaviour`: off-policy, the id of
+    the behaviour logprobs computed while sampling (rl/behaviour_stream.py), which advantages_task adopts; else
+    None."""
     started = time.perf_counter()
     store = open_store(config)
     policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident)
     samplers = build_samplers(config, policy.model, policy.tokenizer, served_models, policy_state=policy_state)
     streamed = sample_and_score(config, samplers, _prompt_tables(config, prompts_ids), step, reward_loops,
-                                curriculum_state=None if curriculum is None else store.get_json(curriculum))
+                                curriculum_state=None if curriculum is None else store.get_json(curriculum),
+                                policy_model=policy.model, policy_state=policy_state)
     return {"rollouts": store.put_table(streamed.rollouts),
             "rewards": store.put_json(rewards_json(streamed.results, streamed.reward_model_metrics)),
-            "metrics": {**streamed.sample_metrics, **reload_metrics(samplers.values()),
+            "behaviour": None if streamed.behaviour is None else store.put_table(streamed.behaviour),
+            "metrics": {**streamed.sample_metrics, **reload_metrics(samplers.values()), **streamed.behaviour_metrics,
                         "sample_s": streamed.sampled_at - started,
                         "score_tail_s": streamed.scored_at - streamed.sampled_at}}
 
@@ -237,15 +241,18 @@ def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: l
     return {"rollouts": store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
 
 
+# `behaviour`, the behaviour logprobs the sample stage computed, is not in the key: they are the bits the advantages
+# stage would compute itself (rl/behaviour_stream.py), so the training samples are the same with or without them.
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_algorithm_sources))
+      cache_key_fn=content_key(extra=_algorithm_sources, ignore=("behaviour",)))
 def advantages_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, scored_id: str, step: int,
                     resident: ResidentTrainer, served_models: ServedModels | None = None,
-                    curriculum: str | None = None) -> dict:
+                    curriculum: str | None = None, behaviour: str | None = None) -> dict:
     """`served_models`: the run's, for algorithms that score samples with a frozen model at ship time; the prompts
     and the policy at `policy_state` (the weights the step sampled from), for those whose reference is the
-    policy itself (and for the behaviour logprobs the trainer recomputes). `curriculum`: the id of the difficulty
-    pools after the step before; the result's `curriculum` is the id of the pools after this step's groups."""
+    policy itself (and for the behaviour logprobs the trainer recomputes, less those in `behaviour`, the id of
+    the ones its sample stage computed, or None). `curriculum`: the id of the difficulty pools after the step
+    before; the result's `curriculum` is the id of the pools after this step's groups."""
     started = time.perf_counter()
     store = open_store(config)
     policy = PolicyReference(
@@ -253,7 +260,8 @@ def advantages_task(config: RlConfig, prompts_ids: dict[str, str], policy_state:
         config.settings.base_model, state_id=policy_state)
     resources = algorithm_resources(config, served_models, _prompt_tables(config, prompts_ids), policy)
     scored = store.get_table(scored_id, wire.ROLLOUTS)
-    samples, metrics = training_samples(config, scored, resources)
+    precomputed = None if behaviour is None else store.get_table(behaviour, wire.BEHAVIOUR_LOGPROBS)
+    samples, metrics = training_samples(config, scored, resources, precomputed)
     result = {"samples": store.put_table(samples)}
     if curriculum is not None:
         pools, pool_metrics = next_difficulty_pools(config, store.get_json(curriculum), scored,

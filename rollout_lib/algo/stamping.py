@@ -100,14 +100,16 @@ def stamp_training_samples(
             raise ValueError(f"sample {sample_id!r}: completion, logprobs and advantages are not aligned")
         n_prompt = len(prompt)
         keep = max_seq_len  # truncation drops completion tokens from the right
-        input_ids = (prompt + completion)[:keep]
+        temperature = (temperatures or {}).get(columns["env"][row], 1.0)
+        input_ids, loss_mask, token_temperatures = forward_streams(prompt, completion, sampled, max_seq_len,
+                                                                   temperature)
         if advantage is not None:
             advantage = [a if member else 0.0 for a, member in zip(advantage, sampled)]
         record = {
             "sample_id": sample_id,
             "env": columns["env"][row],
             "input_ids": input_ids,
-            "loss_mask": ([False] * n_prompt + sampled)[:keep],
+            "loss_mask": loss_mask,
             "advantages": None if advantage is None else ([0.0] * n_prompt + advantage)[:keep],
             # Null means weight 1 on every loss_mask token (wire.TRAINING_SAMPLE_DEFAULTS): plain rl ships nothing.
             "rl_weights": None if component == "rl" and advantage is not None else [0.0] * len(input_ids),
@@ -115,7 +117,7 @@ def stamp_training_samples(
             "ref_kl_weights": None,
             "ref_logprobs": None,
             "inference_logprobs": ([0.0] * n_prompt + [0.0 if x is None else float(x) for x in logprobs])[:keep],
-            "temperatures": None,
+            "temperatures": token_temperatures,
         }
         if component != "rl":
             record[f"{component}_weights"] = ([0.0] * n_prompt + [float(m) for m in sampled])[:keep]
@@ -125,11 +127,21 @@ def stamp_training_samples(
             if observed is not None and any(observed):
                 ce = record["ce_weights"] or [0.0] * (n_prompt + len(completion))
                 record["ce_weights"] = [c + o for c, o in zip(ce, [0.0] * n_prompt + observed)][:keep]
-        temperature = (temperatures or {}).get(columns["env"][row], 1.0)
-        if temperature != 1.0:
-            record["temperatures"] = ([1.0] * n_prompt + [temperature if m else 1.0 for m in sampled])[:keep]
         records.append(record)
     return pa.Table.from_pylist(records, schema=wire.TRAINING_SAMPLES)
+
+
+def forward_streams(prompt: list[int], completion: list[int], sampled: list[bool], max_seq_len: int,
+                    temperature: float) -> tuple[list[int], list[bool], list[float] | None]:
+    """A sample's `input_ids`, `loss_mask` and `temperatures` (None: 1.0 everywhere), what a forward of it reads:
+    truncated on the right to max_seq_len. The one definition, for stamping and for the behaviour logprobs
+    computed while a step samples (rl/behaviour_stream.py), which must see the very inputs stamping gives."""
+    n_prompt = len(prompt)
+    input_ids = (prompt + completion)[:max_seq_len]
+    loss_mask = ([False] * n_prompt + sampled)[:max_seq_len]
+    if temperature == 1.0:
+        return input_ids, loss_mask, None
+    return input_ids, loss_mask, ([1.0] * n_prompt + [temperature if m else 1.0 for m in sampled])[:max_seq_len]
 
 
 def sampled_mask(turns: list[dict] | None, n_completion: int, sample_id: str) -> list[bool]:

@@ -235,6 +235,11 @@ class RlSettings(StrictModel):
     # "training_forward" on an engine at k = 0, "trainer" when max_off_policy_steps > 0, else "sampler" (the
     # embedded sampler's logprobs are the trainer's own).
     behaviour_logprobs: Literal["auto", "sampler", "trainer", "training_forward"] = "auto"
+    # Off-policy and streamed (`reward_loop.streamed`), the trainer's recompute runs while the step samples, each
+    # chunk as soon as its rows are sampled (rl/behaviour_stream.py), instead of at the advantages stage: the same
+    # bits, sooner. Off: every chunk at the advantages stage (to compare the two, or to keep the forwards from
+    # competing with an embedded sampler for the same cores).
+    overlap_behaviour_logprobs: bool = True
     reward_loop: RewardLoopSettings = RewardLoopSettings()
     # Drop samples whose only signal is rl with every advantage 0 before packing (rl/filters.py; seed 002). Off by
     # default, and then absent from the settings' dump, so identities from before the setting stay.
@@ -367,6 +372,8 @@ class RlConfig(EntryPointConfig):
         # their defaults (k = 0, the sampler's logprobs) both are left out: the synchronous loop's identity is as
         # it was before they existed.
         settings.pop("behaviour_logprobs")
+        # Computing the behaviour logprobs while sampling or after changes when they are computed, never their bits.
+        settings.pop("overlap_behaviour_logprobs")
         if self.settings.behaviour_logprobs_source != "sampler":
             settings["behaviour_logprobs"] = self.settings.behaviour_logprobs_source
         if not settings["max_off_policy_steps"]:

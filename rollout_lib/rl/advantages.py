@@ -55,12 +55,13 @@ def env_algorithms(config: RlConfig, resources: AlgorithmResources | None = None
             for index, env in enumerate(config.settings.envs)}
 
 
-def training_samples(config: RlConfig, scored: pa.Table,
-                     resources: AlgorithmResources | None = None) -> tuple[pa.Table, dict]:
+def training_samples(config: RlConfig, scored: pa.Table, resources: AlgorithmResources | None = None,
+                     precomputed_behaviour: pa.Table | None = None) -> tuple[pa.Table, dict]:
     """TRAINING_SAMPLES from scored rollouts: group-time advantages, stamping, then ship-time scoring.
 
     `resources`: what the envs' algorithms are built with (default: the policy tokenizer if one needs it, and
-    no frozen models)."""
+    no frozen models). `precomputed_behaviour`: the behaviour logprobs the sample stage computed
+    (rl/behaviour_stream.py, wire.BEHAVIOUR_LOGPROBS), adopted by the trainer's recompute."""
     algorithms = env_algorithms(config, resources)
     advantages = assign_advantages(scored, algorithms)
     temperatures = {env.name: env.sampling.temperature for env in config.settings.envs}
@@ -73,7 +74,8 @@ def training_samples(config: RlConfig, scored: pa.Table,
             raise ValueError(f"algorithm.rl.behaviour_logprobs: {source!r} needs the state the rollouts were "
                              "sampled from, and the advantages stage was given none (AlgorithmResources.policy)")
         if source == "trainer":
-            samples, behaviour = recompute_behaviour_logprobs(samples, scored, policy.model, policy.state_id)
+            samples, behaviour = recompute_behaviour_logprobs(samples, scored, lambda: policy.model, policy.state_id,
+                                                              precomputed=precomputed_behaviour)
         else:  # "training_forward": the sampled state is the trained one (k = 0); nothing to run here
             samples, behaviour = mark_training_forward(samples, scored, policy.state_id)
     samples = asyncio.run(score_for_shipping(samples, algorithms))

@@ -25,12 +25,21 @@ gradient is that of the recompute path up to the float rounding between a padded
 training batch. Bit-stable like the recompute (the training forward is deterministic), one forward a step cheaper.
 What it gives up: the behaviour/sampler_* diagnostics (nothing recomputes the engine's numbers; the reload probe
 still checks the engine's weights).
+
+Off-policy (`max_off_policy_steps` > 0) and streamed, a step's sample stage computes these chunks itself as their
+rows come in, beside sampling (rl/behaviour_stream.py), and the recompute here adopts each chunk it finds done: the
+same rows, the same inputs, the same forward (`chunk_logprobs`), so the same bits. A chunk not found is computed
+here, as before.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
+from typing import Callable
 
+import blake3
 import numpy as np
 import pyarrow as pa
 import torch
@@ -40,10 +49,45 @@ from rollout_lib.packing import token_logprobs
 CHUNK_ROWS = 8  # samples per forward: fixed, so the bits never depend on how many samples a step has
 
 
-def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, model, state_id: str,
-                                 pad_token_id: int = 0) -> tuple[pa.Table, dict]:
-    """TRAINING_SAMPLES `samples` (one row per row of `rollouts`) with `inference_logprobs` recomputed by `model`
-    (the policy at `state_id`) on every row sampled from that state; and the diagnostics above."""
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What the forward reads of one sample: its tokens, which of them are read (`loss_mask`), and the
+    temperature each was sampled at."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]
+    temperatures: list[float]
+
+    @classmethod
+    def of(cls, input_ids: list[int], loss_mask: list[bool], temperatures: list[float] | None) -> "ForwardInputs":
+        """From a TRAINING_SAMPLES row's streams (null temperatures: 1.0 on every token)."""
+        return cls(input_ids, loss_mask, temperatures or [1.0] * len(input_ids))
+
+    def digest(self) -> str:
+        """blake3 of the inputs as the forward sees them: a chunk computed elsewhere is adopted only on these."""
+        hasher = blake3.blake3()
+        for array in (np.asarray(self.input_ids, dtype=np.int64), np.asarray(self.loss_mask, dtype=bool),
+                      np.asarray(self.temperatures, dtype=np.float32)):
+            hasher.update(len(array).to_bytes(8, "little"))
+            hasher.update(array.tobytes())
+        return hasher.hexdigest()
+
+
+def chunk_logprobs(model, chunk: list[ForwardInputs], pad_token_id: int = 0) -> list[list[float]]:
+    """One chunk's forward (at most CHUNK_ROWS samples, in row order): each sample's per-token logprobs under
+    `model`, wherever it runs (here, or while the step samples)."""
+    return _forward(model, [inputs.input_ids for inputs in chunk], [inputs.temperatures for inputs in chunk],
+                    [inputs.loss_mask for inputs in chunk], pad_token_id)
+
+
+def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, load_model: Callable[[], object],
+                                 state_id: str, pad_token_id: int = 0,
+                                 precomputed: pa.Table | None = None) -> tuple[pa.Table, dict]:
+    """TRAINING_SAMPLES `samples` (one row per row of `rollouts`) with `inference_logprobs` recomputed by the policy
+    at `state_id` (`load_model()`, called only if a chunk is left to compute) on every row sampled from that state;
+    and the diagnostics above. `precomputed`: chunks computed while the step sampled (wire.BEHAVIOUR_LOGPROBS),
+    adopted instead of computed: `behaviour/precomputed_rows` counts their rows, `behaviour/recompute_s` is the
+    time the chunks computed here took."""
     rows = _rows_sampled_from(samples, rollouts, state_id)
     inference = samples.column("inference_logprobs").to_pylist()
     if not rows:
@@ -51,13 +95,20 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, model, s
     input_ids = samples.column("input_ids").to_pylist()
     loss_mask = samples.column("loss_mask").to_pylist()
     temperatures = samples.column("temperatures").to_pylist()
+    sample_ids = samples.column("sample_id").to_pylist()
+    ready = precomputed_chunks(precomputed) if precomputed is not None else {}
 
-    recomputed = {}
-    for start in range(0, len(rows), CHUNK_ROWS):
+    recomputed, adopted, seconds = {}, 0, 0.0
+    for index, start in enumerate(range(0, len(rows), CHUNK_ROWS)):
         chunk = rows[start:start + CHUNK_ROWS]
-        values = _forward(model, [input_ids[row] for row in chunk],
-                          [temperatures[row] or [1.0] * len(input_ids[row]) for row in chunk],
-                          [loss_mask[row] for row in chunk], pad_token_id)
+        inputs = [ForwardInputs.of(input_ids[row], loss_mask[row], temperatures[row]) for row in chunk]
+        values = _adopted(ready.get(index), index, chunk, [sample_ids[row] for row in chunk], inputs)
+        if values is None:
+            started = time.perf_counter()
+            values = chunk_logprobs(load_model(), inputs, pad_token_id)
+            seconds += time.perf_counter() - started
+        else:
+            adopted += len(chunk)
         recomputed.update(zip(chunk, values))
 
     diffs, kl_terms = [], []
@@ -72,7 +123,8 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, model, s
                 updated[position] = mine
         inference[row] = updated
     samples = _with_inference_logprobs(samples, inference)
-    metrics = {"behaviour/recomputed": len(rows),
+    metrics = {"behaviour/recomputed": len(rows), "behaviour/precomputed_rows": adopted,
+               "behaviour/recompute_s": seconds,
                "behaviour/sampler_diff_max": max(diffs) if diffs else 0.0,
                "behaviour/sampler_diff_mean": float(np.mean(diffs)) if diffs else 0.0,
                "behaviour/sampler_kl": float(np.mean(kl_terms)) if kl_terms else 0.0}
@@ -90,6 +142,28 @@ def mark_training_forward(samples: pa.Table, rollouts: pa.Table, state_id: str) 
     for row in rows:
         inference[row] = [math.nan if member else value for member, value in zip(loss_mask[row], inference[row])]
     return _with_inference_logprobs(samples, inference), {"behaviour/training_forward": len(rows)}
+
+
+def precomputed_chunks(table: pa.Table) -> dict[int, list[dict]]:
+    """BEHAVIOUR_LOGPROBS rows by chunk index, each chunk's rows in row order."""
+    chunks: dict[int, list[dict]] = {}
+    for record in table.to_pylist():
+        chunks.setdefault(record["chunk"], []).append(record)
+    return {index: sorted(records, key=lambda record: record["row"]) for index, records in chunks.items()}
+
+
+def _adopted(found: list[dict] | None, index: int, chunk: list[int], sample_ids: list[str],
+             inputs: list[ForwardInputs]) -> list[list[float]] | None:
+    """A precomputed chunk's values, if it was computed; one computed over other rows or inputs than the recompute
+    would run is a bug in how a streamed step maps rollouts to rows, and fails loudly."""
+    if found is None:
+        return None
+    expected = [(row, sample_id, item.digest()) for row, sample_id, item in zip(chunk, sample_ids, inputs)]
+    if [(record["row"], record["sample_id"], record["inputs_digest"]) for record in found] != expected:
+        raise AssertionError(f"behaviour logprobs computed while sampling: chunk {index} was computed over rows "
+                             f"{[(record['row'], record['sample_id']) for record in found]}, the recompute's are "
+                             f"{list(zip(chunk, sample_ids))} (or over other tokens)")
+    return [record["logprobs"] for record in found]
 
 
 def _rows_sampled_from(samples: pa.Table, rollouts: pa.Table, state_id: str) -> list[int]:

@@ -6,16 +6,21 @@ and StreamedScoring starts its reward at once, on an event loop in a thread of i
 samples on. Every reward depends on its own row alone, so the results, put in row order, are the ones the staged
 score stage gives (rl/score.py) and the scored table, its id and the step's checkpoint are the same either way;
 only the time differs (docs/rewards.md, "Scoring while sampling").
+
+Off-policy, the same hand-over feeds the behaviour logprobs' forwards (rl/behaviour_stream.py), which then run
+while the step samples instead of at its advantages stage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import pyarrow as pa
 
@@ -24,6 +29,7 @@ from rollout_lib.config.rl import RlConfig
 from rollout_lib.reward.loop import RewardResult
 from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.reward.tables import reward_inputs
+from rollout_lib.rl.behaviour_stream import BehaviourStream, overlaps_behaviour_logprobs
 from rollout_lib.rl.sample import sample_rollouts
 from rollout_lib.rl.score import env_reward_loop
 from rollout_lib.sampling.base import OnRollout
@@ -33,7 +39,8 @@ from rollout_lib.sampling.base import OnRollout
 class StreamedStep:
     """What a streamed sample stage found: sample_rollouts' table and metrics, each row's reward in row order, the
     reward models' counts (as rl.score.reward_results gives them) and when the last rollout and last reward
-    came (perf_counter seconds)."""
+    came (perf_counter seconds); off-policy, the behaviour logprobs computed meanwhile (wire.BEHAVIOUR_LOGPROBS;
+    None when none were) and their metrics."""
 
     rollouts: pa.Table
     sample_metrics: dict
@@ -41,17 +48,43 @@ class StreamedStep:
     reward_model_metrics: dict[str, int]
     sampled_at: float
     scored_at: float
+    behaviour: pa.Table | None = None
+    behaviour_metrics: dict = field(default_factory=dict)
 
 
 def sample_and_score(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table], step: int,
-                     loops: RewardLoops, curriculum_state: dict | None = None) -> StreamedStep:
-    """sample_rollouts with every rollout scored as soon as it is sampled."""
-    with StreamedScoring(config, loops) as scoring:
+                     loops: RewardLoops, curriculum_state: dict | None = None, policy_model=None,
+                     policy_state: str | None = None) -> StreamedStep:
+    """sample_rollouts with every rollout scored as soon as it is sampled. `policy_model`: the sampling state's
+    model (`policy_state`), whose behaviour logprobs of the rollouts are computed as they come in when the run
+    recomputes them off-policy (rl/behaviour_stream.py)."""
+    behaviour = BehaviourStream(config, policy_model, policy_state) \
+        if policy_model is not None and overlaps_behaviour_logprobs(config) else None
+    with StreamedScoring(config, loops) as scoring, behaviour or contextlib.nullcontext():
+        listeners = [scoring.stream_to] + ([behaviour.stream_to] if behaviour is not None else [])
         rollouts, metrics = sample_rollouts(config, samplers, prompt_tables, step, curriculum_state,
-                                            stream_to=scoring.stream_to)
+                                            stream_to=_handed_to(listeners))
         sampled_at = time.perf_counter()
         results, reward_model_metrics = scoring.results(rollouts, prompt_tables)
-    return StreamedStep(rollouts, metrics, results, reward_model_metrics, sampled_at, time.perf_counter())
+        scored_at = time.perf_counter()
+        precomputed, behaviour_metrics = behaviour.results() if behaviour is not None else (None, {})
+    return StreamedStep(rollouts, metrics, results, reward_model_metrics, sampled_at, scored_at, precomputed,
+                        behaviour_metrics)
+
+
+def _handed_to(listeners: list[Callable[[str, pa.Table], OnRollout | None]]) -> Callable[[str, pa.Table], OnRollout]:
+    """One `stream_to` that hands each rollout to every listener's callback (a listener may take none of an env's)."""
+
+    def stream_to(env_name: str, prompts: pa.Table) -> OnRollout:
+        callbacks = [callback for listen in listeners if (callback := listen(env_name, prompts)) is not None]
+
+        def on_rollout(index: int, record: dict) -> None:
+            for callback in callbacks:
+                callback(index, record)
+
+        return on_rollout
+
+    return stream_to
 
 
 class StreamedScoring:

@@ -43,9 +43,10 @@ class TrainingInputs:
 
 
 def is_timing_metric(name: str) -> bool:
-    """Metrics that measure the machine, not the training (`train_s`, `tokens_per_s`): they differ run to run,
-    so checkpoint manifests leave them out."""
-    return name.endswith("_s")
+    """Metrics that measure the machine or when a run did its work, not the training (`train_s`, `tokens_per_s`;
+    `behaviour/precomputed_rows`, rows whose forward ran ahead of its stage): they differ run to run, or with
+    settings outside the training identity, so checkpoint manifests leave them out."""
+    return name.endswith(("_s", "/precomputed_rows"))
 
 
 def deterministic_metrics(metrics: dict) -> dict:
