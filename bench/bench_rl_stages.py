@@ -8,7 +8,11 @@ fresh project-local Prefect server and prints, per step (medians over the steps)
     prefect overhead step wall time minus the five stage times: task-run bookkeeping, cache keys, result files,
                      the API, and the flow's own code between tasks; as a share of the step (target <= 5%)
 
-    .venv/bin/python bench/bench_rl_stages.py [--config configs/rl-tiny.toml] [--steps 20]
+    .venv/bin/python bench/bench_rl_stages.py [--config configs/rl-tiny.toml] [--steps 20] [--set key=value ...]
+
+`--set` overrides a setting as `rollout train --set` does: e.g. k = 1 with the behaviour logprobs computed while
+sampling (the default) or at the advantages stage (`--set algorithm.rl.max_off_policy_steps=1 [--set
+algorithm.rl.overlap_behaviour_logprobs=false]`).
 """
 
 from __future__ import annotations
@@ -30,15 +34,17 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 # score_tail_s: a streamed step's wait for its last rewards after sampling (reward_loop.streamed; absent when staged)
 STAGES = ("sample_s", "score_tail_s", "score_s", "advantages_s", "pack_s", "train_s")
+# Where the behaviour logprobs' forward went (k > 0): printed when the steps report them
+BEHAVIOUR = ("behaviour/precompute_s", "behaviour/precompute_tail_s", "behaviour/recompute_s")
 
 
-def run_flow(config: str, steps: int) -> dict:
+def run_flow(config: str, steps: int, overrides: list[str]) -> dict:
     """The train-rl flow in this process, in a store of its own; its flow run id and training-loop seconds."""
     from flows.train_rl import train_rl
 
     with tempfile.TemporaryDirectory() as store:
-        state = train_rl(config=config, max_steps=steps, overrides=[f"run.store={store}", "run.name=bench-rl"],
-                         return_state=True)
+        state = train_rl(config=config, max_steps=steps,
+                         overrides=[*overrides, f"run.store={store}", "run.name=bench-rl"], return_state=True)
         result = state.result()
     return {"flow_run_id": str(state.state_details.flow_run_id), "train_seconds": result["train_seconds"]}
 
@@ -72,11 +78,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/rl-tiny.toml")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting, as `rollout train --set` takes it (repeatable)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child that runs the flow
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.measure:
-        print(json.dumps(run_flow(args.config, args.steps)))
+        print(json.dumps(run_flow(args.config, args.steps, args.overrides)))
         return
 
     with tempfile.TemporaryDirectory() as state:
@@ -88,7 +96,8 @@ def main() -> None:
         os.environ.update(PREFECT_API_URL=server["api_url"], PREFECT_HOME=server["prefect_home"])
         try:
             done = subprocess.run([sys.executable, __file__, "--measure", "--config", args.config, "--steps",
-                                   str(args.steps)], cwd=ROOT, capture_output=True, text=True, env=os.environ)
+                                   str(args.steps), *(f"--set={item}" for item in args.overrides)],
+                                  cwd=ROOT, capture_output=True, text=True, env=os.environ)
             if done.returncode != 0:
                 sys.exit(f"bench: the flow failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
             run = json.loads(done.stdout.strip().splitlines()[-1])
@@ -98,9 +107,13 @@ def main() -> None:
 
     # Step 1 pays the one-off costs (the reward loop's worker processes start): report steps 2.. as the steady state.
     steady = [row for row in rows if row["step"] > 1]
-    print(f"train-rl on {args.config}, {args.steps} steps; medians over steps 2..{args.steps}")
+    settings = "".join(f" --set {item}" for item in args.overrides)
+    print(f"train-rl on {args.config}{settings}, {args.steps} steps; medians over steps 2..{args.steps}")
     for stage in STAGES:
         print(f"  {stage[:-2]:<11}: {statistics.median(row.get(stage) or 0.0 for row in steady) * 1000:8.1f} ms")
+    for name in BEHAVIOUR:
+        if any(name in row for row in steady):
+            print(f"  {name[:-2]:<27}: {statistics.median(row.get(name) or 0.0 for row in steady) * 1000:8.1f} ms")
     overheads = [walls[row["step"]] - sum(row.get(stage) or 0.0 for stage in STAGES) for row in steady]
     shares = [overhead / walls[row["step"]] for overhead, row in zip(overheads, steady)]
     print(f"  step wall  : {statistics.median(walls[row['step']] for row in steady) * 1000:8.1f} ms")
