@@ -1,6 +1,6 @@
 """Sharded data parallelism (trainer/sharding.py, FSDP2 on gloo): 2 CPU ranks sharding parameters, gradients and
-optimizer state train what 2 ranks of plain data parallelism train, write the same checkpoints, open on another
-rank count, and resume after a rank dies.
+optimizer state (each rank holding half of them: counted) train what 2 ranks of plain data parallelism train, write
+the same checkpoints, open on another rank count, and resume after a rank dies.
 
 Tolerances: losses within 1e-5 relative; weights within ADAMW_ATOL = 2e-5 absolute, since AdamW at lr 1e-2
 magnifies last-bit differences of near-zero gradients (measured on the tiny model, 3 steps: SFT 2.5e-6 apart, with
@@ -50,6 +50,59 @@ def test_sharding_is_a_hardware_setting_checked_before_anything_runs():
         "algorithm.sft.gradient_accumulation": 3, "algorithm.sft.budget.max_steps": 3})
     assert training_identity(offloaded) == training_identity(sharded)  # where shards wait changes no number
     assert training_identity(sharded) != training_identity(sft("/tmp/s", 2, "none"))
+
+
+def _held_by_rank(rank: int, inputs, start: str, batches, init_file: str, results) -> None:
+    """One of 2 gloo ranks (torch.multiprocessing): the trainer sharded as a segment shards it, one step trained, then
+    the elements this rank holds of the parameters, the optimizer state and (one more backward) the gradients."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from rollout_lib.trainer.data_parallel import DataParallel
+
+    def held(tensors) -> int:
+        return sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in tensors)
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        trainer = CausalLmTrainer.from_checkpoint(inputs, start, batches=batches)
+        trainer.data_parallel = DataParallel(rank, 2)
+        trainer.shard()
+        trainer.train_step(1)
+        parameters = list(trainer.model.parameters())
+        optimizer_state = [value for state in trainer.optimizer.state.values() for value in state.values()
+                           if torch.is_tensor(value) and value.dim() > 0]
+        ids = torch.tensor([[1, 5, 9, 200, 33, 7]])
+        trainer.model(input_ids=ids).logits.sum().backward()
+        results.put((rank, {"parameters": held(parameters), "gradients": held(p.grad for p in parameters),
+                            "optimizer state": held(optimizer_state)}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_each_sharded_rank_holds_half_of_the_parameters_gradients_and_optimizer_state(tmp_path):
+    import torch.multiprocessing as mp
+
+    inputs, batches = sft_inputs(sft(str(tmp_path / "store"), 2, "fsdp"))
+    start = CausalLmTrainer.initial(inputs, batches=batches)
+    whole = sum(p.numel() for p in start.model.parameters())  # tied embeddings once
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_held_by_rank, args=(rank, inputs, start.checkpoint_id, batches,
+                                                         str(tmp_path / "rendezvous"), results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    held = dict(results.get(timeout=300) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    for part in ("parameters", "gradients", "optimizer state"):
+        per_rank = [held[rank][part] for rank in (0, 1)]
+        expected = whole * (2 if part == "optimizer state" else 1)  # AdamW: exp_avg and exp_avg_sq
+        assert sum(per_rank) == expected and max(per_rank) <= 0.55 * expected, (part, per_rank, expected)
+        print(f"{part}: {per_rank[0]} + {per_rank[1]} of {expected}")
 
 
 @pytest.mark.slow
