@@ -40,7 +40,11 @@ def shard_model(model: torch.nn.Module, *, bf16: bool = False, cpu_offload: bool
     if bf16:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory makes the copies to and from a GPU faster; torch cannot pin without an accelerator
+        # ("Cannot access accelerator device"), and a CPU model's shards are on the CPU already: a config written
+        # for GPUs still trains on a laptop.
+        on_accelerator = next(model.parameters()).device.type != "cpu"
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=on_accelerator)
     layers = [module for module in model.modules() if type(module).__name__ in layer_classes]
     if not layers:
         raise ValueError(f"{type(base_of(model)).__name__} names no decoder layer classes (_no_split_modules) to "
