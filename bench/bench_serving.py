@@ -106,11 +106,14 @@ def bench_scoring(args) -> None:
 
 
 class LatencyServer:
-    """An OpenAI-style endpoint that answers each completion after `latency_s`, one request at a time (HTTP/1.1,
-    keep-alive), on its own event loop in a thread."""
+    """An OpenAI-style endpoint that answers each completion (or chat completion) after `latency_s`, one request at a
+    time (HTTP/1.1, keep-alive), on its own event loop in a thread; `one_at_a_time=False`: every request waits its
+    `latency_s` alongside the others (a batching server). GET /health and /v1/models answer at once (the pool's
+    probe, vllm-router's health check); every reply names the replica (`"replica": url`)."""
 
-    def __init__(self, latency_s: float):
+    def __init__(self, latency_s: float, *, one_at_a_time: bool = True):
         self.latency_s = latency_s
+        self.one_at_a_time = one_at_a_time
         self.handled = 0
         self.url = ""
         self._ready = threading.Event()
@@ -147,11 +150,18 @@ class LatencyServer:
                 await reader.readexactly(length)
                 if path == "/v1/models":
                     body = {"data": [{"id": "m", "max_model_len": 4096}]}
+                elif path == "/health":
+                    body = {}
                 else:
-                    async with self._busy:  # one request at a time
+                    if self.one_at_a_time:
+                        async with self._busy:
+                            await asyncio.sleep(self.latency_s)
+                    else:
                         await asyncio.sleep(self.latency_s)
-                        self.handled += 1
-                    body = {"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.5, -0.7]},
+                    self.handled += 1
+                    body = {"replica": self.url,
+                            "choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.5, -0.7]},
+                                         "text": "7", "message": {"role": "assistant", "content": "7"},
                                          "finish_reason": "length"}]}
                 data = json.dumps(body).encode()
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
