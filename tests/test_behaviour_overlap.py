@@ -174,18 +174,20 @@ K1 = ["run.name=behaviour-overlap", "algorithm.rl.budget.max_steps=2", "algorith
       'algorithm.rl.policy_sampler={ type = "hf", batch_size = 8 }']
 
 
-def test_a_k1_run_ends_on_the_same_checkpoint_with_the_overlap_on_and_off(prefect_server, tmp_path):
+def test_a_k1_run_ends_on_the_same_checkpoint_computing_them_while_sampling_or_staged(prefect_server, tmp_path):
     """rl-tiny, 2 steps at k = 1 (step 2 trains on rollouts one state stale), the flow in this process: the same
-    checkpoint whether the sample stages computed every behaviour logprob or the advantages stages did."""
+    checkpoint whether the streamed sample stages computed every behaviour logprob while sampling or a staged run
+    (sample, then score, then the advantages stage's recompute) did. This is also the suite's k = 1 case of
+    "streamed and staged runs end on the same checkpoint" (tests/test_streamed_scoring.py)."""
     from flows.train_rl import train_rl
     from rollout_lib.runlog.metrics_file import read_metrics
 
     runs = {}
-    for overlap in (True, False):
-        store = tmp_path / f"overlap-{overlap}"
+    for streamed in (True, False):
+        store = tmp_path / f"streamed-{streamed}"
         result = train_rl(config=str(ROOT / "configs/rl-tiny.toml"),
-                          overrides=[*K1, f"run.store={store}", f"algorithm.rl.overlap_behaviour_logprobs={overlap}"])
-        runs[overlap] = (result, read_metrics(ObjectStore(str(store)), "behaviour-overlap"))
+                          overrides=[*K1, f"run.store={store}", f"algorithm.rl.reward_loop.streamed={streamed}"])
+        runs[streamed] = (result, read_metrics(ObjectStore(str(store)), "behaviour-overlap"))
     (on, on_steps), (off, off_steps) = runs[True], runs[False]
     assert on["checkpoint"] == off["checkpoint"] and on["reward_curve"] == off["reward_curve"]
     assert [m["behaviour/precomputed_rows"] for m in on_steps] == [32, 32]

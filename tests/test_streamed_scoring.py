@@ -3,8 +3,8 @@ starts as soon as the rollout is sampled, and the step's tables, metrics and che
 
 In process: a streamed sample stage gives the staged stages' tables and metrics, for a single-turn and a multi-turn
 env; rewards start before the last completion is sampled; an episode is told as soon as the turn it ended in is
-done. Through the CLI (slow): streamed and staged runs end on the same checkpoint, single- and multi-turn, and a
-streamed run SIGKILLed inside a sample-and-score stage reruns to it."""
+done. On the session's Prefect server: streamed and staged runs end on the same checkpoint with a multi-turn env,
+and (through the CLI) a streamed run SIGKILLed inside a sample-and-score stage reruns to it."""
 
 from __future__ import annotations
 
@@ -213,36 +213,24 @@ def test_streaming_is_the_default_and_in_no_identity():
     assert training_identity(streamed) == training_identity(staged)
 
 
-# --- through the CLI, on the session's Prefect server ------------------------------------------------------------
+# --- on the session's Prefect server ------------------------------------------------------------------------------
 
-STAGED = ["--set", "algorithm.rl.reward_loop.streamed=false"]
-
-
-def rl_run(store, *settings: str, steps: int = 2) -> dict:
-    done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--set", f"run.store={store}",
-                       "--set", f"algorithm.rl.budget.max_steps={steps}", *settings)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return final_result(done)
-
-
-@pytest.mark.slow
 def test_streamed_and_staged_runs_end_on_the_same_checkpoint(prefect_server, tmp_path):
-    """rl-tiny, 2 steps: with a multi-turn env beside it (synchronous), and one step off-policy. (rl-tiny alone,
-    synchronous, is the first case without its second env: the in-process tests above cover it.)"""
-    # A multi-turn env beside rl-tiny's, sampled in batches of 8 so that completions and episodes stream.
-    envs = ["--set", EMBEDDED_IN_BATCHES,
-            "--set", f"algorithm.rl.envs={json_to_toml([*rl_tiny_envs(), CALCULATOR_ENV])}"]
-    streamed = rl_run(tmp_path / "streamed-multi", *envs)
-    staged = rl_run(tmp_path / "staged-multi", *envs, *STAGED)
-    assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
-    states = task_run_states(streamed["flow_run_id"])
-    assert {f"{stage}-step-{k}" for stage in ("sample", "score", "train") for k in (1, 2)} <= set(states)
+    """rl-tiny, 2 steps, with a multi-turn env beside it (synchronous), the flow in this process. (rl-tiny alone,
+    synchronous, is the first case without its second env: the in-process tests above cover it; one step
+    off-policy is tests/test_behaviour_overlap.py's k = 1 run, streamed against staged.)"""
+    from flows.train_rl import train_rl
 
-    # One step off-policy: step n+1's sample-and-score runs while step n trains.
-    off_policy = ["--set", "algorithm.rl.max_off_policy_steps=1"]
-    streamed = rl_run(tmp_path / "streamed-k1", *off_policy)
-    staged = rl_run(tmp_path / "staged-k1", *off_policy, *STAGED)
+    # A multi-turn env beside rl-tiny's, sampled in batches of 8 so that completions and episodes stream.
+    settings = ["algorithm.rl.budget.max_steps=2", EMBEDDED_IN_BATCHES,
+                f"algorithm.rl.envs={json_to_toml([*rl_tiny_envs(), CALCULATOR_ENV])}"]
+    run = train_rl(config=TINY, overrides=[*settings, f"run.store={tmp_path / 'streamed'}"], return_state=True)
+    streamed = run.result()
+    staged = train_rl(config=TINY, overrides=[*settings, f"run.store={tmp_path / 'staged'}",
+                                              "algorithm.rl.reward_loop.streamed=false"])
     assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
+    states = task_run_states(str(run.state_details.flow_run_id))
+    assert {f"{stage}-step-{k}" for stage in ("sample", "score", "train") for k in (1, 2)} <= set(states)
 
 
 @pytest.mark.slow
