@@ -33,6 +33,47 @@ def final_result(completed: subprocess.CompletedProcess) -> dict:
     return json.loads(completed.stdout)
 
 
+def train_in_process(*args: str) -> dict:
+    """What `run_rollout("train", KIND, "--config", PATH, "--set", ..., "--store", URL)` then `final_result` give,
+    with the flow run in this process instead of a CLI process (seconds of imports and start-up saved): for the
+    uninterrupted reference runs of resume tests, where the CLI itself is not what is tested. Takes `train`, the
+    kind, --config, --set, --store, --name, --max-steps and --nproc (after the --set ones, as the CLI applies them);
+    the session's Prefect server must be up (the `prefect_server` fixture)."""
+    assert args[0] == "train", args
+    kind, rest, config, overrides, shortcuts = args[1], list(args[2:]), None, [], []
+    while rest:
+        option = rest.pop(0)
+        if option in ("--quiet", "--verbose"):  # the terminal's business, not the flow's
+            continue
+        value = rest.pop(0)
+        if option == "--config":
+            config = value
+        elif option == "--set":
+            overrides.append(value)
+        elif option == "--store":
+            shortcuts.append(f"run.store={value}")
+        elif option == "--name":
+            shortcuts.append(f"run.name={value}")
+        elif option == "--max-steps":
+            shortcuts.append(f"algorithm.{kind}.budget.max_steps={value}")
+        elif option == "--nproc":
+            shortcuts.append(f"algorithm.{kind}.hardware.nproc={value}")
+        else:
+            raise ValueError(f"train_in_process takes --config, --set, --store, --name, --max-steps and --nproc, "
+                             f"not {option}")
+    if kind == "rl":
+        from flows.train_rl import train_rl as flow
+    elif kind == "sft":
+        from flows.train_sft import train_sft as flow
+    elif kind == "rm":
+        from flows.train_rm import train_rm as flow
+    else:
+        raise ValueError(f"train_in_process: no flow for {kind!r}")
+    state = flow(config=str(ROOT / config), overrides=[*overrides, *shortcuts], return_state=True)
+    result = state.result()
+    return {"flow_run_id": str(state.state_details.flow_run_id), **result}
+
+
 def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: float = 600,
                         env: dict | None = None) -> str:
     """Start the CLI with `args`, SIGKILL it as soon as `marker` shows in its output; return that output.

@@ -249,13 +249,11 @@ def test_k1_samples_one_step_stale_and_a_kill_mid_training_reruns_to_the_same_ch
     """5 steps at k = 1: step 1 and 2 sample the initial policy, step n the state after n-2 (the rollouts record
     it), the trainer recomputed every behaviour logprob; SIGKILLed as step 3 starts training, the rerun returns
     what finished from cache and ends on the uninterrupted run's checkpoint."""
-    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
+    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
 
     from rollout_lib.runlog.metrics_file import read_metrics
 
-    reference = run_rollout(*HF_K1, "--store", str(tmp_path / "uninterrupted"), "--name", "k1")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = final_result(reference)
+    expected = train_in_process(*HF_K1, "--store", str(tmp_path / "uninterrupted"), "--name", "k1")
     store = ObjectStore(str(tmp_path / "uninterrupted"))
     assert _steps_sampled_from(store) == Counter({0: 2, 1: 1, 2: 1, 3: 1})
     steps = read_metrics(store, "k1")
@@ -281,25 +279,23 @@ ENGINE_K1 = [*HF_K1, "--set", 'algorithm.rl.policy_sampler={ type = "vllm", conc
 def test_k1_on_the_engine_a_kill_mid_reload_or_mid_sampling_reruns_to_the_same_checkpoint(prefect_server,
                                                                                           tmp_path):
     """The policy on the engine at k = 1, 8 requests in flight (the engine's logprob bits then vary with batch
-    composition; the trainer's recomputed ones do not): SIGKILLed while the server reloads the state after step 2,
-    and (another run) while step 4 samples from it; each rerun adopts the orphaned server and ends on the
-    uninterrupted run's checkpoint."""
-    from clirun import final_result, run_rollout, run_until_then_kill
+    composition; the trainer's recomputed ones do not): SIGKILLed while the server reloads the state after step 2;
+    the rerun, SIGKILLed in turn while step 4 samples from that state; each adopts the orphaned server, and the
+    third run ends on the uninterrupted run's checkpoint."""
+    from clirun import final_result, run_rollout, run_until_then_kill, train_in_process
 
     from rollout_lib.serving import engine
 
-    reference = run_rollout(*ENGINE_K1, "--store", str(tmp_path / "uninterrupted"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = final_result(reference)
+    expected = train_in_process(*ENGINE_K1, "--store", str(tmp_path / "uninterrupted"))
     state = _state_after(ObjectStore(str(tmp_path / "uninterrupted")), 2)
 
+    args = [*ENGINE_K1, "--store", str(tmp_path / "interrupted")]
     for where, marker in (("reload", f"to state {state}"), ("sampling", f"with state {state}")):
-        args = [*ENGINE_K1, "--store", str(tmp_path / where)]
         killed = run_until_then_kill(args, marker, tmp_path / f"killed-{where}.log")
-        assert "train-step-2' - Finished" in killed
-        rerun = run_rollout(*args)
-        assert rerun.returncode == 0, rerun.stderr[-3000:]
-        assert final_result(rerun)["checkpoint"] == expected["checkpoint"], where
+        assert "train-step-2' - Finished" in killed, where
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
     assert not [d for d in engine.running_deployments() if d.live_policy]
 
 
