@@ -19,6 +19,7 @@ from clirun import (
     run_rollout,
     run_until_then_kill,
     task_run_states,
+    train_in_process,
 )
 
 pytestmark = pytest.mark.slow
@@ -35,9 +36,8 @@ def teacher(prefect_server, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("distill")
     store = workdir / "store"
     # The shipped teacher config (configs/sft-teacher-tiny.toml: data/sft-teacher-tiny.jsonl, 16 adamw steps).
-    trained = run_rollout("train", "sft", "--config", "configs/sft-teacher-tiny.toml", "--set", f"run.store={store}")
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    checkpoint = final_result(trained)["checkpoint"]
+    checkpoint = train_in_process("train", "sft", "--config", "configs/sft-teacher-tiny.toml",
+                                  "--set", f"run.store={store}")["checkpoint"]
     served = run_rollout("serve", "start", checkpoint, "--store", str(store), "--name", "distill-teacher")
     assert served.returncode == 0, served.stderr[-3000:]
     try:
@@ -62,9 +62,7 @@ def test_opd_pulls_the_student_to_the_teacher_and_a_killed_run_resumes_to_the_sa
     # Teacher scoring one sequence at a time: the engine's logprob bits depend on batch composition, and the
     # resumed run must end byte-identical.
     opd = f'{{ type = "opd", teacher = {{ model = "{teacher.checkpoint}", concurrency = 1 }} }}'
-    learned = run_rollout(*distill_args(teacher, "opd", opd, steps=14))
-    assert learned.returncode == 0, learned.stderr[-3000:]
-    result = final_result(learned)
+    result = train_in_process(*distill_args(teacher, "opd", opd, steps=14))
     table = metrics_table("opd")
     kl, rewards = table["ref_kl/kl"], result["reward_curve"]
     print("opd reverse KL to the teacher per step:", [round(v, 3) for v in kl])
@@ -74,35 +72,30 @@ def test_opd_pulls_the_student_to_the_teacher_and_a_killed_run_resumes_to_the_sa
     reward_first, reward_last = head_tail(rewards)
     assert reward_last > reward_first, rewards  # toward the teacher's (~0.65: the sft-distill run's rewards)
 
-    args = distill_args(teacher, "opd", opd, steps=14, store=tmp_path / "interrupted")
-    run_until_then_kill(args, "train-step-6' - Finished", tmp_path / "killed.log")
-    rerun = run_rollout(*args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    resumed = final_result(rerun)
-    states = task_run_states(resumed["flow_run_id"])
-    assert all(states[f"{stage}-step-{k}"] == "Cached" for stage in STAGES for k in range(1, 7)), states
-    assert resumed["checkpoint"] == result["checkpoint"]
-
-    # The teacher's only replica SIGKILLed mid-run: the run restarts it (rollout serves it), sends the same
-    # requests again and ends on the uninterrupted run's checkpoint.
+    # SIGKILLed after step 6; the rerun takes steps 1-6 from cache, and while it trains on, the teacher's only
+    # replica is SIGKILLed: the run restarts it (rollout serves it), sends the same requests again, and ends on the
+    # uninterrupted run's checkpoint.
     from rollout_lib.serving import engine
 
     def kill_the_teacher():
         victim = engine.find_deployment("distill-teacher").replicas[0]
         os.killpg(victim.pid, signal.SIGKILL)
 
-    survived = run_and_act_at(distill_args(teacher, "opd", opd, steps=14, store=tmp_path / "teacher-killed"),
-                              "train-step-6' - Finished", kill_the_teacher, tmp_path / "teacher-killed.log")
-    assert survived.returncode == 0, survived.stderr[-3000:]
-    assert "restarted the dead ones" in survived.stdout + survived.stderr
-    assert final_result(survived)["checkpoint"] == result["checkpoint"]
+    args = distill_args(teacher, "opd", opd, steps=14, store=tmp_path / "interrupted")
+    run_until_then_kill(args, "train-step-6' - Finished", tmp_path / "killed.log")
+    rerun = run_and_act_at(args, "train-step-9' - Finished", kill_the_teacher, tmp_path / "rerun.log")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed = final_result(rerun)
+    states = task_run_states(resumed["flow_run_id"])
+    assert all(states[f"{stage}-step-{k}"] == "Cached" for stage in STAGES for k in range(1, 7)), states
+    assert "restarted the dead ones" in rerun.stdout + rerun.stderr
+    assert resumed["checkpoint"] == result["checkpoint"]
     assert engine.find_deployment("distill-teacher").replicas[0].alive  # left running for the module
 
 
 def test_sft_distill_teaches_the_student_the_teachers_text(teacher):
     source = f'{{ model = "{teacher.checkpoint}" }}'
-    learned = run_rollout(*distill_args(teacher, "sft-distill", '{ type = "sft" }', source=source, steps=10))
-    assert learned.returncode == 0, learned.stderr[-3000:]
+    train_in_process(*distill_args(teacher, "sft-distill", '{ type = "sft" }', source=source, steps=10))
     nll = metrics_table("sft-distill")["loss/ce"]
     print("sft-distill student's nll of the teacher's tokens per step:", [round(v, 3) for v in nll])
     first, last = head_tail(nll)

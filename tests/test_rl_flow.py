@@ -11,7 +11,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from clirun import ROOT, final_result, run_rollout, run_until_then_kill, task_run_states
+from clirun import ROOT, final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
 from rollout_lib.store import ObjectStore
 from rollout_lib.checkpoint import read_manifest
 
@@ -23,9 +23,7 @@ STAGES = ("sample", "score", "advantages", "pack", "train")
 
 def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(prefect_server, tmp_path):
     # The uninterrupted run: 20 steps of grpo on the toy env.
-    reference = run_rollout(*CONFIG, "--set", f"run.store={tmp_path / 'uninterrupted'}")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    result = final_result(reference)
+    result = train_in_process(*CONFIG, "--set", f"run.store={tmp_path / 'uninterrupted'}")
     expected = result["checkpoint"]
     assert ObjectStore(str(tmp_path / "uninterrupted")).get_ref("runs/rl-tiny/latest") == expected
 

@@ -9,7 +9,16 @@ import subprocess
 
 import pytest
 
-from clirun import ROOT, cli_env, final_result, rollout_command, run_rollout, run_until_then_kill, task_run_states
+from clirun import (
+    ROOT,
+    cli_env,
+    final_result,
+    rollout_command,
+    run_rollout,
+    run_until_then_kill,
+    task_run_states,
+    train_in_process,
+)
 from rollout_lib.store import ObjectStore
 
 pytestmark = pytest.mark.slow
@@ -94,10 +103,8 @@ def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_serve
     steps = ["--set", f"algorithm.sft.dataset.path={chat_data}", "--set", "algorithm.sft.budget.max_steps=24",
              "--set", "algorithm.sft.checkpoint_interval=8", "--set", "algorithm.sft.optimizer.kind=adamw",
              "--set", "algorithm.sft.optimizer.lr=1e-2"]
-    reference = run_rollout("train", "sft", "--config", "configs/sft-tiny.toml", *steps,
-                            "--set", f"run.store={tmp_path / 'uninterrupted'}")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = final_result(reference)["checkpoint"]
+    expected = train_in_process("train", "sft", "--config", "configs/sft-tiny.toml", *steps,
+                                "--set", f"run.store={tmp_path / 'uninterrupted'}")["checkpoint"]
 
     store = tmp_path / "interrupted"
     args = ["train", "sft", "--config", "configs/sft-tiny.toml", *steps, "--set", f"run.store={store}"]
