@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from clirun import final_result, run_rollout, task_run_states
+from clirun import final_result, run_rollout, task_run_states, train_in_process
 from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash
 from rollout_lib.config.common import TaskRunnerSettings
 from rollout_lib.store import ObjectStore
@@ -102,9 +102,7 @@ DASK = ["--set", "run.task_runner.type=dask", "--set", "run.task_runner.n_worker
 def thread_run(prefect_server, tmp_path_factory) -> tuple[dict, Path]:
     """2 steps of rl-tiny on the default (thread) runner: its final result and its store."""
     store = tmp_path_factory.mktemp("thread") / "store"
-    done = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store}", *STEPS)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return final_result(done), store
+    return train_in_process("train", "rl", "--config", TINY, "--set", f"run.store={store}", *STEPS), store
 
 
 def chunk_states(states: dict) -> dict:
@@ -128,21 +126,37 @@ def run_on_a_cluster(store: Path, runner: list[str], started: str, expected: dic
 
 
 @pytest.mark.slow
-def test_a_run_scored_on_a_dask_local_cluster_ends_on_the_default_runners_checkpoint(thread_run, tmp_path):
+def test_a_run_scored_on_a_dask_local_cluster_in_an_s3_store_ends_on_the_default_runners_checkpoint(thread_run,
+                                                                                                     s3_options):
+    """A team's set-up in small: the store (and so the result storage) in a bucket every Dask worker reaches with
+    the run's storage_options (a moto server here)."""
+    import uuid
+
+    import fsspec
+
+    from s3server import BUCKET
+    from test_s3_results import toml_inline
+
     expected, thread_store = thread_run
-    run_on_a_cluster(tmp_path / "dask", DASK, "Creating a new Dask cluster", expected)
+    store_url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    on_s3 = ["--set", f"run.storage_options={toml_inline(s3_options)}"]
+    result = run_on_a_cluster(store_url, [*DASK, *on_s3], "Creating a new Dask cluster", expected)
+    assert ObjectStore(store_url, s3_options).get_ref("runs/rl-tiny/latest") == expected["checkpoint"]
 
     # Every object the default run stored (rollouts, scored tables, samples, micro-batches, states, the
     # checkpoint) is in the Dask run's store, byte for byte, but the rewards the default run scored as it sampled
     # (reward_loop.streamed: one object a step, which a Dask run scores in its chunks instead).
-    def objects(store: Path) -> set[str]:
-        return {path.name for path in (store / "objects").glob("*/*")}
-
-    thread_objects, dask_objects = objects(thread_store), objects(tmp_path / "dask")
+    bucket = fsspec.filesystem("s3", skip_instance_cache=True, **s3_options)
+    root = store_url.removeprefix("s3://")
+    thread_objects = {path.name for path in (thread_store / "objects").glob("*/*")}
+    dask_objects = {path.rsplit("/", 1)[1] for path in bucket.find(f"{root}/objects")}
     assert len(thread_objects - dask_objects) == 2, sorted(thread_objects - dask_objects)[:5]  # 2 steps' rewards
     assert len(dask_objects - thread_objects) == 2 * 2  # 2 steps x 2 chunks
-    # The workers stored their tasks' results in the run's result storage: a rerun is all cache.
-    rerun = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={tmp_path / 'dask'}", *STEPS, *DASK)
+    # The workers stored their tasks' results in the run's result storage, in the bucket: a rerun is all cache.
+    states = task_run_states(result["flow_run_id"])
+    cached = [name for name in states if not name.startswith("snapshot-")]  # snapshots: the store's index is theirs
+    assert len(bucket.find(f"{root}/prefect-results")) >= len(cached), sorted(states)
+    rerun = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store_url}", *STEPS, *DASK, *on_s3)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
     assert set(chunk_states(task_run_states(final_result(rerun)["flow_run_id"])).values()) == {"Cached"}
@@ -194,32 +208,6 @@ def test_a_run_scored_on_a_two_node_ray_cluster_ends_on_the_default_runners_chec
         "print(len({task.node_id for task in tasks}))")], env={**os.environ, **auth}, capture_output=True,
         text=True, timeout=120)
     assert listed.stdout.strip().splitlines()[-1:] == ["2"], listed.stdout + listed.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_dask_workers_keep_their_results_in_an_s3_store(thread_run, s3_options):
-    """A team's set-up in small: the store (and so the result storage) in a bucket every worker reaches with the
-    run's storage_options (a moto server here)."""
-    import uuid
-
-    import fsspec
-
-    from s3server import BUCKET
-    from test_s3_results import toml_inline
-
-    expected, _ = thread_run
-    store_url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
-    done = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store_url}",
-                       "--set", f"run.storage_options={toml_inline(s3_options)}", *STEPS, *DASK)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = final_result(done)
-    assert result["checkpoint"] == expected["checkpoint"]
-    assert ObjectStore(store_url, s3_options).get_ref("runs/rl-tiny/latest") == expected["checkpoint"]
-    bucket = fsspec.filesystem("s3", skip_instance_cache=True, **s3_options)
-    results = bucket.find(f"{store_url.removeprefix('s3://')}/prefect-results")
-    states = task_run_states(result["flow_run_id"])
-    cached = [name for name in states if not name.startswith("snapshot-")]  # snapshots: the store's index is theirs
-    assert "score-step-2-chunk-1" in states and len(results) >= len(cached), (len(results), sorted(states))
 
 
 def test_ray_without_its_extra_is_an_error_naming_the_setting(monkeypatch):
