@@ -153,6 +153,38 @@ def test_a_served_models_rows_are_handed_over_as_their_requests_return():
     assert [index for index, _ in handed] != sorted(index for index, _ in handed)  # in the order they returned
 
 
+def test_the_hand_over_only_queues_the_row_and_scores_as_staged(monkeypatch):
+    """Rows handed over out of order by a served model's requests: the sampler's thread only queues each, the
+    reward inputs are built on the scoring thread (not a 1-row table per rollout in the sampler's event loop), and
+    the results are the staged score stage's, row for row."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    import rollout_lib.rl.streamed as streamed_module
+    from rollout_lib.model.loading import load_tokenizer, resolve_model
+    from rollout_lib.sampling.frozen import FrozenSampler
+
+    class SlowFirstPool:
+        async def generate(self, prompt_ids, *, seed, **_):
+            await asyncio.sleep(0.02 if seed % 3 == 0 else 0.0)
+            return SimpleNamespace(token_ids=[11 + seed % 50, 12, 13 + seed % 7], logprobs=[-1.0, -0.5, -0.25])
+
+    built_on, reward_input = set(), streamed_module.reward_input
+    monkeypatch.setattr(streamed_module, "reward_input", lambda *args: built_on.add(threading.current_thread().name)
+                        or reward_input(*args))
+    cfg = load_config(RlConfig, TINY, ["run.store=memory://handed-over"])
+    samplers = {"words": FrozenSampler(SlowFirstPool(), load_tokenizer(resolve_model("tiny:qwen2")), 8, "frozen:t")}
+    prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
+    with run_reward_loops(cfg) as loops:
+        rollouts, _ = sample_rollouts(cfg, samplers, prompts, 1)
+        scored, metrics = score_rollouts(cfg, rollouts, prompts, loops)
+        streamed = sample_and_score(cfg, samplers, prompts, 1, loops)
+    assert built_on == {"streamed-scoring"}
+    assert streamed.rollouts.equals(rollouts)
+    assert scored_rollouts(cfg, streamed.rollouts, streamed.results, streamed.reward_model_metrics) == (scored, metrics)
+
+
 def test_an_episode_is_handed_over_when_the_turn_it_ended_in_is_done():
     """Episode 0 answers at once, episode 1 calls the calculator first: 0 is told before turn 2 is sampled."""
     from rollout_lib.model.loading import load_tokenizer, resolve_model

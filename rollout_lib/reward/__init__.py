@@ -6,7 +6,7 @@
 - `loop`: RewardLoop, score_inputs(_sync) (and the results helpers below, re-exported)
 - `pool`: the killable worker processes for sync functions
 - `results`: RewardResult, reward_metrics, raise_if_all_missing, raise_if_too_many_missing (the circuit breaker)
-- `tables`: reward_inputs / apply_rewards between the loop and the ROLLOUTS wire
+- `tables`: reward_input(s) / apply_rewards between the loop and the ROLLOUTS wire (a row as a dict or a table)
 - `verl`: the adapter that runs verl-style compute_score functions unchanged
 - `servers`, `judge_tokenizer`: what a function that asks a judge is handed (its router's address, its tokenizer)
 

@@ -11,44 +11,50 @@ from rollout_lib.reward.contract import RewardInput
 from rollout_lib.reward.results import RewardResult
 
 
-def reward_inputs(rollouts: pa.Table, prompts: pa.Table | None = None) -> list[RewardInput]:
-    """One RewardInput per rollout row; prompt messages come from PROMPTS rows matched on example_id.
+# The ROLLOUTS columns a reward reads (a table may lack the multi-turn ones).
+_READ = ("example_id", "env", "completion_text", "answer", "info", "completion_turns", "episode")
 
-    Without a prompts table the prompt is empty (most rule-based rewards only need completion, answer, info).
-    """
-    messages_by_example: dict[str, list[dict]] = {}
-    if prompts is not None:
-        for example_id, messages in zip(
-            prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()
-        ):
-            messages_by_example[example_id] = messages
-    names = ("example_id", "env", "completion_text", "answer", "info", "completion_turns", "episode")
+
+def prompt_messages(prompts: pa.Table) -> dict[str, list[dict]]:
+    """Each PROMPTS row's chat messages by example_id: the `prompt` of its rollouts' RewardInputs."""
+    return dict(zip(prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()))
+
+
+def reward_input(row: dict, messages_by_example: dict[str, list[dict]] | None = None,
+                 where: str = "rollout") -> RewardInput:
+    """The RewardInput of one ROLLOUTS row as a dict (a table's row, or the record a sampler hands over before the
+    table exists: sampling.base.RolloutRows); `messages_by_example`: prompt_messages of its PROMPTS rows (None: an
+    empty prompt, which most rule-based rewards never read)."""
+    example_id = row["example_id"]
+    if messages_by_example is not None and example_id not in messages_by_example:
+        raise ValueError(f"{where}: example_id {example_id!r} is not in the prompts table")
+    info_text, turns = row.get("info"), row.get("completion_turns")
+    if turns is None:  # single-turn: the completion is the one assistant turn
+        completion = row["completion_text"]
+        messages, state = [{"role": "assistant", "content": completion}], {}
+    else:  # an episode: rewards read the policy's last turn, and may read every turn and the final state
+        messages = [{"role": turn["role"], "content": turn["content"]} for turn in turns]
+        completion = next((turn["content"] for turn in reversed(turns) if turn["sampled"]), "")
+        state = json.loads(row["episode"])["state"]
+    return RewardInput(
+        prompt=messages_by_example[example_id] if messages_by_example is not None else [],
+        completion_text=completion,
+        answer=row.get("answer"),
+        info=json.loads(info_text) if info_text else {},
+        env=row.get("env"),
+        turns=messages,
+        state=state,
+    )
+
+
+def reward_inputs(rollouts: pa.Table, prompts: pa.Table | None = None) -> list[RewardInput]:
+    """One RewardInput per rollout row (reward_input); prompt messages come from PROMPTS rows matched on
+    example_id. Without a prompts table the prompt is empty."""
+    messages_by_example = prompt_messages(prompts) if prompts is not None else None
     columns = {name: rollouts.column(name).to_pylist() if name in rollouts.column_names else [None] * rollouts.num_rows
-               for name in names}
-    inputs = []
-    for row, example_id in enumerate(columns["example_id"]):
-        if prompts is not None and example_id not in messages_by_example:
-            raise ValueError(f"rollout row {row}: example_id {example_id!r} is not in the prompts table")
-        info_text, turns = columns["info"][row], columns["completion_turns"][row]
-        if turns is None:  # single-turn: the completion is the one assistant turn
-            completion = columns["completion_text"][row]
-            messages, state = [{"role": "assistant", "content": completion}], {}
-        else:  # an episode: rewards read the policy's last turn, and may read every turn and the final state
-            messages = [{"role": turn["role"], "content": turn["content"]} for turn in turns]
-            completion = next((turn["content"] for turn in reversed(turns) if turn["sampled"]), "")
-            state = json.loads(columns["episode"][row])["state"]
-        inputs.append(
-            RewardInput(
-                prompt=messages_by_example.get(example_id, []),
-                completion_text=completion,
-                answer=columns["answer"][row],
-                info=json.loads(info_text) if info_text else {},
-                env=columns["env"][row],
-                turns=messages,
-                state=state,
-            )
-        )
-    return inputs
+               for name in _READ}
+    return [reward_input(dict(zip(_READ, values)), messages_by_example, f"rollout row {row}")
+            for row, values in enumerate(zip(*(columns[name] for name in _READ)))]
 
 
 def apply_rewards(rollouts: pa.Table, results: list[RewardResult]) -> pa.Table:

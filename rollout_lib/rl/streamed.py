@@ -14,7 +14,7 @@ while the step samples instead of at its advantages stage.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import contextlib
 import threading
 import time
@@ -24,11 +24,10 @@ from typing import Callable
 
 import pyarrow as pa
 
-from rollout_lib import wire
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.reward.loop import RewardResult
 from rollout_lib.reward.loops import RewardLoops
-from rollout_lib.reward.tables import reward_inputs
+from rollout_lib.reward.tables import prompt_messages, reward_input
 from rollout_lib.rl.behaviour_stream import BehaviourStream, overlaps_behaviour_logprobs
 from rollout_lib.rl.sample import sample_rollouts
 from rollout_lib.rl.score import env_reward_loop
@@ -90,13 +89,22 @@ def _handed_to(listeners: list[Callable[[str, pa.Table], OnRollout | None]]) -> 
 class StreamedScoring:
     """Scores rollouts as they are handed over (`stream_to`), each env with its own reward loop and its own bound
     of `reward_loop.concurrency` calls in flight, as the staged stage's. Leaving the `with` block before
-    `results` (sampling failed) cancels the rewards in flight; the thread always ends there."""
+    `results` (sampling failed) cancels the rewards in flight; the thread always ends there.
+
+    The sampler's thread only queues each record and, when the scoring thread has none waiting, wakes it: the
+    record's RewardInput is built and its reward started on the scoring thread, so the hand-over costs the
+    sampler's event loop (which sends the next request as one returns) a list append per rollout. Whatever the
+    scoring thread owns (the queue's drain, the rewards started) it alone reads and writes."""
 
     def __init__(self, config: RlConfig, loops: RewardLoops):
         self.loops = loops
         # Built here, outside the event loop: building one may connect a judge.
         self._env_loops = {env.name: env_reward_loop(loops, config, env) for env in config.settings.envs}
-        self._scoring: dict[tuple[str, int], tuple[str, concurrent.futures.Future]] = {}
+        # (env name, index among the env's rows, record, its env's prompt messages), appended by the sampler's
+        # thread, drained by the scoring thread's `_start_handed`; `_wake_pending` while a drain is scheduled.
+        self._handed: collections.deque = collections.deque()
+        self._wake_pending = False
+        self._scoring: dict[tuple[str, int], tuple[str, asyncio.Task]] = {}  # the scoring thread's
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._slots: dict[str, asyncio.Semaphore] = {}
@@ -110,7 +118,8 @@ class StreamedScoring:
     # -- the scoring thread ---------------------------------------------------------------------------------------
 
     def _serve(self, started: threading.Event) -> None:
-        # asyncio.run: at the end it cancels what is left and closes the loop's clients, as a staged score's does.
+        # asyncio.run: at the end it cancels what is left (a failed stage's rewards in flight) and closes the loop's
+        # clients, as a staged score's does.
         asyncio.run(self._until_stopped(started))
 
     async def _until_stopped(self, started: threading.Event) -> None:
@@ -122,57 +131,78 @@ class StreamedScoring:
             started.set()
         await self._stop.wait()
 
-    async def _score(self, env_name: str, item) -> RewardResult:
+    def _start_handed(self) -> None:
+        """Start the reward of every record queued so far. The flag drops before the queue is read, so a record
+        queued meanwhile is either taken here or schedules a drain of its own."""
+        self._wake_pending = False
+        while self._handed:
+            env_name, index, record, messages = self._handed.popleft()
+            self._start(env_name, index, record["sample_id"], record, messages)
+
+    def _start(self, env_name: str, index: int, sample_id: str, record: dict, messages: dict) -> None:
+        task = asyncio.ensure_future(self._score(env_name, record, messages))
+        self._scoring[(env_name, index)] = (sample_id, task)
+
+    async def _score(self, env_name: str, record: dict, messages: dict) -> RewardResult:
+        item = reward_input(record, messages, f"rollout {record['sample_id']!r}")
         (result,) = await self._env_loops[env_name].ascore([item], self._slots[env_name])
         return result
+
+    async def _collect(self, envs: list[str], sample_ids: list[str], rollouts: pa.Table,
+                       prompt_tables: dict[str, pa.Table]) -> list[RewardResult]:
+        self._start_handed()  # nothing is left once the drains the sampler scheduled ran; cheap to be sure
+        seen: Counter = Counter()
+        keys, messages_by_env = [], {}
+        for row, (env_name, sample_id) in enumerate(zip(envs, sample_ids)):
+            key = (env_name, seen[env_name])  # the env's rows are contiguous, in the order its sampler indexed them
+            seen[env_name] += 1
+            keys.append(key)
+            if key not in self._scoring:  # a backend that does not stream: scored now
+                if env_name not in messages_by_env:
+                    messages_by_env[env_name] = prompt_messages(prompt_tables[env_name])
+                self._start(env_name, key[1], sample_id, rollouts.slice(row, 1).to_pylist()[0],
+                            messages_by_env[env_name])
+            handed, _ = self._scoring[key]
+            if handed != sample_id:
+                raise AssertionError(f"streamed scoring: row {row} is {sample_id!r}, its sampler handed over "
+                                     f"{handed!r} at that index")
+        if len(keys) != len(self._scoring):
+            raise AssertionError(f"streamed scoring: {len(self._scoring)} rollouts handed over, {len(keys)} in "
+                                 "the table")
+        return list(await asyncio.gather(*(self._scoring[key][1] for key in keys)))
 
     # -- the sampling thread --------------------------------------------------------------------------------------
 
     def stream_to(self, env_name: str, prompts: pa.Table) -> OnRollout:
         """The callback an env's sampler tells of each row (by its index among the env's rows); `prompts`: the
         env's PROMPTS rows the step drew (their messages are the rewards' prompt)."""
+        messages = prompt_messages(prompts)
+        event_loop = self._event_loop
+        assert event_loop is not None
 
         def on_rollout(index: int, record: dict) -> None:
-            (item,) = reward_inputs(pa.Table.from_pylist([record], schema=wire.ROLLOUTS), prompts)
-            self._submit(env_name, index, record["sample_id"], item)
+            self._handed.append((env_name, index, record, messages))
+            if not self._wake_pending:
+                self._wake_pending = True
+                event_loop.call_soon_threadsafe(self._start_handed)
 
         return on_rollout
-
-    def _submit(self, env_name: str, index: int, sample_id: str, item) -> None:
-        assert self._event_loop is not None
-        future = asyncio.run_coroutine_threadsafe(self._score(env_name, item), self._event_loop)
-        self._scoring[(env_name, index)] = (sample_id, future)
 
     def results(self, rollouts: pa.Table, prompt_tables: dict[str, pa.Table]) -> tuple[list[RewardResult],
                                                                                         dict[str, int]]:
         """Each row's RewardResult, row for row, once all are in, and the reward models' counts. A row no sampler
         handed over (a backend that does not stream) is scored now; a row handed over under another sample id
         than the table's is a bug in a sampler's indices, and fails loudly."""
-        envs = rollouts.column("env").to_pylist()
-        sample_ids = rollouts.column("sample_id").to_pylist()
-        seen: Counter = Counter()
-        futures = []
-        for row, (env_name, sample_id) in enumerate(zip(envs, sample_ids)):
-            key = (env_name, seen[env_name])  # the env's rows are contiguous, in the order its sampler indexed them
-            seen[env_name] += 1
-            if key not in self._scoring:
-                (item,) = reward_inputs(rollouts.slice(row, 1), prompt_tables[env_name])
-                self._submit(env_name, key[1], sample_id, item)
-            handed, future = self._scoring[key]
-            if handed != sample_id:
-                raise AssertionError(f"streamed scoring: row {row} is {sample_id!r}, its sampler handed over "
-                                     f"{handed!r} at that index")
-            futures.append(future)
-        if len(futures) != len(self._scoring):
-            raise AssertionError(f"streamed scoring: {len(self._scoring)} rollouts handed over, {len(futures)} in "
-                                 "the table")
-        return [future.result() for future in futures], self.loops.take_reward_model_metrics()
+        assert self._event_loop is not None
+        collected = asyncio.run_coroutine_threadsafe(
+            self._collect(rollouts.column("env").to_pylist(), rollouts.column("sample_id").to_pylist(), rollouts,
+                          prompt_tables), self._event_loop)
+        return collected.result(), self.loops.take_reward_model_metrics()
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        for _, future in self._scoring.values():
-            future.cancel()  # nothing, once all are in; a failed stage's rewards in flight otherwise
+        """End the scoring thread; asyncio.run cancels the rewards still in flight (none, once all are in)."""
         if self._thread.is_alive():
             assert self._event_loop is not None and self._stop is not None
             self._event_loop.call_soon_threadsafe(self._stop.set)
