@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 
-from clirun import ROOT, final_result, metrics_table, run_rollout
+from clirun import ROOT, metrics_table, train_in_process
 from inprocess_rl import reward_curve_in_process
 
 pytestmark = pytest.mark.slow
@@ -24,8 +24,7 @@ pytestmark = pytest.mark.slow
 def tools_store(prefect_server, tmp_path_factory):
     """A store holding the warm start as runs/tools-tiny/latest (what the RL configs' base_model names)."""
     store = tmp_path_factory.mktemp("tools") / "store"
-    trained = run_rollout("train", "sft", "--config", "configs/sft-tools-tiny.toml", "--set", f"run.store={store}")
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    train_in_process("train", "sft", "--config", "configs/sft-tools-tiny.toml", "--set", f"run.store={store}")
     return store
 
 
@@ -39,9 +38,8 @@ def median(values) -> float:
 
 def test_echo_learns_the_tool_results_while_grpo_raises_the_reward(tools_store):
     # The config's base_model is the checkpoint ref runs/tools-tiny/latest, found in the run's store.
-    learned = run_rollout("train", "rl", "--config", "configs/rl-calculator.toml", "--set", f"run.store={tools_store}")
-    assert learned.returncode == 0, learned.stderr[-3000:]
-    rewards = final_result(learned)["reward_curve"]
+    rewards = train_in_process("train", "rl", "--config", "configs/rl-calculator.toml",
+                               "--set", f"run.store={tools_store}")["reward_curve"]
     metrics = metrics_table("rl-calculator")
     ce = metrics["loss/ce"]
     print("echo on the calculator, reward per step:", [round(v, 3) for v in rewards])
