@@ -10,7 +10,8 @@ streamed, sample-and-score (each rollout scored as it comes back) then score-mer
 the state is paid by whichever runs first; it is taken out of both and counted once, as a real step pays it. Then
 advantages, pack and the train step run once: a step's time either way is its own sample+score plus that rest (the
 tables are the same either way). Step 1 (the engine's and the workers' warm-up) is not counted; figures are medians
-over steps 2..N.
+over steps 2..N. `best`: the ratio with nothing but the rewards costing time (best_ratio), from the staged step's own
+sampling and rest; then each way's sampling by which way ran first (the first samples right after the reload).
 
     .venv/bin/python bench/bench_streamed_scoring.py [--sampler vllm|hf] [--steps 10] [--prompts 4] [--group 8]
         [--max-tokens 112] [--engine-concurrency 8] [--sync-s 0.2] [--sync-workers 8] [--async-s 0.5]
@@ -25,7 +26,9 @@ sampling: a reward with room for every rollout at once costs one call's latency 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
+import math
 import os
 import statistics
 import sys
@@ -93,7 +96,8 @@ def run_paired(cfg, steps: int, resident, served, loops) -> list[dict]:
     records = []
     for step in range(1, steps + 1):
         record, ways = {}, {"staged": staged, "streamed": streamed}
-        for way in sorted(ways, reverse=step % 2 == 0):
+        order = sorted(ways, reverse=step % 2 == 0)
+        for way in order:
             began = time.perf_counter()
             done = ways[way](step)
             seconds = time.perf_counter() - began
@@ -112,12 +116,27 @@ def run_paired(cfg, steps: int, resident, served, loops) -> list[dict]:
             "staged_step_s": record["staged"]["seconds"] + rest, "streamed_step_s": record["streamed"]["seconds"] + rest,
             "staged_sampled_s": record["staged"]["sampled"], "streamed_sampled_s": record["streamed"]["sampled"],
             "staged_scored_s": record["staged"]["seconds"], "streamed_scored_s": record["streamed"]["seconds"],
-            "same_rewards": record["staged"]["rewards"] == record["streamed"]["rewards"]})
+            "same_rewards": record["staged"]["rewards"] == record["streamed"]["rewards"], "first": order[0]})
     return records
 
 
 def median(records: list[dict], key: str) -> float:
     return statistics.median(record[key] for record in records)
+
+
+def best_ratio(sampled_s: float, rest_s: float, rollouts: int, engine_concurrency: int, slots: int,
+               call_s: float) -> float:
+    """The streamed / staged step ratio at best, from the staged step's own sampling and rest: completions back
+    in even waves of `engine_concurrency` over `sampled_s` (as the engine returns 112-token completions of a
+    random policy), each reward `call_s` on the first of `slots` free, nothing else costing time. Staged, the
+    rewards start after the last completion."""
+    waves = math.ceil(rollouts / engine_concurrency)
+    free = [0.0] * slots
+    for row in range(rollouts):
+        arrival = sampled_s * (row // engine_concurrency + 1) / waves
+        heapq.heappush(free, max(arrival, heapq.heappop(free)) + call_s)
+    staged = sampled_s + math.ceil(rollouts / slots) * call_s
+    return (max(free) + rest_s) / (staged + rest_s)
 
 
 def main() -> None:
@@ -156,19 +175,40 @@ def main() -> None:
                       f" scored at {r['staged_scored_s']:.2f}), streamed {r['streamed_step_s']:.2f} s (sampled at "
                       f"{r['streamed_sampled_s']:.2f}, scored at {r['streamed_scored_s']:.2f})", flush=True)
             steady = records[1:]  # step 1 warms the engine and the reward workers up
-            figures[reward] = {key: median(steady, key) for key in steady[0] if key != "same_rewards"}
+            figures[reward] = {key: median(steady, key) for key in steady[0]
+                               if key not in ("same_rewards", "first")}
             figures[reward]["ratio"] = statistics.median(r["streamed_step_s"] / r["staged_step_s"] for r in steady)
             figures[reward]["same_rewards"] = all(r["same_rewards"] for r in records)
+            # The way that runs first samples right after the server's reload: its sampling, by order, shows
+            # whether that costs more than the reload the figures take out.
+            for first in ("staged", "streamed"):
+                steps = [r for r in steady if r["first"] == first]
+                figures[reward][f"{first}_first_steps"] = len(steps)
+                for way in ("staged", "streamed"):
+                    figures[reward][f"{way}_sampled_s_{first}_first"] = median(steps, f"{way}_sampled_s") \
+                        if steps else None
+            slots = args.sync_workers if reward == "sync" else args.async_concurrency
+            f = figures[reward]
+            f["best_ratio"] = best_ratio(
+                f["staged_sampled_s"], f["staged_step_s"] - f["staged_scored_s"],
+                args.prompts * args.group, args.engine_concurrency if args.sampler == "vllm" else args.hf_batch,
+                slots, args.sync_s if reward == "sync" else args.async_s)
     print(f"\nsampler: {args.sampler}; {args.prompts} prompts x {args.group} samples x {args.max_tokens} tokens; "
           f"medians over steps 2..{args.steps} (ratio: the median of each step's streamed / staged)")
-    print(f"{'reward':<28} {'staged step':>12} {'streamed step':>14} {'ratio':>6}   (sampled at, scored at: staged; "
-          "streamed)")
+    print(f"{'reward':<28} {'staged step':>12} {'streamed step':>14} {'ratio':>6} {'best':>5}   (sampled at, scored at: "
+          "staged; streamed)")
     for reward, f in figures.items():
         label = f"sync {args.sync_s} s ({args.sync_workers} workers)" if reward == "sync" else \
             f"async {args.async_s} s ({args.async_concurrency} at once)"
-        print(f"{label:<28} {f['staged_step_s']:>11.2f}s {f['streamed_step_s']:>13.2f}s {f['ratio']:>6.2f}   "
+        print(f"{label:<28} {f['staged_step_s']:>11.2f}s {f['streamed_step_s']:>13.2f}s {f['ratio']:>6.2f} "
+              f"{f['best_ratio']:>5.2f}   "
               f"({f['staged_sampled_s']:.2f}, {f['staged_scored_s']:.2f} s; {f['streamed_sampled_s']:.2f}, "
               f"{f['streamed_scored_s']:.2f} s){'' if f['same_rewards'] else '  REWARDS DIFFER'}")
+    for reward, f in figures.items():
+        print(f"{reward}: sampled at, by which way ran first (staged; streamed): staged first "
+              f"({f['staged_first_steps']} steps) {f['staged_sampled_s_staged_first'] or 0:.2f}; "
+              f"{f['streamed_sampled_s_staged_first'] or 0:.2f} s, streamed first ({f['streamed_first_steps']} steps) "
+              f"{f['staged_sampled_s_streamed_first'] or 0:.2f}; {f['streamed_sampled_s_streamed_first'] or 0:.2f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "figures": figures}, indent=1))
 
