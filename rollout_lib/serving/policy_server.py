@@ -22,15 +22,18 @@ that name. The base's weights never move, so no full reload runs at all.
 Verification: a fixed probe sequence (PROBE_LENGTH token ids drawn once from a fixed seed) is scored by each
 reloaded replica (prompt logprobs, temperature 1) and by the trainer's own forward of the same weights; a replica
 whose logprobs differ by more than `tolerance` anywhere fails the step with a PolicyServerError naming its URL, the
-state and the difference. Default 1e-3: the same weights agree within 4.8e-7 on the tiny model and 2e-5..7e-5
-on SmolLM2-135M in fp32 (float sums in another order), while every wrong-weights case measured was >= 0.038 off
-(weights one 1e-3-scale random perturbation away: 0.045 tiny, 0.195 SmolLM2 on this 16-token probe; a server one
-0.05-scale step behind: 1.26; the tied-embeddings trap: 0.18..1.5); SmolLM2 weights one 1e-5-scale perturbation
-away are still 8.8e-3 off. 16 tokens, not the 48 of before: the discrimination is the same (the largest differences
-sit at a few positions either way, and the one ill-conditioned low-probability token that ruled the 48-token
-maximum is gone), and each side's forward is cheaper (SmolLM2 on 2 cores: the trainer's 79 ms instead of 131, the
-whole probe 0.12 s instead of 0.21). What it cannot see: two states whose probe logprobs differ by less than the
-tolerance (a step at a tiny learning rate); the state id bookkeeping, not the probe, is what tells those apart.
+state and the difference. Default 1e-3: the same weights agree within 4.8e-7 on the tiny model and 2e-5..8.4e-5
+on SmolLM2-135M in fp32 (float sums in another order; the holds of bench/bench_weight_sync.py and of a 25-step
+rl-smollm2 run). Wrong weights, on this 16-token probe (each side computed by the trainer's forward): one
+1e-3-scale random perturbation away, 0.045 on the tiny model and 0.195 on SmolLM2 (45x the tolerance); one
+1e-5-scale perturbation away, still 8.8e-3 on SmolLM2. On the 48-token probe used before (not measured again at 16
+tokens): a server one 0.05-scale step behind, 1.26; the tied-embeddings trap, 0.18..1.5. 16 tokens, not 48: the
+perturbation cases discriminate as well (the largest differences sit at a few positions either way, and the one
+ill-conditioned low-probability token that ruled the 48-token maximum is gone), and each side's forward is cheaper
+(SmolLM2 on 2 cores: the trainer's 79 ms instead of 131, the whole probe 0.12 s instead of 0.21).
+tests/test_policy_engine.py's probe tests (another server's weights fail it, the tied embeddings pass) run on the
+16-token probe. What it cannot see: two states whose probe logprobs differ by less than the tolerance (a step at
+a tiny learning rate); the state id bookkeeping, not the probe, is what tells those apart.
 
 A bfloat16 engine (`policy_sampler.dtype`) is compared with the trainer's weights rounded to bfloat16 and a
 tolerance of 2.0 (BF16_PROBE_TOLERANCE): its own rounding of activations leaves the same weights up to 0.55 apart
