@@ -409,7 +409,8 @@ class ObjectStore:
         for name in order:
             dtype, shape = shapes[name]
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
             offset += size
         blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
         blob += b" " * (-len(blob) % 8)

@@ -37,9 +37,9 @@ from typing import Iterator, Mapping, Sequence
 import psutil
 
 from rollout_lib.paths import PROJECT_ROOT, state_dir
-from rollout_lib.serving.store_fetch import fetch_directory
 from rollout_lib.processes import cmdline_contains, free_ports, group_members, port_is_free
 from rollout_lib.serving.references import default_max_model_len, default_name, served_model_directory
+from rollout_lib.serving.store_fetch import fetch_directory
 
 VLLM_PYTHON_ENV = "ROLLOUT_VLLM_PYTHON"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # opens /collective_rpc (weight reload) and other control endpoints
