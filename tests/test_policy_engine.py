@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rollout_lib import wire
@@ -34,6 +34,7 @@ from rollout_lib.sampling import SAMPLERS, SamplingContext, SamplingParams
 from rollout_lib.sampling.base import encode_prompt
 from rollout_lib.sampling.vllm import VllmSampler, VllmSamplerSettings
 from rollout_lib.serving import engine, weight_sync
+from rollout_lib.serving.client import EndpointClient
 from rollout_lib.serving.served import ServedModels
 from rollout_lib.serving.policy_server import PolicyServerError, trainer_logprobs
 from rollout_lib.serving.settings import ExternalModel, ServedModel
@@ -100,6 +101,17 @@ def test_every_rollout_records_what_sampled_it(tmp_path, tiny_model_dir):
 # --- against a policy server ------------------------------------------------------------------------------------
 
 
+def _collective_rpc(server, method: str, **call):
+    """Call the policy server's worker `method` directly, as the policy server does (POST /collective_rpc)."""
+    async def call_it():
+        client = EndpointClient(server.deployment.base_urls[0], server.served_name, timeout_s=120)
+        try:
+            return (await client.request("POST", "/collective_rpc", {"method": method, **call}))["results"][0]
+        finally:
+            await client.aclose()
+    return asyncio.run(call_it())
+
+
 def perturbed(model, seed: int, scale: float = 0.05):
     """A copy of `model` with every parameter moved (the tied embeddings, so the output head, included)."""
     changed = copy.deepcopy(model)
@@ -140,6 +152,7 @@ class TestPolicyServer:
         model = perturbed(base, seed=1)
         report = server.hold("state-a", model, tokenizer)
         assert report.reloaded == server.deployment.base_urls and report.max_probe_diff < 1e-4
+        assert set(server.reload_paths.values()) == {"in place"}  # engine_reload.py's short path, not vLLM's
         assert server.holds("state-a") and not server.holds("state-b")
         # Another sequence than the probe (a chat prompt and a reply): served logprobs are the trainer's.
         ids = encode_prompt(tokenizer, [{"role": "user", "content": "Count the waves."}])
@@ -152,7 +165,7 @@ class TestPolicyServer:
         # The same state again: nothing reloads.
         assert server.hold("state-a", model, tokenizer).reloaded == []
 
-    def test_the_probe_fails_loudly_on_a_server_holding_other_weights(self, served, monkeypatch):
+    def test_the_probe_fails_loudly_on_a_server_holding_other_weights(self, served, tmp_path):
         _, server, base, tokenizer = served
         model = perturbed(base, seed=1)
         server.hold("state-a", model, tokenizer)
@@ -163,18 +176,39 @@ class TestPolicyServer:
         assert server.deployment.base_urls[0] in message and "state-other" in message
         assert "differ from the trainer's by up to" in message and "tolerance 0.001" in message
 
-        # The tied-embeddings trap: weights written without lm_head (as save_pretrained writes them) leave the
-        # engine's output head on the old embeddings; the reload's own check refuses the state.
-        every_tensor = weight_sync.state_tensors
-        monkeypatch.setattr(weight_sync, "state_tensors", lambda model: {
-            name: tensor for name, tensor in every_tensor(model).items() if name != "lm_head.weight"})
-        with pytest.raises(PolicyServerError, match="does not hold policy state state-b after reloading it") as raised:
-            server.hold("state-b", other, tokenizer)
+        # The tied-embeddings trap: weights written without lm_head (as save_pretrained writes them) leave vLLM's
+        # own reload_weights with its output head on the old embeddings, and the probe refuses the state. The
+        # in-place path packs the head again from the new embeddings, so it does not fall in (the policy server
+        # writes lm_head all the same, weight_sync.py, for vLLM's path).
+        without_head = {name: tensor.clone() for name, tensor in weight_sync.state_tensors(other).items()
+                        if name != "lm_head.weight"}
+        save_file(without_head, str(tmp_path / "model.safetensors"))
+        _collective_rpc(server, "reload_weights", kwargs={"weights_path": str(tmp_path)})
+        with pytest.raises(PolicyServerError, match="does not hold policy state state-b") as raised:
+            server.check("state-b", other, tokenizer)
         difference = re.search(r"differ from the trainer's by up to (\S+) \(tolerance", str(raised.value))
         assert float(difference.group(1)) > 0.1
-        assert not server.holds("state-b") and not server.holds("state-a")  # nothing is taken as held
-        monkeypatch.setattr(weight_sync, "state_tensors", every_tensor)
-        assert server.hold("state-b", other, tokenizer).max_probe_diff < 1e-4  # the next hold reloads for real
+        assert _collective_rpc(server, "reload_policy_weights", args=[str(tmp_path)]) == "in place"
+        assert server.check("state-b", other, tokenizer) < 1e-4
+        server._holds.clear()  # the replica was reloaded behind the server's back
+
+    def test_the_in_place_reload_serves_what_vllms_own_reload_serves_bit_for_bit(self, served, tmp_path):
+        _, server, base, tokenizer = served
+        model = perturbed(base, seed=3)
+        server.hold("state-c", model, tokenizer)
+        ids = encode_prompt(tokenizer, [{"role": "user", "content": "Count the waves."}])
+        in_place = asyncio.run(server.pool.score(ids))
+        _collective_rpc(server, "reload_weights", kwargs={"weights_path": str(server.weights.directory)})
+        assert asyncio.run(server.pool.score(ids)) == in_place  # the same packing of the same weights
+        # A checkpoint the short path cannot take whole (a tensor missing) is refused before anything changes and
+        # goes to vLLM's reload_weights, which says so.
+        partial = {name: tensor for name, tensor in weight_sync.state_tensors(model).items()
+                   if name != "model.norm.weight"}
+        save_file({name: tensor.clone() for name, tensor in partial.items()}, str(tmp_path / "model.safetensors"))
+        path = _collective_rpc(server, "reload_policy_weights", args=[str(tmp_path)])
+        assert path == "vllm reload_weights (the checkpoint has no model.norm.weight)"
+        assert asyncio.run(server.pool.score(ids)) == in_place  # what it loaded is what was there; the norm kept
+        server._holds.clear()
 
     def test_sampling_on_the_engine_keeps_the_rollouts_contract_and_records_the_state(self, served):
         frozen, server, base, tokenizer = served

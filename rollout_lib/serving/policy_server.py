@@ -10,8 +10,10 @@ Reload: the model's state dict -> a safetensors file in shared memory, rewritten
 (serving/weight_sync.py), every tensor, with `lm_head.weight` written out even when it is tied to the input
 embeddings (transformers' `save_pretrained` drops it, and vLLM's CPU engine then keeps its output head on the *old*
 embeddings: 1.0 logprob off on the tiny Qwen2, 1.6 on SmolLM2, ../shared/notes/serving.md), then `POST
-/collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": dir}}` on every replica that does not hold
-the state yet.
+/collective_rpc {"method": "reload_policy_weights", "args": [dir]}` on every replica that does not hold the state
+yet: the server's worker extension (engine_reload.py) re-packs each linear layer's kernel from the new weights and
+copies the rest in place, or takes vLLM's own `reload_weights` where that path does not apply; `reload_paths` says
+which ran on each replica.
 
 A LoRA policy (adapters.py: the trainer's model is a peft model) is served as vLLM serves adapters: the replicas
 run the frozen base with `--enable-lora` (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), and a reload writes the adapter
@@ -148,6 +150,7 @@ class PolicyServer:
         self.adapter = adapter_base is not None
         self.weights = AdapterDirectory(dirs, adapter_base) if self.adapter else SharedWeightsFile(dirs)
         self._holds: dict[str, tuple[int, str]] = {}  # base URL -> (pid, state id) it was loaded and checked with
+        self.reload_paths: dict[str, str] = {}  # base URL -> how its last reload ran (engine_reload.py)
         self._lock = threading.Lock()
         self.pool = self._new_pool()
 
@@ -223,9 +226,10 @@ class PolicyServer:
             for replica in stale:
                 self._holds[replica.base_url] = (replica.pid, state_id)
             report.seconds = time.perf_counter() - started
-            log.info("policy server %s: reloaded %s with state %s in %.2f s (weights written in %.2f s; probe max "
-                     "|diff| %.2g)", self.name, ", ".join(report.reloaded), state_id, report.seconds,
-                     report.write_seconds, report.max_probe_diff)
+            log.info("policy server %s: reloaded %s with state %s in %.2f s (weights written in %.2f s, reloaded %s; "
+                     "probe max |diff| %.2g)", self.name, ", ".join(report.reloaded), state_id, report.seconds,
+                     report.write_seconds, ", ".join(sorted({self.reload_paths.get(url, "?")
+                                                             for url in report.reloaded})), report.max_probe_diff)
             return report
 
     def check(self, state_id: str, model, tokenizer) -> float:
@@ -317,8 +321,9 @@ class PolicyServer:
             if self.adapter:
                 await client.load_lora_adapter(self.served_name, directory)
             else:
-                await client.request("POST", "/collective_rpc", {
-                    "method": "reload_weights", "kwargs": {"weights_path": directory}})
+                answer = await client.request("POST", "/collective_rpc", {
+                    "method": "reload_policy_weights", "args": [directory]})
+                self.reload_paths[url] = answer["results"][0]
         except ServingError as exc:
             raise PolicyServerError(f"policy server {url} ({self.name!r}): weight reload failed: "
                                     f"{exc.detail}") from None

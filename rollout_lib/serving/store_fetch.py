@@ -1,14 +1,13 @@
-"""Runs inside a vLLM policy server, not in rollout: a worker extension (`--worker-extension-cls
-rollout_lib.serving.store_fetch.StoreFetch`, which engine.py gives every live-policy server) that copies a policy
-state's files from the run's store to a directory on the server's own machine, so a server on another node, which
-shares nothing with the trainer but the store, can reload them with vLLM's own paths (`reload_weights`,
-`/v1/load_lora_adapter`).
+"""Runs inside a vLLM policy server, not in rollout: part of its worker extension (policy_worker.py, which engine.py
+gives every live-policy server), it copies a policy state's files from the run's store to a directory on the
+server's own machine, so a server on another node, which shares nothing with the trainer but the store, can reload
+them as a local server does (`reload_policy_weights`, `/v1/load_lora_adapter`).
 
     POST /collective_rpc {"method": "fetch_from_store", "args": ["<store URL of a directory>"]}
         -> {"results": ["<local directory>"]}
 
 The store is read with fsspec and the server's own credentials (its environment, as a Dask worker's), never with
-secrets sent over HTTP. Only the standard library, fsspec and this file: vLLM's environment has no rollout.
+secrets sent over HTTP. Only the standard library and fsspec: vLLM's environment has no rollout.
 """
 
 from __future__ import annotations
@@ -49,11 +48,3 @@ def fetch_directory(pid: int) -> str:
     engine.py removes it when it stops the server (vLLM's shutdown runs no exit handlers)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"rollout-policy-fetch-{pid}")
-
-
-class StoreFetch:
-    """Mixed into vLLM's worker: `fetch_from_store(source)` copies a state into this process's own directory
-    (`fetch_directory`) and returns it."""
-
-    def fetch_from_store(self, source: str) -> str:
-        return fetch(source, fetch_directory(os.getpid()))

@@ -1,0 +1,145 @@
+"""Runs inside a vLLM policy server, not in rollout: the live policy's weights reloaded in place by the shortest
+path vLLM's CPU backend allows, with vLLM's own `reload_weights` wherever that path does not apply.
+
+    POST /collective_rpc {"method": "reload_policy_weights", "args": ["<directory with model.safetensors>"]}
+        -> {"results": ["in place" | "vllm reload_weights (<why>)"]}
+
+Why not just `reload_weights`: it re-creates every layer on the meta device, materialises it again, loads its
+tensors through the weight loaders, re-runs process_weights_after_loading and copies the result back into the old
+storage. On SmolLM2-135M in fp32 on 2 cores that is 0.33-0.37 s a reload (cProfile: 0.11 s oneDNN weight packing,
+0.09 s copies, the rest bookkeeping over 183 layers).
+
+What this path does instead. On the CPU backend a linear layer keeps no weight once loaded: vLLM's
+`dispatch_cpu_unquantized_gemm` (model_executor/layers/utils.py) packs it into the matmul kernel's own copy and
+leaves an empty parameter, so there is nothing to copy into in place. Here each such layer is handed its new weight
+(its checkpoint tensors concatenated as the model's `packed_modules_mapping` says: q, k, v into qkv_proj) and that
+same dispatch runs again; every other parameter (embeddings, norms, biases) is copied in place; the output head,
+whose kernel packed the (tied) embeddings, is packed again from them. No layer is rebuilt and no loader runs.
+Measured on SmolLM2-135M fp32 (in process, 2 cores): 0.18-0.21 s against 0.33-0.35 s, and the probe's logprobs
+after it equal those after `reload_weights` bit for bit (both pack the same weights with the same dispatch).
+
+It applies to one worker (no tensor parallelism), unquantized weights, on the CPU platform. Anything else, or a
+checkpoint that lacks a tensor the model needs or holds one of another shape (checked before anything changes),
+takes vLLM's `reload_weights`: slower, always right. Either way the policy server's probe checks the result.
+
+Imports vLLM and torch only, lazily: vLLM's environment has no rollout beyond the files this package puts on its
+path (policy_worker.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class NotInPlace(Exception):
+    """This model or checkpoint is not one the in-place path handles; the message says why."""
+
+
+def reload_policy_weights(worker, directory: str) -> str:
+    """Reload `directory`'s weights into `worker`'s model; which path ran."""
+    from vllm.config import set_current_vllm_config
+
+    try:
+        with set_current_vllm_config(worker.vllm_config):  # as the worker's own reload_weights runs
+            _reload_in_place(worker.model_runner, os.path.join(directory, WEIGHTS_FILE))
+    except NotInPlace as why:
+        worker.reload_weights(weights_path=directory)
+        return f"vllm reload_weights ({why})"
+    # What vLLM's own reload resets after new weights (caches derived from the old ones).
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        getattr(worker.model_runner, reset, lambda: None)()
+    return "in place"
+
+
+def _reload_in_place(model_runner, weights_file: str) -> None:
+    import torch
+    from safetensors import safe_open
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise NotInPlace("not the CPU backend: its parameters keep their weights and reload_weights copies into them")
+    if get_tensor_model_parallel_world_size() != 1:
+        raise NotInPlace("tensor parallel")
+    if model_runner.model_config.quantization is not None:
+        raise NotInPlace(f"quantized ({model_runner.model_config.quantization})")
+    if not os.path.isfile(weights_file):
+        raise NotInPlace(f"no {WEIGHTS_FILE}")
+    model = model_runner.get_model()
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    modules = dict(model.named_modules())
+    with safe_open(weights_file, framework="pt") as checkpoint, torch.no_grad():
+        plan = [(name, parameter, modules[name.rpartition(".")[0]], _sources(name, packed, checkpoint))
+                for name, parameter in model.named_parameters()]
+        # Check everything before changing anything: a refusal must leave the model as it was.
+        for name, parameter, module, sources in plan:
+            shape = _expected_shape(parameter, module)
+            if shape is None or (parameter.numel() == 0 and not name.endswith(".weight")):
+                raise NotInPlace(f"{name} is empty and is no linear layer's weight packed into its kernel")
+            got = (sum(source.shape[0] for source in sources), *sources[0].shape[1:])
+            if tuple(got) != shape:
+                raise NotInPlace(f"{name}: the checkpoint's shape {tuple(got)} is not the model's {shape}")
+        for name, parameter, module, sources in plan:
+            if parameter.numel() == 0:
+                module.weight = torch.nn.Parameter(_owned(sources, parameter.dtype), requires_grad=False)
+                _dispatch(module, remove_weight=True)
+            else:
+                parameter.copy_(torch.cat(sources) if len(sources) > 1 else sources[0])
+        for module in _output_heads(model):
+            _dispatch(module, remove_weight=False)
+
+
+def _sources(name: str, packed: dict[str, list[str]], checkpoint) -> list:
+    """The checkpoint tensors (zero-copy views of the mapped file) a parameter of the vLLM model is made of, in
+    order: q, k, v for `qkv_proj.weight`; one tensor, under the same name, for the rest."""
+    name = name.replace(".base_layer.", ".")  # a LoRA-enabled server wraps its linear layers
+    module_name, _, parameter_name = name.rpartition(".")
+    prefix, _, leaf = module_name.rpartition(".")
+    names = ([f"{prefix}.{part}.{parameter_name}" for part in packed[leaf]] if leaf in packed else [name])
+    missing = [source for source in names if source not in checkpoint.keys()]
+    if missing:
+        raise NotInPlace(f"the checkpoint has no {', '.join(missing)}")
+    return [checkpoint.get_tensor(source) for source in names]
+
+
+def _expected_shape(parameter, module) -> tuple[int, ...] | None:
+    """The shape the checkpoint must give `parameter`: its own, or for a linear layer whose weight lives only in
+    its kernel (an empty parameter), the layer's (out, in) sizes."""
+    if parameter.numel() > 0:
+        return tuple(parameter.shape)
+    if not hasattr(module, "cpu_linear"):
+        return None
+    out_size = getattr(module, "output_size_per_partition", None)
+    in_size = getattr(module, "input_size_per_partition", None)
+    return (out_size, in_size) if out_size and in_size else None
+
+
+def _owned(sources: list, dtype):
+    """The new weight as a tensor of its own: the checkpoint's views are of a file the trainer rewrites next step,
+    and a kernel that kept a reference to one (a fallback that keeps `layer.weight`) would change under it."""
+    import torch
+
+    if len(sources) > 1:
+        return torch.cat(sources).to(dtype)
+    return sources[0].to(dtype, copy=True)
+
+
+def _dispatch(module, *, remove_weight: bool) -> None:
+    """vLLM's own choice and packing of the CPU matmul kernel for `module` (what process_weights_after_loading
+    runs)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(module, remove_weight=remove_weight)
+
+
+def _output_heads(model) -> list:
+    """The modules that keep their weight and multiply by it through a packed kernel: the output head (its weight
+    often the input embeddings', tied), packed again from the weights just copied. An input embedding also has a
+    kernel from the same dispatch but only looks rows up, so packing it again would be 40 ms for nothing."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    return [module for module in model.modules()
+            if hasattr(module, "cpu_linear") and module.weight.numel() > 0
+            and not (isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead))]
