@@ -210,11 +210,13 @@ class EndpointClient:
 
     # --- the API ----------------------------------------------------------------------------------------------
 
-    async def models(self, *, timeout_s: float | None = ...) -> dict[str, int | None]:
-        """GET /v1/models: served model name -> its max_model_len."""
+    async def models(self, *, timeout_s: float | None = ..., adapters: bool = True) -> dict[str, int | None]:
+        """GET /v1/models: served model name -> its max_model_len. `adapters=False`: the base models alone, without
+        the LoRA adapters loaded on them (vLLM lists each with its base as `parent`)."""
         body = await self.request("GET", "/v1/models", timeout_s=timeout_s)
         try:
-            return {entry["id"]: entry.get("max_model_len") for entry in body["data"]}
+            return {entry["id"]: entry.get("max_model_len") for entry in body["data"]
+                    if adapters or entry.get("parent") is None}
         except (KeyError, TypeError):
             raise BadResponse(self.url, f"/v1/models: unexpected reply: {str(body)[:200]}") from None
 

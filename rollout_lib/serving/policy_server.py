@@ -360,7 +360,9 @@ def _served_name(root: str) -> str:
     async def listed() -> list[str]:
         client = EndpointClient(root, "", timeout_s=30.0)
         try:
-            return list(await client.models())
+            # Its base alone: a LoRA policy server lists the adapter a run loaded on it beside its base, and the
+            # next run (a rerun resuming) must still find the base's name.
+            return list(await client.models(adapters=False))
         finally:
             await client.aclose()
 
