@@ -108,13 +108,23 @@ class VllmSampler(Sampler):
                           else None),
             remote_urls=settings.base_url or (), served_name=settings.served_name)
         self.hold_reports: list = []  # serving.policy_server.HoldReport of every hold this sampler made (metrics, tests)
+        self.held_state: str | None = None  # the state this sampler's last hold brought the server to
 
     def _hold(self) -> None:
         self.hold_reports.append(self.server.hold(self.context.policy_state, self.model, self.tokenizer))
+        self.held_state = self.context.policy_state
+
+    def _held_remotely(self) -> bool:
+        """Whether servers on another node were brought to this stage's state by this sampler already. They never
+        say they hold a state (their restarts are unseen: PolicyServer.holds), so without this every `generate` after
+        `sample`'s hold, every env after the first and every episode turn reloaded (and shipped through the store)
+        the same state again: 2 loads a step, not 1, in tests/test_policy_remote.py. A sampler lives for one stage."""
+        return self.server.remote and self.held_state == self.context.policy_state
 
     def sample(self, prompts, params: SamplingParams, seed: int, interaction=None, context_limit: int | None = None,
                on_rollout=None):
-        self._hold()
+        if not self._held_remotely():
+            self._hold()
         return super().sample(prompts, params, seed, interaction=interaction, context_limit=context_limit,
                               on_rollout=on_rollout)
 
@@ -123,7 +133,7 @@ class VllmSampler(Sampler):
         from rollout_lib.serving.client import ReplicaUnavailable
         from rollout_lib.serving.pool import PoolUnavailable
 
-        if not self.server.holds(self.context.policy_state):  # a caller of generate alone (an episode's turn)
+        if not (self.server.holds(self.context.policy_state) or self._held_remotely()):  # a caller of generate alone
             self._hold()
         stops = stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         seeds = [derived_seed("policy-engine", seed, index) for index in range(len(sequences))]
