@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -207,3 +208,37 @@ def test_the_policy_server_loads_each_steps_adapter_in_place_and_the_probe_check
         assert second.max_probe_diff < 1e-4 and second.seconds < first.seconds + 1
         with pytest.raises(PolicyServerError, match="does not hold policy state state-a"):
             server.check("state-a", model, tokenizer)  # the server now serves the nudged adapter, not the first
+
+
+@pytest.mark.slow
+def test_an_rl_run_samples_its_lora_policy_on_the_engine_loading_each_steps_adapter(prefect_server, tmp_path):
+    """`train rl` (the flow, in this process) with a LoRA policy sampled on the engine (`adapter_serving = "lora"`,
+    the default): the run starts its policy server with --enable-lora, which loads each step's adapter in place (2
+    loads in vLLM's log: the initial adapter for step 1, step 1's for step 2), each passing the probe; the
+    checkpoint holds the adapter alone. (`adapter_serving = "merged"` is run on the full-weights policy server of
+    tests/test_policy_remote.py, which is started there anyway.)"""
+    from clirun import train_in_process
+    from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.serving import engine
+    from test_rl_data_parallel import assert_adapter_checkpoint
+
+    def policy_logs() -> dict:
+        return {path: path.stat().st_size for path in engine.serve_dir().glob("policy-*.log")}
+
+    before = policy_logs()
+    store = ObjectStore(str(tmp_path / "store"))
+    done = train_in_process("train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.adapter.r=4",
+                            "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 8 }',
+                            "--store", store.root, "--name", "rl-lora-engine", "--max-steps", "2")
+    assert len(done["reward_curve"]) == 2
+    manifest = read_manifest(store, done["checkpoint"])
+    assert manifest["step"] == 2
+    assert_adapter_checkpoint({"manifest": manifest, "weights": store.get_tensors(manifest["weights"])})
+    steps = [record for record in read_metrics(store, "rl-lora-engine") if record["step"] > 0]
+    assert [record["policy_server/reloads"] for record in steps] == [1, 1], steps
+    assert all(record["policy_server/probe_diff"] < 1e-3 for record in steps), steps
+    logged = "".join(path.read_bytes()[before.get(path, 0):].decode(errors="replace") for path in policy_logs())
+    loads = re.findall(r"Loaded new LoRA adapter: name '(policy-\S+-adapter)'", logged)
+    assert len(loads) == 2 and len(set(loads)) == 1, loads  # in place, under one name
+    assert "reload_weights" not in logged  # the base's weights never moved
+    assert not [d for d in engine.running_deployments() if d.live_policy]  # the run stopped its server
