@@ -234,6 +234,8 @@ def _reward_name(reward) -> str:
     if hasattr(reward, "function"):
         return reward.function
     if hasattr(reward, "reward_model"):
+        if reward.base_url is not None:
+            return f"reward_model {reward.reward_model.uri} (your vLLM pooling server at {', '.join(reward.base_url)})"
         return f"reward_model {reward.reward_model.uri}" + (" (served by vLLM)" if reward.engine == "vllm" else "")
     return "llm judge"
 

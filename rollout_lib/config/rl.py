@@ -331,7 +331,8 @@ class RlConfig(EntryPointConfig):
                 if isinstance(reward, RewardModelSettings)]
 
     def served_reward_models(self) -> list[tuple[str, RewardModelSettings]]:
-        """The reward models rollout serves with vLLM (`engine = "vllm"`)."""
+        """The reward models scored on a vLLM pooling server (`engine = "vllm"`): rollout's own, or yours at
+        `base_url`."""
         return [(where, reward) for where, reward in self.reward_models() if reward.engine == "vllm"]
 
     @model_validator(mode="after")
@@ -393,7 +394,8 @@ class RlConfig(EntryPointConfig):
                 if getattr(reward, "judge", None) is not None:
                     dumped_reward["judge"] = reward.judge.identity_settings()
                 if isinstance(reward, RewardModelSettings):
-                    dumped_reward.pop("replicas")
+                    for resource in reward.RESOURCES:  # served by rollout or at a URL: the same engine's scores
+                        dumped_reward.pop(resource)
                     if reward.engine == "embedded":  # absent, so identities from before the setting stay
                         dumped_reward.pop("engine")
         return settings

@@ -68,9 +68,13 @@ def eval_sources(config, env_name: str) -> dict:
     sources = {"eval": evaluation.model_dump(mode="json")}
     if evaluation.source.type == "jsonl_path":  # the file's content, not where this checkout keeps it
         sources["eval"]["source"] = {"type": evaluation.source.type, "file": file_digest(evaluation.source.path)}
-    for reward in evaluation.rewards or ():
+    for reward, dumped in zip(evaluation.rewards or (), sources["eval"]["rewards"] or ()):
         if hasattr(reward, "function") and ":" in reward.function:
             sources[reward.function] = module_source_digest(reward.function.partition(":")[0])
         if hasattr(reward, "reward_model"):
             sources[reward.reward_model.uri] = model_content_digest(reward.reward_model)
+            # Where a served reward model is reached is no source. (Its replica count stays in, as it always has:
+            # dropping it would change existing keys.)
+            dumped.pop("base_url")
+            dumped.pop("served_name")
     return sources

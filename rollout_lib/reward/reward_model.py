@@ -5,7 +5,7 @@ rollout, on its event loop, many calls at a time. The scorer gathers the calls w
 model in one worker thread of its own, so the event loop (and every other reward) goes on meanwhile. It is loaded
 once per run (`reward.loops.RewardLoops` keeps it across steps). `ServedRewardModelScorer` encodes the same way and
 sends the batches to a vLLM pooling server instead (`engine = "vllm"`, for a model too large to run beside the
-trainer).
+trainer): one rollout serves, or one you run on another node (`base_url`).
 
 What it scores: the env's prompt messages (system prompt included), then the completion as the assistant's turn
 (in a multi-turn episode, the policy's last turn), encoded as train-rm encodes one side of a pair and read at the
@@ -192,10 +192,11 @@ class ServedRewardModelScorer(_BatchingScorer):
 
 
 def load_scorer(settings, served_models=None, where: str = "reward_model", hardware=None):
-    """The scorer of a reward's settings (reward.settings.RewardModelSettings). `engine = "embedded"`: model and
-    tokenizer in this process, the model on `hardware` (hardware.ResolvedHardware, the run's; default CPU
-    in fp32). `engine = "vllm"`: the model served by rollout with vLLM's pooling runner through `served_models`
-    (serving.served.ServedModels, the run's), only its tokenizer loaded here."""
+    """The scorer of a reward's settings (reward.settings.RewardModelSettings) at `where` (the locator of its
+    `reward_model`). `engine = "embedded"`: model and tokenizer in this process, the model on `hardware`
+    (hardware.ResolvedHardware, the run's; default CPU in fp32). `engine = "vllm"`: the model on vLLM's pooling
+    runner, served by rollout or, with `base_url`, by you, reached through `served_models` (serving.served.ServedModels,
+    the run's); only its tokenizer loaded here. Both send the same requests."""
     from rollout_lib.model.loading import load_tokenizer, resolve_model
 
     ref = settings.reward_model
@@ -206,7 +207,11 @@ def load_scorer(settings, served_models=None, where: str = "reward_model", hardw
     if settings.engine == "vllm":
         if served_models is None:
             raise ValueError(f"{where}: a served reward model needs the run's ServedModels")
-        pool = served_models.reward_model_pool(ref, replicas=settings.replicas, where=where)
+        if settings.base_url is not None:  # servers you run: connected and checked, never started
+            pool = served_models.reward_model_at(ref, settings.base_url, settings.served_name, tokenizer=tokenizer,
+                                                 where=f"{where.removesuffix('.reward_model')}.base_url")
+        else:
+            pool = served_models.reward_model_pool(ref, replicas=settings.replicas, where=where)
         max_length = settings.max_length or (manifest or {}).get("max_seq_len") or pool.max_model_len
         if pool.max_model_len is not None and max_length > pool.max_model_len:
             raise ValueError(f"{where}: max_length {max_length} is more than the server's max_model_len "

@@ -3,17 +3,18 @@
 
     function = "number_match" | "pkg.module:attr", weight, kwargs, judge (a model the function may call)
     reward_model = "runs/rm/latest" | <checkpoint id> | <model ref>, weight, store, batch_size, max_length,
-                   engine = "embedded" | "vllm", replicas          (a discriminative reward model)
+                   engine = "embedded" | "vllm", replicas,         (a discriminative reward model)
+                   base_url = "http://node2:8000/v1" | [...], served_name   (served by you, on vLLM's pooling runner)
     judge = <frozen model>, template, pattern, score_range, ...    (a generative judge)
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from rollout_lib.serving.settings import FrozenModel
+from rollout_lib.serving.settings import BaseUrls, FrozenModel
 from rollout_lib.settings_base import ModelRef, StrictModel
 
 
@@ -82,9 +83,35 @@ class RewardModelSettings(StrictModel):
     # embedded ones to ~1e-7, not bit for bit, so the engine is part of the training identity.
     engine: Literal["embedded", "vllm"] = "embedded"
     replicas: int = Field(1, ge=1)  # vllm servers behind the pool (a resource: not part of the identity)
+    # A pooling server of this model that you run (another node: `rollout serve start <ref> --runner pooling` there,
+    # or `vllm serve <model> --runner pooling`), one URL or its replicas' list: rollout starts none and only connects.
+    # It implies engine = "vllm": the same requests as to rollout's own server, so the same training identity (an
+    # address is a resource). The reference still names the model: its tokenizer encodes, its content is hashed.
+    # `served_name`: the model name that server serves, if not the one its /v1/models lists.
+    base_url: BaseUrls | None = None
+    served_name: str | None = Field(None, min_length=1)
+
+    # Where the model runs, never what it computes: not part of the training identity (config/rl.py).
+    RESOURCES: ClassVar[tuple[str, ...]] = ("replicas", "base_url", "served_name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_at_a_url_is_vllm(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("base_url") is not None and "engine" not in value:
+            value = {**value, "engine": "vllm"}
+        return value
 
     @model_validator(mode="after")
     def _replicas_are_served(self) -> "RewardModelSettings":
+        if self.base_url is not None:
+            if self.engine != "vllm":
+                raise ValueError('base_url is the address of a vLLM pooling server, and engine = "embedded" scores '
+                                 "in this process: drop one of them")
+            if self.replicas > 1:  # (1 is every reward's value once dumped: `config show` must validate back)
+                raise ValueError("replicas is how many servers rollout starts, and base_url names servers you run: "
+                                 "list each replica's URL in base_url instead")
+        elif self.served_name is not None:
+            raise ValueError("served_name is the model name a server at base_url serves: give base_url with it")
         if self.replicas > 1 and self.engine != "vllm":
             raise ValueError('replicas is the number of vLLM servers: set engine = "vllm" with it')
         return self

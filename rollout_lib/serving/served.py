@@ -7,7 +7,8 @@ its replica pool, and stops what it started at `close()`:
   start` the user kept, or the test session's) is reused and left running. Connecting checks the served model's
   tokenizer against the policy's (tokenizers.py): a mismatch is a config error naming the setting, raised before
   any step samples or trains.
-- **Reward models** served by vLLM's pooling runner (`reward_model_pool`).
+- **Reward models** served by vLLM's pooling runner: rollout's own deployment (`reward_model_pool`), or servers you
+  run, given by URL (`reward_model_at`), connected and checked (pooling_servers.py) but never started or restarted.
 - **The policy server** (`policy_server`, serving/policy_server.py) when the live policy samples on the engine: a
   deployment of the base model in dev mode, started for this run (or a killed run's orphan of the same model
   adopted), never shared with frozen models or another run.
@@ -38,7 +39,9 @@ from rollout_lib.errors import ConfigError
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
 from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer, lora_server_args, remote_deployment
+from rollout_lib.serving.client import ServingError
 from rollout_lib.serving.pool import EndpointPool
+from rollout_lib.serving.pooling_servers import connect_pooling_servers
 from rollout_lib.serving.references import default_name, served_model_directory
 from rollout_lib.serving.router import PoolRouter
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
@@ -106,6 +109,23 @@ class ServedModels:
                 asyncio.run(pool.start())
                 self._pools[key] = pool
                 self.described[key] = f"reward model {deployment.name!r} at {', '.join(deployment.base_urls)}"
+            return pool
+
+    def reward_model_at(self, reference, base_url: Sequence[str], served_name: str | None, *, tokenizer,
+                        where: str) -> EndpointPool:
+        """The started pool over the pooling servers you run (`base_url`) of the reward model `reference` (a
+        ModelRef), checked against `tokenizer` (the reference's) on first use; `where`: the base_url setting's
+        locator, which a refusal names."""
+        key = canonical_json(["pooling-at", reference.uri, reference.store, list(base_url), served_name])
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                try:
+                    pool = asyncio.run(connect_pooling_servers(list(base_url), served_name, tokenizer))
+                except ServingError as exc:  # one line naming the URL and what to do
+                    raise ConfigError([(where, str(exc))]) from None
+                self._pools[key] = pool
+                self.described[key] = f"reward model {pool.model!r} at {pool.url_list}"
             return pool
 
     def policy_server(self, base_model, *, replicas: int = 1, max_model_len: int | None = None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag
 
 from rollout_lib.settings_base import ModelRef, StrictModel
 
@@ -28,27 +28,30 @@ class FrozenClientSettings(StrictModel):
     concurrency: int = Field(32, ge=1)  # requests in flight from one stage
 
 
+def _one_or_many(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+def _http_urls(urls: list[str]) -> list[str]:
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {url!r} must start with http:// or https://")
+    return urls
+
+
+# Servers someone else runs, one URL or a list of replicas' (with or without /v1): `base_url` wherever a model is
+# given by address (a frozen model, a reward model).
+BaseUrls = Annotated[list[str], BeforeValidator(_one_or_many), Field(min_length=1), AfterValidator(_http_urls)]
+
+
 class ExternalModel(FrozenClientSettings):
     """A model served by someone else: its replicas' base URLs and the name it is served under."""
 
-    base_url: list[str] = Field(min_length=1)
+    base_url: BaseUrls
     name: str = Field(min_length=1)
     # Its tokenizer (a model reference, loaded offline), for a judge's reward function that takes
     # `reward_model_tokenizer` (docs/rewards.md); default: `name` as a hub id in the local cache. Not an identity.
     tokenizer: ModelRef | None = None
-
-    @field_validator("base_url", mode="before")
-    @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("base_url")
-    @classmethod
-    def _http_urls(cls, urls: list[str]) -> list[str]:
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"base_url {url!r} must start with http:// or https://")
-        return urls
 
     def identity_settings(self) -> dict:
         return {"served_name": self.name}

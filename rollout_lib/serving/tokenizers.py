@@ -38,11 +38,14 @@ def tokenizer_probes(tokenizer) -> list[str]:
     return [_PROBE_TEXT, *chunks]
 
 
-async def find_tokenizer_mismatch(pool, tokenizer, there: str = "there", here: str = "here") -> str | None:
+async def find_tokenizer_mismatch(pool, tokenizer, there: str = "there", here: str = "here",
+                                  chat_template: bool = True) -> str | None:
     """None when the pool's served model tokenizes like `tokenizer`, else what differs first (one line; `there` and
-    `here` name the two sides)."""
+    `here` name the two sides). `chat_template=False` leaves the chat template out (a reward model's server is sent
+    token ids encoded here: its template is never used). Texts are tokenized without special tokens on both sides:
+    an encoder's server would otherwise wrap each in [CLS] ... [SEP]."""
     probes = tokenizer_probes(tokenizer)
-    served = await asyncio.gather(*(pool.tokenize(text=text) for text in probes))
+    served = await asyncio.gather(*(pool.tokenize(text=text, add_special_tokens=False) for text in probes))
     for text, ids in zip(probes, served):
         ours = tokenizer(text, add_special_tokens=False)["input_ids"]
         bos = len(ids) - len(ours)  # a server may prepend a BOS token to raw text: compare what follows it
@@ -50,12 +53,13 @@ async def find_tokenizer_mismatch(pool, tokenizer, there: str = "there", here: s
             return (f"text {text[:40]!r}... tokenizes to {len(ids)} ids {there} and {len(ours)} {here} "
                     f"(first difference at token {_first_difference(ids[max(bos, 0):], ours)})")
     specials = [token for token in tokenizer.all_special_tokens if token]
-    served_specials = await asyncio.gather(*(pool.tokenize(text=token) for token in specials))
+    served_specials = await asyncio.gather(*(pool.tokenize(text=token, add_special_tokens=False)
+                                             for token in specials))
     for token, ids in zip(specials, served_specials):
         ours = tokenizer.convert_tokens_to_ids(token)
         if ids[-1:] != [ours]:
             return f"special token {token!r} is id {ours} {here} and {ids} {there}"
-    if getattr(tokenizer, "chat_template", None):
+    if chat_template and getattr(tokenizer, "chat_template", None):
         ours = encode_prompt(tokenizer, _PROBE_CHAT)
         theirs = await pool.tokenize(messages=_PROBE_CHAT, add_generation_prompt=True)
         if theirs != ours:
@@ -79,10 +83,10 @@ class _Tokenizes:
         self.tokenizer = tokenizer
 
     async def tokenize(self, *, text: str | None = None, messages: list[dict] | None = None,
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
         if messages is not None:
             return encode_prompt(self.tokenizer, messages)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
