@@ -116,24 +116,6 @@ def test_counts_of_what_inputs_lost(served_rm):
     assert counts["prompt_tokens_dropped"] > 0
 
 
-def test_a_replica_killed_mid_step_fails_over_to_the_other_nodes(served_rm, rm_on_another_node):
-    """`base_url` listing replicas on two nodes (this one's deployment and the other node's server): the replica
-    killed mid-step costs retries on the other node's, not the step, and the scores are the same bits."""
-    store, _, _, served = served_rm
-    [here] = served.pool.urls
-    with ServedModels(str(store)) as elsewhere:
-        both = load_scorer(settings(store, base_url=[here, rm_on_another_node], batch_size=4), elsewhere, "test")
-        before = asyncio.run(score_all(both, ITEMS))
-        deployment = engine.find_deployment(served.pool.model)
-        os.killpg(deployment.replicas[0].pid, signal.SIGKILL)
-        try:
-            after = asyncio.run(score_all(both, ITEMS * 3))  # several batches: some go to the dead replica first
-            assert after == before * 3
-            assert both.pool.failures[here] >= 1 and both.pool.recover is None  # not rollout's to restart
-        finally:
-            engine.restart_dead_replicas(deployment)
-
-
 def test_a_reward_function_scores_with_the_served_reward_model_through_its_router(served_rm):
     """verl's DisRM shape: a function with a judge served by the pooling runner (`runner = "pooling"`, the running
     deployment reused) posts /classify to `reward_router_address`, token ids from `reward_model_tokenizer`; its
@@ -293,3 +275,18 @@ def test_rl_rewarded_by_the_served_reward_model(served_rm, rm_on_another_node, t
     assert last_step["missing_rewards"] == 0
     own, by_url = (f"reward/reward_model({checkpoint})", f"reward/reward_model({checkpoint})#2")
     assert last_step[own] == last_step[by_url]  # each reward's mean over the step's rollouts
+
+
+def test_a_replica_killed_mid_step_fails_over_to_the_other_nodes(served_rm, rm_on_another_node):
+    """`base_url` listing replicas on two nodes (this one's deployment and the other node's server): the replica
+    killed mid-step costs retries on the other node's, not the step, and the scores are the same bits. Last in the
+    module: it leaves this node's replica dead (the fixture stops the deployment) rather than restart it."""
+    store, _, _, served = served_rm
+    [here] = served.pool.urls
+    with ServedModels(str(store)) as elsewhere:
+        both = load_scorer(settings(store, base_url=[here, rm_on_another_node], batch_size=4), elsewhere, "test")
+        before = asyncio.run(score_all(both, ITEMS))
+        os.killpg(engine.find_deployment(served.pool.model).replicas[0].pid, signal.SIGKILL)
+        after = asyncio.run(score_all(both, ITEMS * 3))  # several batches: some go to the dead replica first
+        assert after == before * 3
+        assert both.pool.failures[here] >= 1 and both.pool.recover is None  # not rollout's to restart
