@@ -1,6 +1,6 @@
 """A policy server on another node: started there (`rollout serve start BASE --live-policy`, here from another
 working directory with a home of its own), reached by URL only (`policy_sampler.base_url`), and given each
-step's weights through the run's store, which it reads itself (serving/store_fetch.py): every state is reloaded
+step's weights through the run's store, which it reads itself (serving/store_fetch.py, in its worker extension): every state is reloaded
 and passes the probe against the trainer's own forward, and a server that cannot read the store fails the step in
 one line naming its URL and the store. A LoRA policy: on a server started with `--lora-rank` each step's adapter
 goes through the store and is loaded in place there; served merged (`adapter_serving = "merged"`), a full-weights
@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from clirun import final_result, run_rollout
@@ -40,15 +41,20 @@ def policy_server_of_other_node(home, name: str, *flags: str):
     from rollout_lib.serving.store_fetch import fetch_directory
 
     started = other_node(home, "serve", "start", "tiny:qwen2", "--name", name, "--live-policy", *flags)
-    replica = None
+    fetched: list[str] = []
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         [replica] = json.loads(other_node(home, "serve", "status").stdout)[0]["replicas"]
         yield replica
+        # The server's worker (a child of the API server's process) fetches into a directory named by its own pid.
+        server = psutil.Process(replica["pid"])
+        fetched = [directory for directory in map(fetch_directory, [server.pid] + [child.pid for child in
+                                                                                  server.children(recursive=True)])
+                   if os.path.exists(directory)]
     finally:
         other_node(home, "serve", "stop", "--all")
     # What the server fetched (a model's size, in shared memory) went with it.
-    assert not os.path.exists(fetch_directory(replica["pid"]))
+    assert not [directory for directory in fetched if os.path.exists(directory)]
 
 
 @pytest.fixture(scope="module")
