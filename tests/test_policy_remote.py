@@ -12,26 +12,14 @@ import contextlib
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from clirun import final_result, run_rollout
+from clirun import final_result, on_other_node, run_rollout
 
 pytestmark = pytest.mark.slow
-
-
-def other_node(home, *args: str) -> subprocess.CompletedProcess:
-    """`rollout ...` as typed on the other node: its own directory and home, nothing shared but the code."""
-    work = home.parent / "node-work"
-    work.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("ROLLOUT_STATE_DIR", "PREFECT_API_URL")}
-    return subprocess.run([sys.executable, "-m", "rollout_cli", *args], cwd=work,
-                          env={**env, "ROLLOUT_HOME": str(home)}, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=600)
 
 
 @contextlib.contextmanager
@@ -40,11 +28,11 @@ def policy_server_of_other_node(home, name: str, *flags: str):
     replica (`rollout serve status`: base_url, pid, log). Stopped at the end, and what it fetched goes with it."""
     from rollout_lib.serving.store_fetch import fetch_directory
 
-    started = other_node(home, "serve", "start", "tiny:qwen2", "--name", name, "--live-policy", *flags)
+    started = on_other_node(home, "serve", "start", "tiny:qwen2", "--name", name, "--live-policy", *flags)
     fetched: list[str] = []
     try:
         assert started.returncode == 0, started.stdout + started.stderr
-        [replica] = json.loads(other_node(home, "serve", "status").stdout)[0]["replicas"]
+        [replica] = json.loads(on_other_node(home, "serve", "status").stdout)[0]["replicas"]
         yield replica
         # The server's worker (a child of the API server's process) fetches into a directory named by its own pid.
         server = psutil.Process(replica["pid"])
@@ -52,7 +40,7 @@ def policy_server_of_other_node(home, name: str, *flags: str):
                                                                                   server.children(recursive=True)])
                    if os.path.exists(directory)]
     finally:
-        other_node(home, "serve", "stop", "--all")
+        on_other_node(home, "serve", "stop", "--all")
     # What the server fetched (a model's size, in shared memory) went with it.
     assert not [directory for directory in fetched if os.path.exists(directory)]
 
