@@ -20,14 +20,15 @@ a layer made of one checkpoint tensor is packed straight from the file's view. M
 process, 2 cores, quiet): 0.12 s against vLLM's 0.33-0.37 s (of the 0.12: oneDNN's packing 0.08, concatenating q, k,
 v and gate, up 0.015, freeing the old kernels 0.008); as the policy server sees it over HTTP, 0.14-0.15 s. The
 probe's logprobs after it equal those after `reload_weights` bit for bit (both pack the same weights with the same
-dispatch; tests/test_policy_engine.py), in fp32 and bf16, eager and compiled (checked by hand on SmolLM2).
+dispatch; tests/test_policy_engine.py), in fp32 and bf16, eager and compiled (checked by hand on SmolLM2 with the
+engine in process).
 
 It applies to one worker (no tensor parallelism), unquantized weights, on the CPU platform. Anything else, or a
 checkpoint that lacks a tensor the model needs or holds one of another shape (checked before anything changes),
 takes vLLM's `reload_weights`: slower, always right. Either way the policy server's probe checks the result.
 
-Imports vLLM and torch only, lazily: vLLM's environment has no rollout beyond the files this package puts on its
-path (policy_worker.py).
+Imports vLLM, torch and safetensors only, lazily: vLLM's environment has no rollout beyond the files this package
+puts on its path (policy_worker.py).
 """
 
 from __future__ import annotations
