@@ -170,9 +170,6 @@ def _forget(name: str) -> None:
     _record_path(name).unlink(missing_ok=True)
     for directory in weights_dirs(name):
         shutil.rmtree(directory, ignore_errors=True)
-        if directory.parent.parent == SHARED_MEMORY:  # this state directory's folder in /dev/shm, once empty
-            with contextlib.suppress(OSError):  # not empty: another deployment of the same state dir uses it
-                directory.parent.rmdir()
         if directory.parent.parent == SHARED_MEMORY:
             with contextlib.suppress(OSError):  # this state directory's folder, once its last deployment stopped
                 directory.parent.rmdir()
