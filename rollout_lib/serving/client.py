@@ -335,3 +335,14 @@ class EndpointClient:
         if not isinstance(tokens, list):
             raise BadResponse(self.url, f"/tokenize: no tokens in the reply: {str(reply)[:200]}")
         return [int(t) for t in tokens]
+
+
+async def base_model_names(base_url: str, *, timeout_s: float | None = 30.0) -> list[str]:
+    """The base models a server at `base_url` serves (GET /v1/models, the LoRA adapters loaded on them left out:
+    vLLM lists each with its base as `parent`), through a client of its own; a ServingError naming the URL if it
+    does not answer."""
+    client = EndpointClient(base_url, "", timeout_s=timeout_s)
+    try:
+        return list(await client.models(adapters=False))
+    finally:
+        await client.aclose()

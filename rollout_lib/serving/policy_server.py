@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from rollout_lib.serving import engine
-from rollout_lib.serving.client import EndpointClient, ServingError
+from rollout_lib.serving.client import EndpointClient, ServingError, base_model_names
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.store_fetch import STATE_FILES
 from rollout_lib.serving.weight_sync import AdapterDirectory, SharedWeightsFile
@@ -357,17 +357,10 @@ def remote_deployment(base_urls: list[str], served_name: str | None = None) -> e
 
 
 def _served_name(root: str) -> str:
-    async def listed() -> list[str]:
-        client = EndpointClient(root, "", timeout_s=30.0)
-        try:
-            # Its base alone: a LoRA policy server lists the adapter a run loaded on it beside its base, and the
-            # next run (a rerun resuming) must still find the base's name.
-            return list(await client.models(adapters=False))
-        finally:
-            await client.aclose()
-
     try:
-        names = asyncio.run(listed())
+        # Its base alone: a LoRA policy server lists the adapter a run loaded on it beside its base, and the next
+        # run (a rerun resuming) must still find the base's name.
+        names = asyncio.run(base_model_names(root))
     except ServingError as exc:
         raise PolicyServerError(f"policy server {root} (algorithm.rl.policy_sampler.base_url): {exc.detail}") from None
     if len(names) != 1:

@@ -13,7 +13,8 @@ avoid: the reference names the model, and is what the training identity hashes.
 
 from __future__ import annotations
 
-from rollout_lib.serving.client import BadResponse, EndpointClient, RequestRejected, ServingError
+from rollout_lib.serving.client import (BadResponse, RequestRejected, ServingError, base_model_names,
+                                        normalize_base_url)
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.tokenizers import find_tokenizer_mismatch
 
@@ -67,12 +68,8 @@ def _refused(exc: ServingError) -> PoolingServerRefused:
 
 
 async def _the_one_served_model(url: str) -> str:
-    client = EndpointClient(url, "", timeout_s=10.0)
-    try:
-        names = list(await client.models())
-    finally:
-        await client.aclose()
+    names = await base_model_names(url, timeout_s=10.0)
     if len(names) != 1:
-        raise PoolingServerRefused(client.url, f"serves {len(names)} models ({', '.join(names) or 'none'}): set "
-                                               "served_name to the reward model's")
+        raise PoolingServerRefused(normalize_base_url(url), f"serves {len(names)} models "
+                                   f"({', '.join(names) or 'none'}): set served_name to the reward model's")
     return names[0]
