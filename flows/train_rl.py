@@ -8,7 +8,8 @@ produced, and sampling and scoring are heavy enough that a task per stage costs 
 With `max_off_policy_steps = k > 0`, step n samples from the weights after step n-1-k, in a sample task submitted
 to run beside the training of the steps before it (docs/serving.md, "Off-policy steps"). With `run.task_runner` of
 type dask or ray, a step's scoring fans out to that cluster in chunks (docs/hardware.md, "Task runners"). With
-`hardware.nproc = N > 1` the train steps run data-parallel in N processes kept for the run (rl/policy_group.py).
+`hardware.nproc = N > 1` (per node, on `hardware.nnodes` nodes) the train steps run data-parallel in the N x nnodes
+processes kept for the run (rl/policy_group.py).
 """
 
 from __future__ import annotations

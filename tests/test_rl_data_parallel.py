@@ -2,7 +2,8 @@
 train each step's micro-batches between them and reach what one process trains, within rounding; a rank given
 nothing but empty micro-batches does not hang; a rank SIGKILLed mid-run fails the run naming the step and the rank,
 and the rerun, rebuilding the state from the store (its pending steps replayed data-parallel), ends on the
-uninterrupted run's checkpoint id. A LoRA policy (`algorithm.rl.adapter`) trains the same over 2 plain and 2 sharded
+uninterrupted run's checkpoint id; two nodes of one process (torchrun's c10d rendezvous on 127.0.0.1) write the very
+checkpoint one node of two writes. A LoRA policy (`algorithm.rl.adapter`) trains the same over 2 plain and 2 sharded
 ranks, its checkpoints the adapter alone, and a sharded rank killed mid-step is rebuilt bit for bit by the rerun.
 
 Tolerances as in tests/test_data_parallel.py: with SGD (lr 0.05) the 2-process weights agree with 1 process within
@@ -12,6 +13,8 @@ lr 1e-2: Adam divides by the gradient's running magnitude, so rounding in near-z
 
 from __future__ import annotations
 
+import functools
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,7 +33,11 @@ from rollout_lib.trainer.data_parallel import KILL_RANK_ENV
 from rollout_lib.identity.training import training_identity
 from rollout_lib.model.loading import model_content_digest
 from rollout_lib.trainer.resident import ResidentTrainer
+from rollout_lib.trainer.data_parallel import RECEIVE_SPEC
+from rollout_lib.rl.policy_group import PolicyGroup
+import rollout_lib.rl.policy
 from test_data_parallel import finished_within
+from test_nodes import first_in_rank_order, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHT_ATOL = 1e-6
@@ -94,11 +101,30 @@ def assert_same_training(one: dict, two: dict) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_train_what_one_trains(tmp_path):
+def test_two_processes_on_one_node_or_on_two_train_what_one_trains(tmp_path, monkeypatch):
     one = run_in_process(str(tmp_path / "one"), 1, 3)
     two = run_in_process(str(tmp_path / "two"), 2, 3)
     assert all(m["micro_batches"] > 2 for m in one["history"])  # both ranks had real micro-batches
     assert_same_training(one, two)
+
+    # The same 2 ranks as 2 nodes of 1 (tests/test_nodes.py): node 1 a torchrun from another directory, started
+    # by the command the group announces, ranked first by the rendezvous (so rank 0 is not on the flow's node).
+    elsewhere = tmp_path / "node-1"
+    elsewhere.mkdir()
+    joined: list[subprocess.Popen] = []
+
+    def launch_other_nodes(commands: dict[int, list[str]]) -> None:
+        assert list(commands) == [1] and commands[1][-2:] == [RECEIVE_SPEC, "gloo"]
+        joined.append(subprocess.Popen(first_in_rank_order(commands[1]), cwd=elsewhere, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL))
+
+    monkeypatch.setattr(rollout_lib.rl.policy, "PolicyGroup", functools.partial(PolicyGroup,
+                                                                                announce=launch_other_nodes))
+    nodes = run_in_process(str(tmp_path / "nodes"), 1, 3, "algorithm.rl.hardware.nnodes=2",
+                           f"algorithm.rl.hardware.rdzv_endpoint=127.0.0.1:{free_port()}")
+    assert len(joined) == 1 and joined[0].wait(timeout=60) == 0  # one start; stopped with the run
+    assert nodes["manifest"] == two["manifest"] and nodes["rewards"] == two["rewards"]  # the same checkpoint
+    assert all(torch.equal(nodes["held"][name], nodes["weights"][name]) for name in nodes["weights"])
 
 
 @pytest.mark.slow
@@ -223,7 +249,7 @@ def test_a_failing_step_names_the_rank_and_its_error_and_the_next_command_starts
     store = ObjectStore(cfg.run.store)
     run = policy_inputs(store, cfg, {"words": store.put_table(load_prompts(cfg.settings.envs[0]))})
     start = CausalLmTrainer.initial(run, batches=RecordedBatches(store)).checkpoint_id
-    group = PolicyGroup(run, 2)
+    group = PolicyGroup(run)
     try:
         with pytest.raises(DataParallelError, match=r"train step 1: data-parallel policy training \(2 processes\) "
                                                     r"failed: rank \d: step 1: .*" + "0" * 64):

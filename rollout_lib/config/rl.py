@@ -461,9 +461,6 @@ class RlConfig(EntryPointConfig):
             if env.sampling.max_tokens >= settings.max_seq_len:
                 problems.append((f"{where}.sampling.max_tokens", f"must be < algorithm.rl.max_seq_len "
                                  f"({settings.max_seq_len}) to leave room for the prompt"))
-        if settings.hardware.nnodes > 1:
-            problems.append(("algorithm.rl.hardware.nnodes", "train-rl's policy group runs on one node (across nodes "
-                             "is not built yet); use nnodes = 1 with nproc ranks, and serve the policy elsewhere"))
         if getattr(settings.policy_sampler, "base_url", None) and is_process_local(self.run.store):
             problems.append(("algorithm.rl.policy_sampler.base_url",
                              "policy servers at a URL read each state's weights from the run's store themselves, and "

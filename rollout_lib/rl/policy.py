@@ -8,7 +8,7 @@ behind one interface, picked once per run from its settings (`policy_mode`).
                         a copy of the model at that state, never the live trainer: the training thread keeps a
                         copy of every state it produces before it moves on, and a stage that finds none (a rerun)
                         rebuilds one from the store.
-    DataParallel        hardware.nproc = N > 1: the trainer lives in N torchrun processes for the whole run
+    DataParallel        N = nproc x nnodes > 1: the trainer lives in N torchrun processes for the whole run
                         (rl/policy_group.py), which train each step and write its new state; this process keeps
                         only frozen copies of the states, loaded from the weights the group exports.
 
@@ -93,14 +93,11 @@ class InProcessFrozen(InProcess):
 
 
 class DataParallel:
-    """nproc > 1: the trainer lives in the run's PolicyGroup; this process holds frozen copies only."""
-
-    def __init__(self, nproc: int):
-        self.nproc = nproc
+    """nproc x nnodes > 1: the trainer lives in the run's PolicyGroup; this process holds frozen copies only."""
 
     def group(self, inputs: TrainingInputs, resident: ResidentTrainer) -> PolicyGroup:
         """The run's data-parallel processes, kept (and closed) by the flow's resident."""
-        return resident.resource("policy_group", lambda: PolicyGroup(inputs, self.nproc))
+        return resident.resource("policy_group", lambda: PolicyGroup(inputs))
 
     def initial(self, inputs: TrainingInputs, resident: ResidentTrainer) -> str:
         trainer = CausalLmTrainer.initial(inputs, batches=RecordedBatches(inputs.store))
@@ -131,9 +128,8 @@ class DataParallel:
 
 def policy_mode(inputs: TrainingInputs) -> InProcess | DataParallel:
     """The run's mode, from its settings: data-parallel processes, else in process (with frozen copies if k > 0)."""
-    nproc = hardware_settings(inputs.settings).nproc
-    if nproc > 1:
-        return DataParallel(nproc)
+    if hardware_settings(inputs.settings).world_size > 1:
+        return DataParallel()
     return InProcessFrozen() if inputs.config.settings.max_off_policy_steps else InProcess()
 
 

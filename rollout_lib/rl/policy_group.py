@@ -9,9 +9,15 @@ trainer every step. Here the ranks start once, on the first train step, and stay
      copy of each state; writes nothing it          rank r: the trainer (weights + optimizer state) at the
      did not compute)                                 current state; trains its share of each step's micro-
            |  one JSON line per command, to every     batches (trainer.data_parallel: counts and gradients
-           |  rank (a localhost socket each);         summed over the ranks); rank 0 writes the new state
-           |  rank 0's reply carries the result       (a pending-step record or a snapshot) and the weights
-           v                                          file the flow loads its frozen copy from
+           |  rank (a socket each);                   summed over the ranks); rank 0 writes the new state
+           |  rank 0's reply carries the result       (a pending-step record or a snapshot) to the store, the
+           v                                          reporting rank the weights file the flow loads its
+                                                      frozen copy from
+
+With hardware.nnodes > 1 the group is nproc ranks on each of nnodes nodes, joined by torchrun's c10d rendezvous:
+this machine runs node 0's torchrun and announces the others' commands (`announce`, as a training segment does);
+their ranks receive the spec over the group and connect to the flow's socket at the rendezvous host, node 0's
+address. The store is the only thing the nodes share (object storage across machines).
 
 Commands: `train` (step n from a parent state: the ranks rebuild that state from the store first if they are
 elsewhere, replaying its steps data-parallel, so the bits match the first time), `snapshot` (rank 0 checkpoints a
@@ -46,7 +52,10 @@ from rollout_lib.rl.policy_state import FrozenPolicy
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer
 from rollout_lib.checkpoint import load_model_weights
-from rollout_lib.trainer.data_parallel import DataParallelError, failure_message, root_cause_rank
+from rollout_lib.hardware import hardware_settings
+from rollout_lib.trainer.data_parallel import (DataParallelError, Nodes, failure_message, group_backend,
+                                               log_node_commands, rank_environment, rendezvous_timeout,
+                                               root_cause_rank, torchrun_command)
 from rollout_lib.determinism import GLOBAL_RNG
 
 logger = logging.getLogger(__name__)
@@ -61,15 +70,20 @@ class GroupSpec:
     """What every rank is started with (pickled into a file torchrun's command line names)."""
 
     inputs: TrainingInputs
-    port: int  # the flow's localhost socket the ranks connect to
+    host: str  # the flow's socket the ranks connect to: this machine's loopback, or with several nodes the
+    port: int  # rendezvous host's (node 0's, this machine's) address that every node reaches
 
 
 class PolicyGroup:
     """The N processes training the policy (started on first use), and the flow's side of their commands."""
 
-    def __init__(self, inputs: TrainingInputs, nproc: int):
+    def __init__(self, inputs: TrainingInputs, announce=log_node_commands):
+        hardware = hardware_settings(inputs.settings)
         self.inputs = inputs
-        self.nproc = nproc
+        self.nproc = hardware.nproc  # per node
+        self.world_size = hardware.world_size
+        self.nodes = Nodes.of(hardware)
+        self.announce = announce  # handed the other nodes' torchrun commands at each start (data_parallel)
         self._workdir = tempfile.TemporaryDirectory(prefix="rollout-rl-dp-")
         self._process: subprocess.Popen | None = None
         self._ranks: list = []  # rank -> its socket's file (JSON lines both ways)
@@ -77,6 +91,7 @@ class PolicyGroup:
         self._lock = threading.Lock()  # one command at a time (off-policy runs ask from two threads)
         self._skeleton = None  # a model to copy frozen copies from (the trainer's build, weights replaced)
         self._exports = itertools.count(1)  # next() is atomic: two threads never get one file name
+        self._starts = itertools.count(1)  # each start is a rendezvous of its own
 
     # --- the commands -----------------------------------------------------------------------------------------
 
@@ -132,7 +147,7 @@ class PolicyGroup:
     def _command(self, what: str, command: dict) -> dict:
         with self._lock:
             if self._process is None:
-                self._start()
+                self._start(what)
             try:
                 self._send(command)
             except OSError:  # a rank is gone since the last command
@@ -144,7 +159,7 @@ class PolicyGroup:
                     break  # the rank is gone: torchrun's summary says how
                 reply = json.loads(line)
                 (errors if "error" in reply else replies).append((rank, reply))
-            if errors or len(replies) < self.nproc:
+            if errors or len(replies) < self.world_size:
                 raise self._failed(what, errors)
             return replies[0][1]
 
@@ -154,31 +169,40 @@ class PolicyGroup:
             channel.write(line)
             channel.flush()
 
-    def _start(self) -> None:
-        from rollout_lib.trainer.data_parallel import rank_environment, torchrun_command
-
-        listener = socket.create_server(("127.0.0.1", 0))
+    def _start(self, what: str) -> None:
+        """Start the group for the command `what` (named by a failure to start)."""
+        host = "127.0.0.1" if self.nodes is None else self.nodes.endpoint.rpartition(":")[0]
+        listener = socket.create_server((host, 0))
         spec_path = os.path.join(self._workdir.name, "spec.pkl")
         with open(spec_path, "wb") as out:
-            pickle.dump(GroupSpec(self.inputs, listener.getsockname()[1]), out)
+            pickle.dump(GroupSpec(self.inputs, host, listener.getsockname()[1]), out)
         env = rank_environment(self.inputs)
-        command = torchrun_command(self.nproc, spec_path, module="rollout_lib.rl.policy_worker")
+        run_id = f"rollout-policy-{os.path.basename(self._workdir.name)}-{next(self._starts)}"
+        module = "rollout_lib.rl.policy_worker"
         self._tail.clear()
-        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, text=True, env=env)
+        self._process = subprocess.Popen(
+            torchrun_command(self.nproc, spec_path, module=module, nodes=self.nodes, run_id=run_id),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env)
         threading.Thread(target=self._keep_output, args=(self._process,), daemon=True).start()
-        logger.info("data-parallel policy training: %d processes (torchrun pid %d)", self.nproc, self._process.pid)
+        if self.nodes is not None:  # a new rendezvous at every start: the other nodes join each
+            backend = group_backend(self.inputs)
+            self.announce({rank: torchrun_command(self.nproc, spec_path, module=module, nodes=self.nodes,
+                                                  node_rank=rank, run_id=run_id, backend=backend)
+                           for rank in range(1, self.nodes.count)})
+        logger.info("data-parallel policy training: %d processes (torchrun pid %d)", self.world_size,
+                    self._process.pid)
         ranks: dict[int, object] = {}
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        # the other nodes may take up to the rendezvous' timeout to join, then start like this node's ranks
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S + (self.nodes.timeout_s if self.nodes else 0)
         with listener:
-            while len(ranks) < self.nproc:
+            while len(ranks) < self.world_size:
                 if self._process.poll() is not None or time.monotonic() > deadline:
-                    raise self._failed("the start of the data-parallel policy processes", [])
+                    raise self._failed(what, [])
                 if select.select([listener], [], [], 1.0)[0]:
                     connection, _ = listener.accept()
                     channel = connection.makefile("rw", encoding="utf-8")
                     ranks[json.loads(channel.readline())["rank"]] = channel
-        self._ranks = [ranks[rank] for rank in range(self.nproc)]
+        self._ranks = [ranks[rank] for rank in range(self.world_size)]
 
     def _keep_output(self, process: subprocess.Popen) -> None:
         for line in process.stdout:
@@ -197,8 +221,14 @@ class PolicyGroup:
         time.sleep(0.2)  # the output thread's last lines
         tail = list(self._tail)
         self._forget()
-        where = f"{what}: data-parallel policy training ({self.nproc} processes) failed"
+        where = f"{what}: data-parallel policy training ({self.world_size} processes) failed"
         rerun = "the steps before it are in the store, so a rerun trains from the last of them"
+        if rendezvous_timeout(tail, self.nodes):
+            return DataParallelError(
+                f"{what}: not every node of {self.nodes.count} joined the policy group's rendezvous at "
+                f"{self.nodes.endpoint} within {self.nodes.timeout_s:g} s (hardware.rdzv_timeout_s); start the other "
+                f"nodes' torchrun (logged as the group started), or set hardware.nnodes = 1. {rerun[0].upper()}"
+                f"{rerun[1:]}")
         # The rank that failed first, as torchrun tells it: the others may report errors of their own (a
         # collective whose peer vanished) before torchrun stops them.
         first = root_cause_rank(tail)

@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node N -m rollout_lib.rl.policy_worker SPEC
 
-SPEC: a pickled policy_group.GroupSpec. The rank connects to the flow's localhost socket, says its rank, then runs
+SPEC: a pickled policy_group.GroupSpec (on another node: `--receive-spec BACKEND`, the spec sent over the group,
+segment_worker.join_group). The rank connects to the flow's socket (on the flow's node), says its rank, then runs
 the flow's commands (one JSON line each, the same to every rank) in lockstep with the others and answers each with
 one line: `{"state", "metrics"}` or `{"checkpoint"}` (rank 0's is the one the flow reads), or `{"error"}` before it exits non-zero, which
 makes torchrun stop the other ranks. On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
@@ -76,10 +77,10 @@ class PolicyRank:
         return {"checkpoint": checkpoint[0]}
 
     def export(self, path: str) -> None:
-        """Rank 0 writes the weights of the state held (safetensors, tied duplicates left out; sharded: gathered
-        whole first, every rank taking part)."""
-        weights = self.trainer.weights_for_export()
-        if self.data_parallel.rank == 0:
+        """The reporting rank (on the flow's node) writes the weights of the state held (safetensors, tied duplicates
+        left out; sharded: gathered whole to it first, every rank taking part)."""
+        weights = self.trainer.weights_for_export(self.data_parallel.reporter)
+        if self.data_parallel.reports:
             save_file(weights, path + ".partial", {"format": "pt"})
             os.replace(path + ".partial", path)
         dist.barrier()
@@ -88,7 +89,7 @@ class PolicyRank:
 @record
 def main(argv: list[str] | None = None) -> None:
     spec, data_parallel = join_group(argv)
-    channel = socket.create_connection(("127.0.0.1", spec.port)).makefile("rw", encoding="utf-8")
+    channel = socket.create_connection((spec.host, spec.port)).makefile("rw", encoding="utf-8")
     try:
         channel.write(json.dumps({"rank": data_parallel.rank}) + "\n")
         channel.flush()

@@ -153,12 +153,12 @@ class CheckpointedTrainer:
             load_full_optimizer_state(self.model, self.optimizer, state, names)
         self.sharded_names = names
 
-    def weights_for_export(self) -> dict | None:
-        """model_weights of the trainer's model, sharded or not; a sharded one's on rank 0 only (every rank calls
-        it; None elsewhere)."""
+    def weights_for_export(self, keeper: int = 0) -> dict | None:
+        """model_weights of the trainer's model, sharded or not; a sharded one's on rank `keeper` only (every rank
+        calls it; None elsewhere)."""
         if self.sharded_names is None:
             return model_weights(self.model)
-        full = full_weights(self.model)
+        full = full_weights(self.model, keeper)
         return gathered_weights(self.model, full) if full is not None else None
 
     def snapshot(self, metrics: dict, history: list[dict] | None = None) -> str | None:

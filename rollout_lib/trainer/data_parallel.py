@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from rollout_lib import step_events
 from rollout_lib.losses import COMPONENTS
-from rollout_lib.hardware import hardware_settings
+from rollout_lib.hardware import hardware_of_config, hardware_settings
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,13 @@ class DataParallel:
     rank: int
     world_size: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # The rank that reports to the flow (step lines, the result file, a policy's exported weights): the first rank
+    # on the flow's own node, which is not rank 0 when the rendezvous ranks another node first.
+    reporter: int = 0
+
+    @property
+    def reports(self) -> bool:
+        return self.rank == self.reporter
 
     def share(self, micro_batches: pa.Table) -> pa.Table:
         """This rank's micro-batches of a step: rows rank, rank + N, ..., then fillers up to ceil(rows / N)."""
@@ -173,17 +180,35 @@ class Nodes:
         return cls(hardware.nnodes, hardware.rdzv_endpoint, hardware.rdzv_timeout_s)
 
 
+# What the ranks of the other nodes are started with instead of the spec file: they receive the spec from the flow's
+# node over the process group once it is joined (segment_worker.join_group), so those nodes need a checkout and
+# environment like this one and the run's store, not this machine's files. Then the group's backend.
+RECEIVE_SPEC = "--receive-spec"
+
+
 def torchrun_command(nproc: int, spec_path: str, module: str = "rollout_lib.trainer.segment_worker",
-                     nodes: Nodes | None = None, node_rank: int = 0, run_id: str = "rollout") -> list[str]:
-    """The torchrun command of one node: this machine alone (`--standalone`), or node `node_rank` of `nodes`."""
+                     nodes: Nodes | None = None, node_rank: int = 0, run_id: str = "rollout",
+                     backend: str = "gloo") -> list[str]:
+    """The torchrun command of one node: this machine alone (`--standalone`), or node `node_rank` of `nodes` (node 0,
+    this machine, reads the spec file; the others receive it from node 0 over the group, in `backend`)."""
     if nodes is None:
         launch = ["--standalone"]
     else:
         launch = [f"--nnodes={nodes.count}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={run_id}",
                   f"--rdzv-conf=join_timeout={nodes.timeout_s:g}"]
-    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}", "-m", module,
-            spec_path]
+    spec = [spec_path] if node_rank == 0 else [RECEIVE_SPEC, backend]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}", "-m", module, *spec]
+
+
+def group_backend(inputs) -> str:
+    """The process group's backend for an entry point's device: nccl on CUDA, gloo on the CPU."""
+    return "nccl" if hardware_of_config(inputs.config).device.type == "cuda" else "gloo"
+
+
+def rendezvous_timeout(tail: list[str], nodes: Nodes | None) -> bool:
+    """Whether a group's torchrun output says that not every node joined the rendezvous in time."""
+    return nodes is not None and any("RendezvousTimeoutError" in line for line in tail)
 
 
 def log_node_commands(commands: dict[int, list[str]]) -> None:
@@ -223,7 +248,9 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    text=True, env=env)
         if nodes is not None:
-            announce({rank: torchrun_command(nproc, spec_path, nodes=nodes, node_rank=rank, run_id=run_id)
+            backend = group_backend(inputs)
+            announce({rank: torchrun_command(nproc, spec_path, nodes=nodes, node_rank=rank, run_id=run_id,
+                                             backend=backend)
                       for rank in range(1, nodes.count)})
         with process:
             for line in process.stdout:
@@ -235,7 +262,7 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
                     tail.append(line.rstrip("\n"))
         if process.returncode != 0 or not os.path.exists(spec.result_path):
             where = f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed"
-            if nodes is not None and any("RendezvousTimeoutError" in line for line in tail):
+            if rendezvous_timeout(list(tail), nodes):
                 raise DataParallelError(
                     f"train steps {first}-{last}: not every node of {nodes.count} joined the rendezvous at "
                     f"{nodes.endpoint} within {nodes.timeout_s:g} s (hardware.rdzv_timeout_s); start the other "

@@ -2,10 +2,11 @@
 
     torchrun --standalone --nproc_per_node N -m rollout_lib.trainer.segment_worker SPEC
 
-SPEC: a pickled data_parallel.SegmentSpec. Every rank opens the trainer at the segment's start checkpoint from the
-store (the same weights and optimizer state everywhere), trains the segment's steps on its share of each step,
-and rank 0 prints each step's metrics (data_parallel.STEP_MARKER), writes the snapshot and the result file
-({"checkpoint", "history"}). On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
+SPEC: a pickled data_parallel.SegmentSpec (on another node: `--receive-spec BACKEND`, the spec sent over the group).
+Every rank opens the trainer at the segment's start checkpoint from the store (the same weights and optimizer state
+everywhere), trains the segment's steps on its share of each step; rank 0 writes the snapshot, and the reporting
+rank (the first on the flow's node) prints each step's metrics (data_parallel.STEP_MARKER) and writes the result
+file ({"checkpoint", "history"}) where the flow reads it. On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
 """
 
 from __future__ import annotations
@@ -20,24 +21,39 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, STEP_MARKER, DataParallel
+from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, RECEIVE_SPEC, STEP_MARKER, DataParallel
 from rollout_lib.hardware import hardware_of_config, hardware_settings
 from rollout_lib.trainer.segment import TrainStepError
 
 
 def join_group(argv: list[str] | None) -> tuple[object, DataParallel]:
-    """(the spec this rank was started with: the pickled file torchrun's command line names, this rank's place in
-    the process group), the group joined (gloo on CPU; on CUDA, nccl with this rank on its local rank's GPU)."""
-    (spec_path,) = argv if argv is not None else sys.argv[1:]
-    with open(spec_path, "rb") as spec_file:
-        spec = pickle.load(spec_file)
+    """(the spec this rank was started with, this rank's place in the process group), the group joined (gloo on
+    CPU; on CUDA, nccl with this rank on its local rank's GPU). The flow's node names the pickled spec file on the
+    command line; another node's ranks (`RECEIVE_SPEC BACKEND`) receive it from the flow's node over the group,
+    whose first rank there reports to the flow (DataParallel.reporter)."""
+    arguments = argv if argv is not None else sys.argv[1:]
+    spec = None
+    if arguments[0] == RECEIVE_SPEC:
+        cuda = arguments[1] == "nccl"
+    else:
+        (spec_path,) = arguments
+        with open(spec_path, "rb") as spec_file:  # written by the flow for its own children
+            spec = pickle.load(spec_file)
+        cuda = hardware_of_config(spec.inputs.config).device.type == "cuda"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = hardware_of_config(spec.inputs.config).device
-    if device.type == "cuda":
+    device = torch.device("cpu")
+    if cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)  # "cuda" (no index) in the settings now means this rank's GPU
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return spec, DataParallel(rank, world_size, device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    holders = [None] * world_size
+    dist.all_gather_object(holders, spec is not None)
+    reporter = holders.index(True)
+    if not all(holders):  # other nodes: the spec travels as torch's collectives move any object (a pickle)
+        received = [spec]
+        dist.broadcast_object_list(received, src=reporter)
+        spec = received[0]
+    return spec, DataParallel(rank, world_size, device, reporter)
 
 
 @record
@@ -60,12 +76,13 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as exc:
                 raise TrainStepError(f"train step {step} (rank {rank}): {type(exc).__name__}: {exc}") from exc
             history.append(metrics)
-            if rank == 0:
+            if data_parallel.reports:
                 print(STEP_MARKER + json.dumps({"step": step, "metrics": metrics}), flush=True)
-        checkpoint = trainer.snapshot(history[-1], history) if sharded or rank == 0 else None  # sharded: all gather
-        if rank == 0:
+        checkpoint = [trainer.snapshot(history[-1], history) if sharded or rank == 0 else None]  # sharded: all gather
+        dist.broadcast_object_list(checkpoint, src=0)  # rank 0 wrote it; the reporter may be another rank
+        if data_parallel.reports:
             with open(spec.result_path + ".partial", "w") as out:
-                json.dump({"checkpoint": checkpoint, "history": history}, out)
+                json.dump({"checkpoint": checkpoint[0], "history": history}, out)
             os.replace(spec.result_path + ".partial", spec.result_path)
     finally:
         dist.destroy_process_group()

@@ -85,11 +85,11 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
     return [name for name, parameter in model.named_parameters() if parameter.requires_grad]
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The model's full state dict on rank 0, on the CPU; None on the other ranks. Every rank must call it: each
-    DTensor is gathered whole (an all-gather), one at a time in the same order everywhere, so no rank holds more
-    than its shards and one full tensor at once (rank 0 keeps what it gathers)."""
-    keep = torch.distributed.get_rank() == 0
+def full_weights(model: torch.nn.Module, keeper: int = 0) -> dict[str, torch.Tensor] | None:
+    """The model's full state dict on rank `keeper`, on the CPU; None on the other ranks. Every rank must call it:
+    each DTensor is gathered whole (an all-gather), one at a time in the same order everywhere, so no rank holds
+    more than its shards and one full tensor at once (the keeper keeps what it gathers)."""
+    keep = torch.distributed.get_rank() == keeper
     weights = {}
     for name, tensor in model.state_dict().items():
         value = _whole(tensor)
