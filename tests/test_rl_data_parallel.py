@@ -4,7 +4,8 @@ nothing but empty micro-batches does not hang; a rank SIGKILLed mid-run fails th
 and the rerun, rebuilding the state from the store (its pending steps replayed data-parallel), ends on the
 uninterrupted run's checkpoint id; two nodes of one process (torchrun's c10d rendezvous on 127.0.0.1) write the very
 checkpoint one node of two writes. A LoRA policy (`algorithm.rl.adapter`) trains the same over 2 plain and 2 sharded
-ranks, its checkpoints the adapter alone, and a sharded rank killed mid-step is rebuilt bit for bit by the rerun.
+ranks, its checkpoints the adapter alone, and a sharded rank killed mid-step is rebuilt bit for bit by the rerun,
+which ends on the uninterrupted sharded run's checkpoint id.
 
 Tolerances as in tests/test_data_parallel.py: with SGD (lr 0.05) the 2-process weights agree with 1 process within
 1e-6 while the weights move by more than 1e-4. (With the config's AdamW they agreed within 3.5e-6 after 3 steps at
@@ -158,15 +159,16 @@ def test_a_lora_policy_trains_across_two_processes_what_one_trains(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sharded_lora_policy_with_a_rank_killed_mid_step_fails_naming_it_and_the_rerun_continues(tmp_path,
-                                                                                                   monkeypatch):
+def test_a_sharded_lora_policy_with_a_rank_killed_mid_step_fails_naming_it_and_the_rerun_ends_on_its_checkpoint(
+        tmp_path, monkeypatch):
     """Rank 1 of a sharded LoRA group SIGKILLs itself as step 2 starts. The rerun (a new process, as after `rollout
     train` failed: nothing resident, step 2's micro-batches found in the store as Prefect's cache finds them)
     rebuilds the step-1 state on new sharded ranks by replaying step 1 from the step-0 checkpoint, bit for bit what
-    the first group trained, and ends step 2 on the 1-process run's adapter within rounding."""
+    the first group trained, and ends step 2 on the checkpoint an uninterrupted sharded run reaches, byte for byte
+    (what it trains against one process is test_sharding.py's and the plain LoRA test's above)."""
     from rollout_lib.trainer.data_parallel import DataParallelError
 
-    one = run_in_process(str(tmp_path / "one"), 1, 2, *LORA)
+    uninterrupted = run_in_process(str(tmp_path / "uninterrupted"), 2, 2, *LORA, *SHARDED)
     cfg = rl_config(str(tmp_path / "sharded"), 2, *LORA, *SHARDED)
     store = ObjectStore(cfg.run.store)
     prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
@@ -191,14 +193,12 @@ def test_a_sharded_lora_policy_with_a_rank_killed_mid_step_fails_naming_it_and_t
         end, metrics = train_policy_step(run, state, 2, second, resident)
         checkpoint = snapshot_policy(run, end, resident, metrics)
     manifest = read_manifest(store, checkpoint)
-    sharded = {"manifest": manifest, "weights": store.get_tensors(manifest["weights"])}
-    assert manifest["step"] == 2 and manifest["training_identity"] == training_identity(cfg) != one["identity"]
-    assert_adapter_checkpoint(sharded)
-    moved = max((one["weights"][n] - one["initial"][n]).abs().max().item() for n in one["weights"])
-    worst = max((one["weights"][n] - sharded["weights"][n]).abs().max().item() for n in one["weights"])
-    assert sharded["weights"].keys() == one["weights"].keys() and moved > 1e-4 and worst <= WEIGHT_ATOL, (moved, worst)
-    assert metrics["loss"] == pytest.approx(one["history"][1]["loss"], abs=1e-6)
-    print(f"adapter moved up to {moved:.3g}; 1 process vs 2 sharded ranks (killed, rerun) at most {worst:.3g} apart")
+    assert manifest == uninterrupted["manifest"]  # the same step, weights, optimizer state and history objects
+    assert manifest["step"] == 2 and manifest["training_identity"] == training_identity(cfg)
+    assert_adapter_checkpoint(uninterrupted)
+    moved = max((uninterrupted["weights"][n] - uninterrupted["initial"][n]).abs().max().item()
+                for n in uninterrupted["weights"])
+    assert moved > 1e-4 and metrics["loss"] == uninterrupted["history"][1]["loss"]
 
 
 # --- through the flow: `rollout train rl --nproc 2`, a rank SIGKILLed, the rerun -----------------------------------
