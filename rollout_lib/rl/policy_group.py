@@ -21,8 +21,9 @@ address. The store is the only thing the nodes share (object storage across mach
 
 Commands: `train` (step n from a parent state: the ranks rebuild that state from the store first if they are
 elsewhere, replaying its steps data-parallel, so the bits match the first time), `snapshot` (rank 0 checkpoints a
-state), `export` (the weights of a state the flow has no copy of: after a crash, a rerun) and `stop`. The flow process holds no trainer, only
-frozen copies (rl/policy_state.py `FrozenPolicy`) built from the exported files, bit for bit what rank 0 trained.
+state), `export` (the weights of a state the flow has no copy of: after a crash, a rerun) and `stop`. The flow
+process holds no trainer, only frozen copies (rl/policy_state.py `FrozenPolicy`) built from the exported files, bit
+for bit what the ranks trained.
 
 A rank that fails (an exception, SIGKILL) makes torchrun stop the others; the command then raises
 DataParallelError naming the step and the rank, the group is gone, and the next command (a rerun's) starts a new

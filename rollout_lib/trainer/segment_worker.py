@@ -6,7 +6,8 @@ SPEC: a pickled data_parallel.SegmentSpec (on another node: `--receive-spec BACK
 Every rank opens the trainer at the segment's start checkpoint from the store (the same weights and optimizer state
 everywhere), trains the segment's steps on its share of each step; rank 0 writes the snapshot, and the reporting
 rank (the first on the flow's node) prints each step's metrics (data_parallel.STEP_MARKER) and writes the result
-file ({"checkpoint", "history"}) where the flow reads it. On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
+file ({"checkpoint", "history"}) where the flow reads it. On CUDA, rank i computes on the GPU of its local rank
+(nccl); on CPU, gloo.
 """
 
 from __future__ import annotations
