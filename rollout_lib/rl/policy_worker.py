@@ -6,7 +6,8 @@ SPEC: a pickled policy_group.GroupSpec (on another node: `--receive-spec BACKEND
 segment_worker.join_group). The rank connects to the flow's socket (on the flow's node), says its rank, then runs
 the flow's commands (one JSON line each, the same to every rank) in lockstep with the others and answers each with
 one line: `{"state", "metrics"}` or `{"checkpoint"}` (rank 0's is the one the flow reads), or `{"error"}` before
-it exits non-zero, which makes torchrun stop the other ranks. On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
+it exits non-zero, which makes torchrun stop the other ranks. On CUDA, rank i computes on the GPU of its local
+rank (nccl); on CPU, gloo.
 """
 
 from __future__ import annotations
