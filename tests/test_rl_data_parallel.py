@@ -103,8 +103,8 @@ def assert_same_training(one: dict, two: dict) -> None:
 
 @pytest.mark.slow
 def test_two_processes_on_one_node_or_on_two_train_what_one_trains(tmp_path, monkeypatch):
-    one = run_in_process(str(tmp_path / "one"), 1, 3)
-    two = run_in_process(str(tmp_path / "two"), 2, 3)
+    one = run_in_process(str(tmp_path / "one"), 1, 2)
+    two = run_in_process(str(tmp_path / "two"), 2, 2)
     assert all(m["micro_batches"] > 2 for m in one["history"])  # both ranks had real micro-batches
     assert_same_training(one, two)
 
@@ -121,7 +121,7 @@ def test_two_processes_on_one_node_or_on_two_train_what_one_trains(tmp_path, mon
 
     monkeypatch.setattr(rollout_lib.rl.policy, "PolicyGroup", functools.partial(PolicyGroup,
                                                                                 announce=launch_other_nodes))
-    nodes = run_in_process(str(tmp_path / "nodes"), 1, 3, "algorithm.rl.hardware.nnodes=2",
+    nodes = run_in_process(str(tmp_path / "nodes"), 1, 2, "algorithm.rl.hardware.nnodes=2",
                            f"algorithm.rl.hardware.rdzv_endpoint=127.0.0.1:{free_port()}")
     assert len(joined) == 1 and joined[0].wait(timeout=60) == 0  # one start; stopped with the run
     assert nodes["manifest"] == two["manifest"] and nodes["rewards"] == two["rewards"]  # the same checkpoint

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from clirun import final_result, run_rollout
+from clirun import final_result, run_rollout, train_in_process
 from rollout_lib.checkpoint import read_manifest
 from rollout_lib.config import RmConfig, SftConfig, load_config
 from rollout_lib.errors import ConfigError
@@ -228,12 +228,15 @@ def test_a_rank_killed_mid_sharded_segment_fails_naming_it_and_the_rerun_ends_on
 def test_rl_sharded_trains_what_one_process_trains(prefect_server, tmp_path):
     ends = {}
     for nproc, sharding in (("1", "none"), ("2", "fsdp")):
-        done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--nproc", nproc,
-                           "--set", f"algorithm.rl.hardware.sharding={sharding}",
-                           "--set", "algorithm.rl.budget.max_steps=2", "--set", "algorithm.rl.checkpoint_interval=1",
-                           # SGD: AdamW magnifies the last bits of near-zero gradients (its state is tested above)
-                           "--set", "algorithm.rl.optimizer.kind=sgd", "--set", "algorithm.rl.optimizer.lr=0.05",
-                           "--set", f"run.store={tmp_path / sharding}")
+        args = ("train", "rl", "--config", "configs/rl-tiny.toml",
+                "--set", f"algorithm.rl.hardware.sharding={sharding}", "--set", "algorithm.rl.budget.max_steps=2", "--set", "algorithm.rl.checkpoint_interval=1",
+                # SGD: AdamW magnifies the last bits of near-zero gradients (its state is tested above)
+                "--set", "algorithm.rl.optimizer.kind=sgd", "--set", "algorithm.rl.optimizer.lr=0.05",
+                "--store", str(tmp_path / sharding), "--nproc", nproc)
+        if sharding == "none":  # the reference: the flow in this process (what the CLI runs, its start-up saved)
+            ends[sharding] = (ObjectStore(str(tmp_path / sharding)), train_in_process(*args)["checkpoint"])
+            continue
+        done = run_rollout(*args)
         assert done.returncode == 0, done.stderr[-3000:]
         ends[sharding] = (ObjectStore(str(tmp_path / sharding)), final_result(done)["checkpoint"])
     a, b = (weights(store, checkpoint) for store, checkpoint in ends.values())
