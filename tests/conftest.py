@@ -295,12 +295,13 @@ def vllm_tiny():
 # Session fixtures that start servers: every test using one runs in the same pytest-xdist worker, so the suite starts
 # each server once (README: `pytest -n 2 --dist loadgroup`).
 SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack"}
-# The longest groups (seconds on one 2-core worker, measured 2026-11-26), handed out first so that neither worker is
-# left with a long group at the end; the rest follow in file order.
-LONGEST_GROUPS = ["vllm_tiny", "worker_stack", "test_policy_engine", "test_sharding", "test_off_policy",
-                  "test_distillation", "test_cache_keys", "test_task_runners", "test_rl_data_parallel", "test_lora",
-                  "test_rlhf_flow", "test_served_reward_model", "test_nodes", "test_streamed_scoring",
-                  "test_orchestrator_loss", "test_policy_remote"]
+# The longest groups (seconds on one 2-core worker, measured 2026-11-26 with --durations=0: worker_stack 194,
+# vllm_tiny 156, test_rl_data_parallel 148, test_sharding 135, test_policy_engine 119, ... of 2167 in all), handed
+# out first so that neither worker is left with a long group at the end; the rest follow in file order.
+LONGEST_GROUPS = ["worker_stack", "vllm_tiny", "test_rl_data_parallel", "test_sharding", "test_policy_engine",
+                  "test_task_runners", "test_rlhf_flow", "test_distillation", "test_off_policy", "test_lora",
+                  "test_served_reward_model", "test_data_parallel", "test_multiturn_learn", "test_policy_remote",
+                  "test_orchestrator_loss", "test_rl_flow", "test_rm_flow", "test_streamed_scoring", "test_nodes"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
