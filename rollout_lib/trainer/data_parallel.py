@@ -212,10 +212,10 @@ def rendezvous_timeout(tail: list[str], nodes: Nodes | None) -> bool:
 
 
 def log_node_commands(commands: dict[int, list[str]]) -> None:
-    """How the other nodes join: the command each runs (from a checkout and venv like this one, with the spec file
-    at the same path: a shared filesystem, docs/scale.md)."""
+    """How the other nodes join: the command each runs now (from a checkout and venv like this one; it names no file
+    of this machine's, docs/scale.md). Every group is a rendezvous of its own, so the command is new each time."""
     for node_rank, command in commands.items():
-        logger.warning("node %d joins this segment with: %s", node_rank, shlex.join(command))
+        logger.warning("node %d joins this process group with: %s", node_rank, shlex.join(command))
 
 
 def rank_environment(inputs) -> dict[str, str]:
