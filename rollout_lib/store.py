@@ -33,7 +33,7 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -220,6 +220,47 @@ SAFETENSORS_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", t
                       torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32",
                       torch.float64: "F64", torch.int64: "I64"}
 _ST_ENUM_ORDER = ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+
+
+_SAFETENSORS_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+_READ_CHUNK = 64 << 20
+
+
+class StreamedTensors:
+    """An open safetensors object (ObjectStore.get_tensors_streamed): `layout` (name -> (dtype, shape), in the file's
+    order), `metadata`, and `tensors()`, which reads each in turn and checks the object's hash at the end."""
+
+    def __init__(self, handle, object_id: str, root: str):
+        self._handle, self._object_id, self._root = handle, object_id, root
+        self._hasher = blake3.blake3()
+        size = int.from_bytes(self._read(8), "little")
+        header = json.loads(self._read(size))
+        self.metadata: dict[str, str] = dict(header.pop("__metadata__", None) or {})
+        entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+        self.layout = {name: (_SAFETENSORS_TORCH[entry["dtype"]], tuple(entry["shape"])) for name, entry in entries}
+        self._sizes = [entry["data_offsets"][1] - entry["data_offsets"][0] for _, entry in entries]
+
+    def _read(self, size: int) -> bytes:
+        data = self._handle.read(size)
+        if len(data) != size:
+            raise CorruptObjectError(f"object {self._object_id} in {self._root} is corrupted: it ends early")
+        self._hasher.update(data)
+        return data
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            for (name, (dtype, shape)), size in zip(self.layout.items(), self._sizes):
+                buffer = bytearray(size)
+                view = memoryview(buffer)
+                for start in range(0, size, _READ_CHUNK):
+                    view[start:start + _READ_CHUNK] = self._read(min(_READ_CHUNK, size - start))
+                yield name, torch.frombuffer(buffer, dtype=dtype).reshape(shape) if size else \
+                    torch.empty(shape, dtype=dtype)
+            if self._handle.read(1) or self._hasher.hexdigest() != self._object_id:
+                raise CorruptObjectError(f"object {self._object_id} in {self._root} is corrupted: its bytes do not "
+                                         "hash to its id")
+        finally:
+            self._handle.close()
 
 
 def safetensors_order(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> list[str]:
@@ -453,6 +494,19 @@ class ObjectStore:
     def get_tensors(self, object_id: str) -> dict[str, torch.Tensor]:
         """Load tensors (on CPU, each with its own storage)."""
         return _st_load(self.get_bytes(object_id))
+
+    def get_tensors_streamed(self, object_id: str) -> "StreamedTensors":
+        """A safetensors object read one tensor at a time, for tensors that should never be in memory together
+        (put_tensors_streamed's other side): its layout and metadata from the header, then `tensors()`, each tensor
+        with its own storage, in the file's order. The bytes are hashed as they are read: the iterator raises
+        CorruptObjectError at its end when they do not hash to the id, so what it gave must not be used before it
+        has ended."""
+        path = self._object_fspath(object_id)
+        try:
+            handle = self.fs.open(path, "rb")
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"object {object_id} not found in store {self.root}") from None
+        return StreamedTensors(handle, object_id, self.root)
 
     def get_tensors_metadata(self, object_id: str) -> dict[str, str]:
         """The ``metadata`` given to :meth:`put_tensors` ({} if none)."""

@@ -435,7 +435,7 @@ def test_a_header_rewritten_to_sorted_order_equals_one_safetensors_wrote_sorted(
 
 
 @pytest.mark.parametrize("root", ["local", "memory"])
-def test_tensors_streamed_one_at_a_time_are_the_same_object_as_put_all_at_once(tmp_path, root):
+def test_tensors_streamed_one_at_a_time_are_the_same_object_as_put_all_at_once_and_read_back_alike(tmp_path, root):
     """put_tensors_streamed (sharded snapshots, trainer/sharding.py) writes safetensors' own bytes: its layout order
     (dtype first, then name) and header, whatever dtypes and metadata."""
     from rollout_lib.store import safetensors_order
@@ -454,3 +454,18 @@ def test_tensors_streamed_one_at_a_time_are_the_same_object_as_put_all_at_once(t
         store.put_tensors_streamed(shapes, ((name, tensors[name]) for name in reversed(order)))
     with pytest.raises(ValueError, match="ended before the layout did"):
         store.put_tensors_streamed(shapes, ((name, tensors[name]) for name in order[:-1]))
+
+    # read back one tensor at a time (a sharded trainer's optimizer state): the same tensors, the hash checked
+    object_id = store.put_tensors({**tensors, "empty": torch.empty(0, 4)}, {"format": "pt"})
+    read = store.get_tensors_streamed(object_id)
+    assert read.metadata == {"format": "pt"} and list(read.layout)[:2] == ["i", "b64"]
+    got = dict(read.tensors())
+    assert got.keys() == {*tensors, "empty"} and all(torch.equal(got[name], t) for name, t in tensors.items())
+    if root == "local":  # a flipped byte is found once the last tensor has been read
+        path = next(p for p in tmp_path.rglob(object_id + "*") if p.is_file())
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptObjectError, match="do not hash to its id"):
+            list(store.get_tensors_streamed(object_id).tensors())

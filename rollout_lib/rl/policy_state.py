@@ -93,10 +93,12 @@ def rebuild_policy(inputs: TrainingInputs, state_id: str, data_parallel=None, sh
     of a data-parallel group, `data_parallel`: replayed by every rank together, as they were trained; `shard`:
     sharded first, as a sharded group trained them)."""
     checkpoint_id, batches = pending_steps(inputs.store, state_id, inputs.config.settings.checkpoint_interval)
-    trainer = CausalLmTrainer.from_checkpoint(inputs, checkpoint_id, batches=RecordedBatches(inputs.store, batches))
-    trainer.data_parallel = data_parallel
+    recorded = RecordedBatches(inputs.store, batches)
     if shard:
-        trainer.shard()
+        trainer = CausalLmTrainer.open_sharded(inputs, checkpoint_id, data_parallel, batches=recorded)
+    else:
+        trainer = CausalLmTrainer.from_checkpoint(inputs, checkpoint_id, batches=recorded)
+        trainer.data_parallel = data_parallel
     if batches:
         logger.info("no resident policy at this state: replaying steps %d..%d from checkpoint %s", min(batches),
                     max(batches), checkpoint_id)

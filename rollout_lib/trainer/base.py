@@ -18,8 +18,8 @@ from rollout_lib.hardware import hardware_settings
 from rollout_lib.model.loading import model_content_digest
 from rollout_lib.determinism import GLOBAL_RNG, seed_for_step, seed_torch
 from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
-from rollout_lib.trainer.sharding import (full_weights, load_full_optimizer_state, shard_model, stream_state,
-                                          trainable_names)
+from rollout_lib.trainer.sharding import (full_weights, load_full_optimizer_state, receive_optimizer_state,
+                                          shard_model, stream_state, trainable_names)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -130,26 +130,43 @@ class CheckpointedTrainer:
         return trainer
 
     @classmethod
-    def from_checkpoint(cls, inputs: TrainingInputs, checkpoint_id: str, **options) -> "CheckpointedTrainer":
+    def from_checkpoint(cls, inputs: TrainingInputs, checkpoint_id: str, *, optimizer_state: bool = True,
+                        **options) -> "CheckpointedTrainer":
+        """The trainer at `checkpoint_id`; without `optimizer_state`, its optimizer starts empty (open_sharded: the
+        state comes from another rank)."""
         manifest = read_manifest(inputs.store, checkpoint_id)
         with GLOBAL_RNG:  # build seeds the RNG (a new head's init): never while another thread trains
             model, tokenizer, optimizer = cls.build(inputs)
-        restore_checkpoint(inputs.store, manifest, model, optimizer)
+        restore_checkpoint(inputs.store, manifest, model, optimizer if optimizer_state else None)
         return cls(inputs, model, tokenizer, optimizer, manifest["step"], checkpoint_id, manifest["model"], **options)
+
+    @classmethod
+    def open_sharded(cls, inputs: TrainingInputs, checkpoint_id: str, data_parallel,
+                     **options) -> "CheckpointedTrainer":
+        """One rank's sharded trainer at `checkpoint_id` (every rank of the group calls it): each rank builds the model
+        with the checkpoint's weights; the optimizer state (AdamW's: twice the model) is never whole on any rank:
+        rank 0 streams it from the store one tensor at a time, and every rank keeps its rows (`shard`)."""
+        trainer = cls.from_checkpoint(inputs, checkpoint_id, optimizer_state=False, **options)
+        trainer.data_parallel = data_parallel
+        trainer.shard(optimizer_id=read_manifest(inputs.store, checkpoint_id)["optimizer"])
+        return trainer
 
     # --- sharded (trainer/sharding.py) ---------------------------------------------------------------------------
 
     sharded_names: list[str] | None = None  # the trainable parameters' names once sharded (the optimizer's order)
 
-    def shard(self) -> None:
+    def shard(self, optimizer_id: str | None = None) -> None:
         """Shard the model over the process group (`hardware.sharding = "fsdp"`) and rebuild the optimizer over
-        the shards, its state (restored whole from the checkpoint) split the same way. Every rank calls it."""
+        the shards, its state split the same way: the state the trainer holds (restored whole), or with
+        `optimizer_id` that object of the store, streamed (open_sharded). Every rank calls it."""
         hardware = hardware_settings(self.inputs.settings)
         names = trainable_names(self.model)
         state = self.optimizer.state_dict()
         shard_model(self.model, bf16=hardware.precision == "bf16", cpu_offload=hardware.cpu_offload)
         self.optimizer = build_optimizer(self.model.parameters(), self.inputs.settings.optimizer)
-        if state["state"]:
+        if optimizer_id is not None:
+            receive_optimizer_state(self.model, self.optimizer, names, self.inputs.store, optimizer_id)
+        elif state["state"]:
             load_full_optimizer_state(self.model, self.optimizer, state, names)
         self.sharded_names = names
 

@@ -62,11 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     spec, data_parallel = join_group(argv)
     rank = data_parallel.rank
     try:
-        trainer = spec.trainer_class.from_checkpoint(spec.inputs, spec.checkpoint_id, **spec.options)
-        trainer.data_parallel = data_parallel
         sharded = hardware_settings(spec.inputs.settings).sharding == "fsdp"
         if sharded:
-            trainer.shard()
+            trainer = spec.trainer_class.open_sharded(spec.inputs, spec.checkpoint_id, data_parallel, **spec.options)
+        else:
+            trainer = spec.trainer_class.from_checkpoint(spec.inputs, spec.checkpoint_id, **spec.options)
+            trainer.data_parallel = data_parallel
         kill_at = kill_step(rank)
         history = []
         for step in range(spec.first, spec.last + 1):

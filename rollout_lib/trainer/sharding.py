@@ -27,7 +27,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rollout_lib.adapters import base_of, is_adapted
-from rollout_lib.checkpoint import gathered_weights, optimizer_state_entries, unshared_names
+from rollout_lib.checkpoint import (gathered_weights, optimizer_entry, optimizer_state_entries, param_groups,
+                                    unshared_names)
 from rollout_lib.store import safetensors_order
 
 
@@ -134,16 +135,55 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
                               names: list[str]) -> None:
     """Shard an optimizer state dict in index form (every rank holds the same full one) into `optimizer`, built
     over the sharded model's trainable parameters in the same order: each per-parameter tensor is cut as its
-    parameter is (`distribute_tensor` with the parameter's mesh and placements), scalars (`step`) stay as they are.
-    (Not torch.distributed.checkpoint's set_optimizer_state_dict: fed a state restored from safetensors, its
-    shards of the fused AdamW state came out corrupt here, NaN by the second step.)"""
+    parameter is (`_own_rows`), scalars (`step`) stay as they are. (Not torch.distributed.checkpoint's
+    set_optimizer_state_dict: fed a state restored from safetensors, its shards of the fused AdamW state came out
+    corrupt here, NaN by the second step.)"""
     parameters = dict(model.named_parameters())
-    sharded = {}
-    for index, entry in state["state"].items():
-        parameter = parameters[names[index]]
-        sharded[index] = {key: distribute_tensor(value.clone(), parameter.device_mesh, parameter.placements,
-                                                 src_data_rank=None)  # every rank cuts its own: no collective
-                          if isinstance(parameter, DTensor) and torch.is_tensor(value)
-                          and value.shape == parameter.shape else value
-                          for key, value in entry.items()}
+    sharded = {index: {key: _own_rows(parameters[names[index]], value) for key, value in entry.items()}
+               for index, entry in state["state"].items()}
     optimizer.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})
+
+
+def receive_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: list[str],
+                            store, optimizer_id: str) -> None:
+    """`load_full_optimizer_state` of a checkpoint's optimizer object (`optimizer_id`, checkpoint.py's
+    `state.<index>.<key>` tensors) with no rank ever holding more than its shards and one full tensor: rank 0
+    streams the object from the store (ObjectStore.get_tensors_streamed) and broadcasts its layout, then each tensor
+    in turn; every rank keeps its rows. AdamW's state is twice the model, so every rank reading it whole (what a
+    1-process trainer does) set a later segment's peak. Every rank calls it."""
+    streamed = store.get_tensors_streamed(optimizer_id) if torch.distributed.get_rank() == 0 else None
+    shared = [(streamed.layout, streamed.metadata) if streamed is not None else None]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    layout, metadata = shared[0]
+    tensors = streamed.tensors() if streamed is not None else None
+    parameters = dict(model.named_parameters())
+    state: dict[int, dict] = {}
+    for name, (dtype, shape) in layout.items():
+        value = None
+        if tensors is not None:
+            read, value = next(tensors)
+            assert read == name, (read, name)
+        index, key = optimizer_entry(name)
+        state.setdefault(index, {})[key] = _own_rows(parameters[names[index]], _broadcast(value, dtype, shape))
+    if tensors is not None:
+        next(tensors, None)  # the end: the object's hash is checked
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups(metadata)})
+
+
+def _own_rows(parameter: torch.nn.Parameter, value):
+    """A full per-parameter tensor cut as `parameter` is: this rank's rows, copied out (the full tensor is not kept
+    alive by a view); a scalar or anything else as it is."""
+    if isinstance(parameter, DTensor) and torch.is_tensor(value) and value.shape == parameter.shape:
+        return distribute_tensor(value.to(parameter.device), parameter.device_mesh, parameter.placements,
+                                 src_data_rank=None)  # every rank cuts its own: no collective
+    return value
+
+
+def _broadcast(value: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rank 0's tensor on every rank (`value` on rank 0, None elsewhere), returned on the CPU; nccl moves CUDA
+    tensors only, so there it travels through this rank's GPU."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.empty(shape, dtype=dtype, device=device) if value is None else value.to(device)
+    torch.distributed.broadcast(value, src=0)
+    return value.cpu()
