@@ -4,10 +4,10 @@
 
 SPEC: a pickled data_parallel.SegmentSpec (on another node: `--receive-spec BACKEND`, the spec sent over the group).
 Every rank opens the trainer at the segment's start checkpoint from the store (the same weights and optimizer state
-everywhere; sharded, rank 0 streams the optimizer state to the others: CheckpointedTrainer.open_sharded), trains the segment's steps on its share of each step; rank 0 writes the snapshot, and the reporting
-rank (the first on the flow's node) prints each step's metrics (data_parallel.STEP_MARKER) and writes the result
-file ({"checkpoint", "history"}) where the flow reads it. On CUDA, rank i computes on the GPU of its local rank
-(nccl); on CPU, gloo.
+everywhere; sharded, rank 0 streams the optimizer state to the others: CheckpointedTrainer.open_sharded) and trains
+the segment's steps on its share of each step; rank 0 writes the snapshot, and the reporting rank (the first on the
+flow's node) prints each step's metrics (data_parallel.STEP_MARKER) and writes the result file ({"checkpoint",
+"history"}) where the flow reads it. On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
 """
 
 from __future__ import annotations
