@@ -150,25 +150,34 @@ def assert_adapter_checkpoint(result: dict) -> None:
     assert result["manifest"][ADAPTER_KEY]["base_model_content"] == model_content_digest("tiny:qwen2")
 
 
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory) -> dict:
+    """2 steps of a LoRA policy in 1 process, on 2 plain ranks and on 2 sharded ones (the last also the
+    uninterrupted run the kill test below must end on)."""
+    root = tmp_path_factory.mktemp("lora")
+    return {"one": run_in_process(str(root / "one"), 1, 2, *LORA),
+            "two": run_in_process(str(root / "two"), 2, 2, *LORA),
+            "sharded": run_in_process(str(root / "sharded"), 2, 2, *LORA, *SHARDED)}
+
+
 @pytest.mark.slow
-def test_a_lora_policy_trains_across_two_processes_what_one_trains(tmp_path):
-    one = run_in_process(str(tmp_path / "one"), 1, 2, *LORA)
-    two = run_in_process(str(tmp_path / "two"), 2, 2, *LORA)
-    assert_adapter_checkpoint(two)
-    assert_same_training(one, two)
+def test_a_lora_policy_trains_across_two_plain_or_sharded_processes_what_one_trains(lora_runs):
+    for ranks in ("two", "sharded"):
+        assert_adapter_checkpoint(lora_runs[ranks])
+        assert_same_training(lora_runs["one"], lora_runs[ranks])
 
 
 @pytest.mark.slow
 def test_a_sharded_lora_policy_with_a_rank_killed_mid_step_fails_naming_it_and_the_rerun_ends_on_its_checkpoint(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, lora_runs):
     """Rank 1 of a sharded LoRA group SIGKILLs itself as step 2 starts. The rerun (a new process, as after `rollout
     train` failed: nothing resident, step 2's micro-batches found in the store as Prefect's cache finds them)
     rebuilds the step-1 state on new sharded ranks by replaying step 1 from the step-0 checkpoint, bit for bit what
     the first group trained, and ends step 2 on the checkpoint an uninterrupted sharded run reaches, byte for byte
-    (what it trains against one process is test_sharding.py's and the plain LoRA test's above)."""
+    (which trains what one process trains: the test above)."""
     from rollout_lib.trainer.data_parallel import DataParallelError
 
-    uninterrupted = run_in_process(str(tmp_path / "uninterrupted"), 2, 2, *LORA, *SHARDED)
+    uninterrupted = lora_runs["sharded"]
     cfg = rl_config(str(tmp_path / "sharded"), 2, *LORA, *SHARDED)
     store = ObjectStore(cfg.run.store)
     prompts = {env.name: load_prompts(env) for env in cfg.settings.envs}
