@@ -175,8 +175,8 @@ class PolicyGroup:
         # Several nodes: the ranks connect to the rendezvous host, node 0's name as every node resolves it; this
         # machine may resolve its own name otherwise (Debian maps it to 127.0.1.1), so listen on every interface,
         # for the start only (closed once every rank is in).
-        host = "127.0.0.1" if self.nodes is None else self.nodes.endpoint.rpartition(":")[0]
-        listener = socket.create_server(("127.0.0.1" if self.nodes is None else "", 0))
+        host, bind = ("127.0.0.1", "127.0.0.1") if self.nodes is None else (self.nodes.endpoint.rpartition(":")[0], "")
+        listener = socket.create_server((bind, 0))
         spec_path = os.path.join(self._workdir.name, "spec.pkl")
         with open(spec_path, "wb") as out:
             pickle.dump(GroupSpec(self.inputs, host, listener.getsockname()[1]), out)

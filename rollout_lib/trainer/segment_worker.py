@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, RECEIVE_SPEC, STEP_MARKER, DataParallel
-from rollout_lib.hardware import hardware_of_config, hardware_settings
+from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, RECEIVE_SPEC, STEP_MARKER, DataParallel, group_backend
+from rollout_lib.hardware import hardware_settings
 from rollout_lib.trainer.segment import TrainStepError
 
 
@@ -40,7 +40,7 @@ def join_group(argv: list[str] | None) -> tuple[object, DataParallel]:
         (spec_path,) = arguments
         with open(spec_path, "rb") as spec_file:  # written by the flow for its own children
             spec = pickle.load(spec_file)
-        cuda = hardware_of_config(spec.inputs.config).device.type == "cuda"
+        cuda = group_backend(spec.inputs) == "nccl"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cpu")
     if cuda:
