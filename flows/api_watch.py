@@ -60,6 +60,7 @@ class ApiWatch:
         self._answered = threading.Event()  # set while the last probe got an answer
         self._failing_since: float | None = None  # monotonic start of the current run of failed probes
         self._failures = 0
+        self.probes = 0  # probes decided so far: what a test waits on instead of the clock
         self._run_exit_code: int | None = None  # set once the run has ended and its result is reported
         self._thread = threading.Thread(target=self._loop, name="rollout-api-watch", daemon=True)
 
@@ -100,6 +101,7 @@ class ApiWatch:
                 if silent_s >= self.lost_after_s and self._failures >= self.min_failures and not self._stop.is_set():
                     self._lost(silent_s)
                     return
+            self.probes += 1
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     def _lost(self, silent_s: float) -> None:

@@ -71,11 +71,15 @@ def test_a_lost_server_ends_the_run_in_one_line_and_a_blip_does_not():
     health = Health()
     watcher, exits = _watch(health.api_url)
     try:
-        time.sleep(0.2)
+        _wait_for(watcher._answered.is_set)  # armed: the probe got its first answer
         health.down()
-        time.sleep(0.3)  # a blip, much shorter than lost_after_s
+        blip_at = time.monotonic()
+        # A blip: min_failures probes fail, for much less than lost_after_s, then the server answers again.
+        _wait_for(lambda: exits or watcher._failures >= FAST["min_failures"])
         health.up()
-        time.sleep(2.0)
+        _wait_for(lambda: exits or watcher._answered.is_set())
+        # Past lost_after_s since the blip began: a watch that kept counting from it would end the run at once below.
+        time.sleep(max(0.0, blip_at + FAST["lost_after_s"] - time.monotonic()))
         assert exits == []
         health.down()
         lost_at = time.monotonic()
@@ -90,19 +94,27 @@ def test_a_lost_server_ends_the_run_in_one_line_and_a_blip_does_not():
 
 
 def test_a_server_that_never_answered_the_probe_ends_nothing():
+    """Nothing listens on the port: every probe fails, for longer than lost_after_s and more than min_failures
+    times, which ends an armed watch; this one never got an answer, so it never armed."""
     health = Health()
-    health.down()  # nothing listens on the port: the probe never got an answer, so the watch never arms
+    health.down()
     watcher, exits = _watch(health.api_url)
-    time.sleep(1.0)
-    watcher.stop()
-    assert exits == []
+    try:
+        _wait_for(lambda: exits or watcher.probes >= 1)
+        time.sleep(FAST["lost_after_s"])  # since the first probe failed
+        probed = watcher.probes
+        # The next probe but one began after the threshold: an armed watch would have ended the run there.
+        _wait_for(lambda: exits or watcher.probes >= probed + 2)
+        assert exits == [] and watcher.probes >= FAST["min_failures"]
+    finally:
+        watcher.stop()
 
 
 def test_settle_waits_for_the_verdict_only_while_the_server_fails():
     health = Health()
     watcher, exits = _watch(health.api_url)
     try:
-        time.sleep(0.2)
+        _wait_for(watcher._answered.is_set)  # armed: the probe got its first answer
         started = time.monotonic()
         watcher.settle()  # answering: returns at once
         assert time.monotonic() - started < 0.1
@@ -118,7 +130,7 @@ def test_after_the_result_a_lost_server_exits_with_the_runs_code_and_a_warning()
     health = Health()
     watcher, exits = _watch(health.api_url)
     try:
-        time.sleep(0.2)
+        _wait_for(watcher._answered.is_set)  # armed: the probe got its first answer
         watcher.run_ended(0)
         health.down()
         _wait_for(lambda: exits)
