@@ -14,6 +14,8 @@ crosses steps.
   Off-policy and streamed, sample-step-k also computes the behaviour logprobs as rollouts come in, and
   advantages-step-k adopts them (rl/behaviour_stream.py).
 - With `run.task_runner` of type dask or ray, a step's scoring fans out to that cluster in chunks (staged).
+- Each recorded step feeds the collapse guard (rl/collapse.py): a collapse is one warning line of the flow run, or
+  with `algorithm.rl.collapse.action = "fail"` the run's error.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prefect import get_run_logger
 from flows.common import CurvesArtifact, Progress, RunTasks, artifact_key
 from rollout_lib import step_events
 from rollout_lib.config import RlConfig
+from rollout_lib.rl.collapse import CollapseGuard
 from rollout_lib.rl.curriculum import initial_state
 from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.runlog.step_log import segment_means
@@ -56,10 +59,10 @@ METRIC_COLUMNS = (
 STAGE_TIMES = ("sample_s", "score_tail_s", "score_s", "advantages_s", "pack_s", "train_s")
 # Columns only some runs have (multi-turn envs, reward models): in the table when a step reports them.
 OPTIONAL_METRIC_COLUMNS = (
-    "turns_mean", "env_token_fraction", "truncated_fraction", "reward_model/scored", "reward_model/prompt_truncated",
-    "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long", "off_policy_lag",
-    "behaviour/sampler_diff_max", "behaviour/sampler_kl", "score_tail_s", "behaviour/precomputed_rows",
-    "behaviour/recompute_s", "behaviour/precompute_s", "behaviour/precompute_tail_s",
+    "turns_mean", "env_token_fraction", "truncated_fraction", "sampled_entropy", "reward_model/scored",
+    "reward_model/prompt_truncated", "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long",
+    "off_policy_lag", "behaviour/sampler_diff_max", "behaviour/sampler_kl", "score_tail_s",
+    "behaviour/precomputed_rows", "behaviour/recompute_s", "behaviour/precompute_s", "behaviour/precompute_tail_s",
 )
 
 
@@ -94,6 +97,8 @@ class RlSteps:
         self.in_flight: dict = {}  # off-policy runs: step -> its sample task's future
         self.unfinished: tuple | None = None  # (finish's arguments) of the step whose evaluation runs beside this one
         self.history: list[dict] = []
+        self.collapse_guard = CollapseGuard(settings.collapse)
+        self.collapses: list[str] = []  # the lines the guard said (action "warn"), for the run's summary
         self.segment_first = 1  # the first step after the last snapshot: its log line quotes the segment's means
         self.progress = Progress(artifact_key(cfg.run.name, "progress"), self.total,
                                  f"train-rl {cfg.run.name}: steps done")
@@ -204,6 +209,12 @@ class RlSteps:
         self.progress.update(step)
         if checkpoint:
             self.curves.update()
+        # Last: a collapse the step completes is one warning line, or under action "fail" the run's error, with the
+        # step recorded (rl/collapse.py).
+        collapse = self.collapse_guard.check(metrics)
+        if collapse is not None:
+            self.logger.warning("%s", collapse)
+            self.collapses.append(collapse)
 
     def _pools_for(self, step: int) -> str | None:
         return None if self.pools is None else self.pools[self.schedule.sampled_after(step)]

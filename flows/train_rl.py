@@ -79,7 +79,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                               if name.startswith(("eval/", "reward/", "curriculum/")) and not name.endswith("eval_s")}))
     metrics_table(cfg, "train-rl", history, METRIC_COLUMNS + optional)
     steps.curves.update(final=True)
-    create_markdown_artifact(_summary(cfg, checkpoint, history, eval_before),
+    create_markdown_artifact(_summary(cfg, checkpoint, history, eval_before, steps.collapses),
                              key=artifact_key(cfg.run.name, "summary"), description="train-rl summary")
     logger.info("final checkpoint %s", checkpoint)
     rewards = [m["reward_mean"] for m in history]
@@ -96,7 +96,7 @@ def _log_held_out(logger, when: str, metrics: dict) -> None:
             logger.info("held-out %s training: %s %.3f", when, name, value)
 
 
-def _summary(cfg: RlConfig, checkpoint: str, history: list[dict], eval_before: dict) -> str:
+def _summary(cfg: RlConfig, checkpoint: str, history: list[dict], eval_before: dict, collapses: list[str]) -> str:
     settings = cfg.settings
     first, last = history[0], history[-1]
     window = max(1, min(5, len(history) // 2))
@@ -116,4 +116,5 @@ def _summary(cfg: RlConfig, checkpoint: str, history: list[dict], eval_before: d
         *(f"- held-out `{name}`: before {value:.3f} -> step {last['step']} {last[name]:.3f}"
           for name, value in eval_before.items()
           if name.endswith(("/reward_mean", "/pass_rate")) and value is not None and last.get(name) is not None),
+        *(f"- **warning**: {line}" for line in collapses),
     ])

@@ -29,6 +29,11 @@ async def async_sleep_then_one(inp: RewardInput) -> float:
     return 1.0
 
 
+def always_zero(inp: RewardInput) -> float:
+    """0 for every completion: every group's rewards equal, so no rl signal (the collapse guard's test)."""
+    return 0.0
+
+
 def always_fails(inp: RewardInput) -> float:
     """Raises: the loop records a missing reward with this error text."""
     raise ValueError(f"cannot score completion of length {len(inp.completion_text)}")

@@ -3,6 +3,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
 
     [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval, zero_advantage_filter
     [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .reward_loop / .hardware
+    [algorithm.rl.collapse]   action = "warn" | "fail" | "off", patience, zero_advantage_fraction, min_entropy: the
+                              collapse guard (rl/collapse.py), outside the training identity
     [algorithm.rl.policy_sampler]  how the live policy samples: { type = "hf", batch_size } (embedded transformers)
                               | { type = "vllm", replicas, concurrency, timeout_s, probe_tolerance } (a vLLM
                               policy server reloaded to each state, sampling/vllm.py)
@@ -25,7 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import warnings
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -213,6 +215,22 @@ class RlLossSettings(StrictModel):
         return (self.import_path.partition(":")[0],) if self.type == "custom" else ()
 
 
+class CollapseSettings(StrictModel):
+    """The collapse guard (rollout_lib/rl/collapse.py, docs/runs.md "When RL collapses"): a symptom held for
+    `patience` consecutive steps is a collapse, said in one warning line ("warn"), or failing the run ("fail").
+    It watches the steps, never changes one: not part of the training identity (RlConfig.NOT_TRAINING), so changing
+    it reuses every finished step."""
+
+    action: Literal["warn", "fail", "off"] = "warn"
+    patience: int = Field(3, ge=1)
+    # No rl signal: at least this share of the step's rl samples has advantage 0 (`zero_advantage_fraction`; every
+    # group's rewards equal, under a group-relative algorithm).
+    zero_advantage_fraction: float = Field(1.0, gt=0, le=1)
+    # Entropy collapse: the policy's sampled tokens' mean -logprob (`sampled_entropy`, nats per token) below this.
+    # 0: not watched.
+    min_entropy: float = Field(0.01, ge=0)
+
+
 class RlSettings(StrictModel):
     base_model: ModelRef  # the policy at step 0
     max_seq_len: int = Field(512, ge=8)  # prompt + completion tokens per training sample
@@ -248,6 +266,8 @@ class RlSettings(StrictModel):
     # A LoRA adapter trained instead of every weight (adapters.py, docs/scale.md). None: full fine-tuning, and then
     # absent from the settings' dump, so identities from before the setting stay.
     adapter: AdapterSettings | None = Field(None, exclude_if=lambda value: value is None)
+    # What the run says (or does) when its steps stop carrying a learning signal; never part of the identity.
+    collapse: CollapseSettings = CollapseSettings()
     envs: list[EnvSettings] = Field(min_length=1)
 
     @model_validator(mode="before")
@@ -306,6 +326,9 @@ class RlAlgorithm(StrictModel):
 
 class RlConfig(EntryPointConfig):
     algorithm: RlAlgorithm
+
+    # The collapse guard watches the steps and may stop the run; it never decides what a step trains.
+    NOT_TRAINING: ClassVar[frozenset[str]] = EntryPointConfig.NOT_TRAINING | {"collapse"}
 
     @property
     def packed_tokens(self) -> int:

@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.envs import build_interaction
@@ -96,6 +97,9 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
         "completion_len_mean": float(np.mean(lengths)) if lengths else 0.0,
         "truncated_fraction": truncated / len(lengths) if lengths else 0.0,
     }
+    entropy = sampled_entropy(rollouts, {env.name for env in config.settings.envs if env.sampler.frozen is None})
+    if entropy is not None:
+        metrics["sampled_entropy"] = entropy
     multi_turn = [episode for episode in episodes if episode is not None]
     if multi_turn:
         env_tokens = sum(turn["length"] for turns in rollouts.column("completion_turns").to_pylist()
@@ -103,6 +107,15 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
         metrics["turns_mean"] = float(np.mean([episode["turns"] for episode in multi_turn]))
         metrics["env_token_fraction"] = env_tokens / max(sum(lengths), 1)
     return rollouts, {**metrics, **curriculum_metrics}
+
+
+def sampled_entropy(rollouts: pa.Table, policy_envs: set[str]) -> float | None:
+    """The mean -logprob of the tokens the live policy sampled (rows of `policy_envs`; tokens an environment wrote
+    have no logprob): an estimate of the policy's entropy per token at the sampling temperature, which falls to ~0
+    when it samples one continuation whatever the seed (rl/collapse.py watches it). None without such tokens."""
+    rows = rollouts.filter(pc.is_in(rollouts.column("env"), pa.array(sorted(policy_envs), pa.string())))
+    logprobs = pc.list_flatten(rows.column("sampling_logprobs")).drop_null().cast(pa.float64())
+    return float(-np.mean(logprobs.to_numpy())) if len(logprobs) else None
 
 
 def reload_metrics(samplers) -> dict:

@@ -49,11 +49,17 @@ def is_timing_metric(name: str) -> bool:
     return name.endswith(("_s", "/precomputed_rows"))
 
 
+# `sampled_entropy` (rl/sample.py), a mean of the sampler's own logprobs: an engine's vary ~1e-5 with batch
+# composition, so a step sampled again after a kill reports other bits while it trains on the same tokens.
+SAMPLER_LOGPROB_METRICS = frozenset({"sampled_entropy"})
+
+
 def deterministic_metrics(metrics: dict) -> dict:
     """The metrics a checkpoint id may depend on: numbers that are the same in every identical run (no timings,
-    no text such as reward error messages, which can carry addresses or pids)."""
+    no numbers of an engine's logprobs, no text such as reward error messages, which can carry addresses or
+    pids)."""
     return {name: value for name, value in metrics.items()
-            if isinstance(value, (int, float)) and not is_timing_metric(name)}
+            if isinstance(value, (int, float)) and not is_timing_metric(name) and name not in SAMPLER_LOGPROB_METRICS}
 
 
 def adapted(model, inputs: TrainingInputs, task: str):
