@@ -86,6 +86,13 @@ def test_a_collapse_from_the_first_step_blames_the_reward():
                          "signal; check the reward and the prompts' difficulty (docs/runs.md, \"When RL collapses\")")]
 
 
+def test_equal_rewards_at_the_best_the_run_reached_are_a_solved_task_not_a_collapse():
+    solved = [step(1, 0.4), step(2, 0.7)] + [step(n, 1.0, zero_advantage=1.0) for n in range(3, 8)]
+    assert said(solved) == []  # every group saturated at the run's best: nothing to warn about
+    fell = solved + [step(n, 0.0) for n in range(8, 11)]  # then every reward 0: below the best, a collapse
+    assert said(fell)[0][1].startswith("rl collapsed at step 8: reward 0.0 for 3 steps (was 1.0 at step 7)")
+
+
 def test_a_share_of_zero_advantages_under_the_threshold_is_signal():
     steps = [step(n, 0.3, zero_advantage=0.9) for n in range(1, 6)]
     assert said(steps) == []

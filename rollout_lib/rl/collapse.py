@@ -5,7 +5,9 @@ from then on every group's rewards are equal, so the rl component has nothing to
 nothing for the rest of its budget. Two symptoms, each read from one step's metrics:
 
 - no rl signal: at least `zero_advantage_fraction` of the step's rl samples have advantage 0 (the metric of that
-  name; every group's rewards equal, under a group-relative algorithm), in a step that trains rl (`rl_tokens`);
+  name; every group's rewards equal, under a group-relative algorithm), in a step that trains rl (`rl_tokens`),
+  at a reward below the best an earlier step reached. Equal rewards at the run's best, once it rose, are a solved
+  task (every group saturated), not a collapse; from step 1 (no rise yet) they are (a reward that never varies);
 - entropy: the tokens the policy sampled have a mean -logprob (`sampled_entropy`, rl/sample.py) below
   `min_entropy`: the policy samples one continuation whatever the seed, so no group can tell two apart.
 
@@ -38,13 +40,19 @@ def _number(value) -> str:
     return text if any(c in text for c in ".en") else f"{text}.0"  # 0.0, not 0: a mean, not a count
 
 
-def _no_signal(metrics: dict, settings: CollapseSettings) -> bool:
+def _no_signal(metrics: dict, settings: CollapseSettings, rewards: tuple[float, float] | None) -> bool:
+    """`rewards`: the (lowest, highest) reward_mean of the steps before this one, None before any."""
     fraction = metrics.get("zero_advantage_fraction")
-    return bool(metrics.get("rl_tokens")) and isinstance(fraction, (int, float)) \
-        and fraction >= settings.zero_advantage_fraction
+    if not (metrics.get("rl_tokens") and isinstance(fraction, (int, float))
+            and fraction >= settings.zero_advantage_fraction):
+        return False
+    reward = metrics.get("reward_mean")
+    saturated = rewards is not None and isinstance(reward, (int, float)) and rewards[1] > rewards[0] \
+        and reward >= rewards[1]
+    return not saturated
 
 
-def _low_entropy(metrics: dict, settings: CollapseSettings) -> bool:
+def _low_entropy(metrics: dict, settings: CollapseSettings, rewards: tuple[float, float] | None) -> bool:
     entropy = metrics.get("sampled_entropy")
     return settings.min_entropy > 0 and isinstance(entropy, (int, float)) and entropy < settings.min_entropy
 
@@ -102,6 +110,7 @@ class CollapseGuard:
     settings: CollapseSettings
     _streaks: dict[str, _Streak] = field(default_factory=dict)
     _previous: dict | None = None
+    _rewards: tuple[float, float] | None = None  # (lowest, highest) reward_mean fed so far
 
     def observe(self, metrics: dict) -> Collapse | None:
         """The collapse this step completes (a symptom `patience` steps long, not said yet), or None."""
@@ -110,7 +119,7 @@ class CollapseGuard:
             return None
         due = []
         for name, (shows, _) in SYMPTOMS.items():
-            if not shows(metrics, settings):
+            if not shows(metrics, settings, self._rewards):
                 self._streaks.pop(name, None)
                 continue
             streak = self._streaks.get(name)
@@ -122,6 +131,10 @@ class CollapseGuard:
                 streak.said = True
                 due.append(name)
         self._previous = metrics
+        reward = metrics.get("reward_mean")
+        if isinstance(reward, (int, float)):
+            low, high = self._rewards or (reward, reward)
+            self._rewards = (min(low, reward), max(high, reward))
         if not due:
             return None
         began = min(self._streaks[name].first for name in due)
