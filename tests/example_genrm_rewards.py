@@ -1,7 +1,9 @@
 """A user's GenRM reward file written for verl's reward loop, as seed 004 shows it: `compute_score_gsm8k` formats a
 prompt, POSTs it to `reward_router_address` with a `chat_complete` helper of its own (aiohttp, as verl's recipes
-do), and reads the last paragraph of the verdict as an int. Nothing in it knows rollout. The sync twin does the same
-with `requests`, as a sync verl function run in an executor would.
+do), and reads the last paragraph of the verdict as an int. Nothing in it knows rollout; its text is the seed's
+(it asks for up to 4096 tokens, which a judge must admit: tests/test_judge_rewards.py serves one that does). The
+short-verdict copy asks for 16, for the session's tiny judge (1024 tokens of context, which refuses 4096). The sync
+twin does the same with `requests`, as a sync verl function run in an executor would.
 
 Used by tests/test_judge_rewards.py and tests/test_reward_router.py as "example_genrm_rewards:<name>".
 """
@@ -10,9 +12,13 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import aiohttp
 import requests
+
+if TYPE_CHECKING:  # the seed's annotation; transformers is not imported at run time
+    from transformers import PreTrainedTokenizer
 
 GRM_PROMPT_TEMPLATE = """You are a strict math teacher. Check the solution to the problem.
 
@@ -45,13 +51,13 @@ async def compute_score_gsm8k(
     ground_truth: str,
     extra_info: dict,
     reward_router_address: str,
-    reward_model_tokenizer,
+    reward_model_tokenizer: PreTrainedTokenizer,
 ):
     """Compute the reward score."""
     # Step 1: Prepare prompt and request payload
     grm_prompt = GRM_PROMPT_TEMPLATE.format(problem=extra_info["question"], solution=solution_str)
     messages = [{"role": "user", "content": grm_prompt}]
-    sampling_params = {"temperature": 0.7, "top_p": 0.8, "max_tokens": 16}  # the seed's 4096: too slow on CPU
+    sampling_params = {"temperature": 0.7, "top_p": 0.8, "max_tokens": 4096}
     chat_complete_request = {"messages": messages, **sampling_params}
 
     # Step 2: Send async request to the reward model
@@ -66,6 +72,21 @@ async def compute_score_gsm8k(
     try:
         score_str = grm_response.split("\n\n")[-1].strip()
         score = int(score_str)
+    except Exception:
+        score = 0
+    return {"score": score}
+
+
+async def compute_score_gsm8k_short_verdict(data_source, solution_str, ground_truth, extra_info, reward_router_address,
+                                            reward_model_tokenizer):
+    """The seed's compute_score_gsm8k asking for a verdict of at most 16 tokens (a judge of 1024 tokens of context
+    refuses max_tokens 4096)."""
+    grm_prompt = GRM_PROMPT_TEMPLATE.format(problem=extra_info["question"], solution=solution_str)
+    request = {"messages": [{"role": "user", "content": grm_prompt}], "temperature": 0.7, "top_p": 0.8,
+               "max_tokens": 16}
+    grm_response = (await chat_complete(reward_router_address, request)).choices[0].message.content.strip()
+    try:
+        score = int(grm_response.split("\n\n")[-1].strip())
     except Exception:
         score = 0
     return {"score": score}

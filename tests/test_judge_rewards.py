@@ -185,20 +185,41 @@ def vllm_requests_answered(base_urls: list[str]) -> float:
     return total
 
 
+@pytest.fixture
+def seed_sized_judge():
+    """tiny:qwen2 served as a judge that admits the seed's request for up to 4096 tokens: max_model_len 4096 (past
+    the model's 1024 positions, which vLLM allows with VLLM_ALLOW_LONG_MAX_MODEL_LEN), each answer capped at 16 tokens
+    by the server's own setting (vLLM's --override-generation-config max_new_tokens), so no position past 1024 is
+    ever computed and a verdict costs what the session judge's do. One replica, stopped at the test's end."""
+    from rollout_lib.serving import engine
+
+    name = "test-genrm-judge"
+    try:
+        yield engine.start_deployment("tiny:qwen2", name=name, max_model_len=4096,
+                                      extra_args=["--override-generation-config", '{"max_new_tokens": 16}'],
+                                      env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    finally:
+        engine.stop_deployment(name)
+
+
 @pytest.mark.slow
-def test_the_seeds_genrm_compute_score_runs_unchanged_in_an_rl_run(vllm_tiny, prefect_server, tmp_path):
+def test_the_seeds_genrm_compute_score_runs_unchanged_in_an_rl_run(seed_sized_judge, prefect_server, tmp_path):
     """Seed 004's GenRM example (`compute_score_gsm8k`: a prompt to the judge through `reward_router_address`, the
-    last paragraph of the verdict as an int), as a user's file (tests/example_genrm_rewards.py), in `rollout train
-    rl` for 2 steps of rl-tiny with the session's two vLLM replicas as judge. The random judge's verdicts are no
-    int, so every score is the function's own 0, never a missing reward; every rollout's verdict came from vLLM."""
+    last paragraph of the verdict as an int), as a user's file (tests/example_genrm_rewards.py, the seed's text: it
+    asks for up to 4096 tokens), in `rollout train rl` for 2 steps of rl-tiny with a vLLM judge that admits that.
+    The random judge's verdicts are no int, so every score is the function's own 0, never a missing reward; every
+    rollout's verdict came from vLLM."""
     from clirun import final_result, run_rollout
 
-    vllm_tiny.ensure_running()
+    from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.store import ObjectStore
+
+    judge = seed_sized_judge
     prompts = tmp_path / "gsm8k.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"What is {a} * {b}?", "answer": str(a * b),
                                            "info": {"question": f"What is {a} * {b}?", "data_source": "gsm8k"}}) + "\n"
                                for a, b in [(6, 7), (3, 4), (5, 9), (8, 8)]))
-    base_urls = ", ".join(json.dumps(url) for url in vllm_tiny.base_urls)
+    base_urls = ", ".join(json.dumps(url) for url in judge.base_urls)
     config = tmp_path / "rl-genrm.toml"
     config.write_text(f"""
 [run]
@@ -226,27 +247,31 @@ algo = {{ type = "grpo" }}
 
 [[algorithm.rl.envs.rewards]]
 function = "example_genrm_rewards:compute_score_gsm8k"
-judge = {{ base_url = [{base_urls}], name = "{vllm_tiny.name}", tokenizer = "{vllm_tiny.model_dir}" }}
+judge = {{ base_url = [{base_urls}], name = "{judge.name}", tokenizer = "{judge.model_dir}" }}
 """)
-    answered_before = vllm_requests_answered(vllm_tiny.base_urls)
     run = run_rollout("train", "rl", "--config", str(config), PYTHONPATH=str(ROOT / "tests"))
     assert run.returncode == 0, run.stderr[-3000:]
-    result = final_result(run)
-    assert len(result["reward_curve"]) == 2 and all(0 <= r <= 1e9 for r in result["reward_curve"])
-    # 2 steps x 2 prompts x 4 samples: every verdict asked through the router and answered by a replica
-    assert vllm_requests_answered(vllm_tiny.base_urls) - answered_before >= 16
+    assert final_result(run)["reward_curve"] == [0.0, 0.0]
+    steps = read_metrics(ObjectStore(str(tmp_path / "store")), "rl-genrm")
+    assert [step["step"] for step in steps] == [1, 2]
+    for step in steps:  # mean 0 and std 0 over the present rewards, and none missing: every one of them is 0
+        assert (step["reward_mean"], step["reward_std"], step["missing_rewards"], step["reward_errors"]) == \
+            (0.0, 0.0, 0, []), step
+    # 2 steps x 2 prompts x 4 samples: every verdict asked through the router and answered by the judge, once
+    assert vllm_requests_answered(judge.base_urls) == 16
 
 
 @pytest.mark.slow
 def test_a_replica_killed_mid_step_costs_no_request_through_the_router(vllm_tiny):
-    """The seed's compute_score_gsm8k asks through the router: 32 verdicts in flight on the two replicas, one
-    replica is SIGKILLed, and every call is still answered (a score, never a missing reward)."""
+    """The seed's compute_score_gsm8k (its copy asking for 16-token verdicts, which the session's judge admits) asks
+    through the router: 32 verdicts in flight on the two replicas, one replica is SIGKILLed, and every call is still
+    answered (a score, never a missing reward)."""
     from rollout_lib.serving.settings import ExternalModel
 
     vllm_tiny.ensure_running()
     judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name, "timeout_s": 60.0,
              "tokenizer": str(vllm_tiny.model_dir)}
-    config = rl_config([{"function": "example_genrm_rewards:compute_score_gsm8k", "judge": judge}])
+    config = rl_config([{"function": "example_genrm_rewards:compute_score_gsm8k_short_verdict", "judge": judge}])
     inputs = [RewardInput(prompt=[{"role": "user", "content": "What is 6 * 7?"}], completion_text=f"It is {i}.",
                           answer="42", info={"question": "What is 6 * 7?"}) for i in range(32)]
     with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
