@@ -1,8 +1,8 @@
 """LLM judges in the reward loop: the built-in judge reward (template, verdict parser; a verdict that does not parse
 is a missing reward carrying the judge's text), user reward functions handed the judge client (async, and sync in a
 worker process through the judge's router), and seed 004's verl GenRM function through `reward_router_address` in an
-RL run and across a replica's SIGKILL, against the session's real vLLM replicas (tiny:qwen2, random weights: its
-verdicts never parse, which is the failure path)."""
+RL run (against a judge of its own that admits the seed's 4096-token request) and across a replica's SIGKILL, against
+real vLLM replicas (tiny:qwen2, random weights: its verdicts never parse, which is the failure path)."""
 
 from __future__ import annotations
 
