@@ -23,7 +23,9 @@ def follow(worker_stack, *args: str, server_from_env: bool = True) -> subprocess
                           env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
 
 
-def test_a_deployment_run_followed_by_its_run_name_to_its_summary(worker_stack, tmp_path):
+def test_a_deployment_run_followed_by_its_run_name_to_its_summary(worker_stack, failed_row_run, tmp_path):
+    """The run followed by its run name, then by --latest: the newest started run is this one (it was submitted
+    after the failed run of `failed_row_run`, the session's older one), so --latest gives its summary and exit 0."""
     flow_run_id = worker_stack.submit(config="configs/rm-tiny.toml", max_steps=3,
                                       overrides=[f"run.store={tmp_path}", "run.name=followed"])
     worker_stack.wait(flow_run_id)  # named and tagged once it starts: a finished run is followed as a live one
@@ -42,7 +44,10 @@ def test_a_deployment_run_followed_by_its_run_name_to_its_summary(worker_stack, 
     # Prefect's routine lines stay in the UI's log, not on the terminal.
     assert "Finished in state" not in shown and "Beginning flow run" not in shown and "submitting" not in shown
     assert "entered state" not in shown  # no raw state-change events
-    assert follow(worker_stack, "--latest").returncode in (0, 1)  # the newest started run, whichever it is
+    latest = follow(worker_stack, "--latest")
+    assert latest.returncode == 0, latest.stdout + latest.stderr
+    assert f"final checkpoint: {checkpoint}" in latest.stderr
+    assert latest.stderr.count(f"/runs/flow-run/{flow_run_id}") == 1
 
 
 def test_a_failed_run_is_followed_to_its_error(worker_stack, failed_row_run):
