@@ -24,6 +24,9 @@ def reward_curve(config_name: str, tiny_model_dir, steps: int = STEPS) -> list[f
 
 # Measured on a 2-core CPU, 16 steps (~30-50 s each): reward 0.42 -> 0.64, custom 0.42 -> 0.90 (grpo on the same
 # env: 0.42 -> 0.89). reward has no baseline, so it climbs more slowly.
+
+
+@pytest.mark.learning
 @pytest.mark.parametrize(("config_name", "margin"), [("rl-reward.toml", 0.15), ("rl-custom.toml", 0.25)])
 def test_the_algorithm_raises_the_toy_envs_reward(config_name, margin, tiny_model_dir):
     curve = reward_curve(config_name, tiny_model_dir)

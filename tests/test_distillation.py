@@ -58,6 +58,7 @@ def head_tail(values: list[float], window: int = 3) -> tuple[float, float]:
     return sum(values[:window]) / window, sum(values[-window:]) / window
 
 
+@pytest.mark.learning
 def test_opd_pulls_the_student_to_the_teacher_and_a_killed_run_resumes_to_the_same_checkpoint(teacher, tmp_path):
     # Teacher scoring one sequence at a time: the engine's logprob bits depend on batch composition, and the
     # resumed run must end byte-identical.
@@ -93,6 +94,7 @@ def test_opd_pulls_the_student_to_the_teacher_and_a_killed_run_resumes_to_the_sa
     assert engine.find_deployment("distill-teacher").replicas[0].alive  # left running for the module
 
 
+@pytest.mark.learning
 def test_sft_distill_teaches_the_student_the_teachers_text(teacher):
     source = f'{{ model = "{teacher.checkpoint}" }}'
     train_in_process(*distill_args(teacher, "sft-distill", '{ type = "sft" }', source=source, steps=10))

@@ -3,9 +3,10 @@
 The base is tiny:qwen2 warm-started by train-sft on configs/sft-tools-tiny.toml (the protocols of both envs, taught
 imperfectly on purpose), once for the module; the RL configs name it as a checkpoint, runs/tools-tiny/latest. Then:
 - echo on the calculator (configs/rl-calculator.toml), through `rollout train rl` (the Prefect flow): the ce of the
-  tool results' contents falls while the reward (right final answer) rises;
+  tool results' contents falls while the reward (right final answer) rises, and the policy keeps calling the tool;
 - grpo on guess_number (configs/rl-guess.toml), in-process through the library's stages: the reward rises.
-The curves are printed (pytest -s) and in the assertion messages."""
+The curves are printed (pytest -s) and in the assertion messages. Both pass with margin on AVX-512 and on AVX2
+kernels (`bash scripts/test-learning.sh avx2 -k multiturn`), over seeds 1-3: the spreads are at each assertion."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def median(values) -> float:
     return statistics.median(values)
 
 
+@pytest.mark.learning
 def test_echo_learns_the_tool_results_while_grpo_raises_the_reward(tools_store):
     # The config's base_model is the checkpoint ref runs/tools-tiny/latest, found in the run's store.
     rewards = train_in_process("train", "rl", "--config", "configs/rl-calculator.toml",
@@ -43,15 +45,20 @@ def test_echo_learns_the_tool_results_while_grpo_raises_the_reward(tools_store):
     metrics = metrics_table("rl-calculator")
     ce = metrics["loss/ce"]
     print("echo on the calculator, reward per step:", [round(v, 3) for v in rewards])
-    print("echo on the calculator, ce of the tool results (alpha 0.1, weighted) per step:", [round(v, 3) for v in ce])
+    print("echo on the calculator, ce of the tool results (alpha 0.02, weighted) per step:", [round(v, 3) for v in ce])
     print("turns per episode:", [round(v, 2) for v in metrics["turns_mean"]])
-    # Measured (24 steps): reward 0.46 over steps 1-3 -> 0.62 over steps 19-24 (grpo alone: 0.52 -> 0.89); ce 0.36
-    # -> 0.29 (medians; it drops within 4 steps and then hovers, the tool's 4-digit products being unpredictable).
-    assert mean(rewards[-6:]) > mean(rewards[:3]) + 0.08, rewards
-    assert median(ce[-6:]) < 0.9 * median(ce[:3]), ce
-    assert all(turns > 1.5 for turns in metrics["turns_mean"])  # it keeps calling the tool
+    # Measured (24 steps, tool results at alpha 0.02, run.seed 1-3, 2026-11-27), reward over steps 1-3 -> 19-24:
+    #   AVX-512 kernels: 0.52 -> 0.84, 0.51 -> 0.88, 0.61 -> 0.85 (gains 0.23-0.37); ce median ratio 0.37-0.42
+    #   AVX2 kernels (scripts/test-learning.sh avx2): 0.48 -> 0.88, 0.52 -> 0.81, 0.50 -> 0.85 (gains 0.29-0.40);
+    #   ce median ratio 0.33-0.50; turns per episode >= 1.67 at every step of all six runs.
+    # At alpha 0.1 the AVX2 kernels collapsed it (reward 0 and one turn from step 5: configs/rl-calculator.toml).
+    # Asserted: half the smallest gain; a policy that does not learn gains ~0, one that collapses loses ~0.5.
+    assert mean(rewards[-6:]) > mean(rewards[:3]) + 0.11, rewards
+    assert median(ce[-6:]) < 0.8 * median(ce[:3]), ce
+    assert all(turns > 1.5 for turns in metrics["turns_mean"]), metrics["turns_mean"]  # it keeps calling the tool
 
 
+@pytest.mark.learning
 def test_grpo_learns_to_use_the_feedback_of_guess_number(tools_store):
     # In process, in a store of its own; the base model's checkpoint is in the warm start's store.
     curve, last = reward_curve_in_process("rl-guess.toml", [

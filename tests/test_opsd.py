@@ -55,6 +55,7 @@ def opsd_args(workdir, run_name: str, prompts: str, steps: int = 12) -> list[str
             "--set", "algorithm.rl.optimizer.lr=3e-3"]
 
 
+@pytest.mark.learning
 def test_opsd_learns_to_answer_as_if_shown_the_demonstration(hint_following_base):
     """12 steps of opsd from the hint-following base. Measured with seeds 1-4 (an AVX-512 machine): task reward over
     the first 3 steps 0.15-0.28 -> last 3 steps 0.63-0.81 (gains 0.48-0.63; asserted > 0.3); reverse KL to the

@@ -21,6 +21,7 @@ CONFIG = ["train", "rl", "--config", "configs/rl-tiny.toml"]
 STAGES = ("sample", "score", "advantages", "pack", "train")
 
 
+@pytest.mark.learning
 def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(prefect_server, tmp_path):
     # The uninterrupted run: 20 steps of grpo on the toy env.
     result = train_in_process(*CONFIG, "--set", f"run.store={tmp_path / 'uninterrupted'}")

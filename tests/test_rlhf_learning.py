@@ -40,6 +40,7 @@ def mean(values: list) -> float:
     return sum(values) / len(values)
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_rl_against_the_learned_reward_model_raises_the_true_reward(prefect_server, tmp_path):
     done = run_rollout("train", "rlhf", "--config", "configs/rlhf-length.toml", "--set", f"run.store={tmp_path}")
