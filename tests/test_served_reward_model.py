@@ -14,6 +14,10 @@ import asyncio
 import json
 import os
 import signal
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -277,16 +281,42 @@ def test_rl_rewarded_by_the_served_reward_model(served_rm, rm_on_another_node, t
     assert last_step[own] == last_step[by_url]  # each reward's mean over the step's rollouts
 
 
+def unread_requests(port: int) -> int:
+    """Connections to 127.0.0.1:`port` holding bytes its server has not read (/proc/net/tcp: established, receive
+    queue not empty): requests that reached a stopped server and wait in flight."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port, state, rx_queue = int(fields[1].split(":")[1], 16), fields[3], int(fields[4].split(":")[1], 16)
+        count += local_port == port and state == "01" and rx_queue > 0
+    return count
+
+
 def test_a_replica_killed_mid_step_fails_over_to_the_other_nodes(served_rm, rm_on_another_node):
-    """`base_url` listing replicas on two nodes (this one's deployment and the other node's server): the replica
-    killed mid-step costs retries on the other node's, not the step, and the scores are the same bits. Last in the
-    module: it leaves this node's replica dead (the fixture stops the deployment) rather than restart it."""
+    """`base_url` listing replicas on two nodes (this one's deployment and the other node's server): this node's
+    replica is SIGKILLed while the step's requests to it are in flight (stopped first, so that a request it was sent
+    waits unread until the kill), which costs retries on the other node's, not the step, and the scores are the
+    same bits. Last in the module: it leaves this node's replica dead (the fixture stops the deployment) rather than
+    restart it."""
     store, _, _, served = served_rm
     [here] = served.pool.urls
+    group = engine.find_deployment(served.pool.model).replicas[0].pid
     with ServedModels(str(store)) as elsewhere:
         both = load_scorer(settings(store, base_url=[here, rm_on_another_node], batch_size=4), elsewhere, "test")
         before = asyncio.run(score_all(both, ITEMS))
-        os.killpg(engine.find_deployment(served.pool.model).replicas[0].pid, signal.SIGKILL)
-        after = asyncio.run(score_all(both, ITEMS * 3))  # several batches: some go to the dead replica first
-        assert after == before * 3
+        outcome: dict = {}
+        step = threading.Thread(target=lambda: outcome.update(after=asyncio.run(score_all(both, ITEMS * 3))))
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            step.start()  # several batches: some go to this node's replica first
+            deadline = time.monotonic() + 60
+            while not unread_requests(urlsplit(here).port):
+                assert time.monotonic() < deadline and step.is_alive(), "no request reached the stopped replica"
+                time.sleep(0.02)
+        finally:
+            os.killpg(group, signal.SIGKILL)
+        step.join(timeout=120)
+        assert not step.is_alive(), "the step stalled"
+        assert outcome["after"] == before * 3
         assert both.pool.failures[here] >= 1 and both.pool.recover is None  # not rollout's to restart
+        assert set(both.pool.outstanding.values()) == {0}
