@@ -1,10 +1,11 @@
 """The live policy on a vLLM engine (sampling/vllm.py, serving/policy_server.py): its settings and what enters the
 training identity, every rollout recording what sampled it, weight reload in place verified by a probe (tied
 embeddings included), the probe failing loudly on other weights, seeded sampling through the pool, a policy server
-killed mid-stage, and a `train rl` run on the engine.
+killed mid-stage or inside its hold (the reload, the probe), and `train rl` runs on the engine.
 
-One policy server (tiny:qwen2, dev mode) serves the class below and is stopped after it; the `train rl` test after
-it starts its run's own. Never the session's `vllm_tiny`: reloading other weights into it would break other tests."""
+One policy server (tiny:qwen2, dev mode) serves the class below and is stopped after it; the `train rl` tests after
+it start their runs' own. Never the session's `vllm_tiny`: reloading other weights into it would break other tests.
+The interrupted runs share one uninterrupted run (a module fixture), the checkpoint each must end on."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -36,7 +38,7 @@ from rollout_lib.sampling.vllm import VllmSampler, VllmSamplerSettings
 from rollout_lib.serving import engine, weight_sync
 from rollout_lib.serving.client import EndpointClient
 from rollout_lib.serving.served import ServedModels
-from rollout_lib.serving.policy_server import PolicyServerError, trainer_logprobs
+from rollout_lib.serving.policy_server import HoldReport, PolicyReplicaLost, PolicyServerError, trainer_logprobs
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.identity.training import training_identity
 
@@ -96,6 +98,52 @@ def test_every_rollout_records_what_sampled_it(tmp_path, tiny_model_dir):
     assert frozen_identity(config, ServedModel(model="tiny:qwen2")) == f"frozen:{model_content_digest(BASE)}"
     with pytest.raises(ValueError, match='type = "vllm" samples on the run\'s policy server'):
         VllmSampler(VllmSamplerSettings(), model, tokenizer, SamplingContext(policy_state="s"))
+
+
+class _ServerLosingItsReplica:
+    """A policy server whose first `losses` holds lose their replica (PolicyReplicaLost, as a SIGKILL inside the reload
+    gives) and whose `recover` restarts `restarts` (none: a server on another node, or a replica hung, not dead)."""
+
+    name = "policy-fake"
+    remote = False
+
+    def __init__(self, losses: int, restarts: list[str]):
+        self.losses, self.restarts, self.holds, self.recovers = losses, restarts, 0, 0
+
+    def policy_server(self, *_, **__):  # the run's ServedModels hands out this server
+        return self
+
+    def hold(self, state_id, model, tokenizer):
+        self.holds += 1
+        if self.holds <= self.losses:
+            raise PolicyReplicaLost("policy server http://127.0.0.1:9 ('policy-fake'): weight reload failed: POST "
+                                    "/collective_rpc: ReadError")
+        return HoldReport(reloaded=["http://127.0.0.1:9"])
+
+    def recover(self) -> list[str]:
+        self.recovers += 1
+        return list(self.restarts)
+
+
+@pytest.mark.parametrize("losses, restarts, max_recoveries, holds, recovers, fails", [
+    (1, ["http://127.0.0.1:9"], 2, 2, 1, False),  # lost inside the hold: restarted, held again
+    (1, [], 2, 1, 1, True),  # nothing died (another node's server, or hung): the hold's one line stands
+    (3, ["http://127.0.0.1:9"], 2, 3, 2, True),  # lost again and again: max_recoveries restarts a stage, then fails
+])
+def test_a_replica_lost_inside_the_hold_is_restarted_and_held_again_within_the_stages_recoveries(
+        losses, restarts, max_recoveries, holds, recovers, fails):
+    server = _ServerLosingItsReplica(losses, restarts)
+    context = SamplingContext(policy_state="state-a", served_models=server, base_model=BASE)
+    sampler = VllmSampler(VllmSamplerSettings(max_recoveries=max_recoveries), torch.nn.Linear(1, 1), None, context)
+    if fails:
+        with pytest.raises(PolicyReplicaLost, match=r"^policy server http://127\.0\.0\.1:9 \('policy-fake'\): weight "
+                                                    r"reload failed: POST /collective_rpc: ReadError$"):
+            sampler._hold()
+        assert sampler.held_state is None
+    else:
+        sampler._hold()
+        assert sampler.held_state == "state-a" and len(sampler.hold_reports) == 1
+    assert (server.holds, server.recovers, sampler.recoveries) == (holds, recovers, recovers if restarts else 0)
 
 
 # --- against a policy server ------------------------------------------------------------------------------------
@@ -340,29 +388,42 @@ def _is_record(store, object_id: str, kind: str) -> bool:
         return False
 
 
+# rl-tiny for 3 steps on the engine, one request at a time: which token a seed draws may depend on the engine's
+# batch composition (its logits vary in the last bits).
+ENGINE_RUN = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=3",
+              "--set", "algorithm.rl.checkpoint_interval=2",
+              "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 1 }']
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_engine_run(prefect_server, tmp_path_factory) -> tuple[Path, dict]:
+    """ENGINE_RUN uninterrupted, in this process: its store and its result, what every interrupted run below must
+    end on."""
+    from clirun import train_in_process
+
+    store = tmp_path_factory.mktemp("uninterrupted-engine") / "store"
+    return store, train_in_process(*ENGINE_RUN, "--set", f"run.store={store}")
+
+
 @pytest.mark.slow
-def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphaned_policy_server(prefect_server,
-                                                                                                  tmp_path):
+def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphaned_policy_server(
+        uninterrupted_engine_run, tmp_path):
     """SIGKILL after step 2 trained: the killed run's policy server is left as an orphan; the rerun adopts it (no
     second server), returns steps 1..2 from cache, re-samples step 3 with the same seeds after reloading the server,
-    and ends on the uninterrupted run's checkpoint. One request at a time: which token a seed draws may depend on
-    the engine's batch composition (its logits vary in the last bits)."""
-    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
+    and ends on the uninterrupted run's checkpoint."""
+    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
 
     from rollout_lib.runlog.metrics_file import read_metrics
     from rollout_lib.store import ObjectStore
 
-    common = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=3",
-              "--set", "algorithm.rl.checkpoint_interval=2",
-              "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 1 }']
-    expected = train_in_process(*common, "--set", f"run.store={tmp_path / 'uninterrupted'}")
+    store, expected = uninterrupted_engine_run
     # k = 0 on the engine: the behaviour logprobs are the training forward's own (no recompute forward), and the
     # rerun below still ends on the same checkpoint.
-    steps = read_metrics(ObjectStore(str(tmp_path / "uninterrupted")), "rl-tiny")
+    steps = read_metrics(ObjectStore(str(store)), "rl-tiny")
     assert all(m["behaviour/training_forward"] == 32 and "behaviour/recomputed" not in m for m in steps)
     assert all(m["rl/ratio_mean"] == 1.0 for m in steps)
 
-    args = [*common, "--set", f"run.store={tmp_path / 'interrupted'}"]
+    args = [*ENGINE_RUN, "--set", f"run.store={tmp_path / 'interrupted'}"]
     run_until_then_kill(args, "train-step-2' - Finished", tmp_path / "killed.log")
     orphans = [d for d in engine.running_deployments() if d.live_policy]
     assert len(orphans) == 1 and orphans[0].orphaned
@@ -375,3 +436,76 @@ def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphane
     assert resumed["checkpoint"] == expected["checkpoint"]
     assert resumed["reward_curve"] == expected["reward_curve"]
     assert not [d for d in engine.running_deployments() if d.live_policy]  # the adopter stopped it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["reload", "probe"])
+def test_a_policy_server_killed_inside_its_hold_is_restarted_and_the_run_ends_on_the_uninterrupted_checkpoint(
+        uninterrupted_engine_run, tmp_path, monkeypatch, phase):
+    """Issue 46. The run's policy server is SIGKILLed inside step 2's hold, with that phase's request in flight: the
+    reload (POST /collective_rpc, the weights written) or the probe (its scoring, the reload done). As for a server
+    lost while sampling, the sampler restarts it, writes, reloads and probes again, samples, and the run ends on the
+    uninterrupted run's checkpoint, with no rerun. The kill lands inside the phase on a loaded machine and cuts the
+    request under way, as the issue's was (ReadError): in_flight.py. Prints the seconds from the kill to the run's
+    end."""
+    from clirun import task_run_states, train_in_process
+    from in_flight import kill_with_the_request_in_flight
+
+    from rollout_lib.serving.policy_server import PolicyServer
+    from rollout_lib.serving.weight_sync import SharedWeightsFile
+
+    events: list[str] = []  # write, reload, probe, kill, restart: in the order they happened
+    killed: dict = {}
+    originals = {name: getattr(PolicyServer, name) for name in ("_reload", "_score", "recover")}
+    original_write = SharedWeightsFile.write
+
+    def write(weights, model):
+        events.append("write")
+        return original_write(weights, model)
+
+    def hooked(name: str, event: str):
+        async def call(server, client, url, *args):
+            events.append(event)
+            request = originals[name](server, client, url, *args)
+            if event != phase or events.count(event) != 2:  # the kill is in step 2's hold (step 1's: the initial state)
+                return await request
+            replica = server.deployment.replicas[0]
+            killed["at"], in_flight = await kill_with_the_request_in_flight(replica.pid, replica.port, request)
+            killed.update(pid=replica.pid, url=replica.base_url)
+            events.append("kill")
+            try:
+                return await in_flight
+            except PolicyReplicaLost as lost:
+                killed["error"] = str(lost)
+                raise
+        return call
+
+    def recover(server):
+        restarted = originals["recover"](server)
+        events.append("restart")
+        killed["restarted"], killed["new_pid"] = restarted, server.deployment.replicas[0].pid
+        return restarted
+
+    monkeypatch.setattr(SharedWeightsFile, "write", write)
+    monkeypatch.setattr(PolicyServer, "_reload", hooked("_reload", "reload"))
+    monkeypatch.setattr(PolicyServer, "_score", hooked("_score", "probe"))
+    monkeypatch.setattr(PolicyServer, "recover", recover)
+
+    _, expected = uninterrupted_engine_run
+    result = train_in_process(*ENGINE_RUN, "--set", f"run.store={tmp_path / 'store'}")
+    seconds = time.monotonic() - killed["at"]
+    print(f"policy server SIGKILLed inside step 2's {phase}: the run ended {seconds:.1f} s after the kill "
+          f"({killed['error']})")
+
+    hold = ["write", "reload", "probe"]
+    inside = ["write", "reload", "kill"] if phase == "reload" else ["write", "reload", "probe", "kill"]
+    assert events == [*hold, *inside, "restart", *hold, *hold]  # steps 1, 2 (killed, restarted, held again), 3
+    what = ("weight reload failed: POST /collective_rpc" if phase == "reload"
+            else "scoring the probe failed: POST /v1/completions")
+    assert killed["error"].startswith(f"policy server {killed['url']} ") and what in killed["error"]
+    assert "unreachable" not in killed["error"]  # cut under way, not refused before it was sent
+    assert killed["restarted"] == [killed["url"]] and killed["new_pid"] != killed["pid"]
+    assert result["checkpoint"] == expected["checkpoint"] and result["reward_curve"] == expected["reward_curve"]
+    states = task_run_states(result["flow_run_id"])
+    assert [states[f"sample-step-{k}"] for k in (1, 2, 3)] == ["Completed"] * 3  # one run, nothing from a rerun
+    assert not [d for d in engine.running_deployments() if d.live_policy]  # the run stopped the restarted server

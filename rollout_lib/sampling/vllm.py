@@ -15,8 +15,10 @@ rollouts' `sampling_logprobs` are the engine's (rollout's servers report process
 each token was drawn from); they vary in the last bits with batch composition (../shared/notes/serving.md).
 
 A replica that dies mid-stage: the pool fails the requests over to another replica; those no replica could answer
-are sent again, with the same seeds, after the sampler restarted the dead replicas and reloaded (and checked) them,
-at most `max_recoveries` times.
+are sent again, with the same seeds, after the sampler restarted the dead replicas and reloaded (and checked) them.
+One that dies during the hold (inside the reload or the probe: PolicyReplicaLost) is restarted the same way and the
+hold done again. Both count against `max_recoveries`, restarts per stage; a replica that stopped answering but did
+not die (hung), or one on another node (not rollout's to restart), fails the stage naming its URL.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pydantic import Field
 
 from rollout_lib.adapters import is_adapted
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
-from rollout_lib.serving.policy_server import BF16_PROBE_TOLERANCE, DEFAULT_TOLERANCE
+from rollout_lib.serving.policy_server import BF16_PROBE_TOLERANCE, DEFAULT_TOLERANCE, PolicyReplicaLost
 from rollout_lib.determinism import derived_seed
 
 log = logging.getLogger(__name__)
@@ -109,10 +111,31 @@ class VllmSampler(Sampler):
             remote_urls=settings.base_url or (), served_name=settings.served_name)
         self.hold_reports: list = []  # serving.policy_server.HoldReport of every hold this sampler made (metrics, tests)
         self.held_state: str | None = None  # the state this sampler's last hold brought the server to
+        self.recoveries = 0  # restarts of dead replicas so far in this stage (a sampler lives for one stage)
 
     def _hold(self) -> None:
-        self.hold_reports.append(self.server.hold(self.context.policy_state, self.model, self.tokenizer))
+        """Bring the server to the stage's state; a replica lost during the hold is restarted and the hold done
+        again (`_restart_dead_replicas`)."""
+        while True:
+            try:
+                self.hold_reports.append(self.server.hold(self.context.policy_state, self.model, self.tokenizer))
+                break
+            except PolicyReplicaLost as lost:
+                self._restart_dead_replicas(lost, "a replica was lost during the hold")
         self.held_state = self.context.policy_state
+
+    def _restart_dead_replicas(self, error: Exception, what: str) -> None:
+        """A replica stopped answering (`error`): restart the dead ones (PolicyServer.recover); `error` itself when
+        this stage's `max_recoveries` are spent or none had died (hung or overloaded, or on another node: a restart
+        here would not help)."""
+        if self.recoveries >= self.settings.max_recoveries:
+            raise error
+        restarted = self.server.recover()
+        if not restarted:
+            raise error
+        self.recoveries += 1
+        log.warning("policy server %s: %s (%s); restarted %s, reloading state %s", self.server.name, what, error,
+                    ", ".join(restarted), self.context.policy_state)
 
     def _held_remotely(self) -> bool:
         """Whether servers on another node were brought to this stage's state by this sampler already. They never
@@ -139,7 +162,7 @@ class VllmSampler(Sampler):
         seeds = [derived_seed("policy-engine", seed, index) for index in range(len(sequences))]
         results: list[tuple[list[int], list[float]] | None] = [None] * len(sequences)
         pending = list(range(len(sequences)))
-        for recovery in range(self.settings.max_recoveries + 1):
+        while True:
             outcomes = asyncio.run(self._generate_some(pending, sequences, params, seeds, stops, on_done))
             failed = []
             for index, outcome in zip(pending, outcomes):
@@ -151,18 +174,10 @@ class VllmSampler(Sampler):
                     results[index] = (outcome.token_ids, outcome.logprobs)
             if not failed:
                 return results  # type: ignore[return-value]
-            error = failed[0][1]
-            if recovery == self.settings.max_recoveries:
-                raise error
-            restarted = self.server.recover()
-            if not restarted:  # no replica died (hung or overloaded): a restart would not help
-                raise error
-            log.warning("policy server %s: %d of %d requests failed (%s); restarted %s, reloading state %s and sending "
-                        "them again", self.server.name, len(failed), len(sequences), error, ", ".join(restarted),
-                        self.context.policy_state)
+            self._restart_dead_replicas(failed[0][1], f"{len(failed)} of {len(sequences)} requests failed, sent again "
+                                                      "after the reload")
             self._hold()
             pending = [index for index, _ in failed]
-        raise AssertionError("unreachable")
 
     async def _generate_some(self, indices: list[int], sequences: list[list[int]], params: SamplingParams,
                              seeds: list[int], stops: list[int], on_done=None) -> list:

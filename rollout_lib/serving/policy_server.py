@@ -6,6 +6,9 @@ are reloaded in place to the policy state a sample stage samples from, and check
     await server.pool.generate(...)          # an EndpointPool over the replicas
     server.recover()                         # replicas died mid-step: restart them (they hold nothing until `hold`)
 
+A replica that stops answering during a hold (killed inside the reload or the probe) raises PolicyReplicaLost; the
+sampler then restarts it and holds again, as for one lost while sampling (sampling/vllm.py).
+
 Reload: the model's state dict -> a safetensors file in shared memory, rewritten in place each step
 (serving/weight_sync.py), every tensor, with `lm_head.weight` written out even when it is tied to the input
 embeddings (transformers' `save_pretrained` drops it, and vLLM's CPU engine then keeps its output head on the *old*
@@ -61,7 +64,7 @@ import numpy as np
 import torch
 
 from rollout_lib.serving import engine
-from rollout_lib.serving.client import EndpointClient, ServingError, base_model_names
+from rollout_lib.serving.client import EndpointClient, ReplicaUnavailable, ServingError, base_model_names
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.store_fetch import STATE_FILES
 from rollout_lib.serving.weight_sync import AdapterDirectory, SharedWeightsFile
@@ -91,6 +94,13 @@ def lora_server_args(rank: int) -> list[str]:
 
 class PolicyServerError(RuntimeError):
     """The policy server cannot be brought to the requested weights (a reload failed, or the probe disagrees)."""
+
+
+class PolicyReplicaLost(PolicyServerError):
+    """A replica stopped answering during a hold (connection refused or reset, cut off mid-answer, timed out, HTTP
+    5xx): its process may have died. The sampler handles it as a replica lost while sampling (sampling/vllm.py):
+    it restarts the dead replicas of a server rollout started and holds again; one on another node, or one still
+    running (hung), fails the step with this message."""
 
 
 @dataclass
@@ -201,7 +211,8 @@ class PolicyServer:
     def hold(self, state_id: str, model, tokenizer) -> HoldReport:
         """Bring every replica to `model`'s weights, known as `state_id`: restart dead replicas, reload those that do
         not hold the state, verify each reloaded one with the probe. PolicyServerError when a reload fails or a
-        replica's probe logprobs are off by more than the tolerance; nothing is remembered as held then."""
+        replica's probe logprobs are off by more than the tolerance, PolicyReplicaLost when a replica stops answering
+        (`recover`, then `hold` again, is the caller's: sampling/vllm.py); nothing is remembered as held then."""
         with self._lock:
             report = HoldReport()
             started = time.perf_counter()
@@ -325,15 +336,18 @@ class PolicyServer:
                     "method": "reload_policy_weights", "args": [directory]})
                 self.reload_paths[url] = answer["results"][0]
         except ServingError as exc:
-            raise PolicyServerError(f"policy server {url} ({self.name!r}): weight reload failed: "
-                                    f"{exc.detail}") from None
+            raise self._request_failed(url, "weight reload failed", exc) from None
 
     async def _score(self, client: EndpointClient, url: str, probe: list[int]) -> list[float]:
         try:
             return await client.score(probe)
         except ServingError as exc:
-            raise PolicyServerError(f"policy server {url} ({self.name!r}): scoring the probe failed: "
-                                    f"{exc.detail}") from None
+            raise self._request_failed(url, "scoring the probe failed", exc) from None
+
+    def _request_failed(self, url: str, what: str, exc: ServingError) -> PolicyServerError:
+        """One line naming the replica; PolicyReplicaLost when it did not answer (it may have died)."""
+        error = PolicyReplicaLost if isinstance(exc, ReplicaUnavailable) else PolicyServerError
+        return error(f"policy server {url} ({self.name!r}): {what}: {exc.detail}")
 
     def close(self) -> None:
         """Close the pool and delete the weights directory and what was shipped (the deployment is stopped by its
