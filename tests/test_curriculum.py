@@ -273,13 +273,12 @@ def test_the_pools_feed_back_into_the_draw_and_a_killed_run_reruns_to_the_same_c
     easy as groups score >= 0.3, no example easy in the pools a step draws with is drawn, and a run SIGKILLed
     after step 3 trained reruns
     to the uninterrupted run's checkpoint with the same pools every step (they are results of cached tasks)."""
-    from clirun import final_result, run_rollout, run_until_then_kill
+    from clirun import final_result, run_rollout, run_until_then_kill, train_in_process
 
     from rollout_lib.runlog.metrics_file import read_metrics
     from rollout_lib.store import ObjectStore
 
-    reference = run_rollout(*CURRICULUM_RUN, "--store", str(tmp_path / "uninterrupted"))
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    reference = train_in_process(*CURRICULUM_RUN, "--store", str(tmp_path / "uninterrupted"))  # no CLI start
     steps = read_metrics(ObjectStore(str(tmp_path / "uninterrupted")), "curriculum")
     # Pools after each step; a step draws with those after step n-2 (k = 1), never an example easy there, so an
     # example that turned easy one step ago can still be drawn once more (and leave the pool).
@@ -292,7 +291,7 @@ def test_the_pools_feed_back_into_the_draw_and_a_killed_run_reruns_to_the_same_c
     run_until_then_kill(args, "train-step-3' - Finished", tmp_path / "killed.log")
     rerun = run_rollout(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert final_result(rerun)["checkpoint"] == final_result(reference)["checkpoint"]
+    assert final_result(rerun)["checkpoint"] == reference["checkpoint"]
     resumed = read_metrics(ObjectStore(str(tmp_path / "interrupted")), "curriculum")
     assert [{k: v for k, v in m.items() if k.startswith("curriculum/")} for m in resumed] == \
         [{k: v for k, v in m.items() if k.startswith("curriculum/")} for m in steps]

@@ -16,12 +16,12 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 from clirun import ROOT, final_result, on_other_node, run_rollout
+from in_flight import unread_requests
 from rollout_lib.config import ConfigError
 from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
 from rollout_lib.config.rl import RlConfig
@@ -279,17 +279,6 @@ def test_rl_rewarded_by_the_served_reward_model(served_rm, rm_on_another_node, t
     assert last_step["missing_rewards"] == 0
     own, by_url = (f"reward/reward_model({checkpoint})", f"reward/reward_model({checkpoint})#2")
     assert last_step[own] == last_step[by_url]  # each reward's mean over the step's rollouts
-
-
-def unread_requests(port: int) -> int:
-    """Connections to 127.0.0.1:`port` holding bytes its server has not read (/proc/net/tcp: established, receive
-    queue not empty): requests that reached a stopped server and wait in flight."""
-    count = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local_port, state, rx_queue = int(fields[1].split(":")[1], 16), fields[3], int(fields[4].split(":")[1], 16)
-        count += local_port == port and state == "01" and rx_queue > 0
-    return count
 
 
 def test_a_replica_killed_mid_step_fails_over_to_the_other_nodes(served_rm, rm_on_another_node):
