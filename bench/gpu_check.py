@@ -5,7 +5,8 @@
 1. parity   tiny SFT, 3 steps: CUDA fp32 against CPU fp32 (losses within 1e-4 relative), CUDA bf16 autocast
             (finite, close), LoRA on CUDA (only the adapter moves), a LoRA reward model on CUDA
 2. sharded  the FSDP2 path on nccl: one rank (a GPU per rank; a one-GPU machine has one), SFT tiny 3 steps from
-            the same start checkpoint as an unsharded CUDA run: the same losses, a gathered checkpoint
+            the same start checkpoint as an unsharded CUDA run: the same losses, a gathered checkpoint; then steps
+            1-2 and step 3 from their checkpoint (AdamW state streamed to the ranks): the same final weights
 3. speed    an rl-smollm2 train step (32 x 64 tokens, packed, grpo-like) on a SmolLM2-135M-shaped model (random
             weights from its config.json: --smollm2-config), timed after a warm-up: fp32, bf16 autocast, LoRA
             r=16 bf16, full fine-tuning tokens/s and achieved TFLOP/s
@@ -153,8 +154,18 @@ def sharded(tmp: str) -> dict:
     assert worst < 1e-4, (plain, losses)
     weights = inputs.store.get_tensors(read_manifest(inputs.store, checkpoint)["weights"])
     assert all(t.device.type == "cpu" for t in weights.values())
+    # A later segment: steps 1-2, then step 3 from that checkpoint, whose AdamW state the sharded ranks receive
+    # streamed from rank 0 over nccl (sharding.receive_optimizer_state), never whole on one rank. Step 3's update
+    # reads that state, so the weights it ends on must be the uninterrupted run's.
+    middle, first_two = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, 2, 1, batches=batches)
+    resumed_checkpoint, third = run_segment_in_processes(CausalLmTrainer, inputs, middle, 3, 3, 1, batches=batches)
+    resumed = [m["loss"] for m in first_two + third]
+    assert resumed == losses, (losses, resumed)
+    resumed_weights = inputs.store.get_tensors(read_manifest(inputs.store, resumed_checkpoint)["weights"])
+    weight_diff = max(float((weights[name] - resumed_weights[name]).abs().max()) for name in weights)
+    assert weight_diff < 1e-6, weight_diff
     return {"nccl_fsdp_losses": losses, "unsharded_losses": plain, "max_relative_loss_diff": worst,
-            "torch": torch.__version__}
+            "resumed_at_step_3_max_weight_diff": weight_diff, "torch": torch.__version__}
 
 
 @check("speed")
