@@ -439,15 +439,15 @@ def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphane
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["reload", "probe"])
-def test_a_policy_server_killed_inside_its_hold_is_restarted_and_the_run_ends_on_the_uninterrupted_checkpoint(
-        uninterrupted_engine_run, tmp_path, monkeypatch, phase):
-    """Issue 46. The run's policy server is SIGKILLed inside step 2's hold, with that phase's request in flight: the
-    reload (POST /collective_rpc, the weights written) or the probe (its scoring, the reload done). As for a server
-    lost while sampling, the sampler restarts it, writes, reloads and probes again, samples, and the run ends on the
-    uninterrupted run's checkpoint, with no rerun. The kill lands inside the phase on a loaded machine and cuts the
-    request under way, as the issue's was (ReadError): in_flight.py. Prints the seconds from the kill to the run's
-    end."""
+def test_a_policy_server_killed_inside_its_reload_then_its_probe_is_restarted_and_ends_on_the_uninterrupted_checkpoint(
+        uninterrupted_engine_run, tmp_path, monkeypatch):
+    """Issue 46. The run's policy server is SIGKILLed inside step 2's reload (POST /collective_rpc, the weights
+    written), then, restarted, inside step 3's probe (its scoring, the reload done), each with that request in
+    flight. As for a server lost while sampling, the sampler restarts it, writes, reloads and probes again, samples,
+    and the run ends on the uninterrupted run's checkpoint, with no rerun. One run holds both kills (a run fewer
+    for the suite). The kill lands inside the phase on a loaded machine and cuts the request under way, as the
+    issue's was (ReadError): in_flight.py. Prints the seconds from each kill to the hold done again, and from the
+    last kill to the run's end."""
     from clirun import task_run_states, train_in_process
     from in_flight import kill_with_the_request_in_flight
 
@@ -455,7 +455,10 @@ def test_a_policy_server_killed_inside_its_hold_is_restarted_and_the_run_ends_on
     from rollout_lib.serving.weight_sync import SharedWeightsFile
 
     events: list[str] = []  # write, reload, probe, kill, restart: in the order they happened
-    killed: dict = {}
+    kills: dict[str, dict] = {}  # phase -> when, the replica, the error, the restart
+    # step 1's hold is reload 1 and probe 1; step 2's reload is the 2nd; after its restart step 2 holds again (reload
+    # 3, probe 2), and step 3's probe is the 3rd.
+    kill_at = {"reload": 2, "probe": 3}
     originals = {name: getattr(PolicyServer, name) for name in ("_reload", "_score", "recover")}
     original_write = SharedWeightsFile.write
 
@@ -467,23 +470,27 @@ def test_a_policy_server_killed_inside_its_hold_is_restarted_and_the_run_ends_on
         async def call(server, client, url, *args):
             events.append(event)
             request = originals[name](server, client, url, *args)
-            if event != phase or events.count(event) != 2:  # the kill is in step 2's hold (step 1's: the initial state)
-                return await request
+            if events.count(event) != kill_at[event]:
+                result = await request
+                if event == "probe" and kills and "held_again" not in kills[next(reversed(kills))]:
+                    kills[next(reversed(kills))]["held_again"] = time.monotonic()
+                return result
             replica = server.deployment.replicas[0]
-            killed["at"], in_flight = await kill_with_the_request_in_flight(replica.pid, replica.port, request)
-            killed.update(pid=replica.pid, url=replica.base_url)
+            at, in_flight = await kill_with_the_request_in_flight(replica.pid, replica.port, request)
+            kills[event] = {"at": at, "pid": replica.pid, "url": replica.base_url}
             events.append("kill")
             try:
                 return await in_flight
             except PolicyReplicaLost as lost:
-                killed["error"] = str(lost)
+                kills[event]["error"] = str(lost)
                 raise
         return call
 
     def recover(server):
         restarted = originals["recover"](server)
         events.append("restart")
-        killed["restarted"], killed["new_pid"] = restarted, server.deployment.replicas[0].pid
+        last = kills[next(reversed(kills))]
+        last["restarted"], last["new_pid"] = restarted, server.deployment.replicas[0].pid
         return restarted
 
     monkeypatch.setattr(SharedWeightsFile, "write", write)
@@ -493,18 +500,22 @@ def test_a_policy_server_killed_inside_its_hold_is_restarted_and_the_run_ends_on
 
     _, expected = uninterrupted_engine_run
     result = train_in_process(*ENGINE_RUN, "--set", f"run.store={tmp_path / 'store'}")
-    seconds = time.monotonic() - killed["at"]
-    print(f"policy server SIGKILLed inside step 2's {phase}: the run ended {seconds:.1f} s after the kill "
-          f"({killed['error']})")
+    ended = time.monotonic()
+    for phase, kill in kills.items():
+        print(f"policy server SIGKILLed inside its {phase}: held again {kill['held_again'] - kill['at']:.1f} s after "
+              f"the kill ({kill['error']})")
+    print(f"the run ended {ended - kills['probe']['at']:.1f} s after the probe's kill")
 
     hold = ["write", "reload", "probe"]
-    inside = ["write", "reload", "kill"] if phase == "reload" else ["write", "reload", "probe", "kill"]
-    assert events == [*hold, *inside, "restart", *hold, *hold]  # steps 1, 2 (killed, restarted, held again), 3
-    what = ("weight reload failed: POST /collective_rpc" if phase == "reload"
-            else "scoring the probe failed: POST /v1/completions")
-    assert killed["error"].startswith(f"policy server {killed['url']} ") and what in killed["error"]
-    assert "unreachable" not in killed["error"]  # cut under way, not refused before it was sent
-    assert killed["restarted"] == [killed["url"]] and killed["new_pid"] != killed["pid"]
+    assert events == [*hold,  # step 1
+                      "write", "reload", "kill", "restart", *hold,  # step 2: killed in its reload, held again
+                      *hold, "kill", "restart", *hold]  # step 3: killed in its probe, held again
+    for phase, what in [("reload", "weight reload failed: POST /collective_rpc"),
+                        ("probe", "scoring the probe failed: POST /v1/completions")]:
+        kill = kills[phase]
+        assert kill["error"].startswith(f"policy server {kill['url']} ") and what in kill["error"], kill
+        assert "unreachable" not in kill["error"]  # cut under way, not refused before it was sent
+        assert kill["restarted"] == [kill["url"]] and kill["new_pid"] != kill["pid"]
     assert result["checkpoint"] == expected["checkpoint"] and result["reward_curve"] == expected["reward_curve"]
     states = task_run_states(result["flow_run_id"])
     assert [states[f"sample-step-{k}"] for k in (1, 2, 3)] == ["Completed"] * 3  # one run, nothing from a rerun
