@@ -19,7 +19,7 @@ from prefect.client.schemas.filters import (
     LogFilterFlowRunId,
 )
 
-from clirun import ROOT, run_rollout, settled, task_run_states, train_in_process
+from clirun import ROOT, final_result, run_rollout, settled, task_run_states
 from rollout_lib.runlog import read_metrics
 from rollout_lib.store import ObjectStore
 
@@ -39,7 +39,7 @@ def flow_run_logs(flow_run_id: str) -> list[tuple[int, str]]:
 
 
 def test_a_collapsed_run_fails_in_one_line_and_its_rerun_with_warn_trains_on_saying_it_once(prefect_server,
-                                                                                              tmp_path, capfd):
+                                                                                              tmp_path):
     config = tmp_path / "zero.toml"
     config.write_text((ROOT / "configs/rl-tiny.toml").read_text()
                       .replace('"data/rl-tiny-prompts.jsonl"', f'"{ROOT / "data/rl-tiny-prompts.jsonl"}"')
@@ -61,11 +61,13 @@ def test_a_collapsed_run_fails_in_one_line_and_its_rerun_with_warn_trains_on_say
     assert "sample-step-3" not in failed.stdout + failed.stderr
     assert [record["step"] for record in read_metrics(ObjectStore(str(store)), "rl-tiny")] == [1, 2]
 
-    # The rerun with the guard's other setting: the same training (its name's claim holds), steps 1-2 from cache.
-    capfd.readouterr()
-    resumed = train_in_process(*args, "--set", "algorithm.rl.collapse.action=warn")
-    terminal = [line for line in capfd.readouterr().err.splitlines() if "rl collapsed" in line]
-    assert len(terminal) == 1 and "WARNING | Flow run 'rl-tiny-" in terminal[0], terminal
+    # The rerun with the guard's other setting: the same training (its name's claim holds), steps 1-2 from cache. A
+    # CLI process, so that what its terminal shows is what is checked.
+    rerun = run_rollout(*args, "--set", "algorithm.rl.collapse.action=warn", PYTHONPATH=str(ROOT / "tests"))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed = final_result(rerun)
+    terminal = [line for line in rerun.stderr.splitlines() if "rl collapsed" in line]
+    assert len(terminal) == 1 and "WARNING | Flow run 'rl-tiny-" in terminal[0], rerun.stderr[-3000:]
     assert len(resumed["reward_curve"]) == 3 and set(resumed["reward_curve"]) == {0.0}
     states = task_run_states(resumed["flow_run_id"])
     assert [states[f"train-step-{k}"] for k in (1, 2, 3)] == ["Cached", "Cached", "Completed"], states

@@ -199,6 +199,7 @@ class RecordingSampler:
         ids = chosen.column("example_id").to_pylist()
         self.drawn.append(ids)
         return pa.table({"env": ["words"] * len(ids), "example_id": ids, "completion_ids": [[1]] * len(ids),
+                         "sampling_logprobs": pa.array([[-0.5]] * len(ids), pa.list_(pa.float32())),
                          "episode": pa.array([None] * len(ids), pa.string()),
                          "completion_turns": pa.array([None] * len(ids), pa.list_(pa.int32()))})
 
@@ -216,6 +217,7 @@ def test_sample_rollouts_draws_each_env_with_its_curriculum_state():
     assert sampler.drawn[0] == sampler.drawn[1] == sampler.drawn[2] == select_prompts(
         table, 4, seed=1, step=3, env_index=0).column("example_id").to_pylist()
     assert not any(key.startswith("curriculum/") for key in {**metrics, **with_none, **ignored})
+    assert metrics["sampled_entropy"] == 0.5  # every sampled token's -logprob
 
     _, metrics = sample_rollouts(curriculum, {"words": sampler}, {"words": table}, 3, curriculum_state=state)
     assert {"words/18", "words/19"} <= set(sampler.drawn[3])  # the only normal ones, at easy_weight 0
