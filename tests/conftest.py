@@ -295,13 +295,15 @@ def vllm_tiny():
 # Session fixtures that start servers: every test using one runs in the same pytest-xdist worker, so the suite starts
 # each server once (README: `pytest -n 2 --dist loadgroup`).
 SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack"}
-# The longest groups (seconds on one 2-core worker, measured 2026-11-26 with --durations=0: worker_stack 194,
-# vllm_tiny 156, test_rl_data_parallel 148, test_sharding 135, test_policy_engine 119, ... of 2167 in all), handed
+# The longest groups (seconds on one 2-core worker, measured 2026-11-27 with --durations=0, a quiet AVX-512 machine:
+# worker_stack 273, test_policy_engine 270, vllm_tiny 231, test_rl_data_parallel 218, test_task_runners 163,
+# test_sharding 162, ... of 3283 in all), handed
 # out first so that neither worker is left with a long group at the end; the rest follow in file order.
-LONGEST_GROUPS = ["worker_stack", "vllm_tiny", "test_rl_data_parallel", "test_sharding", "test_policy_engine",
-                  "test_task_runners", "test_rlhf_flow", "test_distillation", "test_off_policy", "test_lora",
-                  "test_served_reward_model", "test_data_parallel", "test_multiturn_learn", "test_policy_remote",
-                  "test_orchestrator_loss", "test_rl_flow", "test_rm_flow", "test_streamed_scoring", "test_nodes"]
+LONGEST_GROUPS = ["worker_stack", "test_policy_engine", "vllm_tiny", "test_rl_data_parallel", "test_task_runners",
+                  "test_sharding", "test_off_policy", "test_distillation", "test_rlhf_flow", "test_data_parallel",
+                  "test_served_reward_model", "test_multiturn_learn", "test_lora", "test_policy_remote",
+                  "test_orchestrator_loss", "test_rl_flow", "test_rm_flow", "test_streamed_scoring",
+                  "test_serving_engine", "test_run_metrics"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
