@@ -91,6 +91,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from machine import cpu_label, load_label  # noqa: E402  (bench/machine.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -314,6 +316,8 @@ def report(args, summaries: dict[str, dict]) -> dict:
         ("evaluation, steps 1..N", "eval_s_total"),
         (f"launch -> held-out >= {args.target} (eval incl.)", "time_to_target_s"),
     ]
+    for tool in tools:  # kernels round and run differently per instruction set: every figure names its CPU
+        print(f"{tool}: {summaries[tool]['cpu']}; {summaries[tool]['load_before']} before it started")
     for label, key in rows:
         print(f"{label:<42}" + "".join(f"{seconds(summaries[tool][key]):>{width}}" for tool in tools))
     print(f"{'  ... reached at step':<42}" + "".join(
@@ -340,8 +344,8 @@ def report(args, summaries: dict[str, dict]) -> dict:
                   "step_s_mean": ratio(rollout["step_s_mean"], trl["step_s_mean"]),
                   "time_to_target": ratio(rollout["time_to_target_s"], trl["time_to_target_s"])}
         shown = {key: "-" if value is None else f"{value:.2f}x" for key, value in ratios.items()}
-        print(f"rollout / TRL: s/step median {shown['step_s_median']}, mean {shown['step_s_mean']}; "
-              f"time to {args.target} {shown['time_to_target']} (below 1: rollout is faster)")
+        print(f"rollout / TRL on {rollout['cpu']}: s/step median {shown['step_s_median']}, mean "
+              f"{shown['step_s_mean']}; time to {args.target} {shown['time_to_target']} (below 1: rollout is faster)")
     return ratios
 
 
@@ -364,20 +368,23 @@ def main() -> None:
         return
 
     tools = [args.only] if args.only else ["rollout", "trl"]
+    if "trl" in tools and not TRL_PYTHON.exists():  # before rollout's run, not after it
+        raise SystemExit("bench: no .venv-trl: run `bash scripts/setup-trl.sh` first")
     runs, summaries = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-rl-vs-trl-") as temp:
         for tool in tools:
             work = Path(temp) / tool
             work.mkdir()
+            load_before = load_label()
             runs[tool] = run_rollout(args, work) if tool == "rollout" else run_trl(args, work)
-            summaries[tool] = summarize(runs[tool], args.target)
+            summaries[tool] = {"cpu": cpu_label(), "load_before": load_before, **summarize(runs[tool], args.target)}
     ratios = report(args, summaries)
 
     out = args.out or ROOT / "bench" / "results" / f"rl_vs_trl-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "config": args.config, "steps": args.steps, "eval_every": args.eval_every, "target": args.target,
-        "rollout_set": args.rollout_set, "machine": {"cpus": os.cpu_count()},
+        "rollout_set": args.rollout_set, "machine": {"cpus": os.cpu_count(), "cpu": cpu_label()},
         "summaries": summaries, "ratios_rollout_over_trl": ratios,
         "runs": {tool: {key: value for key, value in run.items()} for tool, run in runs.items()},
     }, indent=2))

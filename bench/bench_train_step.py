@@ -4,13 +4,15 @@ One rl-smollm2-shaped optimizer step (SmolLM2-135M fp32, 32 samples of a 40-toke
 completion, grpo advantages, on-policy behaviour logprobs) is timed three ways, each after a warm-up step:
 
     rollout      trainer.causal.train_on_micro_batches on packed micro-batches of `micro_batch_tokens` tokens
-                 (the trainer's own path: packing, per-sequence attention, component losses, clipping, AdamW)
+                 (the trainer's own path: packing, per-sequence attention, component losses, clipping, AdamW),
+                 each group's prompt stored once (share_prompt_prefix, the default) and stored per sample
     bare         the loop one would write by hand: one padded [32, 64] batch, logits of the completion only
                  (logits_to_keep), -(A * logp) summed over completion tokens / N, backward, clip, AdamW
     peak         a 2048 x 2048 fp32 matmul, the rate this machine's BLAS reaches: what "at the hardware's speed"
                  is measured against
 
-FLOPs of a step: 2 x (non-embedding parameters) per token for the body and 2 x vocab x hidden per position whose
+The 32 samples are 4 groups of 8 sharing their prompt, as GRPO's groups do. FLOPs of a step (the work of the
+unshared step, the yardstick every row is measured against): 2 x (non-embedding parameters) per token for the body and 2 x vocab x hidden per position whose
 logits are computed, forward; backward is twice that. Achieved FLOP/s = FLOPs / step seconds.
 
     .venv/bin/python bench/bench_train_step.py [--micro-batch-tokens 256 1024 2304] [--steps 3] [--optimizer
@@ -29,10 +31,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from machine import cpu_label, load_label  # noqa: E402  (bench/machine.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-PROMPT_TOKENS, COMPLETION_TOKENS, SAMPLES = 40, 24, 32
+PROMPT_TOKENS, COMPLETION_TOKENS, SAMPLES, GROUP = 40, 24, 32, 8
 
 
 def synthetic_samples(vocab: int, seed: int = 0):
@@ -49,11 +53,13 @@ def synthetic_samples(vocab: int, seed: int = 0):
     rows = []
     for index in range(SAMPLES):
         length = PROMPT_TOKENS + COMPLETION_TOKENS
+        if index % GROUP == 0:
+            prompt = [int(token) for token in rng.integers(0, vocab, size=PROMPT_TOKENS)]
         advantage = 1.0 if rng.random() < 0.5 else -1.0
         mask = [False] * PROMPT_TOKENS + [True] * COMPLETION_TOKENS
         rows.append({
             "sample_id": f"s{index}", "env": "bench",
-            "input_ids": [int(token) for token in rng.integers(0, vocab, size=length)],
+            "input_ids": prompt + [int(token) for token in rng.integers(0, vocab, size=COMPLETION_TOKENS)],
             "loss_mask": mask,
             "advantages": [advantage if member else 0.0 for member in mask],
             "rl_weights": None, "ce_weights": None, "ref_kl_weights": None, "ref_logprobs": None,
@@ -80,11 +86,11 @@ def time_steps(step, steps: int) -> list[float]:
     return seconds
 
 
-def rollout_step(model, samples, micro_batch_tokens: int, optimizer_kind: str, pad_token_id: int):
+def rollout_step(model, samples, micro_batch_tokens: int, optimizer_kind: str, pad_token_id: int, share: bool):
     from rollout_lib.packing import pack_samples
     from rollout_lib.trainer.causal import train_on_micro_batches
 
-    micro_batches = pack_samples(samples, micro_batch_tokens)
+    micro_batches = pack_samples(samples, micro_batch_tokens, share_prefixes=share)
     optimizer = optimizer_for(model, optimizer_kind)
 
     def step():
@@ -145,6 +151,7 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["single", "foreach", "fused"], nargs="+",
                         default=["single", "fused"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--share-prompt-prefix", choices=["on", "off"], nargs="+", default=["on", "off"])
     args = parser.parse_args()
 
     import torch
@@ -164,7 +171,7 @@ def main() -> None:
     completion_positions = SAMPLES * COMPLETION_TOKENS
     print(f"model {args.model}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters; step of "
           f"{SAMPLES} x ({PROMPT_TOKENS} + {COMPLETION_TOKENS}) tokens; {args.threads} threads; matmul peak "
-          f"{peak / 1e9:.1f} GFLOP/s")
+          f"{peak / 1e9:.1f} GFLOP/s; {cpu_label()}; {load_label()}")
 
     def report(label: str, seconds: list[float], flops: float) -> None:
         median = statistics.median(seconds)
@@ -177,9 +184,11 @@ def main() -> None:
                                                                          args.steps),
                step_flops(base, completion_positions))
         for tokens in args.micro_batch_tokens:
-            step, micro_batches = rollout_step(copy.deepcopy(base), samples, tokens, kind, tokenizer.pad_token_id)
-            report(f"rollout, {micro_batches} micro-batches of <= {tokens} tokens", time_steps(step, args.steps),
-                   step_flops(base, completion_positions))
+            for share in args.share_prompt_prefix:
+                step, micro_batches = rollout_step(copy.deepcopy(base), samples, tokens, kind,
+                                                   tokenizer.pad_token_id, share == "on")
+                report(f"rollout, {micro_batches} micro-batches of <= {tokens}, prompt shared {share}",
+                       time_steps(step, args.steps), step_flops(base, completion_positions))
 
 
 if __name__ == "__main__":

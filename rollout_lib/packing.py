@@ -20,6 +20,15 @@ in the same sequence)`. The first token of a sequence has no prediction: its log
 (`FIRST_TOKEN_LOGPROB`) and its weights (`WEIGHT_COLUMNS`) must be zero; the packer rejects a sample that
 puts weight there.
 
+Shared prefixes (`pack_samples(..., share_prefixes=True)`, RL's `algorithm.rl.share_prompt_prefix`): a group's
+samples start with the same prompt, which carries no loss weight. The packer stores the first sample of a group
+whole and every later one without the tokens it shares with it (`shared_prefix_lengths`; its position ids start
+there); attention lets a sharing sequence see the stored prefix (model/packed_attention.py), and its first stored
+token is predicted from the prefix's last position. The prompt then runs through the model once per group instead
+of once per sample: the same logprobs and gradients up to float rounding (the prefix's activations receive every
+sample's gradient, summed), with a third of the tokens on rl-smollm2. Only tokens with zero weight in every
+component are shared, so no loss term is lost.
+
 Packed attention: with `position_ids` restarting at 0 per sequence, no attention mask and no KV cache,
 transformers (>= 5, `masking_utils.find_packed_sequence_indices`) detects the sequence boundaries and builds a
 block-diagonal causal mask for sdpa, eager and flex attention (flash attention derives varlen boundaries from
@@ -40,6 +49,7 @@ import pyarrow.compute as pc
 import torch
 
 from rollout_lib.adapters import base_of
+from rollout_lib.model.packed_attention import PACKED_SDPA, packed_sequences
 from rollout_lib.wire import (
     MICRO_BATCHES,
     REQUIRED_STREAMS,
@@ -58,13 +68,17 @@ WEIGHT_COLUMNS = ("loss_mask", "rl_weights", "ce_weights", "ref_kl_weights")
 # --- samples -> micro-batches --------------------------------------------------------------------------------
 
 
-def pack_samples(samples: pa.Table, max_seq_len: int) -> pa.Table:
+def pack_samples(samples: pa.Table, max_seq_len: int, *, share_prefixes: bool = False) -> pa.Table:
     """Best-fit-decreasing packing of TRAINING_SAMPLES rows into MICRO_BATCHES rows of <= max_seq_len tokens.
 
     Samples are placed longest first (ties: original order) into the open bin with the least room that still
     fits, else a new bin. Within a micro-batch the samples keep their original relative order; micro-batches
     are numbered in the order their bins were opened. Envs and algorithms mix freely in a bin.
     A sample longer than `max_seq_len` raises (callers truncate before packing).
+
+    share_prefixes: the unit placed is a group (a sample stored whole and the later samples that share its
+    weightless prefix, stored without it; see "Shared prefixes" above), at most `max_seq_len` stored tokens; the
+    samples of a group keep their relative order and follow the one they share with.
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
@@ -75,24 +89,75 @@ def pack_samples(samples: pa.Table, max_seq_len: int) -> pa.Table:
                 f"sample {row['sample_id']!r} has {len(row['input_ids'])} tokens, more than "
                 f"max_seq_len={max_seq_len}; truncate before packing"
             )
+    units = _sharing_units(rows, max_seq_len) if share_prefixes else [[(i, 0)] for i in range(len(rows))]
+    stored = [sum(len(rows[i]["input_ids"]) - shared for i, shared in unit) for unit in units]
 
-    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]["input_ids"]), i))
+    order = sorted(range(len(units)), key=lambda u: (-stored[u], u))
     bins: list[list[int]] = []
     # (room left, bin index), sorted: the first entry with room >= length is the best fit, and among equally
     # good bins the one opened first wins, which keeps packing deterministic.
     room: list[tuple[int, int]] = []
-    for index in order:
-        length = len(rows[index]["input_ids"])
+    for unit in order:
+        length = stored[unit]
         slot = bisect.bisect_left(room, (length, -1))
         if slot == len(room):
-            bins.append([index])
+            bins.append([unit])
             bisect.insort(room, (max_seq_len - length, len(bins) - 1))
         else:
             left, bin_index = room.pop(slot)
-            bins[bin_index].append(index)
+            bins[bin_index].append(unit)
             bisect.insort(room, (left - length, bin_index))
 
-    return _micro_batches([[rows[i] for i in sorted(members)] for members in bins])
+    return _micro_batches([[(rows[i], shared) for unit in sorted(members) for i, shared in units[unit]]
+                           for members in bins])
+
+
+# A shorter common prefix is not worth a sequence's separate attention call.
+MIN_SHARED_PREFIX = 8
+
+
+def _sharing_units(rows: list[dict], max_seq_len: int) -> list[list[tuple[int, int]]]:
+    """Rows grouped as [(root, 0), (row, shared), ...]: each row shares the longest prefix it can with an earlier
+    root (tokens equal to the root's and weightless in the row, leaving at least one token of each unstored), or
+    becomes a root itself; a unit stays within `max_seq_len` stored tokens. Units in the order of their roots."""
+    units: list[list[tuple[int, int]]] = []
+    stored: list[int] = []
+    roots_by_start: dict[tuple, list[int]] = {}  # the first MIN_SHARED_PREFIX tokens -> units whose root has them
+    for index, row in enumerate(rows):
+        tokens = row["input_ids"]
+        key = tuple(tokens[:MIN_SHARED_PREFIX])
+        weightless = _weightless_prefix(row)
+        best, best_shared = None, 0
+        if weightless >= MIN_SHARED_PREFIX:
+            for unit in roots_by_start.get(key, ()):
+                root = rows[units[unit][0][0]]["input_ids"]
+                shared = _common_prefix(tokens, root, min(weightless, len(root) - 1, len(tokens) - 1))
+                if shared > best_shared and stored[unit] + len(tokens) - shared <= max_seq_len:
+                    best, best_shared = unit, shared
+        if best is not None and best_shared >= MIN_SHARED_PREFIX:
+            units[best].append((index, best_shared))
+            stored[best] += len(tokens) - best_shared
+        else:
+            units.append([(index, 0)])
+            stored.append(len(tokens))
+            roots_by_start.setdefault(key, []).append(len(units) - 1)
+    return units
+
+
+def _weightless_prefix(row: dict) -> int:
+    """How many leading tokens of a row have zero weight in every component (its prompt, at least)."""
+    weights = [_materialised(row, name) for name in WEIGHT_COLUMNS]
+    for position, values in enumerate(zip(*weights)):
+        if any(values):
+            return position
+    return len(row["input_ids"])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    length = 0
+    while length < limit and a[length] == b[length]:
+        length += 1
+    return length
 
 
 def batch_unpacked(
@@ -113,7 +178,8 @@ def batch_unpacked(
                     f"sample {row['sample_id']!r} has {len(row['input_ids'])} tokens, more than "
                     f"max_seq_len={max_seq_len}; truncate before batching"
                 )
-    groups = [rows[i : i + sequences_per_micro_batch] for i in range(0, len(rows), sequences_per_micro_batch)]
+    groups = [[(row, 0) for row in rows[i : i + sequences_per_micro_batch]]
+              for i in range(0, len(rows), sequences_per_micro_batch)]
     return _micro_batches(groups)
 
 
@@ -121,7 +187,9 @@ def check_micro_batches(micro_batches: pa.Table) -> None:
     """The alignment invariant of MICRO_BATCHES; raises ValueError naming the micro-batch and column.
 
     Every per-token column (position_ids and all streams) has len(input_ids) entries, sequence lengths sum to
-    it, there is one sample id per sequence, and position ids restart at 0 at every sequence start.
+    it, there is one sample id per sequence, position ids restart at 0 at every sequence start (at its shared
+    prefix's length for a sequence that shares one), and a sharing sequence follows a sequence stored whole that
+    is longer than the prefix it shares.
     """
     table = conform(micro_batches, MICRO_BATCHES)
     token_counts = pc.list_value_length(table["input_ids"]).to_pylist()
@@ -132,15 +200,19 @@ def check_micro_batches(micro_batches: pa.Table) -> None:
                 raise ValueError(
                     f"micro-batch {index}: column {name!r} has {length} entries, input_ids has {expected}"
                 )
-    for index, (row_lengths, positions, expected) in enumerate(
-        zip(table["sequence_lengths"].to_pylist(), table["position_ids"].to_pylist(), token_counts)
+    for index, (row_lengths, shared, positions, expected) in enumerate(
+        zip(table["sequence_lengths"].to_pylist(), table["shared_prefix_lengths"].to_pylist(),
+            table["position_ids"].to_pylist(), token_counts)
     ):
-        if len(row_lengths) != len(table["sample_ids"][index]):
-            raise ValueError(f"micro-batch {index}: {len(row_lengths)} sequence lengths for as many sample ids")
+        if len(row_lengths) != len(table["sample_ids"][index]) or len(shared) != len(row_lengths):
+            raise ValueError(f"micro-batch {index}: {len(row_lengths)} sequence lengths, {len(shared)} shared "
+                             f"prefix lengths and {len(table['sample_ids'][index])} sample ids")
         if sum(row_lengths) != expected or min(row_lengths, default=1) < 1:
             raise ValueError(f"micro-batch {index}: sequence_lengths {row_lengths} do not tile {expected} tokens")
-        if not np.array_equal(np.asarray(positions), _restarting_positions(row_lengths)):
-            raise ValueError(f"micro-batch {index}: position_ids do not restart at 0 per sequence")
+        if not np.array_equal(np.asarray(positions), _restarting_positions(row_lengths, shared)):
+            raise ValueError(f"micro-batch {index}: position_ids do not restart at 0 (or at the shared prefix's "
+                             "length) per sequence")
+        _sequence_contexts(row_lengths, shared, where=f"micro-batch {index}")
 
 
 def _validated_rows(samples: pa.Table) -> list[dict]:
@@ -207,29 +279,51 @@ def _materialised(row: dict, name: str) -> list:
     return [float(default)] * len(row["input_ids"])
 
 
-def _micro_batches(groups: Sequence[Sequence[dict]]) -> pa.Table:
+def _micro_batches(groups: Sequence[Sequence[tuple[dict, int]]]) -> pa.Table:
+    """One MICRO_BATCHES row per group of (row, shared prefix length): each row stored without its shared prefix."""
     records = []
     for index, group in enumerate(groups):
-        lengths = [len(row["input_ids"]) for row in group]
+        lengths = [len(row["input_ids"]) - shared for row, shared in group]
+        shared_lengths = [shared for _, shared in group]
         record = {
             "micro_batch_index": index,
-            "sample_ids": [row["sample_id"] for row in group],
+            "sample_ids": [row["sample_id"] for row, _ in group],
             "sequence_lengths": lengths,
-            "position_ids": _restarting_positions(lengths).tolist(),
-            "input_ids": [token for row in group for token in row["input_ids"]],
+            "shared_prefix_lengths": shared_lengths,
+            "position_ids": _restarting_positions(lengths, shared_lengths).tolist(),
+            "input_ids": [token for row, shared in group for token in row["input_ids"][shared:]],
         }
         for name in STREAM_COLUMNS:
-            record[name] = [value for row in group for value in _materialised(row, name)]
+            record[name] = [value for row, shared in group for value in _materialised(row, name)[shared:]]
         records.append(record)
     table = pa.Table.from_pylist(records, schema=MICRO_BATCHES)
     check_micro_batches(table)
     return table
 
 
-def _restarting_positions(sequence_lengths: Sequence[int]) -> np.ndarray:
+def _restarting_positions(sequence_lengths: Sequence[int], shared: Sequence[int] | None = None) -> np.ndarray:
     if not sequence_lengths:
         return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(length, dtype=np.int64) for length in sequence_lengths])
+    starts = shared or [0] * len(sequence_lengths)
+    return np.concatenate([np.arange(start, start + length, dtype=np.int64)
+                           for length, start in zip(sequence_lengths, starts)])
+
+
+def _sequence_contexts(lengths: Sequence[int], shared: Sequence[int], *, where: str) -> list[tuple[int, int]]:
+    """Per sequence of a packed row, (start of the tokens it attends to before its own, how many): the latest
+    sequence stored whole before it and its shared prefix length; (start, 0) for a sequence stored whole."""
+    contexts, root, root_length, start = [], None, 0, 0
+    for length, prefix in zip(lengths, shared):
+        if prefix == 0:
+            root, root_length = start, length
+            contexts.append((start, 0))
+        elif root is None or prefix >= root_length:
+            raise ValueError(f"{where}: a sequence shares {prefix} tokens but follows no sequence stored whole "
+                             f"that is longer")
+        else:
+            contexts.append((root, prefix))
+        start += length
+    return contexts
 
 
 # --- micro-batch -> tensors ----------------------------------------------------------------------------------
@@ -239,7 +333,8 @@ def collate_micro_batch(row: dict, *, packed: bool, pad_token_id: int) -> dict[s
     """One MICRO_BATCHES row (e.g. from `table.to_pylist()`) as model inputs plus flat per-token streams.
 
     packed=True:  input_ids [1, T], position_ids [1, T] restarting per sequence; no attention_mask (its absence
-                  is what lets transformers detect the packed sequences).
+                  is what lets transformers detect the packed sequences); sequence_contexts [B, 2] (what each
+                  sequence attends to before its own tokens: `_sequence_contexts`).
     packed=False: input_ids [B, Tmax] right-padded with pad_token_id, attention_mask [B, Tmax], position_ids
                   [B, Tmax] (0 on padding).
     Both: sequence_lengths [B], and every stream in STREAM_COLUMNS as [T] over real tokens in packed order
@@ -252,10 +347,17 @@ def collate_micro_batch(row: dict, *, packed: bool, pad_token_id: int) -> dict[s
     if sum(lengths) != total or position_ids.numel() != total:
         raise ValueError(f"micro-batch {row.get('micro_batch_index')}: sequence_lengths/position_ids misaligned")
 
+    shared = [int(length) for length in row.get("shared_prefix_lengths") or [0] * len(lengths)]
     batch: dict[str, torch.Tensor] = {"sequence_lengths": torch.tensor(lengths, dtype=torch.long)}
     if packed:
         batch["input_ids"] = input_ids.unsqueeze(0)
         batch["position_ids"] = position_ids.unsqueeze(0)
+        if any(shared):
+            where = f"micro-batch {row.get('micro_batch_index')}"
+            batch["sequence_contexts"] = torch.tensor(_sequence_contexts(lengths, shared, where=where),
+                                                      dtype=torch.long)
+    elif any(shared):
+        raise ValueError(f"micro-batch {row.get('micro_batch_index')}: shared prefixes need the packed layout")
     else:
         width = max(lengths)
         padded_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
@@ -296,6 +398,8 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     tokens need none of them. Values at needed tokens equal the full computation's up to float rounding.
     """
 
+    if "sequence_contexts" in batch:
+        return _shared_prefix_logprobs(model, batch, needed)
     device = model_device(model)  # the model's device (hardware.py); the result lives there too
     padded = "attention_mask" in batch
     input_ids = batch["input_ids"].to(device)
@@ -346,6 +450,49 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     flat = flat.masked_fill(sequence_starts, FIRST_TOKEN_LOGPROB)
     return flat if needed is None else flat.masked_fill(~needed.to(device=device, dtype=torch.bool),
                                                         FIRST_TOKEN_LOGPROB)
+
+
+def _shared_prefix_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                            needed: torch.Tensor | None) -> torch.Tensor:
+    """`token_logprobs` of a packed row whose sequences share prefixes: each token is predicted by the logits at
+    the position before it in its own sequence, which for a sharing sequence's first stored token is the shared
+    prefix's last position (in the sequence stored whole)."""
+    if getattr(base_of(model).config, "_attn_implementation", None) != PACKED_SDPA:
+        raise ValueError("shared prefixes need the packed attention (model/packed_attention.py: "
+                         "use_packed_attention), which lets a sequence attend to the prefix it shares")
+    device = model_device(model)
+    input_ids = batch["input_ids"].to(device)
+    position_ids = batch["position_ids"].to(device)
+    total = input_ids.shape[1]
+    lengths = batch["sequence_lengths"].tolist()
+    contexts = [tuple(pair) for pair in batch["sequence_contexts"].tolist()]
+    predictor = torch.arange(-1, total - 1, device=device)
+    predicted = torch.ones(total, dtype=torch.bool, device=device)
+    start = 0
+    for length, (context_start, shared) in zip(lengths, contexts):
+        if shared:
+            predictor[start] = context_start + shared - 1
+        else:
+            predicted[start] = False  # a sequence's first token has no prediction
+        start += length
+    if needed is not None:
+        predicted &= needed.to(device=device, dtype=torch.bool)
+    targets = predicted.nonzero().squeeze(-1)
+    layout = packed_sequences(lengths, contexts)
+    with autocast_for(model):
+        if _accepts_logits_to_keep(model):
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                           logits_to_keep=predictor[targets], packed_sequences=layout).logits[0]
+        else:
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                           packed_sequences=layout).logits[0, predictor[targets]]
+    logits = logits.float()
+    temperatures = batch.get("temperatures")
+    if temperatures is not None and bool((temperatures != 1.0).any()):
+        logits = logits / temperatures.to(device=device, dtype=logits.dtype)[targets].unsqueeze(-1)
+    chosen = torch.gather(logits, -1, input_ids[0, targets].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    flat = torch.full((total,), FIRST_TOKEN_LOGPROB, dtype=chosen.dtype, device=device)
+    return flat.index_copy(0, targets, chosen)
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:

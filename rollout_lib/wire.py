@@ -192,12 +192,17 @@ BEHAVIOUR_LOGPROBS = pa.schema(
     ]
 )
 
-# One row per micro-batch: the concatenation of its samples, with per-sequence position ids restarting at 0.
+# One row per micro-batch: the concatenation of its samples, with per-sequence position ids restarting at 0 (at its
+# shared prefix's length for a sequence that shares one).
 MICRO_BATCHES = pa.schema(
     [
         pa.field("micro_batch_index", pa.int32(), nullable=False),
         pa.field("sample_ids", pa.list_(pa.string()), nullable=False),
         pa.field("sequence_lengths", pa.list_(pa.int32()), nullable=False),
+        # Per sequence: its leading tokens not stored here because they are the first tokens of the micro-batch's
+        # latest unshared sequence before it (the group's prompt, trained once; packing.py, "Shared prefixes").
+        # 0 for a sequence stored whole; its position ids start at this number.
+        pa.field("shared_prefix_lengths", pa.list_(pa.int32()), nullable=False),
         pa.field("position_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),

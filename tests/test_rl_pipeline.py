@@ -101,7 +101,9 @@ def one_step(cfg, run, prompts, state, step, resident, loops):
 
 
 def test_two_envs_two_algorithms_one_step_with_missing_rewards(tmp_path, tiny_model_dir, resident, reward_loops):
-    cfg = config(tmp_path, tiny_model_dir)
+    # Micro-batches of 192 tokens: room for groups of both envs in one (each group's prompt is stored once, so a
+    # group packs as one unit of 38-82 tokens here).
+    cfg = config(tmp_path, tiny_model_dir, micro_batch_tokens=192)
     run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-a"))
     state = initial_policy(run, resident)
     state, out = one_step(cfg, run, prompts, state, 1, resident, reward_loops(cfg))
@@ -119,11 +121,12 @@ def test_two_envs_two_algorithms_one_step_with_missing_rewards(tmp_path, tiny_mo
     for row in missing:
         assert not any(samples[row["sample_id"]]["rl_weights"])  # ships, trains nothing
     assert out["trainable_samples"] == 13 - 3
-    # Both envs in one micro-batch: 13 short samples fit in 96 tokens? At least one bin mixes them.
+    # Both envs in one micro-batch: at least one bin mixes them.
     envs_by_id = dict(zip(scored.column("sample_id").to_pylist(), scored.column("env").to_pylist()))
     mixed = [ids for ids in out["micro_batches_table"].column("sample_ids").to_pylist()
              if len({envs_by_id[i] for i in ids}) == 2]
-    assert mixed
+    assert mixed, [(ids, lengths) for ids, lengths in zip(out["micro_batches_table"].column("sample_ids").to_pylist(),
+                                                         out["micro_batches_table"].column("sequence_lengths").to_pylist())]
     assert out["tokens/rl"] == out["rl_tokens"] > 0 and out["grad_norm"] > 0
     assert out["rl/mismatch_kl"] == pytest.approx(0.0, abs=1e-5)  # sampler and trainer agree on-policy
 
@@ -252,3 +255,35 @@ def test_a_step_with_a_custom_rl_loss_trains_and_logs_its_metrics(tmp_path, tiny
     state, out = one_step(cfg, run, prompts, state, 1, resident, reward_loops(cfg))
     assert out["grad_norm"] > 0 and out["tokens/rl"] > 0 and 0.0 <= out["rl/clip_fraction"] <= 1.0
     assert "rl/masked_fraction" not in out  # the built-in loss's diagnostics: it did not run
+
+
+def test_each_groups_prompt_is_packed_once_and_the_setting_is_in_the_identity(tmp_path, tiny_model_dir, resident,
+                                                                               reward_loops):
+    """`share_prompt_prefix` (on by default; absent from the identity when off, so older identities stay): the
+    pack stage stores each group's prompt once, and what it leaves out is exactly the other samples' prompts
+    (tests/test_packing.py shows the logprobs and gradients are the unshared packing's)."""
+    from rollout_lib.config import training_hash
+
+    cfg = config(tmp_path, tiny_model_dir, only_words=True)
+    off = config(tmp_path, tiny_model_dir, only_words=True, share_prompt_prefix=False)
+    assert cfg.training_settings()["share_prompt_prefix"] is True
+    assert "share_prompt_prefix" not in off.training_settings()
+    assert training_hash(cfg) != training_hash(off)
+    run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-shared-prefix"))
+    policy = policy_at(run, initial_policy(run, resident), resident)
+    rollouts, _ = sample_rollouts(cfg, build_samplers(cfg, policy.model, policy.tokenizer), prompts, 1)
+    scored, _ = score_rollouts(cfg, rollouts, prompts, reward_loops(cfg))
+    samples, _ = training_samples(cfg, scored)
+    shared, metrics = pack(cfg, samples)
+    plain, plain_metrics = pack(off, samples)
+    groups: dict[str, list[int]] = {}  # example id -> the prompt length of each of its samples
+    for row in samples.to_pylist():
+        groups.setdefault(row["sample_id"].rsplit("#", 1)[0], []).append(row["loss_mask"].index(True))
+    stored = sum(sum(lengths) for lengths in shared["sequence_lengths"].to_pylist())
+    everything = sum(sum(lengths) for lengths in plain["sequence_lengths"].to_pylist())
+    assert plain_metrics["shared_prefix_tokens"] == 0
+    # At least every later sample's prompt; more where a sample without credit (its reward missing: no weight at
+    # all) also starts its completion as the group's first sample does.
+    assert metrics["shared_prefix_tokens"] == everything - stored >= sum(
+        lengths[0] * (len(lengths) - 1) for lengths in groups.values()) > 0, (metrics, groups)
+    assert sorted(sum(shared["sample_ids"].to_pylist(), [])) == sorted(samples.column("sample_id").to_pylist())

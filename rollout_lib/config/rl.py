@@ -236,6 +236,11 @@ class RlSettings(StrictModel):
     max_seq_len: int = Field(512, ge=8)  # prompt + completion tokens per training sample
     packing: bool = True
     micro_batch_tokens: int | None = Field(None, ge=8)  # tokens per packed micro-batch (default max_seq_len)
+    # Packed: a group's prompt runs through the model once, not once per sample (packing.py, "Shared prefixes"):
+    # the same training up to float rounding, for a fraction of the tokens. In the training identity (the bits
+    # differ); off, a run trains exactly as before the setting, and it is then absent from the settings' dump, so
+    # identities from before the setting stay.
+    share_prompt_prefix: bool = Field(True, exclude_if=lambda value: not value)
     sequences_per_micro_batch: int = Field(8, ge=1)  # packing off: samples per padded micro-batch
     checkpoint_interval: int = Field(10, ge=1)  # a snapshot every N steps (and at the last step)
     optimizer: OptimizerSettings

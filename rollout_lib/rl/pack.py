@@ -1,5 +1,5 @@
-"""The pack stage: a step's training samples -> micro-batches (packed, or padded groups), after the optional
-zero-advantage filter (rl/filters.py)."""
+"""The pack stage: a step's training samples -> micro-batches (packed, each group's prompt stored once; or padded
+groups), after the optional zero-advantage filter (rl/filters.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ def pack(config: RlConfig, samples: pa.Table) -> tuple[pa.Table, dict]:
         samples, dropped = drop_zero_advantage_samples(samples)
         metrics["filtered/zero_advantage"] = dropped
     if settings.packing:
-        micro_batches = pack_samples(samples, config.packed_tokens)
+        micro_batches = pack_samples(samples, config.packed_tokens, share_prefixes=settings.share_prompt_prefix)
     else:
         micro_batches = batch_unpacked(samples, settings.sequences_per_micro_batch, max_seq_len=settings.max_seq_len)
-    return micro_batches, {"packed_micro_batches": micro_batches.num_rows, **metrics}
+    # Prompt tokens the forward does not run again because a sample of the same group carries them.
+    shared = sum(sum(lengths) for lengths in micro_batches["shared_prefix_lengths"].to_pylist())
+    return micro_batches, {"packed_micro_batches": micro_batches.num_rows, "shared_prefix_tokens": shared, **metrics}
