@@ -12,8 +12,9 @@ completion, grpo advantages, on-policy behaviour logprobs) is timed three ways, 
                  is measured against
 
 The 32 samples are 4 groups of 8 sharing their prompt, as GRPO's groups do. FLOPs of a step (the work of the
-unshared step, the yardstick every row is measured against): 2 x (non-embedding parameters) per token for the body and 2 x vocab x hidden per position whose
-logits are computed, forward; backward is twice that. Achieved FLOP/s = FLOPs / step seconds.
+unshared step, the yardstick every row is measured against, so a shared row can show more than the peak): 2 x
+(non-embedding parameters) per token for the body and 2 x vocab x hidden per position whose logits are computed,
+forward; backward is twice that. Achieved FLOP/s = FLOPs / step seconds.
 
     .venv/bin/python bench/bench_train_step.py [--micro-batch-tokens 256 1024 2304] [--steps 3] [--optimizer
         foreach|fused|single]
