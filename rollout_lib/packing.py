@@ -77,8 +77,9 @@ def pack_samples(samples: pa.Table, max_seq_len: int, *, share_prefixes: bool = 
     A sample longer than `max_seq_len` raises (callers truncate before packing).
 
     share_prefixes: the unit placed is a group (a sample stored whole and the later samples that share its
-    weightless prefix, stored without it; see "Shared prefixes" above), at most `max_seq_len` stored tokens; the
-    samples of a group keep their relative order and follow the one they share with.
+    weightless prefix, stored without it; see "Shared prefixes" above), at most `max_seq_len` stored tokens. In a
+    micro-batch the groups keep the original order of their first samples, and a group's samples follow that one
+    in their original order (so a sample may come before an earlier one of another group).
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
@@ -433,8 +434,7 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         scale[real] = temperatures.to(device=device, dtype=logits.dtype)
         scale = scale[:, 1:] if kept is None else scale[:, 1:][:, kept]
         logits = logits / scale.unsqueeze(-1)
-    # gather - logsumexp avoids materialising a second [B, T, V] tensor for log_softmax.
-    chosen = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    chosen = _chosen_logprobs(logits, targets)
     if kept is None:
         predicted = chosen
     else:
@@ -490,9 +490,14 @@ def _shared_prefix_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tenso
     temperatures = batch.get("temperatures")
     if temperatures is not None and bool((temperatures != 1.0).any()):
         logits = logits / temperatures.to(device=device, dtype=logits.dtype)[targets].unsqueeze(-1)
-    chosen = torch.gather(logits, -1, input_ids[0, targets].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    chosen = _chosen_logprobs(logits, input_ids[0, targets])
     flat = torch.full((total,), FIRST_TOKEN_LOGPROB, dtype=chosen.dtype, device=device)
     return flat.index_copy(0, targets, chosen)
+
+
+def _chosen_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per position; gather - logsumexp avoids materialising a second [.., V] tensor."""
+    return torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
