@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -23,9 +24,46 @@ def cli_env(**extra: str) -> dict:
     return {**os.environ, "PREFECT_LOGGING_LEVEL": "INFO", **extra}
 
 
+def start_rollout(args: list[str], cwd: Path, env: dict, stdout, stderr, stdin=None):
+    """`python -m rollout_cli ARGS` started as a process: a child of the worker's pre-imported parent
+    (tests/zygote.py) where its environment allows, else a plain interpreter. Returns a Popen or what stands for
+    one (pid, poll, wait, send_signal, kill, returncode)."""
+    from zygote import zygote_for
+
+    zygote = zygote_for(env)
+    if zygote is None:
+        return subprocess.Popen(rollout_command(*args), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
+    with open(os.devnull, "rb") if stdin == subprocess.DEVNULL else nullcontext() as devnull:
+        stdin_fd = devnull.fileno() if devnull is not None else (stdin if stdin is not None else 0)
+        return zygote.popen(args, cwd, env, stdin_fd, _fd(stdout), _fd(stderr))
+
+
+def _fd(stream) -> int:
+    return stream if isinstance(stream, int) else stream.fileno()
+
+
+def run_cli(args: list[str], cwd: Path = ROOT, env: dict | None = None, timeout: float = 600,
+            stdin=None) -> subprocess.CompletedProcess:
+    """As `subprocess.run(rollout_command(*args), cwd=cwd, env=env, stdin=stdin, capture_output=True, text=True,
+    timeout=timeout)`, through `start_rollout`."""
+    import tempfile
+
+    env = cli_env() if env is None else env
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = start_rollout(list(args), cwd, env, out, err, stdin=stdin)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(rollout_command(*args), process.returncode, out.read(), err.read())
+
+
 def run_rollout(*args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(rollout_command(*args), cwd=ROOT, env=cli_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_cli(list(args), env=cli_env(**env), timeout=timeout)
 
 
 def on_other_node(home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -35,8 +73,7 @@ def on_other_node(home: Path, *args: str) -> subprocess.CompletedProcess:
     work = home.parent / "node-work"
     work.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("ROLLOUT_STATE_DIR", "PREFECT_API_URL")}
-    return subprocess.run(rollout_command(*args), cwd=work, env={**env, "ROLLOUT_HOME": str(home)},
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    return run_cli(list(args), cwd=work, env={**env, "ROLLOUT_HOME": str(home)}, stdin=subprocess.DEVNULL)
 
 
 def final_result(completed: subprocess.CompletedProcess) -> dict:
@@ -92,8 +129,7 @@ def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: f
     Fails if the process exits on its own first (the kill would prove nothing) or the marker never comes. The run
     is --verbose: its terminal keeps Prefect's per-task lines (`train-steps-1-8' - Finished`) markers wait for."""
     with log_path.open("w") as log:
-        process = subprocess.Popen(rollout_command(*args, "--verbose"), cwd=ROOT, env=env or cli_env(), stdout=log,
-                                   stderr=subprocess.STDOUT)
+        process = start_rollout([*args, "--verbose"], ROOT, env or cli_env(), log, log)
         deadline = time.monotonic() + timeout
         while marker not in log_path.read_text():
             assert process.poll() is None, log_path.read_text()[-3000:]
@@ -112,8 +148,7 @@ def run_and_act_at(args: list[str], marker: str, action: Callable[[], None], log
     `run_until_then_kill`: markers are Prefect's per-task lines."""
     err_path = log_path.with_suffix(".err")
     with log_path.open("w") as out, err_path.open("w") as err:
-        process = subprocess.Popen(rollout_command(*args, "--verbose"), cwd=ROOT, env=cli_env(), stdout=out,
-                                   stderr=err)
+        process = start_rollout([*args, "--verbose"], ROOT, cli_env(), out, err)
         deadline = time.monotonic() + timeout
         while marker not in log_path.read_text() + err_path.read_text():
             assert process.poll() is None, err_path.read_text()[-3000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clirun import ROOT, cli_env, run_rollout, run_until_then_kill
+from clirun import ROOT, cli_env, run_cli, run_rollout, run_until_then_kill
 from rollout_cli.local_server import is_healthy
 from rollout_cli.processes import is_prefect_process
 
@@ -74,13 +74,11 @@ def test_a_killed_run_leaves_only_the_recorded_server_and_stack_stop_stops_it(tm
         assert _prefect_servers_with_home(home) == [record["pid"]]  # nothing else was started
         assert not list(tmp_path.rglob("*.lock"))
 
-        rerun = subprocess.run([sys.executable, "-m", "rollout_cli", *args], cwd=ROOT, env=env, capture_output=True,
-                               text=True, timeout=600)
+        rerun = run_cli(args, env=env)
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         assert json.loads((home / "server.json").read_text())["pid"] == record["pid"]  # reused, not a second one
         assert _prefect_servers_with_home(home) == [record["pid"]]
     finally:
-        stopped = subprocess.run([sys.executable, "-m", "rollout_cli", "stack", "stop"], cwd=ROOT, env=env,
-                                 capture_output=True, text=True, timeout=120)
+        stopped = run_cli(["stack", "stop"], env=env, timeout=120)
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     assert _prefect_servers_with_home(home) == [] and not (home / "server.json").exists()

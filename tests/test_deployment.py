@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SESSION_DIR, TINY_PAIRS, write_pairs
+from clirun import run_cli
+from conftest import SESSION_DIR, TINY_PAIRS, write_pairs
 
 pytestmark = pytest.mark.slow
 
@@ -118,8 +117,7 @@ def test_deployment_run_completes_with_tasks_artifacts_and_checkpoint(worker_sta
 
 
 def test_stack_status_reports_server_worker_and_deployments(worker_stack):
-    done = subprocess.run([sys.executable, "-m", "rollout_cli", "stack", "status"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = run_cli(["stack", "status"], env=dict(os.environ), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["running"] and report["worker"]["online"] and report["server"]["healthy"]

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-from clirun import ROOT
+from clirun import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +18,7 @@ def follow(worker_stack, *args: str, server_from_env: bool = True) -> subprocess
     env = {**os.environ, "PREFECT_API_URL": worker_stack.api_url}
     if not server_from_env:  # found from the stack record of rollout's home, as a user's shell would
         del env["PREFECT_API_URL"]
-    return subprocess.run([sys.executable, "-m", "rollout_cli", "follow", *args, "--poll", "0.5"], cwd=ROOT,
-                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    return run_cli(["follow", *args, "--poll", "0.5"], env=env, stdin=subprocess.DEVNULL)
 
 
 def test_a_deployment_run_followed_by_its_run_name_to_its_summary(worker_stack, failed_row_run, tmp_path):

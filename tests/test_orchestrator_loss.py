@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from clirun import ROOT, cli_env, rollout_command, train_in_process
+from clirun import ROOT, cli_env, run_cli, start_rollout, train_in_process
 from flows.api_watch import EXIT_SERVER_LOST, ApiWatch, cli_rerun, deployment_run_command, watch
 from rollout_cli.processes import is_prefect_process, stop_process_group
 from rollout_lib.runlog.metrics_file import read_metrics
@@ -168,14 +168,12 @@ def test_killing_the_server_mid_run_stops_it_in_one_line_and_the_rerun_ends_on_t
         return ["train", "rm", "--config", "configs/rm-tiny.toml", "--max-steps", "40", "--store", str(store)]
 
     def run(store) -> subprocess.CompletedProcess:
-        return subprocess.run(rollout_command(*args(store)), cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
+        return run_cli(args(store), env=env, timeout=300)
 
     try:
-        err_path = tmp_path / "killed.err"
-        with err_path.open("w") as err:
-            process = subprocess.Popen(rollout_command(*args(tmp_path / "store")), cwd=ROOT, env=env,
-                                       stdout=subprocess.PIPE, stderr=err, text=True)
+        err_path, out_path = tmp_path / "killed.err", tmp_path / "killed.out"
+        with err_path.open("w") as err, out_path.open("w") as out:
+            process = start_rollout(args(tmp_path / "store"), ROOT, env, out, err)
             deadline = time.monotonic() + 120
             while "step 1/40" not in err_path.read_text():
                 assert process.poll() is None, err_path.read_text()[-3000:]
@@ -184,8 +182,9 @@ def test_killing_the_server_mid_run_stops_it_in_one_line_and_the_rerun_ends_on_t
             server = json.loads((state / "prefect" / "server.json").read_text())
             os.killpg(server["pid"], signal.SIGKILL)
             killed_at = time.monotonic()
-            out, _ = process.communicate(timeout=60)
+            process.wait(timeout=60)
             took = time.monotonic() - killed_at
+        out = out_path.read_text()
         stderr = err_path.read_text()
         assert process.returncode == EXIT_SERVER_LOST, stderr[-3000:]
         assert took < 30 + 3, f"{took:.1f} s from the kill to the exit"

@@ -8,17 +8,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
-from clirun import ROOT
+from clirun import ROOT, run_cli
 from rollout_lib.config import RlConfig, load_config, training_hash
 from rollout_lib.paths import config_base_dir, default_home, project_root
 
 
 def cli(*args: str, cwd, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k not in ("ROLLOUT_STATE_DIR", "ROLLOUT_HOME")}
-    return subprocess.run([sys.executable, "-m", "rollout_cli", *args], cwd=cwd, env={**environment, **env},
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    return run_cli(list(args), cwd=cwd, env={**environment, **env}, stdin=subprocess.DEVNULL, timeout=120)
 
 
 def test_the_home_is_the_project_s_from_any_directory_inside_it_or_outside(tmp_path):

@@ -270,9 +270,8 @@ def test_a_streamed_run_killed_inside_a_sample_and_score_stage_reruns_to_its_che
     """3 steps whose reward takes 0.1 s a call; SIGKILLed once step 2's rewards are 8 in (its stage half done), the
     rerun takes step 1 from cache, samples and scores step 2 again and ends on the uninterrupted run's checkpoint."""
     import signal
-    import subprocess
 
-    from clirun import cli_env, rollout_command
+    from clirun import cli_env, start_rollout
 
     slow = ["--set", 'algorithm.rl.envs[0].rewards=[{ function = "streamed_rewards:slow_target_length", '
                      'kwargs = { sleep_s = 0.1, target = 12 } }]']
@@ -287,8 +286,7 @@ def test_a_streamed_run_killed_inside_a_sample_and_score_stage_reruns_to_its_che
     interrupted = [*args, "--set", f"run.store={tmp_path / 'interrupted'}"]
     log_path = tmp_path / "killed.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen(rollout_command(*interrupted), cwd=ROOT, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT)
+        process = start_rollout(interrupted, ROOT, env, log, log)
         deadline = time.monotonic() + 600
         while not calls.exists() or len(calls.read_text().splitlines()) < 32 + 8:  # step 1's 32, then 8 of step 2's
             assert process.poll() is None, log_path.read_text()[-3000:]
