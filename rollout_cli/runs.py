@@ -126,7 +126,7 @@ def runs_plot(ctx: click.Context, name: str, store_url: str | None, out_path: st
 @click.option("--best", type=click.IntRange(min=1), metavar="K", help="the K samples of highest reward")
 @click.option("--failed", is_flag=True, help="the samples whose reward is missing, with why")
 @click.option("--tokens", is_flag=True, help="with --json: each completion token's ids and logprobs")
-@click.option("--json", "as_json", is_flag=True, help="one JSON document: {run, step, steps, shown, rows}")
+@click.option("--json", "as_json", is_flag=True, help="one JSON document: {run, step, steps, samples, selection, rows}")
 @click.pass_context
 def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int | None, held_out: bool,
                  worst: int | None, best: int | None, failed: bool, tokens: bool, as_json: bool) -> None:
@@ -137,24 +137,16 @@ def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int
 
     if sum((worst is not None, best is not None, failed)) > 1:
         raise UsageLine("runs samples: --worst, --best and --failed pick one selection; give one of them")
-    if held_out:  # evaluations keep their metrics only (rl/evaluate.py): nothing to read yet
-        raise UsageLine(f"runs samples --eval: run {name!r}'s held-out evaluations keep only their metrics "
-                        "(`rollout runs show`); their samples are not stored")
     if tokens and not as_json:
         raise UsageLine("runs samples: --tokens goes with --json")
     store = _open_store(store_url or (ctx.obj or {}).get("store"))
-    found = samples.read_samples(store, name, step, tokens=tokens)
-    if worst is not None:
-        shown, what = samples.worst(found.rows, worst), f"the {worst} worst"
-    elif best is not None:
-        shown, what = samples.best(found.rows, best), f"the {best} best"
-    elif failed:
-        shown, what = samples.failed(found.rows), "the failed"
-    else:
-        shown, what = found.rows, "every sample"
+    found = (samples.read_eval_samples if held_out else samples.read_samples)(store, name, step, tokens=tokens)
+    selection = {"worst": worst} if worst else {"best": best} if best else {"failed": True} if failed else {}
+    shown = samples.select(found.rows, **selection)
+    what = f"the {worst} worst" if worst else f"the {best} best" if best else "the failed" if failed else "every sample"
     if as_json:
-        click.echo(json_line({"run": found.run, "step": found.step, "steps": found.steps, "shown": what,
-                              "samples": len(found.rows), "rows": shown}))
+        click.echo(json_line({"run": found.run, "step": found.step, "steps": found.steps, "samples": len(found.rows),
+                              "selection": selection, "rows": shown}))
         return
     from rollout_cli.samples_view import print_samples
 

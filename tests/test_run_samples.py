@@ -175,7 +175,9 @@ def test_bad_requests_are_one_line_and_exit_2(capsys, tmp_path):
         ("rm-like",): f"run 'rm-like' in {store.root} is not an RL run: only train-rl keeps samples",
         ("rl-old",): f"run 'rl-old' in {store.root} has no samples recorded: it trained before rollout recorded them",
         ("rl-old", "--worst", "2", "--best", "2"): "runs samples: --worst, --best and --failed pick one selection",
-        ("rl-old", "--eval"): "runs samples --eval: run 'rl-old''s held-out evaluations keep only their metrics",
+        ("rl-old", "--eval"): "the held-out evaluations of run 'rl-old' keep only their metrics",
+        ("nope", "--eval"): f"no run 'nope' in {store.root}",
+        ("rl-old", "--tokens"): "runs samples: --tokens goes with --json",
     }
     for args, start in cases.items():
         code, out, err = rollout(capsys, "runs", "samples", *args, "--store", store.root)

@@ -69,17 +69,36 @@ def read_samples(store: ObjectStore, run_name: str, step: int | None = None, *, 
     return StepSamples(run_name, step, steps, rows)
 
 
-def worst(rows: list[dict], count: int) -> list[dict]:
+def read_eval_samples(store: ObjectStore, run_name: str, step: int | None = None, *,
+                      tokens: bool = False) -> StepSamples:
+    """The held-out evaluation's samples: not stored yet. An evaluation keeps its metrics alone (rl/evaluate.py
+    samples and scores, then returns the means), so this says so, naming the run."""
+    check_run(store, run_name)
+    raise StoreError(f"the held-out evaluations of run {run_name!r} keep only their metrics (`rollout runs show "
+                     f"{run_name}`): their samples are not stored")
+
+
+def select(rows: list[dict], *, worst: int | None = None, best: int | None = None,
+           failed: bool = False) -> list[dict]:
+    """The rows a selection asks for (one of them at most; none: every row)."""
+    if worst:
+        return _worst(rows, worst)
+    if best:
+        return _best(rows, best)
+    return _failed(rows) if failed else rows
+
+
+def _worst(rows: list[dict], count: int) -> list[dict]:
     """The ``count`` scored rows of lowest total reward, lowest first (ties: table order)."""
     return sorted((row for row in rows if row["reward"] is not None), key=lambda row: row["reward"])[:count]
 
 
-def best(rows: list[dict], count: int) -> list[dict]:
+def _best(rows: list[dict], count: int) -> list[dict]:
     """The ``count`` scored rows of highest total reward, highest first (ties: table order)."""
     return sorted((row for row in rows if row["reward"] is not None), key=lambda row: -row["reward"])[:count]
 
 
-def failed(rows: list[dict]) -> list[dict]:
+def _failed(rows: list[dict]) -> list[dict]:
     """The rows whose reward is missing (the reward loop's error says why)."""
     return [row for row in rows if row["reward"] is None]
 
