@@ -33,6 +33,7 @@ from rollout_lib.rl.collapse import CollapseGuard
 from rollout_lib.rl.curriculum import initial_state
 from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.runlog.step_log import segment_means
+from rollout_lib.runlog.step_tables import record_step_tables
 from tasks.common import open_store
 from tasks.rl import (
     advantages_task,
@@ -136,6 +137,12 @@ class RlSteps:
             self._finish(*self.unfinished)
             self.unfinished = None
         trained = task(train_step_task)(cfg, prompts, self.state, packed["micro_batches"], step, res.resident)
+        # Where this step's tables are, for `rollout runs samples` (runlog/step_tables.py): before the state moves.
+        record_step_tables(open_store(cfg), cfg.run.name, step, {
+            "prompts": prompts, "rollouts": sampled["rollouts"], "scored": scored["rollouts"],
+            "rewards": sampled.get("rewards") if self.streamed else None, "samples": samples["samples"],
+            "micro_batches": packed["micro_batches"],
+            "sampled_from_state": self.states[self.schedule.sampled_after(step)], "state": trained["state"]})
         self.state = self.states[step] = trained["state"]
         snapshot = step % cfg.settings.checkpoint_interval == 0 or step == self.total
         if snapshot:

@@ -3,6 +3,7 @@
     rollout runs [--store URL]                                  # name, latest checkpoint, step, headline, updated
     rollout runs show NAME [--store URL] [--json] [--columns a,b]
     rollout runs plot NAME [--store URL] [--out PATH]              # the curves as a PNG
+    rollout runs samples NAME [--store URL] [--step N] [--worst K | --best K | --failed] [--tokens] [--json]
 
 Read-only. An unknown run or a missing store is a StoreError: `rollout: error: no run 'x' in <store>`, exit 2.
 """
@@ -114,6 +115,42 @@ def runs_plot(ctx: click.Context, name: str, store_url: str | None, out_path: st
     target = Path(out_path or f"{name}-curves.png")
     target.write_bytes(plot_curves(history, f"{name}: step {history[-1]['step']}"))
     click.echo(f"wrote {target}")
+
+
+@runs_group.command("samples")
+@click.argument("name")
+@click.option("--store", "store_url", metavar="URL", help=_STORE_HELP)
+@click.option("--step", type=click.IntRange(min=0), help="the RL step [default: the latest with samples]")
+@click.option("--eval", "held_out", is_flag=True, help="the held-out evaluation's samples (not stored yet)")
+@click.option("--worst", type=click.IntRange(min=1), metavar="K", help="the K samples of lowest reward")
+@click.option("--best", type=click.IntRange(min=1), metavar="K", help="the K samples of highest reward")
+@click.option("--failed", is_flag=True, help="the samples whose reward is missing, with why")
+@click.option("--tokens", is_flag=True, help="with --json: each completion token's ids and logprobs")
+@click.option("--json", "as_json", is_flag=True, help="one JSON document: {run, step, steps, samples, selection, rows}")
+@click.pass_context
+def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int | None, held_out: bool,
+                 worst: int | None, best: int | None, failed: bool, tokens: bool, as_json: bool) -> None:
+    """Print one step of RL run NAME sample by sample: prompt, completion, rewards, advantage, tokens."""
+    from rollout_cli.main import UsageLine
+    from rollout_lib.runlog import samples
+    from rollout_lib.runlog.metrics_file import json_line
+
+    if sum((worst is not None, best is not None, failed)) > 1:
+        raise UsageLine("runs samples: --worst, --best and --failed pick one selection; give one of them")
+    if tokens and not as_json:
+        raise UsageLine("runs samples: --tokens goes with --json")
+    store = _open_store(store_url or (ctx.obj or {}).get("store"))
+    found = (samples.read_eval_samples if held_out else samples.read_samples)(store, name, step, tokens=tokens)
+    selection = {"worst": worst} if worst else {"best": best} if best else {"failed": True} if failed else {}
+    shown = samples.select(found.rows, **selection)
+    what = f"the {worst} worst" if worst else f"the {best} best" if best else "the failed" if failed else "every sample"
+    if as_json:
+        click.echo(json_line({"run": found.run, "step": found.step, "steps": found.steps, "samples": len(found.rows),
+                              "selection": selection, "rows": shown}))
+        return
+    from rollout_cli.samples_view import print_samples
+
+    print_samples(found.run, found.step, found.steps, found.rows, shown, what)
 
 
 def _number(value) -> str:

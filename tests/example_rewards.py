@@ -58,3 +58,11 @@ def command_succeeds(inp: RewardInput) -> float:
     """Sandbox-style: 1.0 when the argv in info["command"] exits 0, else 0.0. On timeout the whole worker
     process group is killed, so the command dies with it."""
     return float(subprocess.run(inp.info["command"], stdin=subprocess.DEVNULL).returncode == 0)
+
+
+def words_unless_length_divides_by_4(inp: RewardInput) -> float:
+    """A completion's word count / 16, except that it raises for a completion whose length in characters is a
+    multiple of 4: a reward that fails for some samples and not others (tests/test_run_samples.py)."""
+    if len(inp.completion_text) % 4 == 0:
+        raise ValueError(f"refusing a completion of {len(inp.completion_text)} characters")
+    return len(inp.completion_text.split()) / 16

@@ -1,0 +1,207 @@
+"""A run's samples, read straight from the tables its RL steps stored (`rollout runs samples`, docs/runs.md).
+
+One row per rollout of a step, in the rollouts table's order (prompt by prompt, group index within):
+
+    sample_id, env, example_id, group_index  which rollout
+    prompt                                   the prompt's chat messages (the prompts table's row of its example)
+    completion                               the completion text (multi-turn: the whole episode after the prompt)
+    reward, reward_error                     the total (None: missing) and why it is missing (the reward loop's error)
+    rewards                                  each reward function's reward ({name: value}); None where the step
+                                             stored only totals (staged scoring)
+    advantage                                the mean advantage over the sample's policy tokens; None without rl
+                                             credit (a missing reward, a ce / ref_kl algorithm)
+    prompt_tokens, completion_tokens         token counts
+    sampled_from                             what sampled it: a policy state id, or `frozen:...` / `served:...`
+    turns, model_turns, tool_calls, end      multi-turn episodes only (else None): the segments as
+                                             {role, sampled, content}, the model's turn count, the env's `tool`
+                                             replies, why the episode ended
+    tokens                                   with tokens=True: per completion token {id, sampled,
+                                             sampler_logprob, behaviour_logprob, advantage}
+
+`behaviour_logprob` is the logprob the trainer's ratio divides by (training samples' `inference_logprobs`): the
+trainer's recompute at the sampling state, or the sampler's own (`behaviour_logprobs = "sampler"`), or None where
+the step took it from its own training forward (`"training_forward"`, stored as NaN). The training forward's
+logprobs themselves are not stored, so they are not here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from rollout_lib import wire
+from rollout_lib.runlog.metrics_file import read_metrics
+from rollout_lib.runlog.runs import check_run
+from rollout_lib.runlog.step_tables import read_step_tables, recorded_steps
+from rollout_lib.store import ObjectNotFoundError, ObjectStore, StoreError
+
+
+@dataclass(frozen=True)
+class StepSamples:
+    run: str
+    step: int
+    steps: list[int]  # every step of the run with samples
+    rows: list[dict]
+
+
+def read_samples(store: ObjectStore, run_name: str, step: int | None = None, *, tokens: bool = False) -> StepSamples:
+    """Step ``step``'s samples (default: the latest step with samples). A StoreError naming the run, the step and
+    what to do when there are none: an unknown run, a run that is not RL, a step out of range, tables gone."""
+    check_run(store, run_name)
+    steps = recorded_steps(store, run_name)
+    if not steps:
+        raise StoreError(_why_no_samples(store, run_name))
+    if step is None:
+        step = steps[-1]
+    if step not in steps:
+        raise StoreError(f"run {run_name!r} in {store.root} has no samples of step {step}: its steps with samples "
+                         f"are {_ranges(steps)}; pick one with --step")
+    record = read_step_tables(store, run_name, step)
+    try:
+        rows = _rows(store, record, tokens)
+    except ObjectNotFoundError as exc:
+        raise StoreError(f"the tables of step {step} of run {run_name!r} are gone from {store.root} ({exc}; "
+                         "`rollout gc` deletes them once the run is older than its grace period): rerun the run's "
+                         "command to sample them again") from None
+    return StepSamples(run_name, step, steps, rows)
+
+
+def read_eval_samples(store: ObjectStore, run_name: str, step: int | None = None, *,
+                      tokens: bool = False) -> StepSamples:
+    """The held-out evaluation's samples: not stored yet. An evaluation keeps its metrics alone (rl/evaluate.py
+    samples and scores, then returns the means), so this says so, naming the run."""
+    check_run(store, run_name)
+    raise StoreError(f"the held-out evaluations of run {run_name!r} keep only their metrics (`rollout runs show "
+                     f"{run_name}`): their samples are not stored")
+
+
+def select(rows: list[dict], *, worst: int | None = None, best: int | None = None,
+           failed: bool = False) -> list[dict]:
+    """The rows a selection asks for (one of them at most; none: every row)."""
+    if worst:
+        return _worst(rows, worst)
+    if best:
+        return _best(rows, best)
+    return _failed(rows) if failed else rows
+
+
+def _worst(rows: list[dict], count: int) -> list[dict]:
+    """The ``count`` scored rows of lowest total reward, lowest first (ties: table order)."""
+    return sorted((row for row in rows if row["reward"] is not None), key=lambda row: row["reward"])[:count]
+
+
+def _best(rows: list[dict], count: int) -> list[dict]:
+    """The ``count`` scored rows of highest total reward, highest first (ties: table order)."""
+    return sorted((row for row in rows if row["reward"] is not None), key=lambda row: -row["reward"])[:count]
+
+
+def _failed(rows: list[dict]) -> list[dict]:
+    """The rows whose reward is missing (the reward loop's error says why)."""
+    return [row for row in rows if row["reward"] is None]
+
+
+def _why_no_samples(store: ObjectStore, run_name: str) -> str:
+    history = read_metrics(store, run_name)
+    if history and not any("reward_mean" in record for record in history):
+        return (f"run {run_name!r} in {store.root} is not an RL run: only train-rl keeps samples "
+                "(`rollout runs show` has its metrics)")
+    return (f"run {run_name!r} in {store.root} has no samples recorded: it trained before rollout recorded them, or "
+            "has not finished a step yet; rerun its command (finished steps come back from cache) to record them")
+
+
+def _ranges(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else ", ".join(map(str, steps))
+
+
+def _rows(store: ObjectStore, record: dict, tokens: bool) -> list[dict]:
+    scored = store.get_table(record["scored"], wire.ROLLOUTS)
+    samples = store.get_table(record["samples"], wire.TRAINING_SAMPLES)
+    messages = {}
+    for prompts_id in record["prompts"].values():
+        prompts = store.get_table(prompts_id, wire.PROMPTS)
+        messages.update(zip(prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()))
+    per_function = _per_function(store, record.get("rewards"), scored.num_rows)
+    by_sample = {row["sample_id"]: row for row in _columns(samples, ("sample_id", "input_ids", "loss_mask",
+                                                                     "advantages", "inference_logprobs"))}
+    rows = []
+    for index, rollout in enumerate(scored.to_pylist()):
+        sample = by_sample.get(rollout["sample_id"])
+        row = {
+            "sample_id": rollout["sample_id"], "env": rollout["env"], "example_id": rollout["example_id"],
+            "group_index": rollout["group_index"], "prompt": messages.get(rollout["example_id"]),
+            "completion": rollout["completion_text"], "reward": rollout["reward"],
+            "rewards": per_function[index], "reward_error": rollout["reward_error"],
+            "advantage": _advantage(sample), "prompt_tokens": len(rollout["prompt_ids"]),
+            "completion_tokens": len(rollout["completion_ids"]), "sampled_from": rollout["sampled_from"],
+            **_episode(rollout),
+        }
+        if tokens:
+            row["tokens"] = _tokens(rollout, sample)
+        rows.append(row)
+    return rows
+
+
+def _columns(table: pa.Table, names: tuple[str, ...]) -> list[dict]:
+    return table.select(list(names)).to_pylist()
+
+
+def _per_function(store: ObjectStore, rewards_id: str | None, num_rows: int) -> list[dict | None]:
+    """Each row's rewards by function, from a streamed step's reward results (row order); Nones without them."""
+    if rewards_id is None:
+        return [None] * num_rows
+    results = store.get_json(rewards_id)["results"]
+    if len(results) != num_rows:
+        raise StoreError(f"reward results {rewards_id} hold {len(results)} rows for a table of {num_rows}")
+    return [dict(result["per_function"]) for result in results]
+
+
+def _advantage(sample: dict | None) -> float | None:
+    if sample is None or sample["advantages"] is None:
+        return None
+    values = [a for a, member in zip(sample["advantages"], sample["loss_mask"]) if member]
+    return math.fsum(values) / len(values) if values else None
+
+
+def _episode(rollout: dict) -> dict:
+    turns = rollout["completion_turns"]
+    if turns is None:
+        return {"turns": None, "model_turns": None, "tool_calls": None, "end": None}
+    episode = json.loads(rollout["episode"]) if rollout["episode"] else {}
+    return {"turns": [{"role": turn["role"], "sampled": turn["sampled"], "content": turn["content"]}
+                      for turn in turns],
+            "model_turns": episode.get("turns", sum(turn["sampled"] for turn in turns)),
+            "tool_calls": sum(turn["role"] == "tool" for turn in turns), "end": episode.get("end")}
+
+
+def _tokens(rollout: dict, sample: dict | None) -> list[dict]:
+    """Per completion token; the sample's streams past max_seq_len (truncated) are None."""
+    offset = len(rollout["prompt_ids"])
+    sampled = _sampled_mask(rollout)
+    streams = sample or {}
+
+    def at(name: str, position: int) -> float | None:
+        values = streams.get(name)
+        if values is None or offset + position >= len(values):
+            return None
+        value = values[offset + position]
+        return None if value is None or math.isnan(value) else value
+
+    return [{"id": token, "sampled": sampled[i], "sampler_logprob": rollout["sampling_logprobs"][i],
+             "behaviour_logprob": at("inference_logprobs", i) if sampled[i] else None,
+             "advantage": at("advantages", i)}
+            for i, token in enumerate(rollout["completion_ids"])]
+
+
+def _sampled_mask(rollout: dict) -> list[bool]:
+    """Which completion tokens the policy sampled (an episode's env segments it did not)."""
+    turns = rollout["completion_turns"]
+    if turns is None:
+        return [True] * len(rollout["completion_ids"])
+    mask = [False] * len(rollout["completion_ids"])
+    for turn in turns:
+        for position in range(turn["start"], turn["start"] + turn["length"]):
+            mask[position] = turn["sampled"]
+    return mask

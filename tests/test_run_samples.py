@@ -1,0 +1,185 @@
+"""`rollout runs samples`: a step's samples read back from a real tiny RL run's store (issue 41, docs/runs.md).
+
+One run is shared by the module: rl-tiny, 2 steps, scored by target_length and a reward that raises for some
+completions (tests/example_rewards.py), so that a step has rewards per function, advantages and failures. The
+command's rows are checked against the stored tables and against the rewards and advantages recomputed here from
+the completions' text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from clirun import train_in_process
+from conftest import ROOT
+from rollout_cli.main import main
+from rollout_lib import wire
+from rollout_lib.runlog.metrics_file import MetricsFile
+from rollout_lib.runlog.step_tables import read_step_tables
+from rollout_lib.store import ObjectStore
+
+RUN = "samples-tiny"
+FAILING = "words_unless_length_divides_by_4"  # in tests/example_rewards.py; its rewards are keyed by this name
+
+
+def rollout(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def sampled_run(prefect_server, tmp_path_factory) -> ObjectStore:
+    directory = tmp_path_factory.mktemp("samples")
+    config = directory / "rl.toml"
+    config.write_text((ROOT / "configs/rl-tiny.toml").read_text()
+                      .replace('"data/rl-tiny-prompts.jsonl"', f'"{ROOT / "data/rl-tiny-prompts.jsonl"}"')
+                      + f'\n[[algorithm.rl.envs.rewards]]\nfunction = "example_rewards:{FAILING}"\n')
+    store = ObjectStore(str(directory / "store"))
+    done = train_in_process("train", "rl", "--config", str(config), "--store", store.root, "--name", RUN,
+                            "--max-steps", "2", "--set", "algorithm.rl.reward_loop.max_missing_fraction=0.9")
+    assert len(done["reward_curve"]) == 2
+    return store
+
+
+def samples_json(capsys, store: ObjectStore, *args: str) -> dict:
+    code, out, err = rollout(capsys, "runs", "samples", RUN, "--store", store.root, "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def stored(store: ObjectStore, step: int) -> tuple[dict, list[dict], list[dict]]:
+    """Step `step`'s record, its scored rollouts and its training samples, as the run stored them."""
+    record = read_step_tables(store, RUN, step)
+    return (record, store.get_table(record["scored"], wire.ROLLOUTS).to_pylist(),
+            store.get_table(record["samples"], wire.TRAINING_SAMPLES).to_pylist())
+
+
+@pytest.mark.slow
+def test_the_latest_step_by_default_row_for_row_as_stored(capsys, sampled_run):
+    from rollout_lib.model.loading import load_tokenizer, resolve_model
+
+    document = samples_json(capsys, sampled_run)
+    assert (document["run"], document["step"], document["steps"]) == (RUN, 2, [1, 2])
+    record, scored, _ = stored(sampled_run, 2)
+    rows = document["rows"]
+    assert len(rows) == document["samples"] == len(scored) == 4 * 8
+    tokenizer = load_tokenizer(resolve_model("tiny:qwen2"))
+    for row, rollout_row in zip(rows, scored):
+        assert row["sample_id"] == rollout_row["sample_id"]
+        assert row["reward"] == rollout_row["reward"] and row["reward_error"] == rollout_row["reward_error"]
+        assert row["completion"] == tokenizer.decode(rollout_row["completion_ids"], skip_special_tokens=True)
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (len(rollout_row["prompt_ids"]),
+                                                                   len(rollout_row["completion_ids"]))
+        assert row["prompt"][-1]["role"] == "user" and row["prompt"][-1]["content"]
+        # step 2 sampled from the state step 1 trained
+        assert row["sampled_from"] == record["sampled_from_state"] == read_step_tables(sampled_run, RUN, 1)["state"]
+        assert row["turns"] is None  # a single-turn env
+    assert sum(bool(row["completion"]) for row in rows) > len(rows) // 2
+    # Each function's reward, recomputed from the text; the total is their sum (weights 1).
+    for row in rows:
+        words = len(row["completion"].split())
+        assert row["rewards"]["target_length"] == pytest.approx(max(0.0, 1 - abs(words - 12) / 12))
+        if row["reward"] is not None:
+            assert row["rewards"][FAILING] == pytest.approx(words / 16)
+            assert row["reward"] == pytest.approx(sum(row["rewards"].values()))
+        else:
+            assert row["rewards"][FAILING] is None  # it raised
+    # GRPO: advantage = reward - the mean of its group's scored rewards; none for a missing reward.
+    groups = defaultdict(list)
+    for row in rows:
+        if row["reward"] is not None:
+            groups[row["example_id"]].append(row["reward"])
+    for row in rows:
+        if row["reward"] is None:
+            assert row["advantage"] is None
+        else:
+            group = groups[row["example_id"]]
+            assert row["advantage"] == pytest.approx(row["reward"] - sum(group) / len(group), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_chosen_step_with_its_tokens(capsys, sampled_run):
+    document = samples_json(capsys, sampled_run, "--step", "1", "--tokens")
+    record, scored, samples = stored(sampled_run, 1)
+    assert document["step"] == 1 and len(document["rows"]) == len(scored)
+    inference = {sample["sample_id"]: sample["inference_logprobs"] for sample in samples}
+    for row, rollout_row in zip(document["rows"], scored):
+        assert row["sampled_from"] == record["sampled_from_state"]  # the initial checkpoint
+        assert [token["id"] for token in row["tokens"]] == rollout_row["completion_ids"]
+        assert [token["sampler_logprob"] for token in row["tokens"]] == pytest.approx(
+            rollout_row["sampling_logprobs"])
+        behaviour = inference[row["sample_id"]][len(rollout_row["prompt_ids"]):]
+        for token, value in zip(row["tokens"], behaviour):  # NaN: taken from the training forward, not stored
+            assert token["behaviour_logprob"] == (None if value != value else pytest.approx(value))
+        assert all(token["advantage"] == pytest.approx(row["advantage"]) for token in row["tokens"]) \
+            if row["advantage"] is not None else True
+
+
+@pytest.mark.slow
+def test_worst_and_best_sort_by_total_reward(capsys, sampled_run):
+    rewards = sorted(row["reward"] for row in samples_json(capsys, sampled_run)["rows"] if row["reward"] is not None)
+    worst = [row["reward"] for row in samples_json(capsys, sampled_run, "--worst", "3")["rows"]]
+    best = [row["reward"] for row in samples_json(capsys, sampled_run, "--best", "3")["rows"]]
+    assert worst == rewards[:3]
+    assert best == rewards[::-1][:3]
+    assert rewards[0] < rewards[-1]  # the order is informative
+
+
+@pytest.mark.slow
+def test_failed_lists_the_missing_rewards_with_why(capsys, sampled_run):
+    _, scored, _ = stored(sampled_run, 2)
+    rows = samples_json(capsys, sampled_run, "--failed")["rows"]
+    assert 0 < len(rows) == sum(row["reward"] is None for row in scored) < len(scored)
+    for row in rows:
+        assert row["reward"] is None and len(row["completion"]) % 4 == 0
+        assert f"refusing a completion of {len(row['completion'])} characters" in row["reward_error"]
+
+    code, out, err = rollout(capsys, "runs", "samples", RUN, "--store", sampled_run.root, "--failed")
+    assert code == 0, err
+    assert f"{RUN} step 2 (of steps 1-2): the failed; 32 samples" in out
+    assert out.count("reward failed:") == len(rows)
+
+
+@pytest.mark.slow
+def test_the_terminal_view(capsys, sampled_run):
+    code, out, err = rollout(capsys, "runs", "samples", RUN, "--store", sampled_run.root, "--best", "2")
+    assert code == 0, err
+    rows = samples_json(capsys, sampled_run, "--best", "2")["rows"]
+    assert f"{RUN} step 2 (of steps 1-2): the 2 best; 32 samples, reward mean" in out
+    assert f"sampled from {rows[0]['sampled_from'][:12]}" in out
+    for row in rows:
+        assert f"{row['reward']:.3f}" in out and f"{row['rewards']['target_length']:.3f}" in out
+        first_word = row["completion"].split()[0] if row["completion"].split() else ""
+        assert first_word[:10] in out
+
+
+@pytest.mark.slow
+def test_a_step_out_of_range_is_one_line(capsys, sampled_run):
+    code, out, err = rollout(capsys, "runs", "samples", RUN, "--store", sampled_run.root, "--step", "9")
+    assert code == 2 and out == ""
+    assert err == (f"rollout: error: run '{RUN}' in {sampled_run.root} has no samples of step 9: its steps with "
+                   "samples are 1-2; pick one with --step\n")
+
+
+def test_bad_requests_are_one_line_and_exit_2(capsys, tmp_path):
+    store = ObjectStore(str(tmp_path / "store"))
+    store.put_json({})  # a store exists once it holds something
+    MetricsFile(store, "rm-like").record(1, {"loss": 0.69, "accuracy": 0.5})
+    MetricsFile(store, "rl-old").record(1, {"reward_mean": 0.4, "loss": 0.0})
+    cases = {
+        ("nope",): f"no run 'nope' in {store.root}",
+        ("rm-like",): f"run 'rm-like' in {store.root} is not an RL run: only train-rl keeps samples",
+        ("rl-old",): f"run 'rl-old' in {store.root} has no samples recorded: it trained before rollout recorded them",
+        ("rl-old", "--worst", "2", "--best", "2"): "runs samples: --worst, --best and --failed pick one selection",
+        ("rl-old", "--eval"): "the held-out evaluations of run 'rl-old' keep only their metrics",
+        ("nope", "--eval"): f"no run 'nope' in {store.root}",
+        ("rl-old", "--tokens"): "runs samples: --tokens goes with --json",
+    }
+    for args, start in cases.items():
+        code, out, err = rollout(capsys, "runs", "samples", *args, "--store", store.root)
+        assert (code, out) == (2, ""), (args, err)
+        assert err.startswith(f"rollout: error: {start}") and err.count("\n") == 1, (args, err)
