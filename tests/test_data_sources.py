@@ -96,13 +96,15 @@ def test_sft_table_with_mapped_names_and_trl_conversational_rows(tmp_path):
                                "completion": [[{"role": "assistant", "content": "4"}]]})
     pq.write_table(conversational, tmp_path / "conv.parquet")
     read = read_examples(_source("parquet", tmp_path / "conv.parquet"), "d")
-    assert read["messages"].to_pylist() == [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]
+    assert read["messages"].to_pylist() == [[{"role": "user", "content": "2+2?"},
+                                             {"role": "assistant", "content": "4"}]]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_rm_table_reads_the_jsonl_pairs(tmp_path, kind):
     path = _write(_table(_rows("rm-tiny.jsonl"), {"prompt": "q"}), kind, tmp_path)
-    assert read_pairs(_source(kind, path, {"prompt": "q"}), "algorithm.rm.dataset").equals(load_pairs(DATA / "rm-tiny.jsonl"))
+    pairs = read_pairs(_source(kind, path, {"prompt": "q"}), "algorithm.rm.dataset")
+    assert pairs.equals(load_pairs(DATA / "rm-tiny.jsonl"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -229,7 +231,7 @@ def test_a_table_without_rollouts_columns_names_the_ones_present(tmp_path, capsy
                   "arrow", tmp_path)
     line = _dry_run_error(capsys, "sft", f'algorithm.sft.dataset={{ type = "arrow", path = "{path}" }}')
     assert line.startswith(f"rollout: error: algorithm.sft.dataset: {path} has no 'messages' column and no "
-                           "'prompt' + 'completion' columns")
+                           "'prompt' + 'completion' columns (rollout's names; its columns: a, chat, q);")
     assert "map the table's own with algorithm.sft.dataset.columns" in line
 
 

@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from rollout_lib import wire
 from rollout_lib.data.jsonl import DataError, iter_jsonl_objects, optional_number, require_string
-from rollout_lib.data.sources import describe_columns, is_table_source, read_table
+from rollout_lib.data.sources import describe_columns, is_table_source, read_table, table_schema
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
@@ -34,9 +34,10 @@ def read_pairs(dataset, where: str) -> pa.Table:
     table = read_table(dataset, (*PAIR_FIELDS, "margin"), where)
     missing = [key for key in PAIR_FIELDS if key not in table.column_names]
     if missing:
+        present = describe_columns(table_schema(dataset, where))
         raise DataError(f"{where}: {dataset.path} has no {', '.join(repr(key) for key in missing)} column (rollout's "
-                        f"names; columns read: {describe_columns(table.schema)}); map the table's own with "
-                        f"{where}.columns, e.g. columns = {{ prompt = \"question\" }}")
+                        f"names; its columns: {present}); map the table's own with {where}.columns, e.g. "
+                        "columns = { prompt = \"question\" }")
     for key in PAIR_FIELDS:  # TRL's conversational pairs are message lists; the reward model here scores text
         if not pa.types.is_string(table.column(key).type) and not pa.types.is_large_string(table.column(key).type):
             raise DataError(f"{where}: {dataset.path}: column {dataset.columns.get(key, key)!r} ({key}) holds "

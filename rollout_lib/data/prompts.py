@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from rollout_lib import wire
 from rollout_lib.data.jsonl import MESSAGE_ROLES, DataError, iter_jsonl_objects, require_messages, require_string
-from rollout_lib.data.sources import describe_columns, is_table_source, read_table
+from rollout_lib.data.sources import describe_columns, is_table_source, read_table, table_schema
 
 _KNOWN_KEYS = {"prompt", "messages", "answer", "info", "id"}
 
@@ -101,8 +101,8 @@ def table_prompts(source, env: str, system_prompt: str | None, where: str) -> pa
     names = set(table.column_names)
     if ("prompt" in names) == ("messages" in names):
         problem = "both a 'prompt' and a 'messages' column" if "prompt" in names else "no 'prompt' or 'messages' column"
-        raise DataError(f"{where}: {source.path} has {problem} (rollout's names; columns read: "
-                        f"{describe_columns(table.schema)}); map exactly one with {where}.columns, e.g. "
+        raise DataError(f"{where}: {source.path} has {problem} (rollout's names; its columns: "
+                        f"{describe_columns(table_schema(source, where))}); map exactly one with {where}.columns, e.g. "
                         "columns = { prompt = \"question\" }")
     if table.num_rows == 0:
         raise DataError(f"{where}: {source.path}: no prompts (the table is empty)")

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from rollout_lib import wire
 from rollout_lib.data.jsonl import DataError, iter_jsonl_objects, require_messages, require_string
-from rollout_lib.data.sources import describe_columns, is_table_source, read_table
+from rollout_lib.data.sources import describe_columns, is_table_source, read_table, table_schema
 
 _KNOWN_KEYS = {"prompt", "completion", "messages", "id"}
 
@@ -40,8 +40,9 @@ def read_examples(dataset, where: str) -> pa.Table:
         return load_examples(dataset.path)
     table = read_table(dataset, ("prompt", "completion", "messages", "id"), where)
     if "messages" not in table.column_names and not {"prompt", "completion"} <= set(table.column_names):
+        present = describe_columns(table_schema(dataset, where))
         raise DataError(f"{where}: {dataset.path} has no 'messages' column and no 'prompt' + 'completion' columns "
-                        f"(rollout's names; columns read: {describe_columns(table.schema)}); map the table's own "
+                        f"(rollout's names; its columns: {present}); map the table's own "
                         f"with {where}.columns, e.g. columns = {{ prompt = \"question\", completion = \"answer\" }}")
     rows: dict[str, list] = {name: [] for name in wire.EXAMPLES.names}
     for index, obj in enumerate(table.to_pylist()):  # SFT sets are small: each row is checked as a JSONL line is
