@@ -109,10 +109,12 @@ def test_rm_table_reads_the_jsonl_pairs(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("system_prompt", [None, "Answer with a number."])
-def test_rl_table_reads_the_jsonl_prompts(tmp_path, kind, system_prompt):
-    path = _write(_table(_rows("rl-calculator-prompts.jsonl"), {"prompt": "question"}), kind, tmp_path)
+@pytest.mark.parametrize("name", ["rl-calculator-prompts.jsonl", "rl-tiny-prompts.jsonl", "rl-opsd-prompts.jsonl"])
+def test_rl_table_reads_the_jsonl_prompts(tmp_path, kind, system_prompt, name):
+    """Text prompts with answers; a mixed table (some rows `prompt`, some `messages`, as rl-tiny's); info structs."""
+    path = _write(_table(_rows(name), {"prompt": "question"}), kind, tmp_path)
     from_table = table_prompts(_source(kind, path, {"prompt": "question"}), "calc", system_prompt, "w")
-    assert from_table.equals(load_jsonl_prompts(DATA / "rl-calculator-prompts.jsonl", "calc", system_prompt))
+    assert from_table.equals(load_jsonl_prompts(DATA / name, "calc", system_prompt))
 
 
 def test_rl_table_in_verls_shape(tmp_path):
@@ -312,3 +314,30 @@ def test_a_million_row_prompt_set_plans_and_draws_without_python_rows(tmp_path):
     # A million rows as Python dicts of messages take over 1 GiB and tens of seconds; in Arrow ~100 MiB.
     assert float(grown_mib) < 600, grown_mib
     assert float(plan_s) < 10 and float(draw_s) < 1, (plan_s, draw_s)
+
+
+# --- training from a table --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sft_from_parquet_trains_the_checkpoint_jsonl_trains_and_rl_draws_the_same_prompts(tmp_path, prefect_server):
+    """Two steps each, separate stores (no shared cache): SFT from a parquet copy of sft-tiny.jsonl ends at the
+    JSONL run's checkpoint id (the bytes of the weights), and RL from a parquet copy of its prompts gets the JSONL
+    run's rewards."""
+    from clirun import train_in_process
+
+    sft = _write(_table(_rows("sft-tiny.jsonl")), "parquet", tmp_path)
+    common = ("train", "sft", "--config", "configs/sft-tiny.toml", "--max-steps", "2")
+    from_jsonl = train_in_process(*common, "--store", str(tmp_path / "store-jsonl"))
+    from_table = train_in_process(*common, "--set", f'algorithm.sft.dataset={{ type = "parquet", path = "{sft}" }}',
+                                  "--store", str(tmp_path / "store-table"))
+    assert from_table["checkpoint"] == from_jsonl["checkpoint"]
+
+    (tmp_path / "rl").mkdir()
+    prompts = _write(_table(_rows("rl-tiny-prompts.jsonl"), {"prompt": "question"}), "arrow", tmp_path / "rl")
+    common = ("train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps", "2")
+    from_jsonl = train_in_process(*common, "--store", str(tmp_path / "rl-jsonl"))
+    from_table = train_in_process(*common, "--set", f'algorithm.rl.envs[0].source={{ type = "arrow", path = '
+                                                    f'"{prompts}", columns = {{ prompt = "question" }} }}',
+                                  "--store", str(tmp_path / "rl-table"))
+    assert from_table["reward_curve"] == from_jsonl["reward_curve"]

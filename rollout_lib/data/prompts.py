@@ -99,22 +99,18 @@ def table_prompts(source, env: str, system_prompt: str | None, where: str) -> pa
     `messages`, optional `answer` (text or a number), `info` (a struct, or JSON text passed as written), `id`."""
     table = read_table(source, PROMPT_COLUMNS, where)
     names = set(table.column_names)
-    if ("prompt" in names) == ("messages" in names):
-        problem = "both a 'prompt' and a 'messages' column" if "prompt" in names else "no 'prompt' or 'messages' column"
-        raise DataError(f"{where}: {source.path} has {problem} (rollout's names; its columns: "
-                        f"{describe_columns(table_schema(source, where))}); map exactly one with {where}.columns, e.g. "
+    if not names & {"prompt", "messages"}:
+        raise DataError(f"{where}: {source.path} has no 'prompt' or 'messages' column (rollout's names; its columns: "
+                        f"{describe_columns(table_schema(source, where))}); map one with {where}.columns, e.g. "
                         "columns = { prompt = \"question\" }")
     if table.num_rows == 0:
         raise DataError(f"{where}: {source.path}: no prompts (the table is empty)")
-    key = "prompt" if "prompt" in names else "messages"
-    located = f"{source.path}: column {source.columns.get(key, key)!r}"
-    column = table.column(key).combine_chunks()
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        messages = _user_messages(column.cast(pa.string()), system_prompt, located)
-    elif pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-        messages = _conversations(column, system_prompt, located)
+    located = {key: f"{source.path}: column {source.columns.get(key, key)!r}" for key in ("prompt", "messages")}
+    if {"prompt", "messages"} <= names:  # a mixed table, as a JSONL file may be: each row fills exactly one
+        messages = _mixed_messages(table, system_prompt, located, source.path)
     else:
-        raise DataError(f"{located} holds {column.type}; a prompt is text or a list of {{role, content}} messages")
+        key = "prompt" if "prompt" in names else "messages"
+        messages = _prompt_messages(table.column(key).combine_chunks(), system_prompt, located[key])
     rows = table.num_rows
     line = pa.array(np.arange(1, rows + 1, dtype=np.int64))
     return pa.Table.from_arrays([
@@ -125,6 +121,30 @@ def table_prompts(source, env: str, system_prompt: str | None, where: str) -> pa
         _infos(table, source.path, source.columns.get("info", "info")),
         line,
     ], schema=wire.PROMPTS)
+
+
+def _prompt_messages(column: pa.Array, system_prompt: str | None, located: str) -> pa.Array:
+    """PROMPTS messages from a `prompt` column: text (one user message) or a conversation (TRL's, verl's)."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return _user_messages(column.cast(pa.string()), system_prompt, located)
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        return _conversations(column, system_prompt, located)
+    raise DataError(f"{located} holds {column.type}; a prompt is text or a list of {{role, content}} messages")
+
+
+def _mixed_messages(table: pa.Table, system_prompt: str | None, located: dict[str, str], path: str) -> pa.Array:
+    """Both a `prompt` and a `messages` column: each row's one that is filled, built column-wise (the other rows
+    hold a stand-in that is never chosen)."""
+    prompt, chat = table.column("prompt").combine_chunks(), table.column("messages").combine_chunks()
+    use_prompt = pc.is_valid(prompt)
+    bad = _first_row(pc.equal(use_prompt, pc.is_valid(chat)))
+    if bad is not None:
+        raise DataError(f"{path}: row {bad}: give exactly one of 'prompt' or 'messages'")
+    stand_in = [{"role": "user", "content": "-"}]
+    prompt = pc.if_else(use_prompt, prompt, pa.scalar(stand_in if pa.types.is_list(prompt.type) else "-", prompt.type))
+    chat = pc.if_else(use_prompt, pa.scalar(stand_in, chat.type), chat)
+    return pc.if_else(use_prompt, _prompt_messages(prompt, system_prompt, located["prompt"]),
+                      _prompt_messages(chat, system_prompt, located["messages"]))
 
 
 def _first_row(mask: pa.Array) -> int | None:
