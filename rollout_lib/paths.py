@@ -58,3 +58,9 @@ def use_home_of_config(config_path: str | Path) -> None:
 def default_store() -> Path:
     """Where checkpoints go when neither a config nor `--store` says: `store` in rollout's home."""
     return state_dir() / "store"
+
+
+def rollout_cache_dir() -> Path:
+    """What rollout derives once and keeps across runs (converted GGUF models, data files' digests, the `datasets`
+    library's cache): ROLLOUT_CACHE_DIR, else ~/.cache/rollout."""
+    return Path(os.environ.get("ROLLOUT_CACHE_DIR", Path.home() / ".cache" / "rollout"))

@@ -10,7 +10,7 @@ from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.config.rlhf import STAGES, RlhfConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
-from rollout_lib.data import load_examples, load_pairs
+from rollout_lib.data import read_examples, read_pairs
 from rollout_lib.model.loading import load_tokenizer, locate_model, offline_problem
 from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import hardware_settings, resolve_hardware
@@ -103,8 +103,8 @@ def _hardware(config) -> dict:
 
 def _rm_plan(config: RmConfig) -> dict:
     settings = config.settings
-    train_rows = load_pairs(settings.dataset.path).num_rows  # parses every row: a bad one fails here
-    eval_rows = load_pairs(settings.eval_dataset.path).num_rows if settings.eval_dataset else 0
+    train_rows = read_pairs(settings.dataset, "algorithm.rm.dataset").num_rows  # every row: a bad one fails here
+    eval_rows = read_pairs(settings.eval_dataset, "algorithm.rm.eval_dataset").num_rows if settings.eval_dataset else 0
     resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     steps = settings.budget.max_steps
     return {
@@ -126,8 +126,9 @@ def _rm_plan(config: RmConfig) -> dict:
 
 def _sft_plan(config: SftConfig) -> dict:
     settings = config.settings
-    train = load_examples(settings.dataset.path)  # parses every row: a bad one fails here
-    eval_rows = load_examples(settings.eval_dataset.path).num_rows if settings.eval_dataset else 0
+    train = read_examples(settings.dataset, "algorithm.sft.dataset")  # every row: a bad one fails here
+    eval_rows = (read_examples(settings.eval_dataset, "algorithm.sft.eval_dataset").num_rows
+                 if settings.eval_dataset else 0)
     resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     steps = settings.budget.max_steps
     turns = sum(1 for messages in train["messages"].to_pylist() for m in messages if m["role"] == "assistant")
@@ -156,7 +157,8 @@ def _rl_plan(config: RlConfig) -> dict:
     from rollout_lib.rl.prompts import check_distinct_examples, load_prompts
 
     settings = config.settings
-    prompts = {env.name: load_prompts(env) for env in settings.envs}  # parses or generates every prompt
+    # parses or generates every prompt (a table's are built column-wise, data/prompts.py)
+    prompts = {env.name: load_prompts(env, env_locator(index, "source")) for index, env in enumerate(settings.envs)}
     check_distinct_examples(prompts)
     resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     frozen = _frozen_model_contents(config)

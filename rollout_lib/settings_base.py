@@ -4,7 +4,7 @@ frozen model, rollout_lib/serving/settings.py) need these without importing the 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
@@ -35,18 +35,28 @@ class ModelRef(StrictModel):
         return {"uri": value} if isinstance(value, str) else value
 
 
-def tagged_union(types: tuple[type[BaseModel], ...], what: str) -> Any:
+def tagged_union(types: tuple[type[BaseModel], ...], what: str, default: str | None = None) -> Any:
     """A union of settings classes chosen by their `type` (or `kind`); an unknown type names the ones that exist.
+    A class whose `type` is a Literal of several values (`"parquet" | "arrow" | "hf_disk"`) is chosen by any of
+    them; `default`: the type of a value that names none (`dataset = { path = "x.jsonl" }`).
 
     Tags are spelt `what(type)`: pydantic puts the tag into error locations, and the config's error locator leaves
     such parts out, so errors read `algorithm.rl.envs[0].algo.std_eps`, not `...algo.grpo.std_eps`."""
-    names = {cls.model_fields["type"].default: cls for cls in types}
+    names = {name: cls for cls in types for name in _type_names(cls)}
+    tags = {cls: f"{what}({_type_names(cls)[0]})" for cls in types}
 
     def tag_of(value: Any) -> str | None:
-        name = value.get("type", value.get("kind")) if isinstance(value, dict) else getattr(value, "type", None)
-        return f"{what}({name})" if name in names else None
+        name = (value.get("type", value.get("kind", default)) if isinstance(value, dict)
+                else getattr(value, "type", None))
+        return tags[names[name]] if name in names else None
 
-    members = tuple(Annotated[cls, Tag(f"{what}({name})")] for name, cls in names.items())
+    members = tuple(Annotated[cls, Tag(tag)] for cls, tag in tags.items())
     return Annotated[Union[members], Discriminator(  # noqa: UP007
         tag_of, custom_error_type=f"unknown_{what}",
         custom_error_message=f"`type` must be one of: {', '.join(sorted(names))}")]
+
+
+def _type_names(cls: type[BaseModel]) -> tuple:
+    """The values a settings class's `type` takes: its Literal's, else its default."""
+    field = cls.model_fields["type"]
+    return get_args(field.annotation) or (field.default,)

@@ -24,8 +24,11 @@ and resumes where the last run stopped, and a finished run extended by raising m
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 
+import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -35,6 +38,7 @@ from rollout_lib.identity import sources
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
 from rollout_lib.rl.curriculum import next_difficulty_pools
+from rollout_lib.store import ObjectStore
 from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import (
@@ -88,8 +92,16 @@ def _algorithm_sources(parameters: dict) -> dict:
 
 
 def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
-    store = open_store(config)
-    return {env: store.get_table(prompts_id, wire.PROMPTS) for env, prompts_id in prompts_ids.items()}
+    options = json.dumps(config.run.storage_options, sort_keys=True)
+    return {env: _stored_prompts(config.run.store, options, prompts_id) for env, prompts_id in prompts_ids.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_prompts(store: str, storage_options: str, prompts_id: str) -> pa.Table:
+    """An env's PROMPTS, read once per process: several of every step's tasks read them, and an id names one content
+    forever (the store is content-addressed), so a million-row set is read and verified once, not at every task
+    (bench/bench_data_sources.py)."""
+    return ObjectStore(store, json.loads(storage_options) or None).get_table(prompts_id, wire.PROMPTS)
 
 
 @task(name="load-prompts", task_run_name="load-prompts-{env}", **TASK_OPTIONS,

@@ -11,18 +11,17 @@ from prefect import task
 
 from rollout_lib import wire
 from rollout_lib.config import RmConfig
-from rollout_lib.data import load_pairs
+from rollout_lib.data import read_pairs
 from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
 from rollout_lib.rm.evaluate import evaluate_pairs
 from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.data_parallel import data_parallel_segment
-from rollout_lib.digests import file_digest
 from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
-from tasks.common import TASK_OPTIONS, content_key, dataset_path, open_store
+from tasks.common import TASK_OPTIONS, content_key, dataset_key, dataset_locator, dataset_setting, open_store
 
 
 def _inputs(config: RmConfig, tokenized_id: str) -> TrainingInputs:
@@ -34,11 +33,9 @@ def _reads_tokenizer(config: RmConfig) -> dict:
 
 
 @task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=lambda p: {
-          "path": dataset_path(p["config"], p["split"]),
-          "file": file_digest(dataset_path(p["config"], p["split"]))}))
+      cache_key_fn=content_key(reads=lambda config: None, extra=dataset_key))
 def load_pairs_task(config: RmConfig, split: str) -> dict:
-    table = load_pairs(dataset_path(config, split))
+    table = read_pairs(dataset_setting(config, split), dataset_locator(config, split))
     return {"pairs": open_store(config).put_table(table), "rows": table.num_rows}
 
 

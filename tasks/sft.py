@@ -12,9 +12,8 @@ from prefect import task
 
 from rollout_lib import wire
 from rollout_lib.config import SftConfig
-from rollout_lib.digests import file_digest
 from rollout_lib.identity.training import training_identity
-from rollout_lib.data import load_examples
+from rollout_lib.data import read_examples
 from rollout_lib.model.loading import model_content_digest, resolve_model
 from rollout_lib.sft.batches import micro_batches_of, padding_stats, plan_micro_batches
 from rollout_lib.sft.evaluate import evaluate_nll
@@ -25,7 +24,8 @@ from rollout_lib.trainer.data_parallel import data_parallel_segment
 from rollout_lib.determinism import plan_batches
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
-from tasks.common import TASK_OPTIONS, content_key, dataset_path, open_store
+from tasks.common import (TASK_OPTIONS, content_key, dataset_key, dataset_locator, dataset_path, dataset_setting,
+                          open_store)
 
 
 def _inputs(config: SftConfig, samples_id: str) -> TrainingInputs:
@@ -50,11 +50,9 @@ def _reads_packing(config: SftConfig) -> dict:
 
 
 @task(name="load-examples", task_run_name="load-examples-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=lambda p: {
-          "path": dataset_path(p["config"], p["split"]),
-          "file": file_digest(dataset_path(p["config"], p["split"]))}))
+      cache_key_fn=content_key(reads=lambda config: None, extra=dataset_key))
 def load_examples_task(config: SftConfig, split: str) -> dict:
-    table = load_examples(dataset_path(config, split))
+    table = read_examples(dataset_setting(config, split), dataset_locator(config, split))
     return {"examples": open_store(config).put_table(table), "rows": table.num_rows}
 
 

@@ -102,7 +102,8 @@ def test_unknown_algorithm_names_the_ones_that_exist():
     assert (
         "algorithm.rl.envs[0].algo: `type` must be one of: custom, echo, grpo, max_rl, opd, opsd, reward, sft") in error_of(
         raw_config(algo={"type": "ppo"}))
-    assert "algorithm.rl.envs[0].source: `type` must be one of: jsonl_path, reasoning_gym" in error_of(
+    assert ("algorithm.rl.envs[0].source: `type` must be one of: arrow, hf_disk, jsonl_path, parquet, "
+            "reasoning_gym") in error_of(
         raw_config(source={"type": "jsonl", "path": "x.jsonl"}))
 
 

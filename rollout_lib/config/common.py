@@ -9,7 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rollout_lib.paths import default_store
 from rollout_lib.hardware import HardwareSettings, hardware_settings, resolve_hardware  # noqa: F401  (composed here)
-from rollout_lib.settings_base import ModelRef, StrictModel
+from rollout_lib.settings_base import ModelRef, StrictModel, tagged_union
 
 __all__ = ["ModelRef", "StrictModel"]  # defined in settings_base (importable without this package), used here
 
@@ -122,6 +122,20 @@ class BudgetSettings(StrictModel):
     max_steps: int = Field(ge=1)
 
 
+def existing_path(path: str, info: ValidationInfo, what: str = "file") -> str:
+    """`path` made absolute (resolve_path); a local path that does not exist is an error naming where it was
+    looked for."""
+    resolved = resolve_path(path, info)
+    if "://" in path or Path(resolved).exists():
+        return resolved
+    if Path(path).expanduser().is_absolute():
+        raise ValueError(f"no {what} {resolved}")
+    base = (info.context or {}).get(BASE_DIR)
+    where = (f"relative paths resolve from {base}, the config's project root (the nearest directory above it "
+             "with a prefect.yaml)") if base else "relative to the working directory"
+    raise ValueError(f"no {what} {resolved} ({where}; give an absolute path or one from there)")
+
+
 class JsonlDataset(StrictModel):
     """A JSONL file. The RM seed spells the tag `type`, the SFT seed `kind`; both are accepted, as one key."""
 
@@ -131,15 +145,7 @@ class JsonlDataset(StrictModel):
     @field_validator("path")
     @classmethod
     def _from_the_config(cls, path: str, info: ValidationInfo) -> str:
-        resolved = resolve_path(path, info)
-        if "://" in path or Path(resolved).exists():
-            return resolved
-        if Path(path).expanduser().is_absolute():
-            raise ValueError(f"no file {resolved}")
-        base = (info.context or {}).get(BASE_DIR)
-        where = (f"relative paths resolve from {base}, the config's project root (the nearest directory above it "
-                 "with a prefect.yaml)") if base else "relative to the working directory"
-        raise ValueError(f"no file {resolved} ({where}; give an absolute path or one from there)")
+        return existing_path(path, info)
 
     @model_validator(mode="before")
     @classmethod
@@ -150,6 +156,36 @@ class JsonlDataset(StrictModel):
             value = {**value, "type": value["kind"]}
             del value["kind"]
         return value
+
+
+class TableDataset(StrictModel):
+    """A table in the Hugging Face ecosystem's formats, read offline (rollout_lib/data/sources.py): `parquet` (a
+    file, or a folder of them: verl's and the hub's format), `arrow` (an Arrow IPC file or stream, what
+    `datasets` caches and saves), `hf_disk` (a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`;
+    the `datasets` extra). Rows carry TRL's column names (`prompt`/`completion`, `messages`, `prompt`/`chosen`/
+    `rejected`) or the table's own, mapped by `columns` (rollout's name = the table's: `prompt = "question"`).
+    The table's content, never its path, enters cache keys and identities."""
+
+    type: Literal["parquet", "arrow", "hf_disk"]
+    path: str = Field(min_length=1)
+    # Which split: a DatasetDict's (hf_disk), or a folder's `<split>-*.parquet` / `<split>/` files (parquet, arrow).
+    # None: the only split there is (a folder with several is an error naming them), or every file of the folder.
+    split: str | None = Field(None, min_length=1)
+    columns: dict[str, str] = Field(default_factory=dict)  # rollout's column name -> the table's
+
+    @field_validator("path")
+    @classmethod
+    def _from_the_config(cls, path: str, info: ValidationInfo) -> str:
+        return existing_path(path, info, what="file or folder")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_or_type(cls, value: Any) -> Any:
+        return JsonlDataset._kind_or_type(value)
+
+
+# An SFT or RM dataset: a JSONL file (the default type) or a table.
+DatasetSource = tagged_union((JsonlDataset, TableDataset), "dataset", default="jsonl_path")
 
 
 class EntryPointConfig(StrictModel):

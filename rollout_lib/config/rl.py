@@ -33,6 +33,7 @@ from pydantic import Field, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
 from rollout_lib.algo.base import trains_env_tokens
+from rollout_lib.data.sources import is_table_source, source_identity
 from rollout_lib.digests import file_digest
 from rollout_lib.envs import interaction_settings_types
 from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, FrozenModel, PolicyOrFrozen
@@ -42,6 +43,7 @@ from rollout_lib.config.common import (
     EntryPointConfig,
     HardwareSettings,
     JsonlDataset,
+    TableDataset,
     ModelRef,
     OptimizerSettings,
     StrictModel,
@@ -87,7 +89,7 @@ class ReasoningGymSource(StrictModel):
     config: dict[str, Any] = Field(default_factory=dict)  # further dataset kwargs (difficulty knobs)
 
 
-PromptSource = tagged_union((JsonlDataset, ReasoningGymSource), "source")
+PromptSource = tagged_union((JsonlDataset, TableDataset, ReasoningGymSource), "source")
 
 
 class EnvSampler(StrictModel):
@@ -411,9 +413,11 @@ class RlConfig(EntryPointConfig):
             settings["loss"]["source"] = module_source_digest(self.settings.loss.user_modules()[0])
         for dumped in settings["envs"]:
             dumped.pop("eval")  # evaluation watches the policy, it never changes it
-        for env, dumped in zip(self.settings.envs, settings["envs"]):
+        for index, (env, dumped) in enumerate(zip(self.settings.envs, settings["envs"])):
             if env.source.type == "jsonl_path":  # the prompts' content, not where this checkout keeps the file
                 dumped["source"] = {"type": env.source.type, "file": file_digest(env.source.path)}
+            elif is_table_source(env.source):  # likewise: the table's content digest, split and column mapping
+                dumped["source"] = source_identity(env.source, env_locator(index, "source"))
             if env.sampler.frozen is not None:
                 dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()
             for name, value in _frozen_fields(env.algo):

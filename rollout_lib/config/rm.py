@@ -12,7 +12,7 @@ from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
     HardwareSettings,
-    JsonlDataset,
+    DatasetSource,
     ModelRef,
     OptimizerSettings,
     StrictModel,
@@ -31,8 +31,8 @@ class RmSettings(StrictModel):
     eval_batch_size: int = Field(32, ge=1)
     optimizer: OptimizerSettings
     budget: BudgetSettings
-    dataset: JsonlDataset
-    eval_dataset: JsonlDataset | None = None  # held-out pairs: accuracy before and after training
+    dataset: DatasetSource
+    eval_dataset: DatasetSource | None = None  # held-out pairs: accuracy before and after training
     hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
     # A LoRA adapter trained instead of every weight (adapters.py, docs/scale.md). None: full fine-tuning, and then
     # absent from the settings' dump, so identities from before the setting stay.

@@ -18,7 +18,7 @@ from rollout_lib.config.common import (
     BudgetSettings,
     EntryPointConfig,
     HardwareSettings,
-    JsonlDataset,
+    DatasetSource,
     ModelRef,
     OptimizerSettings,
     StrictModel,
@@ -52,8 +52,8 @@ class SftSettings(StrictModel):
     checkpoint_interval: int = Field(50, ge=1)  # a snapshot every N steps (and at the last step)
     optimizer: OptimizerSettings
     budget: BudgetSettings
-    dataset: JsonlDataset
-    eval_dataset: JsonlDataset | None = None  # held-out examples: loss per trained token before and after
+    dataset: DatasetSource
+    eval_dataset: DatasetSource | None = None  # held-out examples: loss per trained token before and after
     hardware: HardwareSettings = HardwareSettings()  # device, precision, gradient checkpointing (docs/hardware.md)
     # A LoRA adapter trained instead of every weight (adapters.py, docs/scale.md). None: full fine-tuning, and then
     # absent from the settings' dump, so identities from before the setting stay.

@@ -8,6 +8,7 @@ import pyarrow as pa
 
 from rollout_lib import wire
 from rollout_lib.data.jsonl import DataError, iter_jsonl_objects, optional_number, require_string
+from rollout_lib.data.sources import describe_columns, is_table_source, read_table, table_schema
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
@@ -22,6 +23,35 @@ def load_pairs(path: str | Path) -> pa.Table:
         rows["source_line"].append(lineno)
     if not rows["prompt"]:
         raise DataError(f"{path}: no preference pairs (the file is empty)")
+    return pa.Table.from_pydict(rows, schema=wire.PAIRS)
+
+
+def read_pairs(dataset, where: str) -> pa.Table:
+    """The PAIRS of a dataset setting (config.common.DatasetSource): a JSONL file or a table with TRL's explicit-
+    prompt preference columns (data/sources.py). `where`: the setting's locator (`algorithm.rm.dataset`)."""
+    if not is_table_source(dataset):
+        return load_pairs(dataset.path)
+    table = read_table(dataset, (*PAIR_FIELDS, "margin"), where)
+    missing = [key for key in PAIR_FIELDS if key not in table.column_names]
+    if missing:
+        present = describe_columns(table_schema(dataset, where))
+        raise DataError(f"{where}: {dataset.path} has no {', '.join(repr(key) for key in missing)} column (rollout's "
+                        f"names; its columns: {present}); map the table's own with {where}.columns, e.g. "
+                        "columns = { prompt = \"question\" }")
+    for key in PAIR_FIELDS:  # TRL's conversational pairs are message lists; the reward model here scores text
+        if not pa.types.is_string(table.column(key).type) and not pa.types.is_large_string(table.column(key).type):
+            raise DataError(f"{where}: {dataset.path}: column {dataset.columns.get(key, key)!r} ({key}) holds "
+                            f"{table.column(key).type}, not text: rollout's reward model reads prompt, chosen and "
+                            "rejected as strings (conversational pairs are not supported)")
+    rows = {name: [] for name in wire.PAIRS.names}
+    for index, obj in enumerate(table.to_pylist()):
+        where_row = f"{dataset.path}: row {index}"
+        for key in PAIR_FIELDS:
+            rows[key].append(require_string(obj, key, where_row))
+        rows["margin"].append(optional_number(obj, "margin", where_row))
+        rows["source_line"].append(index + 1)
+    if not rows["prompt"]:
+        raise DataError(f"{where}: {dataset.path}: no preference pairs (the table is empty)")
     return pa.Table.from_pydict(rows, schema=wire.PAIRS)
 
 

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from rollout_lib import wire
 from rollout_lib.data.jsonl import DataError, iter_jsonl_objects, require_messages, require_string
+from rollout_lib.data.sources import describe_columns, is_table_source, read_table, table_schema
 
 _KNOWN_KEYS = {"prompt", "completion", "messages", "id"}
 
@@ -29,6 +30,30 @@ def load_examples(path: str | Path) -> pa.Table:
         rows["source_line"].append(lineno)
     if not rows["messages"]:
         raise DataError(f"{path}: no examples (the file is empty)")
+    return pa.Table.from_pydict(rows, schema=wire.EXAMPLES)
+
+
+def read_examples(dataset, where: str) -> pa.Table:
+    """The EXAMPLES of a dataset setting (config.common.DatasetSource): a JSONL file or a table (data/sources.py).
+    `where`: the setting's locator (`algorithm.sft.dataset`), which names a table's errors."""
+    if not is_table_source(dataset):
+        return load_examples(dataset.path)
+    table = read_table(dataset, ("prompt", "completion", "messages", "id"), where)
+    if "messages" not in table.column_names and not {"prompt", "completion"} <= set(table.column_names):
+        present = describe_columns(table_schema(dataset, where))
+        raise DataError(f"{where}: {dataset.path} has no 'messages' column and no 'prompt' + 'completion' columns "
+                        f"(rollout's names; its columns: {present}); map the table's own "
+                        f"with {where}.columns, e.g. columns = {{ prompt = \"question\", completion = \"answer\" }}")
+    rows: dict[str, list] = {name: [] for name in wire.EXAMPLES.names}
+    for index, obj in enumerate(table.to_pylist()):  # SFT sets are small: each row is checked as a JSONL line is
+        # TRL's conversational prompt-completion: two message lists, one conversation.
+        if isinstance(obj.get("prompt"), list) and isinstance(obj.get("completion"), list):
+            obj = {"messages": obj.pop("prompt") + obj.pop("completion"), **obj}
+        obj = {key: value for key, value in obj.items() if value is not None}  # a column a row leaves empty
+        rows["messages"].append(example_messages(obj, f"{dataset.path}: row {index}"))
+        rows["source_line"].append(index + 1)
+    if not rows["messages"]:
+        raise DataError(f"{where}: {dataset.path}: no examples (the table is empty)")
     return pa.Table.from_pydict(rows, schema=wire.EXAMPLES)
 
 

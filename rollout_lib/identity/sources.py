@@ -11,6 +11,7 @@ itself then reports it, naming the place).
 from __future__ import annotations
 
 from rollout_lib.algo import ALGORITHMS
+from rollout_lib.data.sources import is_table_source, source_identity
 from rollout_lib.digests import file_digest
 from rollout_lib.identity.code import PROJECT_PACKAGES
 from rollout_lib.identity.training import reward_model_contents
@@ -28,6 +29,8 @@ def prompt_sources(config, env_name: str) -> dict:
     if env.source.type == "jsonl_path":  # the file's content, not where this checkout keeps it
         return {"source": {"type": env.source.type, "file": file_digest(env.source.path)},
                 "prompts_per_step": env.prompts_per_step}
+    if is_table_source(env.source):  # likewise: the table's content digest, never its path
+        return {"source": source_identity(env.source), "prompts_per_step": env.prompts_per_step}
     return {"source": env.source.model_dump(mode="json"), "prompts_per_step": env.prompts_per_step}
 
 
@@ -68,6 +71,8 @@ def eval_sources(config, env_name: str) -> dict:
     sources = {"eval": evaluation.model_dump(mode="json")}
     if evaluation.source.type == "jsonl_path":  # the file's content, not where this checkout keeps it
         sources["eval"]["source"] = {"type": evaluation.source.type, "file": file_digest(evaluation.source.path)}
+    elif is_table_source(evaluation.source):
+        sources["eval"]["source"] = source_identity(evaluation.source)
     for reward, dumped in zip(evaluation.rewards or (), sources["eval"]["rewards"] or ()):
         if hasattr(reward, "function") and ":" in reward.function:
             sources[reward.function] = module_source_digest(reward.function.partition(":")[0])

@@ -31,6 +31,7 @@ import blake3
 from rollout_lib.adapters import apply_saved_adapter, merged
 from rollout_lib.checkpoint import (ADAPTER_KEY, export_hf_directory, is_adapter_checkpoint, model_weights,
                                     read_manifest, write_model_directory)
+from rollout_lib.paths import rollout_cache_dir  # noqa: F401  (re-exported: callers import it from here)
 from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import ObjectStore, StoreError, is_content_id
 
@@ -56,10 +57,6 @@ class ResolvedModel:
         if self.revision:
             kwargs["revision"] = self.revision
         return kwargs
-
-
-def rollout_cache_dir() -> Path:
-    return Path(os.environ.get("ROLLOUT_CACHE_DIR", Path.home() / ".cache" / "rollout"))
 
 
 def _resolve_package(spec_text: str, ref: ModelRef) -> ResolvedModel:

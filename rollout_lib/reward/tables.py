@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rollout_lib import wire
 from rollout_lib.reward.contract import RewardInput
@@ -15,8 +16,13 @@ from rollout_lib.reward.results import RewardResult
 _READ = ("example_id", "env", "completion_text", "answer", "info", "completion_turns", "episode")
 
 
-def prompt_messages(prompts: pa.Table) -> dict[str, list[dict]]:
-    """Each PROMPTS row's chat messages by example_id: the `prompt` of its rollouts' RewardInputs."""
+def prompt_messages(prompts: pa.Table, example_ids: list[str] | None = None) -> dict[str, list[dict]]:
+    """Each PROMPTS row's chat messages by example_id: the `prompt` of its rollouts' RewardInputs. `example_ids`:
+    only those rows (the ones a step's rollouts name), so that an env with a million prompts turns a step's few
+    into Python objects, not all of them."""
+    if example_ids is not None:
+        wanted = pa.array(sorted(set(example_ids)), pa.string())
+        prompts = prompts.filter(pc.is_in(prompts.column("example_id"), value_set=wanted))
     return dict(zip(prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()))
 
 
@@ -50,7 +56,8 @@ def reward_input(row: dict, messages_by_example: dict[str, list[dict]] | None = 
 def reward_inputs(rollouts: pa.Table, prompts: pa.Table | None = None) -> list[RewardInput]:
     """One RewardInput per rollout row (reward_input); prompt messages come from PROMPTS rows matched on
     example_id. Without a prompts table the prompt is empty."""
-    messages_by_example = prompt_messages(prompts) if prompts is not None else None
+    messages_by_example = (None if prompts is None
+                           else prompt_messages(prompts, rollouts.column("example_id").to_pylist()))
     columns = {name: rollouts.column(name).to_pylist() if name in rollouts.column_names else [None] * rollouts.num_rows
                for name in _READ}
     return [reward_input(dict(zip(_READ, values)), messages_by_example, f"rollout row {row}")

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rollout_lib.config.rl import DifficultyPoolsSettings, EnvSettings
 from rollout_lib.data import DataError, load_env_prompts
@@ -13,9 +14,9 @@ from rollout_lib.rl.curriculum import draw_weights, weighted_draw
 from rollout_lib.determinism import derived_seed
 
 
-def load_prompts(env: EnvSettings) -> pa.Table:
-    """The env's PROMPTS, checked against what every step draws from it."""
-    table = load_env_prompts(env)
+def load_prompts(env: EnvSettings, where: str | None = None) -> pa.Table:
+    """The env's PROMPTS, checked against what every step draws from it; `where`: its source's locator."""
+    table = load_env_prompts(env, where)
     if env.prompts_per_step > table.num_rows:
         raise DataError(f"env {env.name!r}: prompts_per_step = {env.prompts_per_step} but its source has only "
                         f"{table.num_rows} prompts")
@@ -24,13 +25,16 @@ def load_prompts(env: EnvSettings) -> pa.Table:
 
 def check_distinct_examples(prompt_tables: dict[str, pa.Table]) -> None:
     """Example ids name groups and samples across envs, so two envs may not share one."""
-    owner: dict[str, str] = {}
+    # Column-wise (each env's ids are distinct already, its loader checks): a million prompts stay in Arrow.
+    earlier: list[tuple[str, pa.Array]] = []
     for env, table in prompt_tables.items():
-        for example_id in table.column("example_id").to_pylist():
-            if example_id in owner:
-                raise DataError(f"example id {example_id!r} is in envs {owner[example_id]!r} and {env!r}; "
+        ids = table.column("example_id").combine_chunks()
+        for other, other_ids in earlier:
+            shared = ids.filter(pc.is_in(ids, value_set=other_ids))
+            if len(shared):
+                raise DataError(f"example id {shared[0].as_py()!r} is in envs {other!r} and {env!r}; "
                                 "give the JSONL rows distinct ids")
-            owner[example_id] = env
+        earlier.append((env, ids))
 
 
 def select_prompts(prompts: pa.Table, count: int, *, seed: int, step: int, env_index: int,

@@ -153,13 +153,15 @@ class StreamedScoring:
         self._start_handed()  # nothing is left once the drains the sampler scheduled ran; cheap to be sure
         seen: Counter = Counter()
         keys, messages_by_env = [], {}
+        example_ids = rollouts.column("example_id").to_pylist()  # only the prompts these rows name become objects
         for row, (env_name, sample_id) in enumerate(zip(envs, sample_ids)):
             key = (env_name, seen[env_name])  # the env's rows are contiguous, in the order its sampler indexed them
             seen[env_name] += 1
             keys.append(key)
             if key not in self._scoring:  # a backend that does not stream: scored now
                 if env_name not in messages_by_env:
-                    messages_by_env[env_name] = prompt_messages(prompt_tables[env_name])
+                    messages_by_env[env_name] = prompt_messages(
+                        prompt_tables[env_name], [eid for eid, name in zip(example_ids, envs) if name == env_name])
                 self._start(env_name, key[1], sample_id, rollouts.slice(row, 1).to_pylist()[0],
                             messages_by_env[env_name])
             handed, _ = self._scoring[key]
