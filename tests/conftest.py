@@ -31,6 +31,7 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 sys.path.insert(0, str(ROOT))
 
+from clirun import run_cli  # noqa: E402
 from rollout_cli.local_server import SERVER_ENV, free_port, is_healthy  # noqa: E402
 from rollout_cli.processes import stop_process_group  # noqa: E402
 
@@ -197,8 +198,7 @@ def worker_stack(prefect_server):
 
     env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
     try:
-        started = subprocess.run([sys.executable, "-m", "rollout_cli", "stack", "start", "--no-schedule"], cwd=ROOT,
-                                 env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+        started = run_cli(["stack", "start", "--no-schedule"], env=env, stdin=subprocess.DEVNULL, timeout=300)
         assert started.returncode == 0, f"rollout stack start failed:\n{started.stdout}\n{started.stderr}"
         # It says which schedules run by themselves: none, once --no-schedule paused them.
         assert "no schedule is active: runs start only when asked for" in started.stdout, started.stdout
@@ -279,17 +279,15 @@ def vllm_tiny():
     only by sessions that use it); always stopped (`rollout serve stop test-tiny`) at the session's end."""
     from rollout_lib.serving import engine
 
-    command = [sys.executable, "-m", "rollout_cli", "serve"]
     try:
-        started = subprocess.run([*command, "start", "tiny:qwen2", "--name", VLLM_TINY_NAME, "--replicas", "2"],
-                                 cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+        started = run_cli(["serve", "start", "tiny:qwen2", "--name", VLLM_TINY_NAME, "--replicas", "2"],
+                          env=dict(os.environ), stdin=subprocess.DEVNULL, timeout=900)
         assert started.returncode == 0, f"rollout serve start failed:\n{started.stdout}\n{started.stderr}"
         deployment = engine.find_deployment(VLLM_TINY_NAME)
         assert deployment is not None and len(deployment.replicas) == 2, started.stdout
         yield ServedTiny(deployment)
     finally:
-        subprocess.run([*command, "stop", VLLM_TINY_NAME], cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True,
-                       timeout=120)
+        run_cli(["serve", "stop", VLLM_TINY_NAME], env=dict(os.environ), stdin=subprocess.DEVNULL, timeout=120)
 
 
 # Session fixtures that start servers: every test using one runs in the same pytest-xdist worker, so the suite starts
