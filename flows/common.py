@@ -211,6 +211,26 @@ def metrics_table(cfg, flow_name: str, history: list[dict], columns: tuple[str, 
                           key=artifact_key(cfg.run.name, "metrics"), description=f"{flow_name} metrics per step")
 
 
+def publish_step_samples(cfg, step: int) -> None:
+    """RL step `step`'s samples as a version of the table artifact `<run>-samples` (the run's Artifacts tab): at
+    most `run.ui_samples` rows, the failed first, then the worst and the best (runlog/samples.py); every sample is
+    in the store (`rollout runs samples`). A table nobody could read is not worth a failed run: never fails it."""
+    if not cfg.run.ui_samples:
+        return
+    from rollout_lib.runlog.samples import flat_row, read_samples, shown_first
+
+    try:
+        found = read_samples(open_store(cfg), cfg.run.name, step)
+        rows = [flat_row(row) for row in shown_first(found.rows, cfg.run.ui_samples)]
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger(__name__).warning("samples of step %d of %s not shown: %s", step, cfg.run.name, exc)
+        return
+    create_table_artifact(rows, key=artifact_key(cfg.run.name, "samples"),
+                          description=f"train-rl {cfg.run.name} step {step}: {len(rows)} of its {len(found.rows)} "
+                                      f"samples, the failed first, then the worst and the best (every one: `rollout "
+                                      f"runs samples {cfg.run.name} --step {step}`)")
+
+
 class Progress:
     """A progress artifact updated while training (shown live in the UI). An update is an API round trip (~10 ms
     here), so updates come at most every `min_interval_s` seconds, and always at the end."""

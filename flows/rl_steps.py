@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from prefect import get_run_logger
 
-from flows.common import CurvesArtifact, Progress, RunTasks, artifact_key
+from flows.common import CurvesArtifact, Progress, RunTasks, artifact_key, publish_step_samples
 from rollout_lib import step_events
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.collapse import CollapseGuard
@@ -143,6 +143,7 @@ class RlSteps:
             "rewards": sampled.get("rewards") if self.streamed else None, "samples": samples["samples"],
             "micro_batches": packed["micro_batches"],
             "sampled_from_state": self.states[self.schedule.sampled_after(step)], "state": trained["state"]})
+        publish_step_samples(cfg, step)
         self.state = self.states[step] = trained["state"]
         snapshot = step % cfg.settings.checkpoint_interval == 0 or step == self.total
         if snapshot:

@@ -9,6 +9,7 @@ the completions' text.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 
 import pytest
@@ -20,6 +21,7 @@ from rollout_lib import wire
 from rollout_lib.runlog.metrics_file import MetricsFile
 from rollout_lib.runlog.step_tables import read_step_tables
 from rollout_lib.store import ObjectStore
+from test_ui_browser import browser  # noqa: F401 - the fixture (headless Chromium)
 
 RUN = "samples-tiny"
 FAILING = "words_unless_length_divides_by_4"  # in tests/example_rewards.py; its rewards are keyed by this name
@@ -183,3 +185,38 @@ def test_bad_requests_are_one_line_and_exit_2(capsys, tmp_path):
         code, out, err = rollout(capsys, "runs", "samples", *args, "--store", store.root)
         assert (code, out) == (2, ""), (args, err)
         assert err.startswith(f"rollout: error: {start}") and err.count("\n") == 1, (args, err)
+
+
+@pytest.mark.slow
+def test_each_step_shows_a_bounded_table_in_the_ui_failed_first_then_worst_and_best(sampled_run, browser):
+    """`<run>-samples`, a version a step: run.ui_samples (8) of the step's 32 rows, the failed ones first, then
+    the lowest and the highest total reward in turn; its page renders in the UI (screenshot: run-samples.png)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from conftest import ARTIFACTS_DIR
+    from test_ui_browser import _wait_for_text
+
+    with get_client(sync_client=True) as client:
+        versions = sorted(client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[f"{RUN}-samples"]))), key=lambda artifact: artifact.created)
+    assert [version.description.split(":")[0] for version in versions] == [f"train-rl {RUN} step 1",
+                                                                           f"train-rl {RUN} step 2"]
+    rows = json.loads(versions[-1].data) if isinstance(versions[-1].data, str) else versions[-1].data
+    _, scored, _ = stored(sampled_run, 2)
+    failed = [row for row in scored if row["reward"] is None]
+    rewards = sorted(row["reward"] for row in scored if row["reward"] is not None)
+    assert 0 < len(failed) < 8 and len(rows) == 8, (len(failed), len(rows))
+    assert all(row["reward"] is None and row["reward_error"] for row in rows[:len(failed)])
+    turns = [value for pair in zip(rewards, reversed(rewards)) for value in pair]
+    assert [row["reward"] for row in rows[len(failed):]] == pytest.approx(turns[:8 - len(failed)], rel=1e-5)
+    assert all(row["completion"] and row["sample"].startswith("words/") for row in rows)
+
+    url = f"{os.environ['PREFECT_API_URL'].removesuffix('/api')}/artifacts/artifact/{versions[-1].id}"
+    browser.get(url)
+    needles = ["reward_error", rows[0]["sample"], FAILING]
+    text = _wait_for_text(browser, needles, timeout=60)
+    ARTIFACTS_DIR.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS_DIR / "run-samples.png"))
+    missing = [needle for needle in needles if needle not in text]
+    assert not missing, f"{url} never showed {missing}; screenshot run-samples.png:\n{text[:2000]}"

@@ -77,6 +77,9 @@ class RunSettings(StrictModel):
     # store, .rollout/tensorboard/<name> for a remote one). How a run is watched, never what it trains: like the
     # store, not in training_settings(), so turning it on reuses every finished step.
     tensorboard: bool = False
+    # Rows of each RL step's samples table in the UI (`<run>-samples`, a version a step): the failed ones first,
+    # then the worst and the best; 0 for none. Watching, not training: not in training_settings().
+    ui_samples: int = Field(8, ge=0)
     # Where per-sample fan-out (a step's scoring) runs: how fast, never what (not in training_settings()).
     task_runner: TaskRunnerSettings = TaskRunnerSettings()
 

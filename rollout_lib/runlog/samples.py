@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rollout_lib import wire
 from rollout_lib.runlog.metrics_file import read_metrics
@@ -88,6 +89,43 @@ def select(rows: list[dict], *, worst: int | None = None, best: int | None = Non
     return _failed(rows) if failed else rows
 
 
+def shown_first(rows: list[dict], limit: int) -> list[dict]:
+    """At most ``limit`` rows for a bounded view (the UI's per-step table): the failed ones first, then the worst
+    and the best in turn (lowest, highest, second lowest, ...), each row once."""
+    ranked = sorted((row for row in rows if row["reward"] is not None), key=lambda row: row["reward"])
+    turns = [row for pair in zip(ranked, reversed(ranked)) for row in pair][:len(ranked)]
+    chosen, seen = [], set()
+    for row in [*_failed(rows), *turns]:
+        if row["sample_id"] not in seen and len(chosen) < limit:
+            seen.add(row["sample_id"])
+            chosen.append(row)
+    return chosen
+
+
+def flat_row(row: dict, text_chars: int = 400) -> dict:
+    """One sample as a flat row of short cells, for a table that shows a few (the UI's): the prompt's last user
+    message and the completion cut to ``text_chars``, each function's reward in one cell."""
+    prompt = next((message["content"] for message in reversed(row["prompt"] or []) if message["role"] == "user"), "")
+    flat = {"sample": f"{row['example_id']}#{row['group_index']}", "reward": _short(row["reward"]),
+            "reward_error": row["reward_error"] or "",
+            "rewards": ", ".join(f"{name} {value:.4g}" if value is not None else f"{name} failed"
+                                 for name, value in (row["rewards"] or {}).items()),
+            "advantage": _short(row["advantage"]), "completion": _cut(row["completion"] or "", text_chars),
+            "prompt": _cut(prompt, text_chars), "tokens": f"{row['prompt_tokens']} + {row['completion_tokens']}",
+            "sampled_from": row["sampled_from"]}
+    if row["turns"] is not None:
+        flat.update(model_turns=row["model_turns"], tool_calls=row["tool_calls"], end=row["end"])
+    return flat
+
+
+def _short(value: float | None) -> float | None:
+    return None if value is None else float(f"{value:.6g}")
+
+
+def _cut(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[:chars - 1] + "…"
+
+
 def _worst(rows: list[dict], count: int) -> list[dict]:
     """The ``count`` scored rows of lowest total reward, lowest first (ties: table order)."""
     return sorted((row for row in rows if row["reward"] is not None), key=lambda row: row["reward"])[:count]
@@ -120,8 +158,10 @@ def _rows(store: ObjectStore, record: dict, tokens: bool) -> list[dict]:
     scored = store.get_table(record["scored"], wire.ROLLOUTS)
     samples = store.get_table(record["samples"], wire.TRAINING_SAMPLES)
     messages = {}
+    asked = scored.column("example_id").unique()
     for prompts_id in record["prompts"].values():
         prompts = store.get_table(prompts_id, wire.PROMPTS)
+        prompts = prompts.filter(pc.is_in(prompts.column("example_id"), value_set=asked))  # not a whole prompt set
         messages.update(zip(prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()))
     per_function = _per_function(store, record.get("rewards"), scored.num_rows)
     by_sample = {row["sample_id"]: row for row in _columns(samples, ("sample_id", "input_ids", "loss_mask",
