@@ -4,7 +4,6 @@ exit 2, at --dry-run."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +20,6 @@ from rollout_lib.config.loading import load_config, training_hash
 from rollout_lib.data import (DataError, load_examples, load_jsonl_prompts, load_pairs, read_examples, read_pairs)
 from rollout_lib.data.prompts import table_prompts
 from rollout_lib.data.sources import content_digest
-from rollout_lib.rl.prompts import check_distinct_examples
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
 from rollout_lib.model.loading import resolve_model
 from rollout_lib.settings_base import ModelRef

@@ -20,13 +20,12 @@ import pytest
 from rollout_lib.config import ConfigError, RlConfig, validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.reward.functions import RewardInput, check_reward_function
-from rollout_lib.reward.loop import RewardLoop, raise_if_too_many_missing
+from rollout_lib.reward.loop import raise_if_too_many_missing
 from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.reward.results import TooManyRewardsMissingError
 from rollout_lib.serving.client import HttpSession
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.router import PoolRouter
-from rollout_lib.serving.settings import ExternalModel
 
 A, B = "http://a.test", "http://b.test"
 WHERE = "algorithm.rl.envs[0].rewards[0].judge"
