@@ -154,10 +154,11 @@ def held_out_evaluation(run_task: RunTasks, evaluate_task: Task, cfg, step: int,
                         data_id: str, resident) -> dict:
     """The evaluate task at ``step`` (label ``step-<step>``) with its per-example rows recorded where `rollout runs
     samples --eval` reads them (runlog/eval_tables.py; ``data_id``: the eval data as loaded, for their text). A
-    result without rows (none since evaluations keep them: the task's key holds its code version) records null."""
+    result without rows (none since evaluations keep them: the task's key holds its code version) records null.
+    Returns the metrics alone, as the metrics file and the run's result have them."""
     result = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{step}", resident)
     record_eval_tables(open_store(cfg), cfg.run.name, step, cfg.algorithm.kind, result.get("rows"), data_id)
-    return result
+    return {name: value for name, value in result.items() if name != "rows"}
 
 
 def task_result_storage(store: str, storage_options: dict[str, Any]) -> Path | RemoteFileSystem:
