@@ -27,6 +27,7 @@ from flows.api_watch import watch_worker_flow_run
 from rollout_lib import step_events
 from rollout_lib.config.loading import apply_overrides, load_config, read_toml
 from rollout_lib.identity.training import claim_run_name
+from rollout_lib.runlog.eval_tables import record_eval_tables
 from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.runlog.step_log import StepLog
 from rollout_lib.errors import ConfigError
@@ -147,6 +148,17 @@ class RunTasks:
         if task.name not in self._bound:  # with_options copies the task: once per task, not once per call
             self._bound[task.name] = task.with_options(result_storage=self.result_storage)
         return self._bound[task.name]
+
+
+def held_out_evaluation(run_task: RunTasks, evaluate_task: Task, cfg, step: int, checkpoint: str, held_out: str,
+                        data_id: str, resident) -> dict:
+    """The evaluate task at ``step`` (label ``step-<step>``) with its per-example rows recorded where `rollout runs
+    samples --eval` reads them (runlog/eval_tables.py; ``data_id``: the eval data as loaded, for their text). A
+    result without rows (none since evaluations keep them: the task's key holds its code version) records null.
+    Returns the metrics alone, as the metrics file and the run's result have them."""
+    result = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{step}", resident)
+    record_eval_tables(open_store(cfg), cfg.run.name, step, cfg.algorithm.kind, result.get("rows"), data_id)
+    return {name: value for name, value in result.items() if name != "rows"}
 
 
 def task_result_storage(store: str, storage_options: dict[str, Any]) -> Path | RemoteFileSystem:

@@ -1,6 +1,7 @@
 """train-rm: Bradley-Terry reward-model training, as the procedure you would write by hand.
 
-load pairs -> tokenize -> init model -> [train steps a..b, snapshot] per segment -> evaluate
+load pairs -> tokenize -> init model -> [train steps a..b, snapshot] per segment -> evaluate (metrics, and each
+held-out pair's scores recorded for `rollout runs samples --eval`)
 
 A segment runs from one snapshot to the next (`checkpoint_interval` steps) as one task: plain torch inside,
 one orchestration round trip per segment.
@@ -20,6 +21,7 @@ from flows.common import (
     RunTasks,
     artifact_key,
     flow_run_name,
+    held_out_evaluation,
     metrics_table,
     publish_result,
     recorded_run,
@@ -55,13 +57,16 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     with ResidentTrainer() as resident, recorded_run(cfg, settings.budget.max_steps) as recorder:
         train = run_task(load_pairs_task)(cfg, "train")
         tokenized = run_task(tokenize_pairs_task)(cfg, train["pairs"], "train")["tokenized"]
-        held_out = None
+        held_out = eval_pairs = None
         if settings.eval_dataset is not None:
-            eval_pairs = run_task(load_pairs_task)(cfg, "eval")
-            held_out = run_task(tokenize_pairs_task)(cfg, eval_pairs["pairs"], "eval")["tokenized"]
+            eval_pairs = run_task(load_pairs_task)(cfg, "eval")["pairs"]
+            held_out = run_task(tokenize_pairs_task)(cfg, eval_pairs, "eval")["tokenized"]
+
+        def evaluate(step: int, checkpoint: str) -> dict:
+            return held_out_evaluation(run_task, evaluate_task, cfg, step, checkpoint, held_out, eval_pairs, resident)
 
         initial = run_task(init_model_task)(cfg, tokenized, resident)["checkpoint"]
-        before = run_task(evaluate_task)(cfg, initial, held_out, "step-0", resident) if held_out else None
+        before = evaluate(0, initial) if held_out else None
         if before:
             logger.info("held-out before training: accuracy %.3f over %d pairs", before["accuracy"],
                         before["pairs"])
@@ -82,7 +87,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
             checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
             on_segment=report, recorder=recorder, curves=curves)
         train_seconds = time.perf_counter() - train_started
-        after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
+        after = evaluate(total, checkpoint) if held_out else None
         if after:
             logger.info("held-out after training: accuracy %.3f over %d pairs", after["accuracy"], after["pairs"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line

@@ -1,7 +1,8 @@
 """train-sft: supervised fine-tuning, as the procedure you would write by hand.
 
 load examples -> tokenize (chat template, loss masks) -> plan batches -> pack micro-batches -> init model
--> [train steps a..b, snapshot] per segment -> evaluate
+-> [train steps a..b, snapshot] per segment -> evaluate (metrics, and each held-out example's loss recorded for
+`rollout runs samples --eval`)
 
 A segment runs from one snapshot to the next (`checkpoint_interval` steps) as one task: plain torch inside,
 one orchestration round trip per segment.
@@ -21,6 +22,7 @@ from flows.common import (
     RunTasks,
     artifact_key,
     flow_run_name,
+    held_out_evaluation,
     metrics_table,
     publish_result,
     recorded_run,
@@ -65,16 +67,20 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
         logger.info("%d micro-batches over %d steps (packing %s): %d tokens, %.1f%% of processed positions real",
                     stats["micro_batches"], settings.budget.max_steps, settings.packing.kind, stats["tokens"],
                     100 * stats["nonpad_fraction"])
-        held_out = None
+        held_out = eval_examples = None
         if settings.eval_dataset is not None:
-            eval_examples = run_task(load_examples_task)(cfg, "eval")
-            eval_tokenized = run_task(tokenize_examples_task)(cfg, eval_examples["examples"], "eval")
+            eval_examples = run_task(load_examples_task)(cfg, "eval")["examples"]
+            eval_tokenized = run_task(tokenize_examples_task)(cfg, eval_examples, "eval")
             _report_tokenized(logger, cfg, eval_tokenized, "eval")
             held_out = eval_tokenized["samples"]
 
+        def evaluate(step: int, checkpoint: str) -> dict:
+            return held_out_evaluation(run_task, evaluate_task, cfg, step, checkpoint, held_out, eval_examples,
+                                       resident)
+
         data = (tokenized["samples"], packed["micro_batches"], packed["plan"])
         initial = run_task(init_model_task)(cfg, *data, resident)["checkpoint"]
-        before = run_task(evaluate_task)(cfg, initial, held_out, "step-0", resident) if held_out else None
+        before = evaluate(0, initial) if held_out else None
         if before:
             logger.info("held-out before training: loss %.4f over %d tokens", before["loss"], before["tokens"])
             recorder.annotate(0, eval_metrics(before))  # step 0 of the metrics file: the evaluation alone
@@ -94,7 +100,7 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
             checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
             on_segment=report, recorder=recorder, curves=curves)
         train_seconds = time.perf_counter() - train_started
-        after = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{total}", resident) if held_out else None
+        after = evaluate(total, checkpoint) if held_out else None
         if after:
             logger.info("held-out after training: loss %.4f over %d tokens", after["loss"], after["tokens"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line

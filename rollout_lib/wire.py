@@ -38,6 +38,21 @@ BATCH_PLAN = pa.schema(
     ]
 )
 
+# One row per held-out pair of a reward model's evaluation (rm/evaluate.py), in the TOKENIZED_PAIRS table's order
+# (`pair_index`, which is also the PAIRS table's row). loss: -log σ(r_chosen - r_rejected), whose mean is the
+# evaluation's loss; correct: r_chosen > r_rejected (a tie is wrong, as in the accuracy).
+RM_EVAL_ROWS = pa.schema(
+    [
+        pa.field("pair_index", pa.int64(), nullable=False),
+        pa.field("source_line", pa.int64(), nullable=False),
+        pa.field("r_chosen", pa.float64(), nullable=False),
+        pa.field("r_rejected", pa.float64(), nullable=False),
+        pa.field("margin", pa.float64(), nullable=False),  # r_chosen - r_rejected
+        pa.field("loss", pa.float64(), nullable=False),
+        pa.field("correct", pa.bool_(), nullable=False),
+    ]
+)
+
 # (prompt, response) rows to score with a reward model, and their scores.
 RESPONSES = pa.schema(
     [
@@ -56,6 +71,23 @@ EXAMPLES = pa.schema(
     [
         pa.field("messages", pa.list_(MESSAGE), nullable=False),
         pa.field("source_line", pa.int64(), nullable=False),
+    ]
+)
+
+
+def sft_sample_id(source_line: int) -> str:
+    """The sample id of an EXAMPLES row's training sample (sft/tokenize.py), which eval rows are read back by."""
+    return f"line-{source_line}"
+
+
+# One row per held-out SFT example of an evaluation (sft/evaluate.py), in the eval samples' order: its NLL summed
+# over its trained tokens (ce weights), their count, and their mean. Σ nll_sum / Σ tokens is the evaluation's loss.
+SFT_EVAL_ROWS = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("nll_sum", pa.float64(), nullable=False),
+        pa.field("tokens", pa.int64(), nullable=False),
+        pa.field("loss", pa.float64(), nullable=False),
     ]
 )
 

@@ -13,7 +13,7 @@ from rollout_lib import wire
 from rollout_lib.config import RmConfig
 from rollout_lib.data import read_pairs
 from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
-from rollout_lib.rm.evaluate import evaluate_pairs
+from rollout_lib.rm.evaluate import evaluate_pairs_with_rows
 from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
@@ -76,7 +76,10 @@ def train_segment_task(config: RmConfig, tokenized_id: str, checkpoint_id: str, 
       cache_key_fn=content_key(reads=lambda config: config.settings.eval_batch_size, ignore=("label",)))
 def evaluate_task(config: RmConfig, checkpoint_id: str, tokenized_id: str, label: str,
                   resident: ResidentTrainer) -> dict:
+    """Held-out accuracy, mean margin and loss of the checkpoint, and the id of its per-pair rows."""
     # Without a resident trainer at the checkpoint, one is rebuilt only to run its model (no data ids needed).
     trainer = resident.get(checkpoint_id) or RewardModelTrainer.from_checkpoint(_inputs(config, ""), checkpoint_id)
-    table = open_store(config).get_table(tokenized_id, wire.TOKENIZED_PAIRS)
-    return evaluate_pairs(trainer.model, table, trainer.tokenizer.pad_token_id, config.settings.eval_batch_size)
+    store = open_store(config)
+    metrics, rows = evaluate_pairs_with_rows(trainer.model, store.get_table(tokenized_id, wire.TOKENIZED_PAIRS),
+                                             trainer.tokenizer.pad_token_id, config.settings.eval_batch_size)
+    return {**metrics, "rows": store.put_table(rows)}  # rows: each pair's scores (wire.RM_EVAL_ROWS)

@@ -16,7 +16,7 @@ from rollout_lib.identity.training import training_identity
 from rollout_lib.data import read_examples
 from rollout_lib.model.loading import model_content_digest, resolve_model
 from rollout_lib.sft.batches import micro_batches_of, padding_stats, plan_micro_batches
-from rollout_lib.sft.evaluate import evaluate_nll
+from rollout_lib.sft.evaluate import evaluate_nll_with_rows
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
@@ -123,10 +123,13 @@ def train_segment_task(config: SftConfig, samples_id: str, micro_batches_id: str
       cache_key_fn=content_key(reads=_reads_packing, ignore=("label",)))
 def evaluate_task(config: SftConfig, checkpoint_id: str, samples_id: str, label: str,
                   resident: ResidentTrainer) -> dict:
-    """Held-out loss per trained token of the checkpoint, over the eval samples micro-batched as in training."""
+    """Held-out loss per trained token of the checkpoint, over the eval samples micro-batched as in training, and
+    the id of its per-example rows."""
     # Without a resident trainer at the checkpoint, one is rebuilt only to run its model (no data ids needed).
     trainer = resident.get(checkpoint_id) or CausalLmTrainer.from_checkpoint(_inputs(config, ""), checkpoint_id)
     settings = config.settings
-    micro_batches = micro_batches_of(trainer.inputs.store.get_table(samples_id, wire.TRAINING_SAMPLES), settings)
-    return evaluate_nll(trainer.model, micro_batches, packed=settings.packed,
-                        pad_token_id=trainer.tokenizer.pad_token_id)
+    store = trainer.inputs.store
+    micro_batches = micro_batches_of(store.get_table(samples_id, wire.TRAINING_SAMPLES), settings)
+    metrics, rows = evaluate_nll_with_rows(trainer.model, micro_batches, packed=settings.packed,
+                                           pad_token_id=trainer.tokenizer.pad_token_id)
+    return {**metrics, "rows": store.put_table(rows)}  # rows: each example's loss (wire.SFT_EVAL_ROWS)

@@ -1,4 +1,5 @@
-"""A reward model measured and used: held-out pair accuracy, and rewards of (prompt, response) rows."""
+"""A reward model measured and used: held-out pair accuracy (with each pair's scores), and rewards of
+(prompt, response) rows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pyarrow as pa
 import torch
 
 from rollout_lib import wire
-from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
+from rollout_lib.losses import bradley_terry_batch_mean, bradley_terry_loss, pair_metrics
 from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_scores
 from rollout_lib.rm.pairs import collate_pairs, forward_pairs
 
@@ -14,6 +15,13 @@ from rollout_lib.rm.pairs import collate_pairs, forward_pairs
 @torch.no_grad()
 def evaluate_pairs(model, tokenized: pa.Table, pad_token_id: int, batch_size: int) -> dict[str, float]:
     """Held-out pair accuracy (r_chosen > r_rejected), mean reward margin and mean loss, dropout off."""
+    return evaluate_pairs_with_rows(model, tokenized, pad_token_id, batch_size)[0]
+
+
+@torch.no_grad()
+def evaluate_pairs_with_rows(model, tokenized: pa.Table, pad_token_id: int,
+                             batch_size: int) -> tuple[dict[str, float], pa.Table]:
+    """`evaluate_pairs`'s metrics and the pairs they average, one wire.RM_EVAL_ROWS row per pair."""
     model.eval()
     chosen, rejected = [], []
     for start in range(0, tokenized.num_rows, batch_size):
@@ -22,7 +30,19 @@ def evaluate_pairs(model, tokenized: pa.Table, pad_token_id: int, batch_size: in
         chosen.append(r_c)
         rejected.append(r_r)
     r_c, r_r = torch.cat(chosen), torch.cat(rejected)
-    return {**pair_metrics(r_c, r_r), "loss": bradley_terry_batch_mean(r_c, r_r).item(), "pairs": tokenized.num_rows}
+    metrics = {**pair_metrics(r_c, r_r), "loss": bradley_terry_batch_mean(r_c, r_r).item(), "pairs": tokenized.num_rows}
+    return metrics, pair_rows(tokenized, r_c, r_r)
+
+
+def pair_rows(tokenized: pa.Table, r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> pa.Table:
+    """Each pair's scores, margin, Bradley-Terry loss (no margin term, as the evaluation's mean) and correctness."""
+    r_chosen, r_rejected = r_chosen.double().cpu(), r_rejected.double().cpu()
+    margin = r_chosen - r_rejected
+    return pa.Table.from_pydict({
+        "pair_index": list(range(tokenized.num_rows)), "source_line": tokenized.column("source_line"),
+        "r_chosen": r_chosen.tolist(), "r_rejected": r_rejected.tolist(), "margin": margin.tolist(),
+        "loss": bradley_terry_loss(r_chosen, r_rejected).tolist(), "correct": (margin > 0).tolist(),
+    }, schema=wire.RM_EVAL_ROWS)
 
 
 @torch.no_grad()

@@ -36,18 +36,24 @@ def record_step_tables(store: ObjectStore, run_name: str, step: int, tables: dic
     and its failure is logged, not the run's."""
     try:
         directory = f"{run_dir(store, run_name)}/{STEPS_DIR}"
-        data = json.dumps({"kind": STEP_TABLES_KIND, "step": int(step), **tables}, sort_keys=True).encode()
-        path = f"{directory}/{int(step):09d}.json"
-        if is_local(store):  # a reader sees the old record or the new one, never half of one
-            os.makedirs(directory, exist_ok=True)
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        else:  # one PUT is all-or-nothing
-            store.fs.pipe_file(path, data)
+        write_record(store, directory, f"{int(step):09d}.json",
+                     {"kind": STEP_TABLES_KIND, "step": int(step), **tables})
     except Exception:  # noqa: BLE001 - recording never fails a run
         log.warning("run %r: recording the tables of step %d failed", run_name, step, exc_info=True)
+
+
+def write_record(store: ObjectStore, directory: str, name: str, record: dict) -> None:
+    """``record`` as JSON at ``directory/name``, whole or not at all (runlog/eval_tables.py writes its own too)."""
+    data = json.dumps(record, sort_keys=True).encode()
+    path = f"{directory}/{name}"
+    if is_local(store):  # a reader sees the old record or the new one, never half of one
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    else:  # one PUT is all-or-nothing
+        store.fs.pipe_file(path, data)
 
 
 def recorded_steps(store: ObjectStore, run_name: str) -> list[int]:

@@ -136,7 +136,7 @@ def tokenize_examples(examples: pa.Table, tokenizer, *, loss_on: str, max_seq_le
         if not any(mask):
             empty.append(line)
             continue
-        records.append({"sample_id": f"line-{line}", "env": None, "input_ids": ids, "loss_mask": mask,
+        records.append({"sample_id": wire.sft_sample_id(line), "env": None, "input_ids": ids, "loss_mask": mask,
                         "ce_weights": [1.0 if keep else 0.0 for keep in mask], "rl_weights": [0.0] * len(ids)})
     if not records:
         raise DataError(

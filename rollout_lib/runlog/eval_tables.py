@@ -1,0 +1,58 @@
+"""Where each held-out evaluation's rows are: train-sft and train-rm evaluate before and after training (labels
+``step-0`` and ``step-N``), store one row per held-out example (wire.SFT_EVAL_ROWS, wire.RM_EVAL_ROWS) and write
+``runs/<name>/evals/<label>.json`` after the evaluate task, so `rollout runs samples --eval` can read them back
+(runlog/eval_samples.py):
+
+    {"kind": ..., "label": "step-2", "step": 2, "algorithm": "sft" | "rm", "rows": id, "data": id}
+
+``data``: the eval dataset's table as loaded (wire.EXAMPLES or wire.PAIRS), whose text the reader shows beside each
+row. ``rows``: null where the evaluate task returned none (a result from before evaluations kept rows; the task's
+key holds its code version, so a flow meets one only from older code's store). A replayed run writes its records
+again. Like the step records, the objects named are not gc roots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from rollout_lib.runlog.metrics_file import run_dir
+from rollout_lib.runlog.step_tables import write_record
+from rollout_lib.store import ObjectStore
+
+EVALS_DIR = "evals"  # runs/<name>/evals/<label>.json
+EVAL_TABLES_KIND = "rollout.eval_tables/v1"
+_LABEL_RE = re.compile(r"step-(\d+)\.json")
+log = logging.getLogger(__name__)
+
+
+def record_eval_tables(store: ObjectStore, run_name: str, step: int, algorithm: str, rows_id: str | None,
+                       data_id: str) -> None:
+    """Write the record of the evaluation at ``step``. Never raises: its failure is logged, not the run's."""
+    try:
+        write_record(store, f"{run_dir(store, run_name)}/{EVALS_DIR}", f"step-{int(step)}.json",
+                     {"kind": EVAL_TABLES_KIND, "label": f"step-{int(step)}", "step": int(step),
+                      "algorithm": algorithm, "rows": rows_id, "data": data_id})
+    except Exception:  # noqa: BLE001 - recording never fails a run
+        log.warning("run %r: recording the evaluation of step %d failed", run_name, step, exc_info=True)
+
+
+def recorded_evals(store: ObjectStore, run_name: str) -> list[int]:
+    """The steps of the run with an evaluation record, sorted."""
+    directory = f"{run_dir(store, run_name)}/{EVALS_DIR}"
+    store.fs.invalidate_cache(directory)
+    try:
+        names = [path.rsplit("/", 1)[-1] for path in store.fs.ls(directory, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(int(match.group(1)) for match in map(_LABEL_RE.fullmatch, names) if match)
+
+
+def read_eval_tables(store: ObjectStore, run_name: str, step: int) -> dict | None:
+    """The record of the evaluation at ``step``, or None when it has none."""
+    try:
+        record = json.loads(store.fs.cat_file(f"{run_dir(store, run_name)}/{EVALS_DIR}/step-{int(step)}.json"))
+    except FileNotFoundError:
+        return None
+    return record if record.get("kind") == EVAL_TABLES_KIND else None
