@@ -27,6 +27,7 @@ from flows.common import (
     flow_run_name,
     metrics_table,
     publish_result,
+    flow_run_page,
     recorded_run,
     start_run,
 )
@@ -71,6 +72,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                 steps.run(step)
         train_seconds = time.perf_counter() - started
         _log_held_out(logger, "after", steps.history[-1])  # the last step's evaluation (always due)
+        recorder.finish(steps.checkpoint, flow_run_page())  # the trackers' summary
 
     checkpoint, history = steps.checkpoint, steps.history
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)

@@ -22,6 +22,7 @@ from flows.common import (
     flow_run_name,
     metrics_table,
     publish_result,
+    flow_run_page,
     recorded_run,
     start_run,
     train_in_segments,
@@ -86,6 +87,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
         if after:
             logger.info("held-out after training: accuracy %.3f over %d pairs", after["accuracy"], after["pairs"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
+        recorder.finish(checkpoint, flow_run_page())  # the trackers' summary
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
     metrics_table(cfg, "train-rm", history, METRIC_COLUMNS)

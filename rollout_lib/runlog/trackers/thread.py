@@ -1,0 +1,145 @@
+"""One tracker driven from a thread of its own: the training loop hands it work and goes on.
+
+The queue is bounded: when a tracker falls behind (a slow server), what does not fit is dropped, with one warning.
+The first error a backend raises (its server down, a full disk, a package that breaks at run time) is one warning
+too, and the tracker is off for the rest of the run: a dead server costs its timeout once, not once per step. A
+rerun fills in what a tracker missed, since a backend says which steps it already holds (`Backend.open`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """What a tracker does with a run; called on the tracker's thread only, in this order: open, then any of
+    metrics / table, then finish, then close."""
+
+    name: str
+
+    def open(self, settings: dict[str, str]) -> int | None:
+        """Start or reuse the tracker's run of this rollout run, with the run's resolved settings (as its params or
+        config); the last step it already holds (None: none)."""
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def table(self, step: int, columns: list[str], rows: list[list]) -> None: ...
+
+    def finish(self, summary: dict[str, str], curves_png: bytes | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+_CLOSE = object()
+
+
+class TrackerThread:
+    """``TrackerThread(backend, settings)``: `metrics`, `samples`, `finish` return at once; `close` waits at most
+    `close_timeout_s` for the tracker to catch up (a tracker still busy then is left behind, with a warning)."""
+
+    def __init__(self, backend: Backend, settings: dict[str, str], *, queue_size: int = 1000,
+                 close_timeout_s: float = 60.0):
+        self.backend = backend
+        self._settings = settings
+        self.close_timeout_s = close_timeout_s
+        self.held_before: int | None = None  # the last step the tracker held when this run opened it
+        self.sent: set[int] = set()  # steps this process logged: a held-out evaluation may join them
+        self.failed = False
+        self._dropped = False
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._thread = threading.Thread(target=self._work, name=f"tracker-{backend.name}", daemon=True)
+        self._thread.start()
+
+    # The training loop's side: never blocks, never raises.
+    def metrics(self, step: int, metrics: dict, *, extra: bool = False) -> None:
+        """A step's metrics, logged where the tracker lacks the step. ``extra``: more metrics of a step (a held-out
+        evaluation), logged also where this process logged the step already."""
+        self._put(lambda: self._metrics(step, metrics, extra))
+
+    def samples(self, step: int, read_table: Callable[[], tuple[list[str], list[list]] | None]) -> None:
+        """A step's sample table, read on the tracker's thread (`read_table` reads the store) where the step is new
+        to the tracker."""
+        self._put(lambda: self._table(step, read_table))
+
+    def finish(self, summary: dict[str, str], curves_png: Callable[[], bytes | None]) -> None:
+        self._put(lambda: self.backend.finish(summary, curves_png()))
+
+    def close(self) -> None:
+        try:
+            self._queue.put(_CLOSE, timeout=self.close_timeout_s)
+        except queue.Full:
+            pass
+        self._thread.join(self.close_timeout_s)
+        if self._thread.is_alive():
+            log.warning("tracker %s: still busy after %.0f s at the end of the run; left behind (it may miss the "
+                        "last steps: a rerun fills them in)", self.backend.name, self.close_timeout_s)
+
+    def _put(self, work: Callable[[], None]) -> None:
+        if self.failed:
+            return
+        try:
+            self._queue.put_nowait(work)
+        except queue.Full:
+            if not self._dropped:
+                self._dropped = True
+                log.warning("tracker %s: falling behind the run (%d items queued); dropping what does not fit "
+                            "(a rerun fills in the missing steps)", self.backend.name, self._queue.maxsize)
+
+    # The tracker's thread.
+    def _work(self) -> None:
+        opened = self._call(self._open)
+        while True:
+            work = self._queue.get()
+            if work is _CLOSE:
+                break
+            if opened and not self.failed:
+                self._call(work)
+        if opened:
+            try:
+                self.backend.close()
+            except Exception:  # noqa: BLE001 - closing a broken tracker is best effort
+                log.debug("tracker %s: close failed", self.backend.name, exc_info=True)
+
+    def _open(self) -> None:
+        self.held_before = self.backend.open(self._settings)
+
+    def _metrics(self, step: int, metrics: dict, extra: bool) -> None:
+        numbers = numeric(metrics)
+        if step in self.sent:
+            if extra and numbers:
+                self.backend.metrics(step, numbers)
+            return  # else a step given twice (trained, then its segment's history): logged once
+        if self.held_before is not None and step <= self.held_before:
+            return  # the tracker has it from an earlier attempt (a resumed run replays it, the same values)
+        self.sent.add(step)
+        if numbers:
+            self.backend.metrics(step, numbers)
+
+    def _table(self, step: int, read_table) -> None:
+        if step not in self.sent:
+            return  # already in the tracker, or never logged there
+        table = read_table()
+        if table is not None and table[1]:
+            self.backend.table(step, *table)
+
+    def _call(self, work: Callable[[], None]) -> bool:
+        try:
+            work()
+            return True
+        except Exception as exc:  # noqa: BLE001 - a tracker's failure is not the run's
+            self.failed = True
+            log.warning("tracker %s failed, the run goes on without it: %s: %s", self.backend.name,
+                        type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
+            log.debug("tracker %s failure", self.backend.name, exc_info=True)
+            return False
+
+
+def numeric(metrics: dict) -> dict[str, float]:
+    """The metrics a tracker plots: numbers, not flags, not the step or the record's wall time."""
+    return {name: float(value) for name, value in metrics.items()
+            if name not in ("step", "wall_time") and isinstance(value, (int, float)) and not isinstance(value, bool)}
