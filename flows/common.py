@@ -300,18 +300,16 @@ def recorded_run(cfg, total: int, log_steps: bool = True) -> Iterator[RunRecorde
 
 
 def flow_run_page() -> str | None:
-    """The flow run's page in the Prefect UI (None outside a flow run), for the trackers' summaries."""
+    """The flow run's page in the Prefect UI (None outside a flow run), for the trackers' summaries: the link the
+    CLI's summary prints (`flow run: ...`, rollout_cli/progress.py), the UI being served where the API is."""
     from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_API_URL
 
     try:
-        if flow_run.id is None:
+        api_url = PREFECT_API_URL.value()
+        if flow_run.id is None or not api_url:
             return None
-        if flow_run.ui_url:
-            return flow_run.ui_url
-        from prefect.settings import PREFECT_API_URL
-
-        # The UI is served where the API is, without `/api` (as rollout_cli/progress.py's link).
-        return f"{PREFECT_API_URL.value().rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run.id}"
+        return f"{api_url.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run.id}"
     except Exception:  # noqa: BLE001 - a link is not worth a failed run
         return None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 from rollout_lib.config.common import MlflowSettings
@@ -68,8 +69,9 @@ class MlflowBackend:
 
     def _log_params(self, settings: dict[str, str]) -> None:
         # Params never change once logged: a rerun adds the ones the run lacks and keeps the others as they were.
-        params = [{"key": key[:250], "value": str(value)[:PARAM_LIMIT]} for key, value in settings.items()
-                  if key[:250] not in self.params]
+        params = [{"key": key, "value": str(value)[:PARAM_LIMIT]}
+                  for key, value in ((param_key(key), value) for key, value in settings.items())
+                  if key not in self.params]
         for start in range(0, len(params), 100):
             self._post("mlflow/runs/log-batch", {"run_id": self.run_id, "params": params[start:start + 100]})
 
@@ -125,6 +127,12 @@ class MlflowBackend:
         response = self._http.post(endpoint, json=body)
         _check(response)
         return response.json() if response.content else {}
+
+
+def param_key(setting: str) -> str:
+    """A dotted setting as an MLflow key, which allows letters, digits, `_ - . / ` and spaces: list indices as
+    path parts (`algorithm.rl.envs[0].name` -> `algorithm.rl.envs.0.name`)."""
+    return re.sub(r"[^\w\-. /]", "_", re.sub(r"\[(\d+)\]", r".\1", setting))[:250]
 
 
 def _check(response) -> None:
