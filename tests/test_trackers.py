@@ -133,7 +133,7 @@ history = {{key: [[m.step, m.value] for m in client.get_metric_history(run.info.
            for key in run.data.metrics}}
 tables = {{}}
 for path in {list(tables)!r}:
-    frame = mlflow.load_table(path, run_ids=[run.info.run_id])
+    frame = client.load_table(experiment.experiment_id, path, run_ids=[run.info.run_id])
     tables[path] = {{"columns": list(frame.columns), "rows": len(frame)}}
 print(json.dumps({{"runs": len(runs), "status": run.info.status, "params": run.data.params, "tags": run.data.tags,
                   "history": history, "artifacts": [a.path for a in client.list_artifacts(run.info.run_id)],
@@ -238,17 +238,19 @@ def test_rl_sample_tables_in_each_tracker(prefect_server, mlflow_server, trackio
         assert {"prompt", "completion", "reward", "advantage", "reward_error"} <= set(mlflow["tables"][path]["columns"])
 
     wandb_rows = wandb_history(store, "rl-trackers")
-    table_rows = [row for row in wandb_rows if row.get("samples/_type") == "table-file"]
-    assert [row["_step"] for row in table_rows] == [1, 2] and all(row["samples/nrows"] == 5 for row in table_rows)
+    table_rows = [row for row in wandb_rows if row.get("sample_table/_type") == "table-file"]
+    assert [row["_step"] for row in table_rows] == [1, 2] and all(row["sample_table/nrows"] == 5 for row in table_rows)
+    assert all(row["samples"] == 32 for row in table_rows)  # the step's sample count, a metric, beside it
     run_dirs = wandb_dir(store, "rl-trackers") / "wandb"
-    table_file = next(run_dirs.glob(f"offline-run-*/files/{table_rows[0]['samples/path']}"))
+    table_file = next(run_dirs.glob(f"offline-run-*/files/{table_rows[0]['sample_table/path']}"))
     written = json.loads(table_file.read_text())
     assert len(written["data"]) == 5 and "completion" in written["columns"]
 
     logs = trackio_logs(trackio_dir, "rl-trackers", "rl-trackers")
-    samples = [row for row in logs if "samples" in row]
-    assert [row["step"] for row in samples] == [1, 2]
-    assert samples[0]["samples"]["_type"] == "trackio.table" and len(samples[0]["samples"]["_value"]) == 5
+    tables = [row for row in logs if "sample_table" in row]
+    assert [row["step"] for row in tables] == [1, 2]
+    assert tables[0]["sample_table"]["_type"] == "trackio.table" and len(tables[0]["sample_table"]["_value"]) == 5
+    assert steps_of(logs, "samples") == [1, 2]  # the step's sample count, a metric, is kept beside the table
 
 
 class HungServer:

@@ -78,6 +78,8 @@ class RunRecorder:
         self._track(step, metrics)
 
     def _track(self, step: int, metrics: dict) -> None:
+        if not self.trackers:
+            return
         from rollout_lib.runlog.trackers.sample_table import step_sample_table
 
         for tracker in self.trackers:

@@ -13,6 +13,9 @@ from rollout_lib.runlog.samples import read_samples, select
 from rollout_lib.runlog.step_tables import read_step_tables
 from rollout_lib.store import ObjectStore
 
+# The table's name in W&B and trackio. Not "samples": RL steps report a metric of that name (the step's sample
+# count), which the table would overwrite.
+TABLE_KEY = "sample_table"
 COLUMNS = ["sample_id", "env", "prompt", "completion", "reward", "rewards", "reward_error", "advantage",
            "prompt_tokens", "completion_tokens", "model_turns", "tool_calls", "sampled_from"]
 

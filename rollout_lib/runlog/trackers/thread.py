@@ -49,6 +49,7 @@ class TrackerThread:
         self.close_timeout_s = close_timeout_s
         self.held_before: int | None = None  # the last step the tracker held when this run opened it
         self.sent: set[int] = set()  # steps this process logged: a held-out evaluation may join them
+        self.tabled: set[int] = set()  # steps whose sample table this process logged (a step may come twice)
         self.failed = False
         self._dropped = False
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -121,8 +122,9 @@ class TrackerThread:
             self.backend.metrics(step, numbers)
 
     def _table(self, step: int, read_table) -> None:
-        if step not in self.sent:
+        if step not in self.sent or step in self.tabled:
             return  # already in the tracker, or never logged there
+        self.tabled.add(step)
         table = read_table()
         if table is not None and table[1]:
             self.backend.table(step, *table)

@@ -1,6 +1,6 @@
 """trackio (`run.trackers = ["trackio"]`), local-first: a SQLite file per project under `run.trackio.dir`
 (`trackio show --project P` serves it). Each step's metrics at its step, the settings as the run's config, each
-RL step's samples as a `trackio.Table` (`samples` at that step), the curves as an image and the final checkpoint
+RL step's samples as a `trackio.Table` (`sample_table` at that step), the curves as an image and the final checkpoint
 and flow run page as the last step's `summary/...` values.
 
 trackio keeps every row logged, a replayed step too, so a rerun resumes the run of the same name and logs only
@@ -15,8 +15,10 @@ import logging
 import os
 
 from rollout_lib.config.common import TrackioSettings
+from rollout_lib.runlog.trackers.sample_table import TABLE_KEY
 
 log = logging.getLogger(__name__)
+
 
 
 class TrackioBackend:
@@ -52,7 +54,7 @@ class TrackioBackend:
     def table(self, step: int, columns: list[str], rows: list[list]) -> None:
         import trackio
 
-        self.run.log({"samples": trackio.Table(columns=columns, data=rows)}, step=step)
+        self.run.log({TABLE_KEY: trackio.Table(columns=columns, data=rows)}, step=step)
 
     def finish(self, summary: dict[str, str], curves_png: bytes | None) -> None:
         import trackio

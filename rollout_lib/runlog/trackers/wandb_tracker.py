@@ -1,5 +1,5 @@
 """Weights & Biases (`run.trackers = ["wandb"]`): each step's metrics at its step, the settings as the run's
-config, each RL step's samples as a `wandb.Table` (`samples` at that step), the curves as an image and the final
+config, each RL step's samples as a `wandb.Table` (`sample_table` at that step), the curves as an image and the final
 checkpoint and flow run page in the run's summary.
 
 One W&B run per rollout run and store: its id is derived from both, and a rerun resumes it (`resume="allow"`).
@@ -15,6 +15,8 @@ from pathlib import Path
 
 from rollout_lib.config.common import WandbSettings
 from rollout_lib.runlog.trackers import wandb_file
+from rollout_lib.runlog.trackers.sample_table import TABLE_KEY
+
 
 
 class WandbBackend:
@@ -48,7 +50,7 @@ class WandbBackend:
     def table(self, step: int, columns: list[str], rows: list[list]) -> None:
         import wandb
 
-        self.run.log({"samples": wandb.Table(columns=columns, data=rows)}, step=step)
+        self.run.log({TABLE_KEY: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def finish(self, summary: dict[str, str], curves_png: bytes | None) -> None:
         import wandb
