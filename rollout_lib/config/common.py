@@ -140,9 +140,10 @@ class RunSettings(StrictModel):
 
     @model_validator(mode="after")
     def _tracker_settings_of_listed_trackers(self) -> "RunSettings":
-        # A settings block for a tracker the run does not use is a mistake (it would be silently ignored).
+        # A settings block for a tracker the run does not use is a mistake (it would be silently ignored). Blocks
+        # left at their defaults pass: `rollout config show` writes every default, and its TOML must load back.
         unused = [name for name in ("mlflow", "wandb", "trackio")
-                  if name in self.model_fields_set and name not in self.trackers]
+                  if name not in self.trackers and getattr(self, name) != type(self).model_fields[name].default]
         if unused:
             raise ValueError(f"{', '.join(f'run.{name}' for name in unused)}: settings of a tracker not in "
                              f"run.trackers ({self.trackers}); add it there or drop the block")

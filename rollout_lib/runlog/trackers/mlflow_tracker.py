@@ -75,10 +75,10 @@ class MlflowBackend:
         for start in range(0, len(params), 100):
             self._post("mlflow/runs/log-batch", {"run_id": self.run_id, "params": params[start:start + 100]})
 
-    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def metrics(self, steps: list[tuple[int, dict[str, float]]]) -> None:
         now = _now_ms()
         batch = [{"key": name, "value": value, "timestamp": now, "step": step}
-                 for name, value in metrics.items() if math.isfinite(value)]  # JSON has no NaN
+                 for step, metrics in steps for name, value in metrics.items() if math.isfinite(value)]  # no NaN in JSON
         for start in range(0, len(batch), BATCH):
             self._post("mlflow/runs/log-batch", {"run_id": self.run_id, "metrics": batch[start:start + BATCH]})
 

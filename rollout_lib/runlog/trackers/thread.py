@@ -1,5 +1,8 @@
 """One tracker driven from a thread of its own: the training loop hands it work and goes on.
 
+Metrics are sent in batches, at most one a `flush_interval_s` (1 s) and before anything else (a table, the
+run's end): a tracker's request costs the tracker's thread a few ms of CPU (and the GIL), which once per step of
+a tiny model (~7 ms here) would double the step time; once a second it is lost in the noise.
 The queue is bounded: when a tracker falls behind (a slow server), what does not fit is dropped, with one warning.
 The first error a backend raises (its server down, a full disk, a package that breaks at run time) is one warning
 too, and the tracker is off for the rest of the run: a dead server costs its timeout once, not once per step. A
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable, Protocol
 
 log = logging.getLogger(__name__)
@@ -26,7 +30,8 @@ class Backend(Protocol):
         """Start or reuse the tracker's run of this rollout run, with the run's resolved settings (as its params or
         config); the last step it already holds (None: none)."""
 
-    def metrics(self, step: int, metrics: dict[str, float]) -> None: ...
+    def metrics(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        """Steps' metrics, in order: (step, {name: value}); a step may come twice (more metrics of it)."""
 
     def table(self, step: int, columns: list[str], rows: list[list]) -> None: ...
 
@@ -43,10 +48,13 @@ class TrackerThread:
     `close_timeout_s` for the tracker to catch up (a tracker still busy then is left behind, with a warning)."""
 
     def __init__(self, backend: Backend, settings: dict[str, str], *, queue_size: int = 1000,
-                 close_timeout_s: float = 60.0):
+                 close_timeout_s: float = 60.0, flush_interval_s: float = 1.0):
         self.backend = backend
         self._settings = settings
         self.close_timeout_s = close_timeout_s
+        self.flush_interval_s = flush_interval_s
+        self._pending: list[tuple[int, dict[str, float]]] = []  # metrics not sent yet
+        self._last_flush = time.monotonic()
         self.held_before: int | None = None  # the last step the tracker held when this run opened it
         self.sent: set[int] = set()  # steps this process logged: a held-out evaluation may join them
         self.tabled: set[int] = set()  # steps whose sample table this process logged (a step may come twice)
@@ -68,7 +76,7 @@ class TrackerThread:
         self._put(lambda: self._table(step, read_table))
 
     def finish(self, summary: dict[str, str], curves_png: Callable[[], bytes | None]) -> None:
-        self._put(lambda: self.backend.finish(summary, curves_png()))
+        self._put(lambda: self._finish(summary, curves_png))
 
     def close(self) -> None:
         try:
@@ -95,16 +103,28 @@ class TrackerThread:
     def _work(self) -> None:
         opened = self._call(self._open)
         while True:
-            work = self._queue.get()
+            try:
+                work = self._queue.get(timeout=self.flush_interval_s if self._pending else None)
+            except queue.Empty:
+                work = None
+            if work is not None and work is not _CLOSE and opened and not self.failed:
+                self._call(work)
+            if opened and not self.failed and self._pending and (
+                    work is None or work is _CLOSE or time.monotonic() - self._last_flush >= self.flush_interval_s):
+                self._call(self._flush)
             if work is _CLOSE:
                 break
-            if opened and not self.failed:
-                self._call(work)
         if opened:
             try:
                 self.backend.close()
             except Exception:  # noqa: BLE001 - closing a broken tracker is best effort
                 log.debug("tracker %s: close failed", self.backend.name, exc_info=True)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        self._last_flush = time.monotonic()
+        if pending:
+            self.backend.metrics(pending)
 
     def _open(self) -> None:
         self.held_before = self.backend.open(self._settings)
@@ -113,13 +133,13 @@ class TrackerThread:
         numbers = numeric(metrics)
         if step in self.sent:
             if extra and numbers:
-                self.backend.metrics(step, numbers)
+                self._pending.append((step, numbers))
             return  # else a step given twice (trained, then its segment's history): logged once
         if self.held_before is not None and step <= self.held_before:
             return  # the tracker has it from an earlier attempt (a resumed run replays it, the same values)
         self.sent.add(step)
         if numbers:
-            self.backend.metrics(step, numbers)
+            self._pending.append((step, numbers))
 
     def _table(self, step: int, read_table) -> None:
         if step not in self.sent or step in self.tabled:
@@ -127,7 +147,12 @@ class TrackerThread:
         self.tabled.add(step)
         table = read_table()
         if table is not None and table[1]:
+            self._flush()  # W&B takes steps in order: the step's metrics first
             self.backend.table(step, *table)
+
+    def _finish(self, summary: dict[str, str], curves_png) -> None:
+        self._flush()
+        self.backend.finish(summary, curves_png())
 
     def _call(self, work: Callable[[], None]) -> bool:
         try:

@@ -47,9 +47,10 @@ class TrackioBackend:
         self.last_step = held
         return held
 
-    def metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
-        self.last_step = max(step, self.last_step or 0)
+    def metrics(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        for step, metrics in steps:
+            self.run.log(metrics, step=step)
+            self.last_step = max(step, self.last_step or 0)
 
     def table(self, step: int, columns: list[str], rows: list[list]) -> None:
         import trackio

@@ -44,8 +44,9 @@ class WandbBackend:
         held = self.run.summary.get("_step")
         return int(held) if held is not None else None
 
-    def metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
+    def metrics(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        for step, metrics in steps:
+            self.run.log(metrics, step=step)
 
     def table(self, step: int, columns: list[str], rows: list[list]) -> None:
         import wandb
