@@ -280,11 +280,11 @@ class CurvesArtifact:
 
 
 @contextmanager
-def recorded_run(cfg, total: int, log_steps: bool = True) -> Iterator[RunRecorder]:
+def recorded_run(cfg, total: int, log_steps: bool = True, samples: bool = False) -> Iterator[RunRecorder]:
     """The run's per-step metrics kept in its store as each step completes (and TensorBoard's event files when
     `run.tensorboard`, and the experiment trackers of `run.trackers`), and a log line per step as often as
     runlog/step_log.py allows (`log_steps`: RL's flow logs its heavier steps itself), for the length of the block:
-    docs/runs.md. The flow calls `recorder.finish(checkpoint, flow_run_page())` before the block ends."""
+    docs/runs.md. `samples`: the steps store samples (RL), which trackers with tables get. The flow calls `recorder.finish(checkpoint, flow_run_page())` before the block ends."""
     store = open_store(cfg)
     trackers = []
     if any(tracker != "tensorboard" for tracker in cfg.run.trackers):
@@ -293,7 +293,7 @@ def recorded_run(cfg, total: int, log_steps: bool = True) -> Iterator[RunRecorde
         identity = training_identity(cfg)
         trackers = open_trackers(cfg.run, store, {row["setting"]: row["value"] for row in settings_rows(cfg, identity)})
     with RunRecorder(store, cfg.run.name, total_steps=total, tensorboard=cfg.run.writes_tensorboard,
-                     trackers=trackers, tracker_samples=cfg.run.tracker_samples) as recorder, \
+                     trackers=trackers, tracker_samples=cfg.run.tracker_samples if samples else 0) as recorder, \
             step_events.subscribed(recorder.record), \
             step_events.subscribed(StepLog(total) if log_steps else lambda step, metrics: None):
         yield recorder

@@ -55,7 +55,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     with ResidentTrainer(frozen_capacity=schedule.frozen_capacity) as resident, \
             ServedModels(cfg.run.store) as served_models, \
             run_reward_loops(cfg, served_models) as reward_loops, fan_out_runner(cfg.run.task_runner) as runner, \
-            recorded_run(cfg, total, log_steps=False) as recorder:
+            recorded_run(cfg, total, log_steps=False, samples=True) as recorder:
         if cfg.frozen_models() or cfg.served_reward_models():
             for connected in connect_frozen_models_task(cfg, served_models, reward_loops):
                 logger.info("frozen model %s", connected)

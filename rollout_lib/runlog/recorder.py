@@ -41,11 +41,11 @@ class RunRecorder:
     """``RunRecorder(store, run_name, total_steps=..., tensorboard=..., trackers=...)``; a context manager that closes
     what it opened. ``tensorboard``: True for the run's default directory (runlog.tensorboard), or a directory.
     ``trackers``: started tracker threads (runlog/trackers/build.py), closed with the recorder; each RL step's
-    samples go to them too, at most ``tracker_samples`` rows a step."""
+    samples go to them too, at most ``tracker_samples`` rows a step (0: a run without samples, RM and SFT)."""
 
     def __init__(self, store: ObjectStore, run_name: str, *, total_steps: int | None = None,
                  tensorboard: bool | str | Path = False, trackers: Sequence["TrackerThread"] = (),
-                 tracker_samples: int = 16):
+                 tracker_samples: int = 0):
         self.run_name = run_name
         self.store = store
         self.trackers = list(trackers)
@@ -84,7 +84,9 @@ class RunRecorder:
 
         for tracker in self.trackers:
             tracker.metrics(step, metrics)
-            tracker.samples(step, lambda: step_sample_table(self.store, self.run_name, step, self.tracker_samples))
+            if self.tracker_samples:  # a look for a step's tables costs ~0.4 ms: only for runs that store them
+                tracker.samples(step, lambda: step_sample_table(self.store, self.run_name, step,
+                                                                self.tracker_samples))
 
     @_never_fails
     def backfill(self, history: Iterable[dict]) -> None:

@@ -59,6 +59,9 @@ class TrackerThread:
         self.sent: set[int] = set()  # steps this process logged: a held-out evaluation may join them
         self.tabled: set[int] = set()  # steps whose sample table this process logged (a step may come twice)
         self.failed = False
+        self.cpu_seconds: float | None = None  # the tracker thread's CPU time while steps came, once it ended
+        self._cpu_at_open = 0.0
+        self._cpu_at_finish: float | None = None
         self._dropped = False
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._work, name=f"tracker-{backend.name}", daemon=True)
@@ -119,6 +122,11 @@ class TrackerThread:
                 self.backend.close()
             except Exception:  # noqa: BLE001 - closing a broken tracker is best effort
                 log.debug("tracker %s: close failed", self.backend.name, exc_info=True)
+        # What the tracker cost the run's process while it trained (after opening, before the run's end: the
+        # curves and uploads), whatever the machine's load: bench/bench_trackers.py reads it.
+        self.cpu_seconds = (self._cpu_at_finish or time.thread_time()) - self._cpu_at_open
+        log.debug("tracker %s: %.4f s of CPU on its thread while steps came, %d steps sent", self.backend.name,
+                  self.cpu_seconds, len(self.sent))
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -127,7 +135,10 @@ class TrackerThread:
             self.backend.metrics(pending)
 
     def _open(self) -> None:
-        self.held_before = self.backend.open(self._settings)
+        try:
+            self.held_before = self.backend.open(self._settings)
+        finally:
+            self._cpu_at_open = time.thread_time()
 
     def _metrics(self, step: int, metrics: dict, extra: bool) -> None:
         numbers = numeric(metrics)
@@ -151,6 +162,7 @@ class TrackerThread:
             self.backend.table(step, *table)
 
     def _finish(self, summary: dict[str, str], curves_png) -> None:
+        self._cpu_at_finish = time.thread_time()
         self._flush()
         self.backend.finish(summary, curves_png())
 
