@@ -289,3 +289,27 @@ def test_a_dead_or_hung_mlflow_server_warns_once_and_changes_nothing(prefect_ser
         # The hung server's 5 s timeout is paid on the tracker's thread, not by the training loop.
         assert result["train_seconds"] < plain["train_seconds"] + 3.0, (name, result["train_seconds"],
                                                                         plain["train_seconds"])
+
+
+@pytest.mark.slow
+def test_a_rerun_after_sigkill_continues_each_tracker_run_without_duplicates_or_gaps(prefect_server, mlflow_server,
+                                                                                    trackio_dir, tmp_path):
+    from clirun import cli_env, run_until_then_kill
+
+    store = ObjectStore(str(tmp_path / "store"))
+    args = ["train", "rm", "--config", "configs/rm-tiny.toml", "--store", store.root, "--name", "killed-tiny",
+            "--max-steps", "24", "--set", "algorithm.rm.checkpoint_interval=8",
+            *tracker_overrides(mlflow_server, trackio_dir, "killed-trackers")]
+    # SIGKILLed inside the second segment (steps 9-16), after its step 12: whatever each tracker had sent by then
+    # stays, the steps queued on its thread are lost with the process.
+    run_until_then_kill(args, "step 12: ", tmp_path / "killed.log", env=cli_env(ROLLOUT_LOG_LEVEL="DEBUG"))
+    rerun = train_in_process(*args)  # resumes: steps 1-8 from cache, 9-24 trained
+    losses = {record["step"]: record["loss"] for record in read_metrics(store, "killed-tiny")}
+    assert sorted(losses) == list(range(1, 25))
+
+    mlflow = mlflow_read(mlflow_server, "killed-trackers", run_key(store, "killed-tiny"))
+    assert mlflow["runs"] == 1 and mlflow["tags"]["rollout.final_checkpoint"] == rerun["checkpoint"]
+    assert [step for step, _ in mlflow["history"]["loss"]] == list(range(1, 25))
+    assert [value for _, value in mlflow["history"]["loss"]] == pytest.approx([losses[s] for s in range(1, 25)])
+    assert steps_of(wandb_history(store, "killed-tiny"), "loss", "_step") == list(range(1, 25))
+    assert steps_of(trackio_logs(trackio_dir, "killed-trackers", "killed-tiny"), "loss") == list(range(1, 25))
