@@ -302,7 +302,11 @@ def test_a_rerun_after_sigkill_continues_each_tracker_run_without_duplicates_or_
             *tracker_overrides(mlflow_server, trackio_dir, "killed-trackers")]
     # SIGKILLed inside the second segment (steps 9-16), after its step 12: whatever each tracker had sent by then
     # stays, the steps queued on its thread are lost with the process.
-    run_until_then_kill(args, "step 12: ", tmp_path / "killed.log", env=cli_env(ROLLOUT_LOG_LEVEL="DEBUG"))
+    # Without WANDB_SERVICE: wandb puts it in the environment of a process that started W&B (this one, in an earlier
+    # test), and a child with it joins that process's wandb-core, which would hold the killed run's id as in use
+    # (a user's kill and rerun are two processes, each with a service of its own).
+    env = {key: value for key, value in cli_env(ROLLOUT_LOG_LEVEL="DEBUG").items() if key != "WANDB_SERVICE"}
+    run_until_then_kill(args, "step 12: ", tmp_path / "killed.log", env=env)
     rerun = train_in_process(*args)  # resumes: steps 1-8 from cache, 9-24 trained
     losses = {record["step"]: record["loss"] for record in read_metrics(store, "killed-tiny")}
     assert sorted(losses) == list(range(1, 25))
