@@ -26,7 +26,7 @@ from prefect.filesystems import RemoteFileSystem
 from flows.api_watch import watch_worker_flow_run
 from rollout_lib import step_events
 from rollout_lib.config.loading import apply_overrides, load_config, read_toml
-from rollout_lib.identity.training import claim_run_name
+from rollout_lib.identity.training import claim_run_name, training_identity
 from rollout_lib.runlog.eval_tables import record_eval_tables
 from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.runlog.step_log import StepLog
@@ -312,14 +312,38 @@ class CurvesArtifact:
 
 
 @contextmanager
-def recorded_run(cfg, total: int, log_steps: bool = True) -> Iterator[RunRecorder]:
+def recorded_run(cfg, total: int, log_steps: bool = True, samples: bool = False) -> Iterator[RunRecorder]:
     """The run's per-step metrics kept in its store as each step completes (and TensorBoard's event files when
-    `run.tensorboard`), and a log line per step as often as runlog/step_log.py allows (`log_steps`: RL's flow logs
-    its heavier steps itself), for the length of the block: docs/runs.md."""
-    with RunRecorder(open_store(cfg), cfg.run.name, total_steps=total, tensorboard=cfg.run.tensorboard) as recorder, \
+    `run.tensorboard`, and the experiment trackers of `run.trackers`), and a log line per step as often as
+    runlog/step_log.py allows (`log_steps`: RL's flow logs its heavier steps itself), for the length of the block:
+    docs/runs.md. `samples`: the steps store samples (RL), which trackers with tables get. The flow calls `recorder.finish(checkpoint, flow_run_page())` before the block ends."""
+    store = open_store(cfg)
+    trackers = []
+    if any(tracker != "tensorboard" for tracker in cfg.run.trackers):
+        from rollout_lib.runlog.trackers.build import open_trackers
+
+        identity = training_identity(cfg)
+        trackers = open_trackers(cfg.run, store, {row["setting"]: row["value"] for row in settings_rows(cfg, identity)})
+    with RunRecorder(store, cfg.run.name, total_steps=total, tensorboard=cfg.run.writes_tensorboard,
+                     trackers=trackers, tracker_samples=cfg.run.tracker_samples if samples else 0) as recorder, \
             step_events.subscribed(recorder.record), \
             step_events.subscribed(StepLog(total) if log_steps else lambda step, metrics: None):
         yield recorder
+
+
+def flow_run_page() -> str | None:
+    """The flow run's page in the Prefect UI (None outside a flow run), for the trackers' summaries: the link the
+    CLI's summary prints (`flow run: ...`, rollout_cli/progress.py), the UI being served where the API is."""
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        api_url = PREFECT_API_URL.value()
+        if flow_run.id is None or not api_url:
+            return None
+        return f"{api_url.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run.id}"
+    except Exception:  # noqa: BLE001 - a link is not worth a failed run
+        return None
 
 
 def train_in_segments(segment_task: Task, cfg, data_ids: tuple[str, ...], checkpoint: str, *, total: int,

@@ -27,6 +27,7 @@ from flows.common import (
     flow_run_name,
     metrics_table,
     publish_result,
+    flow_run_page,
     recorded_run,
     start_run,
 )
@@ -54,7 +55,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     with ResidentTrainer(frozen_capacity=schedule.frozen_capacity) as resident, \
             ServedModels(cfg.run.store) as served_models, \
             run_reward_loops(cfg, served_models) as reward_loops, fan_out_runner(cfg.run.task_runner) as runner, \
-            recorded_run(cfg, total, log_steps=False) as recorder:
+            recorded_run(cfg, total, log_steps=False, samples=True) as recorder:
         if cfg.frozen_models() or cfg.served_reward_models():
             for connected in connect_frozen_models_task(cfg, served_models, reward_loops):
                 logger.info("frozen model %s", connected)
@@ -71,6 +72,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                 steps.run(step)
         train_seconds = time.perf_counter() - started
         _log_held_out(logger, "after", steps.history[-1])  # the last step's evaluation (always due)
+        recorder.finish(steps.checkpoint, flow_run_page())  # the trackers' summary
 
     checkpoint, history = steps.checkpoint, steps.history
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)

@@ -24,6 +24,7 @@ from flows.common import (
     held_out_evaluation,
     metrics_table,
     publish_result,
+    flow_run_page,
     recorded_run,
     start_run,
     train_in_segments,
@@ -91,6 +92,7 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
         if after:
             logger.info("held-out after training: accuracy %.3f over %d pairs", after["accuracy"], after["pairs"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
+        recorder.finish(checkpoint, flow_run_page())  # the trackers' summary
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
     metrics_table(cfg, "train-rm", history, METRIC_COLUMNS)

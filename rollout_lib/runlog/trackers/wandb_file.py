@@ -1,0 +1,62 @@
+"""Reading a W&B run file (`run-<id>.wandb`, what offline mode writes) without W&B's service: a LevelDB log of
+protobuf records (W&B's own format: a 7-byte header, 32 KiB blocks, each record framed as crc32, length, type).
+wandb 0.31 keeps its reader in the Go core only; a resumed offline run needs the steps an earlier attempt wrote,
+and a test reads the history back."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterator
+
+BLOCK = 32 * 1024
+FILE_HEADER = 7  # ":W&B", magic 0xBEE1, version
+RECORD_HEADER = 7  # crc32, length, type
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def records(path: str | Path) -> Iterator[bytes]:
+    """Each record's payload, in the order written (a torn record at the end of a killed run's file is dropped)."""
+    data = Path(path).read_bytes()
+    position, pending = FILE_HEADER, b""
+    while position + RECORD_HEADER <= len(data):
+        left_in_block = BLOCK - position % BLOCK
+        if left_in_block < RECORD_HEADER:  # a block's tail too short for a header is padding
+            position += left_in_block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + RECORD_HEADER])
+        start = position + RECORD_HEADER
+        if kind == 0 or start + length > len(data):
+            return
+        payload = data[start:start + length]
+        position = start + length
+        if kind == FULL:
+            yield payload
+        elif kind == FIRST:
+            pending = payload
+        elif kind == MIDDLE:
+            pending += payload
+        elif kind == LAST:
+            yield pending + payload
+            pending = b""
+
+
+def history(path: str | Path) -> list[dict]:
+    """The run file's history rows: {"_step": n, metric: value, ...} (values as W&B stored them, JSON-decoded)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for payload in records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+    return rows
+
+
+def last_step(run_files: list[Path]) -> int | None:
+    """The highest step any of these run files holds (None: none)."""
+    steps = [row["_step"] for path in run_files for row in history(path) if "_step" in row]
+    return max(steps) if steps else None
