@@ -158,12 +158,17 @@ def tracker_overrides(mlflow_uri: str, trackio_dir: Path, experiment: str) -> li
             "--set", f'run.trackio={{project = "{experiment}", dir = "{trackio_dir}"}}']
 
 
-def wandb_history(store: ObjectStore, run_name: str) -> list[dict]:
-    """Every history row of the run's offline W&B files, attempt after attempt."""
+def wandb_run_files(store: ObjectStore, run_name: str) -> list[Path]:
+    """The run's offline W&B files, attempt after attempt."""
     run_id = run_key(store, run_name)[:16]
     files = sorted(wandb_dir(store, run_name).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert files, f"no offline W&B run {run_id} under {wandb_dir(store, run_name)}"
-    return [row for path in files for row in wandb_file.history(path)]
+    return files
+
+
+def wandb_history(store: ObjectStore, run_name: str) -> list[dict]:
+    """Every history row of the run's offline W&B files, attempt after attempt."""
+    return [row for path in wandb_run_files(store, run_name) for row in wandb_file.history(path)]
 
 
 def trackio_logs(trackio_dir: Path, project: str, run_name: str) -> list[dict]:
@@ -217,6 +222,26 @@ def test_rm_steps_settings_and_summary_in_each_tracker_and_a_rerun_continues_the
     finals = [row["summary/final_checkpoint"] for row in logs if "summary/final_checkpoint" in row]
     assert finals == [first["checkpoint"], second["checkpoint"]]
     assert any("curves" in row for row in logs)
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_is_marked_failed_with_its_error_in_each_tracker(prefect_server, mlflow_server,
+                                                                           trackio_dir, tmp_path):
+    # An absurd learning rate: step 1 is finite, its update blows the weights up, step 2's loss is not.
+    store = ObjectStore(str(tmp_path / "store"))
+    with pytest.raises(Exception, match="non-finite"):
+        train_in_process("train", "rm", "--config", "configs/rm-tiny.toml", "--store", store.root, "--name",
+                         "rm-fails", "--max-steps", "3", "--set", "algorithm.rm.optimizer.lr=1e30",
+                         *tracker_overrides(mlflow_server, trackio_dir, "rm-fails"))
+    mlflow = mlflow_read(mlflow_server, "rm-fails", run_key(store, "rm-fails"))
+    assert mlflow["status"] == "FAILED" and "non-finite" in mlflow["tags"]["rollout.error"], mlflow["tags"]
+    assert [step for step, _ in mlflow["history"]["loss"]] == [1]  # what it trained before the failure
+    errors = [row["summary/error"] for row in trackio_logs(trackio_dir, "rm-fails", "rm-fails")
+              if "summary/error" in row]
+    assert len(errors) == 1 and "non-finite" in errors[0]
+    (run_file,) = wandb_run_files(store, "rm-fails")
+    assert any("non-finite" in str(update.get("error", "")) for update in wandb_file.summary_updates(run_file))
+    assert wandb_file.exit_codes(run_file) == [1]  # W&B shows it failed
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ class RunRecorder:
         self.store = store
         self.trackers = list(trackers)
         self.tracker_samples = tracker_samples
+        self._finished = False  # `finish` said how the run ended; an error leaving the block says otherwise
         if tensorboard:
             require_tensorboard()  # asked for and missing: the run fails now, before it trains
         self.metrics = self._open_metrics(store, run_name, total_steps)
@@ -65,8 +66,15 @@ class RunRecorder:
     def __enter__(self) -> "RunRecorder":
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is not None and not self._finished:
+            self._run_failed(f"{exc_type.__name__}: {exc}")
         self.close()
+
+    @_never_fails
+    def _run_failed(self, error: str) -> None:
+        for tracker in self.trackers:
+            tracker.run_failed(error)
 
     @_never_fails
     def record(self, step: int, metrics: dict) -> None:
@@ -118,6 +126,7 @@ class RunRecorder:
     def finish(self, checkpoint: str, flow_run_url: str | None = None) -> None:
         """The run's end, for the trackers: its final checkpoint, its flow run's page and its curves (drawn once,
         from the metrics file, on the first tracker thread that asks)."""
+        self._finished = True
         summary = {"final_checkpoint": checkpoint, **({"flow_run": flow_run_url} if flow_run_url else {})}
         curves = _Once(lambda: _curves_png(self.store, self.run_name))
         for tracker in self.trackers:

@@ -99,6 +99,10 @@ class MlflowBackend:
             self._upload("curves.png", curves_png, "image/png")
         self._post("mlflow/runs/update", {"run_id": self.run_id, "status": "FINISHED", "end_time": _now_ms()})
 
+    def run_failed(self, error: str) -> None:
+        self._tag("rollout.error", error[:5000])
+        self._post("mlflow/runs/update", {"run_id": self.run_id, "status": "FAILED", "end_time": _now_ms()})
+
     def close(self) -> None:
         if self._http is not None:
             self._http.close()

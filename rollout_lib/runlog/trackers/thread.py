@@ -37,6 +37,9 @@ class Backend(Protocol):
 
     def finish(self, summary: dict[str, str], curves_png: bytes | None) -> None: ...
 
+    def run_failed(self, error: str) -> None:
+        """The run ended in an error instead of `finish`: marked so where the tracker has a run status."""
+
     def close(self) -> None: ...
 
 
@@ -80,6 +83,9 @@ class TrackerThread:
 
     def finish(self, summary: dict[str, str], curves_png: Callable[[], bytes | None]) -> None:
         self._put(lambda: self._finish(summary, curves_png))
+
+    def run_failed(self, error: str) -> None:
+        self._put(lambda: self.backend.run_failed(error))
 
     def close(self) -> None:
         try:

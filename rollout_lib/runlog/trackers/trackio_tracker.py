@@ -66,6 +66,10 @@ class TrackioBackend:
             final["curves"] = trackio.Image(Image.open(io.BytesIO(curves_png)))
         self.run.log(final, step=self.last_step or 0)
 
+    def run_failed(self, error: str) -> None:
+        """trackio has no run status: the error is the run's last log entry."""
+        self.run.log({"summary/error": error}, step=self.last_step or 0)
+
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()

@@ -44,16 +44,31 @@ def records(path: str | Path) -> Iterator[bytes]:
 
 def history(path: str | Path) -> list[dict]:
     """The run file's history rows: {"_step": n, metric: value, ...} (values as W&B stored them, JSON-decoded)."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in _records_of(path, "history")]
+
+
+def summary_updates(path: str | Path) -> list[dict]:
+    """The run file's summary updates, in order: {key: value} each (JSON-decoded)."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update}
+            for record in _records_of(path, "summary")]
+
+
+def exit_codes(path: str | Path) -> list[int]:
+    """The exit codes the run file records (one per finished attempt; 1: the run failed)."""
+    return [record.exit.exit_code for record in _records_of(path, "exit")]
+
+
+def _records_of(path: str | Path, kind: str) -> list:
     from wandb.proto import wandb_internal_pb2
 
-    rows = []
+    found = []
     for payload in records(path):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
+        if record.WhichOneof("record_type") == kind:
+            found.append(record)
+    return found
 
 
 def last_step(run_files: list[Path]) -> int | None:

@@ -28,6 +28,7 @@ class WandbBackend:
         self.run_id = run_key[:16]  # W&B ids: up to 64 of [a-z0-9_-]
         self.directory = directory
         self.run = None
+        self.exit_code = 0  # 1 once the run failed: W&B then shows it as failed
 
     def open(self, settings: dict[str, str]) -> int | None:
         import wandb
@@ -62,6 +63,10 @@ class WandbBackend:
         if curves_png is not None:  # in the summary: a step of its own would be one past the run's last
             self.run.summary["curves"] = wandb.Image(Image.open(io.BytesIO(curves_png)))
 
+    def run_failed(self, error: str) -> None:
+        self.run.summary["error"] = error
+        self.exit_code = 1
+
     def close(self) -> None:
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=self.exit_code)
