@@ -18,7 +18,7 @@ import logging
 import re
 
 from rollout_lib.runlog.metrics_file import run_dir
-from rollout_lib.runlog.step_tables import write_record
+from rollout_lib.runlog.step_tables import numbered_records, write_record
 from rollout_lib.store import ObjectStore
 
 EVALS_DIR = "evals"  # runs/<name>/evals/<label>.json
@@ -40,13 +40,7 @@ def record_eval_tables(store: ObjectStore, run_name: str, step: int, algorithm: 
 
 def recorded_evals(store: ObjectStore, run_name: str) -> list[int]:
     """The steps of the run with an evaluation record, sorted."""
-    directory = f"{run_dir(store, run_name)}/{EVALS_DIR}"
-    store.fs.invalidate_cache(directory)
-    try:
-        names = [path.rsplit("/", 1)[-1] for path in store.fs.ls(directory, detail=False)]
-    except FileNotFoundError:
-        return []
-    return sorted(int(match.group(1)) for match in map(_LABEL_RE.fullmatch, names) if match)
+    return numbered_records(store, f"{run_dir(store, run_name)}/{EVALS_DIR}", _LABEL_RE)
 
 
 def read_eval_tables(store: ObjectStore, run_name: str, step: int) -> dict | None:

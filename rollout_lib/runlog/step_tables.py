@@ -58,13 +58,17 @@ def write_record(store: ObjectStore, directory: str, name: str, record: dict) ->
 
 def recorded_steps(store: ObjectStore, run_name: str) -> list[int]:
     """The steps of the run that have a record, sorted."""
-    directory = f"{run_dir(store, run_name)}/{STEPS_DIR}"
+    return numbered_records(store, f"{run_dir(store, run_name)}/{STEPS_DIR}", _STEP_RE)
+
+
+def numbered_records(store: ObjectStore, directory: str, name: re.Pattern) -> list[int]:
+    """The numbers (``name``'s first group) of the records in ``directory`` whose file names match, sorted."""
     store.fs.invalidate_cache(directory)
     try:
         names = [path.rsplit("/", 1)[-1] for path in store.fs.ls(directory, detail=False)]
     except FileNotFoundError:
         return []
-    return sorted(int(match.group(1)) for match in map(_STEP_RE.fullmatch, names) if match)
+    return sorted(int(match.group(1)) for match in map(name.fullmatch, names) if match)
 
 
 def read_step_tables(store: ObjectStore, run_name: str, step: int) -> dict | None:
