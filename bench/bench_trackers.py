@@ -3,8 +3,9 @@ its URI), median over steps (docs/runs.md, "Trackers"; target: on and dead <= 1.
 
 A step's time is the gap between consecutive records of the run's metrics file (each written as its step
 completes), over one segment (no snapshot inside it), the first step left out (it pays the segment's start). The
-three modes alternate `--repeats` times in one process, in an order rotated at each repeat, on a Prefect server and an MLflow server (SQLite, one
-worker, from .venv-mlflow: `bash scripts/setup.sh --test`) started for the bench; the figure to read is the
+three modes alternate `--repeats` times in one process, in an order rotated at each repeat, on a Prefect server
+and an MLflow server (SQLite, one worker, from .venv-mlflow: `bash scripts/setup.sh --test`) started for the bench;
+the figure to read is the
 median of the per-repeat ratios. Note the machine's load (`uptime`) beside the figures.
 
     .venv/bin/python bench/bench_trackers.py [--steps 60] [--repeats 3]

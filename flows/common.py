@@ -316,7 +316,8 @@ def recorded_run(cfg, total: int, log_steps: bool = True, samples: bool = False)
     """The run's per-step metrics kept in its store as each step completes (and TensorBoard's event files when
     `run.tensorboard`, and the experiment trackers of `run.trackers`), and a log line per step as often as
     runlog/step_log.py allows (`log_steps`: RL's flow logs its heavier steps itself), for the length of the block:
-    docs/runs.md. `samples`: the steps store samples (RL), which trackers with tables get. The flow calls `recorder.finish(checkpoint, flow_run_page())` before the block ends."""
+    docs/runs.md. `samples`: the steps store samples (RL), which trackers with tables get. The flow calls
+    `recorder.finish(checkpoint, flow_run_page())` before the block ends."""
     store = open_store(cfg)
     trackers = []
     if any(tracker != "tensorboard" for tracker in cfg.run.trackers):

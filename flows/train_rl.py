@@ -26,8 +26,8 @@ from flows.common import (
     fan_out_runner,
     flow_run_name,
     metrics_table,
-    publish_result,
     flow_run_page,
+    publish_result,
     recorded_run,
     start_run,
 )

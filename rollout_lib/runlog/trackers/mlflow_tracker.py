@@ -77,8 +77,8 @@ class MlflowBackend:
 
     def metrics(self, steps: list[tuple[int, dict[str, float]]]) -> None:
         now = _now_ms()
-        batch = [{"key": name, "value": value, "timestamp": now, "step": step}
-                 for step, metrics in steps for name, value in metrics.items() if math.isfinite(value)]  # no NaN in JSON
+        batch = [{"key": name, "value": value, "timestamp": now, "step": step}  # no NaN in JSON: finite values
+                 for step, metrics in steps for name, value in metrics.items() if math.isfinite(value)]
         for start in range(0, len(batch), BATCH):
             self._post("mlflow/runs/log-batch", {"run_id": self.run_id, "metrics": batch[start:start + BATCH]})
 

@@ -42,8 +42,8 @@ class TrackioBackend:
         from trackio import SQLiteStorage
 
         held = SQLiteStorage.get_max_step_for_run(self.settings.project, self.run_name)
-        self.run = trackio.init(project=self.settings.project, name=self.run_name, resume="allow", embed=False, config=settings,
-                                auto_log_cpu=False, auto_log_gpu=False)
+        self.run = trackio.init(project=self.settings.project, name=self.run_name, resume="allow", embed=False,
+                                config=settings, auto_log_cpu=False, auto_log_gpu=False)
         self.last_step = held
         return held
 
