@@ -229,16 +229,16 @@ def publish_step_samples(cfg, step: int) -> None:
     in the store (`rollout runs samples`). A table nobody could read is not worth a failed run: never fails it."""
     if not cfg.run.ui_samples:
         return
-    from rollout_lib.runlog.samples import flat_row, read_samples, shown_first
+    from rollout_lib.runlog.samples import flat_row, shown_first, step_rows
 
     try:
-        found = read_samples(open_store(cfg), cfg.run.name, step)
-        rows = [flat_row(row) for row in shown_first(found.rows, cfg.run.ui_samples)]
+        every = step_rows(open_store(cfg), cfg.run.name, step)
+        rows = [flat_row(row) for row in shown_first(every, cfg.run.ui_samples)]
     except Exception as exc:  # noqa: BLE001
         logging.getLogger(__name__).warning("samples of step %d of %s not shown: %s", step, cfg.run.name, exc)
         return
     create_table_artifact(rows, key=artifact_key(cfg.run.name, "samples"),
-                          description=f"train-rl {cfg.run.name} step {step}: {len(rows)} of its {len(found.rows)} "
+                          description=f"train-rl {cfg.run.name} step {step}: {len(rows)} of its {len(every)} "
                                       f"samples, the failed first, then the worst and the best (every one: `rollout "
                                       f"runs samples {cfg.run.name} --step {step}`)")
 

@@ -60,14 +60,21 @@ def read_samples(store: ObjectStore, run_name: str, step: int | None = None, *, 
     if step not in steps:
         raise StoreError(f"run {run_name!r} in {store.root} has no samples of step {step}: its steps with samples "
                          f"are {_ranges(steps)}; pick one with --step")
+    return StepSamples(run_name, step, steps, step_rows(store, run_name, step, tokens=tokens))
+
+
+def step_rows(store: ObjectStore, run_name: str, step: int, *, tokens: bool = False) -> list[dict]:
+    """Step ``step``'s rows, for a caller that knows the step has a record (the flow and the trackers, each step):
+    the record read directly, not the run's steps listed (a listing a step would grow with the run)."""
     record = read_step_tables(store, run_name, step)
+    if record is None:
+        raise StoreError(f"run {run_name!r} in {store.root} has no samples of step {step}")
     try:
-        rows = _rows(store, record, tokens)
+        return _rows(store, record, tokens)
     except ObjectNotFoundError as exc:
         raise StoreError(f"the tables of step {step} of run {run_name!r} are gone from {store.root} ({exc}; "
                          "`rollout gc` deletes them once the run is older than its grace period): rerun the run's "
                          "command to sample them again") from None
-    return StepSamples(run_name, step, steps, rows)
 
 
 def read_eval_samples(store: ObjectStore, run_name: str, step: int | None = None, *,

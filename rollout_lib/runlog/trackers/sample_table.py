@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from rollout_lib.runlog.samples import read_samples, shown_first
+from rollout_lib.runlog.samples import shown_first, step_rows
 from rollout_lib.runlog.step_tables import read_step_tables
 from rollout_lib.store import ObjectStore
 
@@ -24,7 +24,7 @@ def step_sample_table(store: ObjectStore, run_name: str, step: int, limit: int) 
     """(columns, rows) of `step`'s samples for a tracker, or None for a step without stored samples (RM, SFT)."""
     if limit <= 0 or read_step_tables(store, run_name, step) is None:
         return None
-    rows = shown_first(read_samples(store, run_name, step).rows, limit)
+    rows = shown_first(step_rows(store, run_name, step), limit)
     return COLUMNS, [[_cell(_prompt(row["prompt"]) if name == "prompt" else row[name]) for name in COLUMNS]
                      for row in rows]
 
