@@ -1,5 +1,6 @@
 """One vLLM replica started the way rollout starts it, with the model in the engine-core process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, rollout's default) and with vLLM's default third "Worker" process: seconds until
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, rollout's default), that engine core forked from the API server (rollout's
+vllm_server_main.py) or spawned (vLLM's CPU choice), and with vLLM's default third "Worker" process: seconds until
 it answers, sampling tokens/s (64 requests x 24 tokens, 16 in flight, seeded), an in-place weight reload, and
 whether 6 seeded requests sent one at a time return the same texts both ways (docs/serving.md, "One process per
 replica"). Run it on a quiet machine:
@@ -25,8 +26,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ROLLOUT_STATE_DIR", tempfile.mkdtemp(prefix="bench-engine-"))
 
-MODES = {"one process (rollout)": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-         "engine core + Worker (vLLM's default)": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}}
+MODES = {"one process, forked (rollout)": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+         "one process, spawned (vLLM's CPU choice)": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                      "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+         "engine core + Worker (vLLM's default)": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                                                   "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}}
 
 
 def post(url: str, body: dict) -> dict:

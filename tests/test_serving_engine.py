@@ -197,7 +197,13 @@ def test_a_checkpoint_in_a_store_is_served_reused_and_stopped_leaving_nothing(tm
     assert "served model name 'ckpt-test' is already running" in one_line_error(other)
 
     processes = group_processes(deployment.pids)
-    assert len(processes) >= 3, processes  # the API server, its EngineCore and the Worker at least
+    server = psutil.Process(deployment.pids[0])
+    engine_cores = [p for p in processes if p.ppid() == server.pid and p.cmdline()[0] == "VLLM::EngineCore"]
+    # The API server and its EngineCore, forked from it (vllm_server_main.py), not a fresh interpreter spawned to
+    # import torch and vLLM again: spawning starts interpreters with `-c from multiprocessing...` (the EngineCore,
+    # renamed once it runs, and multiprocessing's resource tracker, which keeps that command line).
+    assert len(engine_cores) == 1, [(p.pid, p.ppid(), p.cmdline()) for p in processes]
+    assert not [p.cmdline() for p in processes if "multiprocessing" in " ".join(p.cmdline())]
     stopped = run_rollout("serve", "stop", "ckpt-test", timeout=120)
     assert stopped.returncode == 0 and "stopped 'ckpt-test'" in stopped.stdout, stopped.stderr
     assert not all_gone(processes)

@@ -2,6 +2,7 @@
 here).
 
     engine.py         start / find / stop vLLM servers for any model reference (records under the state dir)
+    vllm_server_main.py  runs inside vLLM: its OpenAI server, the engine core forked rather than spawned on CPUs
     client.py         one async HTTP client for one replica (generate with logprobs, prefill scoring, chat, tokenize)
     pool.py           several replicas of one served model: least outstanding requests, timeouts, failover,
                       ejection, and restart of the dead replicas rollout serves
