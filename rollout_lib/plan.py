@@ -78,7 +78,7 @@ def _check_shared_tokenizers(config: RlConfig) -> None:
     if not shared:
         return
     base_model = config.settings.base_model
-    policy = load_tokenizer(locate_model(base_model))
+    policy = use_chat_template(load_tokenizer(locate_model(base_model)), config.settings.chat_template)  # as run
     problems = []
     for where, frozen in shared:
         mismatch = local_tokenizer_mismatch(load_tokenizer(locate_model(_in_run_store(config, frozen.model))), policy)

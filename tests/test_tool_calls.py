@@ -204,6 +204,35 @@ def test_env_replies_admit_tool_call_ids_and_names_on_tool_messages_only():
         EnvReply(messages=[{"role": "user", "content": "1"}], tool_errors=1)
 
 
+def test_the_sample_stage_frames_prompts_with_the_tools_records_tool_messages_and_counts_calls(tokenizer):
+    from rollout_lib.envs.tools.calculate import calculate_answer
+    from rollout_lib.reward.tables import reward_inputs
+    from rollout_lib.rl.prompts import load_prompts
+    from rollout_lib.rl.sample import sample_rollouts
+    from rollout_lib.sampling.base import Sampler
+
+    policy = scripted_policy(tokenizer, [call("calculate", {"expression": "56 * 77"}), "It is 4312."])
+
+    class Scripted(Sampler):  # the stage's own Sampler.sample (framing, episodes, rows) around a scripted generate
+        def generate(self, sequences, params, seed):
+            return policy(sequences, params, seed)
+
+    config = load_config(RlConfig, CONFIG)
+    env = config.settings.envs[0]
+    prompts = load_prompts(env)
+    rollouts, metrics = sample_rollouts(config, {env.name: Scripted(None, None, tokenizer)}, {env.name: prompts}, 1)
+    assert (metrics["tool_calls_mean"], metrics["tool_call_error_fraction"], metrics["turns_mean"]) == (1.0, 0.0, 2.0)
+    rows = rollouts.to_pylist()
+    assert len(rows) == env.prompts_per_step * env.sampling.group_size
+    for row in rows:
+        assert "<tools>" in tokenizer.decode(row["prompt_ids"]) and '"name": "calculate"' in tokenizer.decode(
+            row["prompt_ids"])
+        assert [(t["role"], t["content"]) for t in row["completion_turns"] if not t["sampled"]] == [("tool", "4312")]
+    chosen = {row["example_id"]: row["answer"] for row in prompts.to_pylist()}
+    scores = [calculate_answer(inp) for inp in reward_inputs(rollouts)]
+    assert scores == [float(chosen[row["example_id"]] == "4312") for row in rows]
+
+
 # --- the template requirement, settings and identity ------------------------------------------------------------
 
 
