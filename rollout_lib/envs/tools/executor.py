@@ -29,6 +29,8 @@ def run_call(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> CallRes
         inspect.signature(tool.function).bind(**arguments)
     except TypeError as exc:
         return CallResult(f"error: {tool.name}: bad arguments ({exc})", True)
+    except ValueError:  # no signature to check against (some builtins): the call itself says
+        pass
     outcome: dict[str, Any] = {}
 
     def call() -> None:
