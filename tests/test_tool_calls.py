@@ -322,3 +322,40 @@ def test_a_tool_module_outside_the_project_is_in_the_sample_stage_key(tmp_path, 
 def _with_tools(raw: dict, tools: list) -> dict:
     raw["algorithm"]["rl"]["envs"][0]["tools"] = tools
     return raw
+
+
+# --- end to end ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_rollout_train_rl_runs_a_tools_env_and_records_its_episodes_and_tool_metrics(prefect_server, tmp_path):
+    """The shipped config through the CLI. The random tiny policy writes no call (a warm start that does was not
+    affordable here: fitting it to a ~80-token call took minutes), so the run shows the framing, the episode records
+    and the metrics; test_the_sample_stage_... shows calls answered inside the same stage."""
+    from clirun import final_result, run_rollout
+    from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.runlog.step_tables import read_step_tables
+    from rollout_lib.store import ObjectStore
+
+    store = ObjectStore(str(tmp_path / "store"))
+    run = run_rollout("train", "rl", "--config", "configs/rl-calculator-tools.toml", "--max-steps", "2",
+                      "--store", store.root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(final_result(run)["reward_curve"]) == 2
+    steps = read_metrics(store, "rl-calculator-tools")
+    assert [step["step"] for step in steps] == [1, 2]
+    for step in steps:
+        assert step["tool_calls_mean"] >= 0 and 0 <= step["tool_call_error_fraction"] <= 1, step
+    tokenizer = use_chat_template(load_tokenizer(resolve_model("tiny:qwen2")), str(TEMPLATE))
+    for step in (1, 2):
+        scored = read_step_tables(store, "rl-calculator-tools", step)["scored"]
+        rows = store.get_table(scored, wire.ROLLOUTS).to_pylist()
+        assert len(rows) == 8
+        for row in rows:
+            record = json.loads(row["episode"])
+            assert record["tool_calls"] == record["state"]["tool_calls"] and record["end"] in ("env", "truncated",
+                                                                                             "max_turns", "context")
+            assert '<tools>\n{"type": "function", "function": {"name": "calculate"' in tokenizer.decode(
+                row["prompt_ids"])
+            tool_turns = [turn for turn in row["completion_turns"] if turn["role"] == "tool"]
+            assert len(tool_turns) <= record["tool_calls"]  # each tool message written answers a counted call
