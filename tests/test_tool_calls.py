@@ -319,6 +319,18 @@ def test_a_tool_module_outside_the_project_is_in_the_sample_stage_key(tmp_path, 
     assert interaction_sources(config) != before
 
 
+def test_a_tool_without_a_schema_fails_when_the_episodes_start_naming_its_setting(tmp_path, monkeypatch):
+    from rollout_lib.rl.sample import env_interaction
+
+    (tmp_path / "bare_tools.py").write_text("def g(x):\n    return x\n")  # no type hints, no docstring
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = validate_config(RlConfig, _with_tools(read_toml(CONFIG), [CALCULATE, "bare_tools:g"]))  # found: valid
+    with pytest.raises(ConfigError) as failed:
+        env_interaction(config, 0)
+    assert str(failed.value).startswith("algorithm.rl.envs[0].tools[1]: tool function 'bare_tools:g': no schema "
+                                        "from its signature and docstring")
+
+
 def _with_tools(raw: dict, tools: list) -> dict:
     raw["algorithm"]["rl"]["envs"][0]["tools"] = tools
     return raw
