@@ -11,6 +11,7 @@ from rollout_lib.config.rlhf import STAGES, RlhfConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 from rollout_lib.data import read_examples, read_pairs
+from rollout_lib.model.chat import tool_template_problem, use_chat_template
 from rollout_lib.model.loading import load_tokenizer, locate_model, offline_problem
 from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import hardware_settings, resolve_hardware
@@ -35,6 +36,7 @@ def describe_plan(config) -> dict:
     _check_models_offline(config)
     if isinstance(config, RlConfig):
         _check_shared_tokenizers(config)
+        _check_tool_template(config)
     return {**plan, "hardware": _hardware(config)}
 
 
@@ -76,7 +78,7 @@ def _check_shared_tokenizers(config: RlConfig) -> None:
     if not shared:
         return
     base_model = config.settings.base_model
-    policy = load_tokenizer(locate_model(base_model))
+    policy = use_chat_template(load_tokenizer(locate_model(base_model)), config.settings.chat_template)  # as run
     problems = []
     for where, frozen in shared:
         mismatch = local_tokenizer_mismatch(load_tokenizer(locate_model(_in_run_store(config, frozen.model))), policy)
@@ -85,6 +87,30 @@ def _check_shared_tokenizers(config: RlConfig) -> None:
                                     f"{base_model.uri!r}): {mismatch}"))
     if problems:
         raise ConfigError(problems)
+
+
+TOOLS_TEMPLATE_EXAMPLE = "configs/templates/chatml-tools.jinja"
+
+
+def _check_tool_template(config: RlConfig) -> None:
+    """An env with tools needs a chat template that renders them, its calls and their results, token-exactly
+    (model/chat.py tool_template_problem): the policy's own or `algorithm.rl.chat_template`. Checked on the
+    tokenizer alone, before anything runs."""
+    with_tools = [index for index, env in enumerate(config.settings.envs) if env.tools]
+    if not with_tools:
+        return
+    override = config.settings.chat_template
+    problem = tool_template_problem(use_chat_template(load_tokenizer(locate_model(config.settings.base_model)),
+                                                      override))
+    if problem is None:
+        return
+    if override is None:
+        message = (f"the policy's chat template does not render tools or tool calls ({problem}); give one that does "
+                   f"in algorithm.rl.chat_template (e.g. {TOOLS_TEMPLATE_EXAMPLE})")
+    else:
+        message = (f"algorithm.rl.chat_template ({override}) does not render tools or tool calls token-exactly "
+                   f"({problem}); e.g. {TOOLS_TEMPLATE_EXAMPLE} does")
+    raise ConfigError([(env_locator(index, "tools"), message) for index in with_tools])
 
 
 def _in_run_store(config, ref: ModelRef) -> ModelRef:

@@ -1,7 +1,8 @@
 """`rollout train rl` settings: the policy, the trainer, and one or more environments, each with its own
 prompt source, reward functions, sampling settings and algorithm (per env, as in prime-rl's seed 002).
 
-    [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval, zero_advantage_filter
+    [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval, zero_advantage_filter,
+                              chat_template (a .jinja file framing the policy's conversations instead of its own)
     [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .reward_loop / .hardware
     [algorithm.rl.collapse]   action = "warn" | "fail" | "off", patience, zero_advantage_fraction, min_entropy: the
                               collapse guard (rl/collapse.py), outside the training identity
@@ -14,7 +15,10 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
       sampler  = { source = "policy" } (default) | { source = <frozen model> }: where rollouts come from, the live
                  policy or a frozen model ({ model = "<ref>" } or { base_url = [...], name = "..." }, serving/settings.py)
       sampling = { group_size, temperature, top_p, max_tokens }
-      interaction = { type = "calculator" | "guess_number" | "custom", max_turns, ... }: multi-turn episodes
+      interaction = { type = "calculator" | "guess_number" | "tools" | "custom", max_turns, ... }: multi-turn
+                 episodes
+      tools    = ["pkg.module:function", { type = "function", function = {...}, import_path = "..." }]: OpenAI-format
+                 tool calls, with interaction = { type = "tools" } (envs/tool_calls.py)
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo); for sft,
                  `teacher = <frozen model>` is its sampling source
       curriculum = { type = "difficulty_pools", easy_threshold, hard_threshold, easy_weight, hard_weight }:
@@ -29,13 +33,14 @@ import json
 import warnings
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
 from rollout_lib.algo.base import trains_env_tokens
 from rollout_lib.data.sources import is_table_source, source_identity
 from rollout_lib.digests import file_digest
 from rollout_lib.envs import interaction_settings_types
+from rollout_lib.envs.tools import ToolSettings
 from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, FrozenModel, PolicyOrFrozen
 from rollout_lib.adapters import AdapterSettings
 from rollout_lib.config.common import (
@@ -44,6 +49,7 @@ from rollout_lib.config.common import (
     HardwareSettings,
     JsonlDataset,
     TableDataset,
+    existing_path,
     ModelRef,
     OptimizerSettings,
     StrictModel,
@@ -145,6 +151,9 @@ class EnvSettings(StrictModel):
     sampling: SamplingParams = SamplingParams()  # with an interaction, max_tokens is per model turn
     # Multi-turn: the environment answers each model turn (rollout_lib/envs); None: one model turn per rollout.
     interaction: InteractionChoice | None = None
+    # OpenAI-format tools the model may call (envs/tools): shown by the chat template, run by the "tools" interaction.
+    # Empty: absent from the settings' dump, so identities from before the setting stay.
+    tools: list[ToolSettings] = Field(default_factory=list, exclude_if=lambda value: not value)
     algo: AlgoChoice = Field(default_factory=lambda: ALGORITHMS["grpo"].settings_class())
     eval: EnvEvalSettings | None = None  # held-out evaluation every N steps (not part of the training identity)
     # Which prompts a step draws: weighted by each example's difficulty pool (docs/environments.md, "Curriculum").
@@ -170,6 +179,20 @@ class EnvSettings(StrictModel):
             raise ValueError(f"algo.teacher and sampler.source name different models: {algo['type']} samples from "
                              "its teacher, so give the model once")
         return {**value, "algo": algo, "sampler": {**sampler, "source": teacher}}
+
+    @model_validator(mode="after")
+    def _tools_with_the_tools_interaction(self) -> "EnvSettings":
+        calls_tools = self.interaction is not None and self.interaction.type == "tools"
+        if self.tools and not calls_tools:
+            raise ValueError('tools are called through interaction = { type = "tools" }; this env has '
+                             + (f"interaction type {self.interaction.type!r}" if self.interaction else "none"))
+        if calls_tools and not self.tools:
+            raise ValueError('interaction type "tools" needs tools = ["pkg.module:function", ...]')
+        names = [tool.name for tool in self.tools]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"tools: two tools named {repeated[0]!r}")
+        return self
 
     @model_validator(mode="after")
     def _trains_on_sampled_tokens(self) -> "EnvSettings":
@@ -275,7 +298,16 @@ class RlSettings(StrictModel):
     adapter: AdapterSettings | None = Field(None, exclude_if=lambda value: value is None)
     # What the run says (or does) when its steps stop carrying a learning signal; never part of the identity.
     collapse: CollapseSettings = CollapseSettings()
+    # A chat template (.jinja) that frames the policy's prompts and env replies instead of its tokenizer's own (a
+    # template that renders tools, for an env with `tools`; configs/templates/chatml-tools.jinja). Its content is in
+    # the training identity; None: absent from the settings' dump, so identities from before the setting stay.
+    chat_template: str | None = Field(None, exclude_if=lambda value: value is None)
     envs: list[EnvSettings] = Field(min_length=1)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_from_the_config(cls, path: str | None, info: ValidationInfo) -> str | None:
+        return None if path is None else existing_path(path, info, what="chat template")
 
     @model_validator(mode="before")
     @classmethod
@@ -411,6 +443,8 @@ class RlConfig(EntryPointConfig):
             settings.pop("max_off_policy_steps")
         if self.settings.loss.type == "custom":  # the function's source decides the weights as much as its name
             settings["loss"]["source"] = module_source_digest(self.settings.loss.user_modules()[0])
+        if self.settings.chat_template is not None:  # the template's content, not where this checkout keeps it
+            settings["chat_template"] = file_digest(self.settings.chat_template)
         for dumped in settings["envs"]:
             dumped.pop("eval")  # evaluation watches the policy, it never changes it
         for index, (env, dumped) in enumerate(zip(self.settings.envs, settings["envs"])):

@@ -4,6 +4,7 @@ it, so the config's `interaction` union is built from the registry."""
 
 import importlib
 import pkgutil
+from collections.abc import Sequence
 
 from rollout_lib.envs.base import INTERACTIONS, EnvReply, Interaction, InteractionSettings
 
@@ -17,8 +18,12 @@ def interaction_settings_types() -> tuple[type[InteractionSettings], ...]:
     return tuple(INTERACTIONS[name].settings_class for name in sorted(INTERACTIONS))
 
 
-def build_interaction(settings: InteractionSettings) -> Interaction:
-    return INTERACTIONS[settings.type](settings)
+def build_interaction(settings: InteractionSettings, tools: Sequence = ()) -> Interaction:
+    """The interaction of an env, given the env's `tools` settings (envs.tools.ToolSettings; imported here, where
+    the episodes run, never at plan time)."""
+    from rollout_lib.envs.tools import build_toolbox
+
+    return INTERACTIONS[settings.type](settings, build_toolbox(tools) if tools else None)
 
 
 __all__ = ["INTERACTIONS", "EnvReply", "Interaction", "InteractionSettings", "build_interaction",

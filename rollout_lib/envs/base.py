@@ -44,11 +44,19 @@ class InteractionSettings(BaseModel):
 
 @dataclass(frozen=True)
 class EnvReply:
-    """What the environment writes after a model turn: messages ({role, content}) for the model to read before its
-    next turn, or `done` to end the episode (then `messages` must be empty)."""
+    """What the environment writes after a model turn: messages for the model to read before its next turn, or
+    `done` to end the episode (then `messages` must be empty).
+
+    A message is {role, content}; a tool result also names its call: {"role": "tool", "tool_call_id", "name",
+    "content"}. `assistant`: the model's last turn re-read with the calls it made, {"role": "assistant", "content",
+    "tool_calls": [{id, type: "function", function: {name, arguments: {...}}}]}, so the chat template renders that
+    turn as a tool-calling one (its tokens stay as sampled: only what follows them is rendered). `tool_errors`: how
+    many of the tool messages report a call that failed (counted in the step's metrics)."""
 
     messages: list[dict[str, str]] = field(default_factory=list)
     done: bool = False
+    assistant: dict[str, Any] | None = None
+    tool_errors: int = 0
 
     def __post_init__(self) -> None:
         if self.done and self.messages:
@@ -56,8 +64,39 @@ class EnvReply:
         if not self.done and not self.messages:
             raise ValueError("an EnvReply that continues the episode writes at least one message")
         for message in self.messages:
-            if set(message) != {"role", "content"} or not all(isinstance(v, str) for v in message.values()):
-                raise ValueError(f"an env message is {{'role': str, 'content': str}}, got {message!r}")
+            _check_message(message)
+        if self.assistant is not None:
+            _check_assistant(self.assistant)
+        if not 0 <= self.tool_errors <= sum(message["role"] == "tool" for message in self.messages):
+            raise ValueError(f"tool_errors ({self.tool_errors}) counts some of the reply's tool messages")
+
+
+_TOOL_KEYS = {"tool_call_id", "name"}
+
+
+def _check_message(message: Any) -> None:
+    allowed = {"role", "content"} | (_TOOL_KEYS if isinstance(message, dict) and message.get("role") == "tool"
+                                     else set())
+    if (not isinstance(message, dict) or not {"role", "content"} <= set(message) <= allowed
+            or not all(isinstance(v, str) for v in message.values())):
+        raise ValueError(f"an env message is {{'role': str, 'content': str}} (a tool message may add "
+                         f"'tool_call_id' and 'name'), got {message!r}")
+
+
+def _check_assistant(message: Any) -> None:
+    shape = ("{'role': 'assistant', 'content': str, 'tool_calls': [{'id': str, 'type': 'function', 'function': "
+             "{'name': str, 'arguments': dict}}]}")
+    if (not isinstance(message, dict) or set(message) != {"role", "content", "tool_calls"}
+            or message["role"] != "assistant" or not isinstance(message["content"], str)
+            or not isinstance(message["tool_calls"], list)):
+        raise ValueError(f"EnvReply.assistant is {shape}, got {message!r}")
+    for call in message["tool_calls"]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(call, dict) or set(call) != {"id", "type", "function"} or not isinstance(call["id"], str)
+                or call["type"] != "function"
+                or not isinstance(function, dict) or set(function) != {"name", "arguments"}
+                or not isinstance(function["name"], str) or not isinstance(function["arguments"], dict)):
+            raise ValueError(f"EnvReply.assistant is {shape}, got the call {call!r}")
 
 
 class Interaction:
@@ -66,11 +105,17 @@ class Interaction:
     type_name: ClassVar[str]
     settings_class: ClassVar[type[InteractionSettings]]
 
-    def __init__(self, settings: InteractionSettings):
+    def __init__(self, settings: InteractionSettings, tools: Any = None):
         if not isinstance(settings, self.settings_class):
             raise TypeError(f"{type(self).__name__} takes {self.settings_class.__name__}, "
                             f"got {type(settings).__name__}")
         self.settings = settings
+        self.tools = tools  # the env's tools (envs.tools.Toolbox), or None
+
+    @property
+    def tool_schemas(self) -> list[dict] | None:
+        """The env's tools as the chat template takes them (`apply_chat_template(tools=...)`); None without tools."""
+        return self.tools.schemas if self.tools is not None else None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

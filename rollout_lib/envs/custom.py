@@ -35,8 +35,8 @@ class CustomInteraction(Interaction):
     type_name = "custom"
     settings_class = CustomInteractionSettings
 
-    def __init__(self, settings: CustomInteractionSettings):
-        super().__init__(settings)
+    def __init__(self, settings: CustomInteractionSettings, tools=None):
+        super().__init__(settings, tools)
         cls = import_reference(settings.import_path, what=WHAT)
         self.user = cls(**settings.kwargs)
         if not callable(getattr(self.user, "respond", None)):

@@ -40,6 +40,9 @@ class Episode:
     turns: list[dict[str, Any]] = field(default_factory=list)  # wire.TURN records
     model_turns: int = 0
     end: str | None = None  # why it ended: env | max_turns | truncated | context
+    # With tools: calls the model made and how many failed (episode record; the step's tool metrics). None without.
+    tool_calls: int | None = None
+    tool_errors: int | None = None
 
     @property
     def sequence(self) -> list[int]:
@@ -55,8 +58,11 @@ class Episode:
 
     def record(self) -> str:
         """The `episode` column: the interaction's final state, how many model turns, and why it ended."""
+        record = {"state": self.state, "turns": self.model_turns, "end": self.end}
+        if self.tool_calls is not None:  # absent without tools: records from before tools stay as they were
+            record.update(tool_calls=self.tool_calls, tool_errors=self.tool_errors)
         try:
-            return json.dumps({"state": self.state, "turns": self.model_turns, "end": self.end}, sort_keys=True)
+            return json.dumps(record, sort_keys=True)
         except TypeError as exc:
             raise TypeError(f"an interaction's state must be JSON-serialisable: {exc}") from exc
 
@@ -76,7 +82,10 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
             if not isinstance(state, dict):
                 raise EpisodeError(f"{interaction.name}.start returned {type(state).__name__} for "
                                    f"{_example(row)}, not a dict")
-            episodes.append(Episode(row, list(ids), state, [dict(m) for m in row["messages"]]))
+            episode = Episode(row, list(ids), state, [dict(m) for m in row["messages"]])
+            if interaction.tool_schemas is not None:
+                episode.tool_calls = episode.tool_errors = 0
+            episodes.append(episode)
     stops = set(stop_ids)
     told: set[int] = set()
 
@@ -98,7 +107,7 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
             break
         outputs = generate([episode.sequence for episode in running], params, derived_seed("episode-turn", seed, turn))
         for episode, (ids, logprobs) in zip(running, outputs):
-            text = tokenizer.decode(ids, skip_special_tokens=True)
+            text = turn_text(tokenizer, ids, stops, keep_markup=interaction.tool_schemas is not None)
             episode.add(list(ids), list(logprobs), "assistant", text, (0, len(ids)), sampled=True)
             episode.model_turns += 1
             episode.messages.append({"role": "assistant", "content": text})
@@ -108,6 +117,14 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
                 _env_turn(episode, interaction, tokenizer, ids[-1])
     tell(every=True)
     return episodes
+
+
+def turn_text(tokenizer, ids: list[int], stops: set[int], keep_markup: bool) -> str:
+    """A model turn's text. With tools, special tokens other than the final stop are kept: a tokenizer may make
+    its tool-call markup special (`<tool_call>`), and the parser must see it."""
+    if not keep_markup:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids[:-1] if ids and ids[-1] in stops else ids, skip_special_tokens=False)
 
 
 def _example(row: dict) -> str:
@@ -133,14 +150,20 @@ def _env_turn(episode: Episode, interaction: Interaction, tokenizer, stop_token:
     if not isinstance(reply, EnvReply):
         raise EpisodeError(f"{interaction.name}.respond returned {type(reply).__name__} for "
                            f"{_example(episode.prompt)}, not an EnvReply")
+    if episode.tool_calls is not None:
+        episode.tool_calls += sum(message["role"] == "tool" for message in reply.messages)
+        episode.tool_errors += reply.tool_errors
     if reply.done:
         episode.end = "env"
         return
     if episode.model_turns >= interaction.settings.max_turns:
         episode.end = "max_turns"
         return
+    if reply.assistant is not None:  # the model's turn re-read with its tool calls: rendered so, its tokens kept
+        episode.messages[-1] = {**reply.assistant, "tool_calls": [dict(call) for call in reply.assistant["tool_calls"]]}
     try:
-        ids, rendered = render_env_reply(tokenizer, episode.messages, stop_token, reply.messages)
+        ids, rendered = render_env_reply(tokenizer, episode.messages, stop_token, reply.messages,
+                                         interaction.tool_schemas)
     except TemplateMismatchError as exc:
         raise EpisodeError(f"{_example(episode.prompt)}: {exc}") from exc
     for message in rendered:

@@ -32,13 +32,14 @@ class TemplateMismatchError(ValueError):
     """The chat template does not render the conversation so that an env reply can be appended token-exactly."""
 
 
-def render_env_reply(tokenizer, conversation: list[dict], stop_token_id: int | None,
-                     env_messages: list[dict]) -> tuple[list[int], list[RenderedMessage]]:
+def render_env_reply(tokenizer, conversation: list[dict], stop_token_id: int | None, env_messages: list[dict],
+                     tools: list[dict] | None = None) -> tuple[list[int], list[RenderedMessage]]:
     """Token ids of `env_messages` appended after `conversation` (whose last message is the model's turn, ended by
     `stop_token_id`; None when it has no stop token), through the next generation prompt, and where each message
-    lies in them."""
+    lies in them. `tools`: the env's tool schemas, rendered as the prompt was (the template may frame tool calls and
+    results differently with them)."""
     if getattr(tokenizer, "chat_template", None):
-        text = _templated_reply_text(tokenizer, conversation, stop_token_id, env_messages)
+        text = _templated_reply_text(tokenizer, conversation, stop_token_id, env_messages, tools)
     else:
         text = "".join(message["content"] + "\n" for message in env_messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -48,9 +49,10 @@ def render_env_reply(tokenizer, conversation: list[dict], stop_token_id: int | N
 
 
 def _templated_reply_text(tokenizer, conversation: list[dict], stop_token_id: int | None,
-                          env_messages: list[dict]) -> str:
-    before = tokenizer.apply_chat_template(conversation, tokenize=False)
-    after = tokenizer.apply_chat_template([*conversation, *env_messages], tokenize=False, add_generation_prompt=True)
+                          env_messages: list[dict], tools: list[dict] | None) -> str:
+    before = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False)
+    after = tokenizer.apply_chat_template([*conversation, *env_messages], tools=tools, tokenize=False,
+                                          add_generation_prompt=True)
     if not after.startswith(before):
         raise TemplateMismatchError(
             "the chat template renders the conversation differently once the environment's reply is appended (it "

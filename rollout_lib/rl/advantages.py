@@ -15,6 +15,7 @@ from rollout_lib.algo.stamping import (
 )
 from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.rl.behaviour import mark_training_forward, recompute_behaviour_logprobs
+from rollout_lib.model.chat import use_chat_template
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 
 
@@ -22,7 +23,8 @@ def algorithm_resources(config: RlConfig, served_models=None, prompts=None, poli
     """The run's resources for its envs' algorithms; the policy tokenizer is loaded only when one requires it.
     `prompts`: env -> PROMPTS table; `policy`: a PolicyReference (both only read by algorithms that need them)."""
     required = set().union(*(ALGORITHMS[env.algo.type].requires for env in config.settings.envs))
-    tokenizer = load_tokenizer(resolve_model(config.settings.base_model)) if "tokenizer" in required else None
+    tokenizer = (use_chat_template(load_tokenizer(resolve_model(config.settings.base_model)),
+                                   config.settings.chat_template) if "tokenizer" in required else None)
     return AlgorithmResources(tokenizer=tokenizer, served_models=served_models, prompts=prompts, policy=policy)
 
 

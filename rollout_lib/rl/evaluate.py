@@ -16,8 +16,8 @@ import pyarrow as pa
 
 from rollout_lib.config.rl import EnvSettings, RlConfig
 from rollout_lib.data import load_env_prompts
-from rollout_lib.envs import build_interaction
 from rollout_lib.reward.loops import RewardLoops
+from rollout_lib.rl.sample import env_interaction
 from rollout_lib.rl.score import env_reward_loop, function_means
 from rollout_lib.reward.tables import reward_inputs
 from rollout_lib.determinism import derived_seed
@@ -41,7 +41,7 @@ def evaluate_env(config: RlConfig, env: EnvSettings, prompts: pa.Table, sampler,
     """Sample every held-out prompt with `sampler` (the policy's, at the state being evaluated) and score it."""
     index = [e.name for e in config.settings.envs].index(env.name)
     target = eval_env(env)
-    interaction = build_interaction(env.interaction) if env.interaction is not None else None
+    interaction = env_interaction(config, index)
     # The same seed at every step (common random numbers): the curve moves with the policy, not with the draws.
     rollouts = sampler.sample(prompts, target.sampling, derived_seed(config.run.seed, "eval", index),
                               interaction=interaction, context_limit=config.settings.max_seq_len)

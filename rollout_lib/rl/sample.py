@@ -15,6 +15,8 @@ import pyarrow.compute as pc
 from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.episodes import EpisodeError
+from rollout_lib.envs.tools import ToolSetupError
+from rollout_lib.errors import ConfigError
 from rollout_lib.rl.prompts import select_prompts
 from rollout_lib.sampling import SAMPLERS, SamplingContext
 from rollout_lib.sampling.base import OnRollout
@@ -53,6 +55,18 @@ def policy_sampler(config: RlConfig, model, tokenizer, served_models, policy_sta
     return SAMPLERS[settings.type](settings, model, tokenizer, context)
 
 
+def env_interaction(config: RlConfig, env_index: int):
+    """Env `env_index`'s interaction (None: single-turn), its tools imported; a tool that cannot be used fails here,
+    naming its setting."""
+    env = config.settings.envs[env_index]
+    if env.interaction is None:
+        return None
+    try:
+        return build_interaction(env.interaction, env.tools)
+    except ToolSetupError as exc:
+        raise ConfigError([(env_locator(env_index, f"tools[{exc.index}]"), str(exc))]) from exc
+
+
 def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table],
                     step: int, curriculum_state: dict | None = None,
                     stream_to: Callable[[str, pa.Table], OnRollout] | None = None) -> tuple[pa.Table, dict]:
@@ -76,7 +90,7 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
             pools = [difficulty.get(example_id) for example_id in chosen.column("example_id").to_pylist()]
             curriculum_metrics[f"curriculum/{env.name}/drawn_easy"] = pools.count("easy")
             curriculum_metrics[f"curriculum/{env.name}/drawn_hard"] = pools.count("hard")
-        interaction = build_interaction(env.interaction) if env.interaction is not None else None
+        interaction = env_interaction(config, env_index)
         streaming = {} if stream_to is None else {"on_rollout": stream_to(env.name, chosen)}
         try:
             parts.append(samplers[env.name].sample(chosen, env.sampling,
@@ -106,7 +120,19 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
                          for turn in turns or () if not turn["sampled"])
         metrics["turns_mean"] = float(np.mean([episode["turns"] for episode in multi_turn]))
         metrics["env_token_fraction"] = env_tokens / max(sum(lengths), 1)
+        metrics.update(tool_call_metrics(multi_turn))
     return rollouts, {**metrics, **curriculum_metrics}
+
+
+def tool_call_metrics(episodes: list[dict]) -> dict:
+    """Over the episodes of envs with tools (their records count calls): tool calls per episode, and the share of
+    calls that failed (malformed, unknown tool, bad arguments, raised, timed out). Empty without such episodes."""
+    with_tools = [episode for episode in episodes if "tool_calls" in episode]
+    if not with_tools:
+        return {}
+    calls = sum(episode["tool_calls"] for episode in with_tools)
+    return {"tool_calls_mean": calls / len(with_tools),
+            "tool_call_error_fraction": sum(episode["tool_errors"] for episode in with_tools) / calls if calls else 0.0}
 
 
 def sampled_entropy(rollouts: pa.Table, policy_envs: set[str]) -> float | None:

@@ -109,7 +109,8 @@ class Sampler(ABC):
         """ROLLOUTS rows (reward and reward_error null) for every PROMPTS row, `params.group_size` each; with an
         interaction (envs.base.Interaction), each row is a whole episode of at most `context_limit` tokens.
         `on_rollout(index, row)`: told of each row as soon as it is final (RolloutRows), in any order."""
-        prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
+        tools = interaction.tool_schemas if interaction is not None else None  # an env's tools frame its prompts
+        prompt_ids = [encode_prompt(self.tokenizer, messages, tools) for messages in prompt_messages(prompts)]
         sampled_from = self.context.policy_state
         if interaction is not None:
             return sample_episodes(self.generate, self.tokenizer, interaction, prompts, prompt_ids, params, seed,

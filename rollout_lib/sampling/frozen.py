@@ -45,7 +45,8 @@ class FrozenSampler:
     def sample(self, prompts: pa.Table, params: SamplingParams, seed: int, interaction=None,
                context_limit: int | None = None, on_rollout: OnRollout | None = None) -> pa.Table:
         """As every sampler's (base.Sampler.sample): `on_rollout` is told of each row as its request returns."""
-        prompt_ids = [encode_prompt(self.tokenizer, messages) for messages in prompt_messages(prompts)]
+        tools = interaction.tool_schemas if interaction is not None else None  # an env's tools frame its prompts
+        prompt_ids = [encode_prompt(self.tokenizer, messages, tools) for messages in prompt_messages(prompts)]
         if interaction is not None:
             return sample_episodes(self.generate, self.tokenizer, interaction, prompts, prompt_ids, params, seed,
                                    stop_token_ids(self.tokenizer), context_limit, self.sampled_from,

@@ -33,6 +33,7 @@ import torch
 
 from rollout_lib import wire
 from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens, loss_tokens
+from rollout_lib.model.chat import use_chat_template
 from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
 from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
@@ -210,7 +211,8 @@ class CausalLmTrainer(CheckpointedTrainer):
         hardware = hardware_of_config(inputs.config)
         hardware.use_deterministic_kernels(inputs.config.run.torch_threads)
         resolved = resolve_model(inputs.settings.base_model)
-        tokenizer = load_tokenizer(resolved)
+        # The policy's chat template override (RL's `chat_template`): its prompts, env replies and checkpoints use it.
+        tokenizer = use_chat_template(load_tokenizer(resolved), getattr(inputs.settings, "chat_template", None))
         torch.manual_seed(inputs.config.run.seed)
         model = load_causal_lm(resolved)
         model.config.pad_token_id = tokenizer.pad_token_id
