@@ -32,6 +32,7 @@ from rollout_lib.config import RlConfig
 from rollout_lib.rl.collapse import CollapseGuard
 from rollout_lib.rl.curriculum import initial_state
 from rollout_lib.rl.schedule import OffPolicySchedule
+from rollout_lib.runlog.eval_tables import record_rl_eval_tables
 from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.runlog.step_tables import record_step_tables
 from tasks.common import open_store
@@ -176,14 +177,23 @@ class RlSteps:
 
     def evaluate(self, step: int) -> dict:
         """Held-out metrics of the policy now (`self.state`) for the envs whose evaluation is due at `step`."""
-        found = {}
+        results = []
         for env in self._due(step):
             for future in self.in_flight.values():
                 future.wait()  # a policy server holds one state at a time: the evaluation's, next
-            found.update(self.run_task(evaluate_task)(self.cfg, self.prompts, self.evaluations[env], env, self.state,
-                                                      step, self.res.resident, self.res.served_models,
-                                                      self.res.reward_loops)["metrics"])
-        return found
+            results.append(self.run_task(evaluate_task)(self.cfg, self.prompts, self.evaluations[env], env,
+                                                        self.state, step, self.res.resident,
+                                                        self.res.served_models, self.res.reward_loops))
+        return self._held_out(step, results)
+
+    def _held_out(self, step: int, results: list[dict]) -> dict:
+        """The evaluations' metrics at `step`, their samples recorded where `rollout runs samples --eval` reads them
+        (runlog/eval_tables.py)."""
+        if results:
+            record_rl_eval_tables(open_store(self.cfg), self.cfg.run.name, step, {
+                result["env"]: {"scored": result["scored"], "rewards": result["rewards"],
+                                "prompts": self.evaluations[result["env"]]} for result in results})
+        return {name: value for result in results for name, value in result["metrics"].items()}
 
     def _due(self, step: int) -> list[str]:
         return [env.name for env in self.cfg.settings.envs if env.name in self.evaluations
@@ -201,8 +211,7 @@ class RlSteps:
         """Record step `step`: its held-out metrics (from `evaluating`, when they ran beside the next step), the
         metrics file and UI table, the log line, the progress and, at a snapshot, the segment's line and the
         curves."""
-        for future in evaluating:
-            metrics.update(future.result()["metrics"])
+        metrics.update(self._held_out(step, [future.result() for future in evaluating]))
         self.history.append(metrics)
         step_events.publish(step, metrics)
         self.logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s", step, metrics["reward_mean"],

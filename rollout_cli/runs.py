@@ -4,7 +4,7 @@
     rollout runs show NAME [--store URL] [--json] [--columns a,b]
     rollout runs plot NAME [--store URL] [--out PATH]              # the curves as a PNG
     rollout runs samples NAME [--store URL] [--step N] [--worst K | --best K | --failed] [--tokens] [--json]
-    rollout runs samples NAME --eval [--step 0|N] [--worst K | --best K] [--json]   # SFT / RM held-out examples
+    rollout runs samples NAME --eval [--step 0|N] [--worst K | --best K] [--json]   # held-out samples / examples
 
 Read-only. An unknown run or a missing store is a StoreError: `rollout: error: no run 'x' in <store>`, exit 2.
 """
@@ -125,7 +125,8 @@ def runs_plot(ctx: click.Context, name: str, store_url: str | None, out_path: st
               help="the RL step [default: the latest with samples]; with --eval, the evaluation's step (0: before "
                    "training) [default: the last]")
 @click.option("--eval", "held_out", is_flag=True,
-              help="an SFT or RM run's held-out examples with the model's predictions, worst first")
+              help="the held-out evaluation: an RL run's samples; an SFT or RM run's examples with the model's "
+                   "predictions, worst first")
 @click.option("--worst", type=click.IntRange(min=1), metavar="K", help="the K samples of lowest reward")
 @click.option("--best", type=click.IntRange(min=1), metavar="K", help="the K samples of highest reward")
 @click.option("--failed", is_flag=True, help="the samples whose reward is missing, with why")
@@ -135,7 +136,8 @@ def runs_plot(ctx: click.Context, name: str, store_url: str | None, out_path: st
 def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int | None, held_out: bool,
                  worst: int | None, best: int | None, failed: bool, tokens: bool, as_json: bool) -> None:
     """Print one step of RL run NAME sample by sample: prompt, completion, rewards, advantage, tokens. With --eval,
-    an SFT or reward-model run's held-out examples with their loss (SFT) or scores (RM), worst first."""
+    the held-out evaluation: an RL run's samples, an SFT or reward-model run's examples with their loss (SFT) or
+    scores (RM), worst first."""
     from rollout_cli.main import UsageLine
     from rollout_lib.runlog import samples
     from rollout_lib.runlog.metrics_file import json_line
@@ -144,11 +146,9 @@ def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int
         raise UsageLine("runs samples: --worst, --best and --failed pick one selection; give one of them")
     if tokens and not as_json:
         raise UsageLine("runs samples: --tokens goes with --json")
-    if held_out and (failed or tokens):
-        raise UsageLine("runs samples: --eval takes --step, --worst or --best and --json, not --failed or --tokens")
     store = _open_store(store_url or (ctx.obj or {}).get("store"))
     if held_out:
-        _held_out_samples(store, name, step, worst, best, as_json)
+        _held_out_samples(store, name, step, worst, best, failed, tokens, as_json)
         return
     found = samples.read_samples(store, name, step, tokens=tokens)
     selection = {"worst": worst} if worst else {"best": best} if best else {"failed": True} if failed else {}
@@ -163,11 +163,19 @@ def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int
     print_samples(found.run, found.step, found.steps, found.rows, shown, what)
 
 
-def _held_out_samples(store, name: str, step: int | None, worst: int | None, best: int | None,
-                      as_json: bool) -> None:
+def _held_out_samples(store, name: str, step: int | None, worst: int | None, best: int | None, failed: bool,
+                      tokens: bool, as_json: bool) -> None:
+    from rollout_cli.main import UsageLine
     from rollout_lib.runlog.eval_samples import read_eval_rows, worst_first
+    from rollout_lib.runlog.eval_tables import recorded_rl_evals
     from rollout_lib.runlog.metrics_file import json_line
 
+    if recorded_rl_evals(store, name):  # an RL run: its held-out samples, as a step's
+        _rl_held_out_samples(store, name, step, worst, best, failed, tokens, as_json)
+        return
+    if failed or tokens:
+        raise UsageLine("runs samples: an SFT or RM run's --eval takes --step, --worst or --best and --json, not "
+                        "--failed or --tokens")
     found = read_eval_rows(store, name, step)
     shown = worst_first(found, worst=worst, best=best)
     selection = {"worst": worst} if worst else {"best": best} if best else {}
@@ -180,6 +188,24 @@ def _held_out_samples(store, name: str, step: int | None, worst: int | None, bes
 
     what = f"the {worst} worst" if worst else f"the {best} best" if best else "every example, worst first"
     print_eval_samples(found, shown, what)
+
+
+def _rl_held_out_samples(store, name: str, step: int | None, worst: int | None, best: int | None, failed: bool,
+                         tokens: bool, as_json: bool) -> None:
+    from rollout_lib.runlog import samples
+    from rollout_lib.runlog.metrics_file import json_line
+
+    found = samples.read_eval_samples(store, name, step, tokens=tokens)
+    selection = {"worst": worst} if worst else {"best": best} if best else {"failed": True} if failed else {}
+    shown = samples.select(found.rows, **selection)
+    if as_json:
+        click.echo(json_line({"run": found.run, "step": found.step, "steps": found.steps, "held_out": True,
+                              "samples": len(found.rows), "selection": selection, "rows": shown}))
+        return
+    from rollout_cli.samples_view import print_samples
+
+    what = f"the {worst} worst" if worst else f"the {best} best" if best else "the failed" if failed else "every sample"
+    print_samples(found.run, found.step, found.steps, found.rows, shown, what, held_out=True)
 
 
 def _number(value) -> str:

@@ -11,16 +11,20 @@ PROMPT_CHARS = 60  # a prompt is context: its last message, cut here; the comple
 ID_CHARS = 12  # content ids abbreviated as git does (the full ones are in --json)
 
 
-def print_samples(run: str, step: int, steps: list[int], every_row: list[dict], shown: list[dict], what: str) -> None:
+def print_samples(run: str, step: int, steps: list[int], every_row: list[dict], shown: list[dict], what: str,
+                  held_out: bool = False) -> None:
     """``shown``: the rows to print (all of ``every_row``, or the worst / best / failed of them), described by
-    ``what``; the header's mean and missing count are over ``every_row``, the whole step. One panel per sample:
-    a table's columns would leave the completion a sliver of an 80-column terminal."""
+    ``what``; the header's mean and missing count are over ``every_row``, the whole step (``held_out``: the
+    evaluation at that step). One panel per sample: a table's columns would leave the completion a sliver of an
+    80-column terminal."""
     scored = [row["reward"] for row in every_row if row["reward"] is not None]
     low, high = (min(scored), max(scored)) if scored else (0.0, 0.0)
     sources = sorted({_short(row["sampled_from"]) for row in every_row})
     mean = f"reward mean {sum(scored) / len(scored):.3f}" if scored else "no rewards"
     console = Console()
-    console.print(Text(f"{run} step {step} (of {_span(steps)}): {what}; {len(every_row)} samples, {mean}, "
+    where = f"held-out evaluation at step {step} (evaluated at {_span(steps)})" if held_out else \
+        f"step {step} (of {_span(steps)})"
+    console.print(Text(f"{run} {where}: {what}; {len(every_row)} samples, {mean}, "
                        f"{len(every_row) - len(scored)} missing; sampled from {', '.join(sources)}", style="bold"))
     for row in shown:
         console.print(Panel(_body(row), title=_title(row, low, high), title_align="left", border_style="dim"))
@@ -56,7 +60,10 @@ def _function_name(name: str) -> str:
 
 
 def _span(steps: list[int]) -> str:
-    return f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    contiguous = steps == list(range(steps[0], steps[-1] + 1))
+    return f"steps {steps[0]}-{steps[-1]}" if contiguous else f"steps {', '.join(map(str, steps))}"
 
 
 def _short(source: str | None) -> str:

@@ -123,15 +123,17 @@ def load_eval_prompts_task(config: RlConfig, env: str) -> dict:
 def evaluate_task(config: RlConfig, prompts_ids: dict[str, str], eval_prompts_id: str, env: str,
                   policy_state: str, step: int, resident: ResidentTrainer, served_models: ServedModels,
                   reward_loops: RewardLoops) -> dict:
-    """The policy at `policy_state` on the env's held-out prompts (rollout_lib/rl/evaluate.py): its metrics."""
+    """The policy at `policy_state` on the env's held-out prompts (rollout_lib/rl/evaluate.py): its metrics, and
+    the ids of its scored rollouts and reward results (`rollout runs samples --eval` reads them)."""
     started = time.perf_counter()
     store = open_store(config)
     policy = policy_at(policy_inputs(store, config, prompts_ids), policy_state, resident)
     # The policy, on its own backend (embedded, or the run's policy server), whatever an env's rollouts come from.
     sampler = policy_sampler(config, policy.model, policy.tokenizer, served_models, policy_state)
-    metrics = evaluate_env(config, _env(config, env), store.get_table(eval_prompts_id, wire.PROMPTS), sampler,
-                           reward_loops)
-    return {"metrics": {**metrics, f"eval/{env}/eval_s": time.perf_counter() - started}}
+    held_out = evaluate_env(config, _env(config, env), store.get_table(eval_prompts_id, wire.PROMPTS), sampler,
+                            reward_loops)
+    return {"metrics": {**held_out.metrics, f"eval/{env}/eval_s": time.perf_counter() - started}, "env": env,
+            "scored": store.put_table(held_out.scored), "rewards": store.put_json(rewards_json(held_out.results, {}))}
 
 
 @task(name="init-policy", task_run_name="init-policy", **TASK_OPTIONS, cache_key_fn=content_key())

@@ -180,9 +180,9 @@ def test_bad_input_and_missing_rows_say_so_in_one_line(capsys, runs):
     record_eval_tables(store, RM_RUN, 7, "rm", None, data)
     assert "rerun the run's command" in error(RM_RUN, "--eval", "--step", "7")
     store.fs.rm(f"{store.root}/runs/{RM_RUN}/evals/step-7.json")
-    # an RL run keeps today's answer: its evaluations keep only their metrics
+    # an RL run whose envs have no `eval` (or that evaluated before samples were stored) says so
     MetricsFile(store, "rl-like").record(1, {"reward_mean": 0.5})
-    assert "keep only their metrics" in error("rl-like", "--eval")
+    assert "has no held-out samples recorded: none of its envs has an `eval`" in error("rl-like", "--eval")
 
 
 def test_a_run_without_records_says_rerun_and_a_rerun_records_them(capsys, runs):

@@ -1,9 +1,10 @@
 """`rollout runs samples`: a step's samples read back from a real tiny RL run's store (issue 41, docs/runs.md).
 
 One run is shared by the module: rl-tiny, 2 steps, scored by target_length and a reward that raises for some
-completions (tests/example_rewards.py), so that a step has rewards per function, advantages and failures. The
-command's rows are checked against the stored tables and against the rewards and advantages recomputed here from
-the completions' text.
+completions (tests/example_rewards.py), so that a step has rewards per function, advantages and failures, with a
+held-out evaluation of 6 prompts x 2 samples before step 1 and after step 2. The command's rows are checked against the stored
+tables, against the rewards and advantages recomputed here from the completions' text, and (held out) against the
+run's own eval metrics.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from clirun import train_in_process
 from conftest import ROOT
 from rollout_cli.main import main
 from rollout_lib import wire
-from rollout_lib.runlog.metrics_file import MetricsFile
+from rollout_lib.runlog.metrics_file import MetricsFile, read_metrics
+from rollout_lib.runlog.eval_tables import read_rl_eval_tables
 from rollout_lib.runlog.step_tables import read_step_tables
 from rollout_lib.store import ObjectStore
 from test_ui_browser import browser  # noqa: F401 - the fixture (headless Chromium)
@@ -37,8 +39,11 @@ def rollout(capsys, *args: str) -> tuple[int, str, str]:
 def sampled_run(prefect_server, tmp_path_factory) -> ObjectStore:
     directory = tmp_path_factory.mktemp("samples")
     config = directory / "rl.toml"
+    prompts = ROOT / "data/rl-tiny-prompts.jsonl"
     config.write_text((ROOT / "configs/rl-tiny.toml").read_text()
-                      .replace('"data/rl-tiny-prompts.jsonl"', f'"{ROOT / "data/rl-tiny-prompts.jsonl"}"')
+                      .replace('"data/rl-tiny-prompts.jsonl" }', f'"{prompts}" }}\neval = {{ source = {{ type = '
+                               f'"jsonl_path", path = "{prompts}" }}, every = 2, max_prompts = 6, sampling = {{ group_size = 2, '
+                               'temperature = 1.0, max_tokens = 16 } }')
                       + f'\n[[algorithm.rl.envs.rewards]]\nfunction = "example_rewards:{FAILING}"\n')
     store = ObjectStore(str(directory / "store"))
     done = train_in_process("train", "rl", "--config", str(config), "--store", store.root, "--name", RUN,
@@ -167,6 +172,39 @@ def test_a_step_out_of_range_is_one_line(capsys, sampled_run):
                    "samples are 1-2; pick one with --step\n")
 
 
+@pytest.mark.slow
+def test_the_held_out_evaluation_sample_by_sample_as_stored_and_as_its_metrics_say(capsys, sampled_run):
+    found = samples_json(capsys, sampled_run, "--eval")  # the last evaluation by default
+    assert (found["held_out"], found["step"], found["steps"], found["samples"]) == (True, 2, [0, 2], 12)
+    record = read_rl_eval_tables(sampled_run, RUN, 2)["envs"]["words"]
+    scored = sampled_run.get_table(record["scored"], wire.ROLLOUTS).to_pylist()
+    rows = found["rows"]
+    assert [(row["sample_id"], row["completion"]) for row in rows] == \
+        [(rollout["sample_id"], rollout["completion_text"]) for rollout in scored]
+    assert all(row["env"] == "words" and row["advantage"] is None for row in rows)
+    assert [row["group_index"] for row in rows] == [0, 1] * 6
+    assert all(row["prompt"][-1]["role"] == "user" for row in rows)
+    # The rows are what the run's eval metrics were computed from: each function's reward and the total.
+    metrics = next(m for m in read_metrics(sampled_run, RUN) if m["step"] == 2)
+    present = [row["reward"] for row in rows if row["reward"] is not None]
+    assert present and metrics["eval/words/missing_rewards"] == len(rows) - len(present)
+    assert metrics["eval/words/reward_mean"] == pytest.approx(sum(present) / len(present))
+    for row in rows:
+        assert row["rewards"]["target_length"] is not None
+        if row["reward"] is None:
+            assert FAILING in row["reward_error"] and row["rewards"][FAILING] is None
+        else:
+            assert row["reward"] == pytest.approx(sum(row["rewards"].values()))
+    failed = samples_json(capsys, sampled_run, "--eval", "--failed")["rows"]
+    assert failed == [row for row in rows if row["reward"] is None]
+    before = samples_json(capsys, sampled_run, "--eval", "--step", "0")
+    assert before["step"] == 0 and before["samples"] == 12
+    code, out, err = rollout(capsys, "runs", "samples", RUN, "--store", sampled_run.root, "--eval", "--best", "2")
+    header = " ".join(out.split())  # the terminal's width wraps it
+    assert code == 0 and header.startswith(f"{RUN} held-out evaluation at step 2 (evaluated at steps 0, 2): the 2 "
+                                           "best; 12 samples"), err
+
+
 def test_bad_requests_are_one_line_and_exit_2(capsys, tmp_path):
     store = ObjectStore(str(tmp_path / "store"))
     store.put_json({})  # a store exists once it holds something
@@ -177,7 +215,7 @@ def test_bad_requests_are_one_line_and_exit_2(capsys, tmp_path):
         ("rm-like",): f"run 'rm-like' in {store.root} is not an RL run: only train-rl keeps samples",
         ("rl-old",): f"run 'rl-old' in {store.root} has no samples recorded: it trained before rollout recorded them",
         ("rl-old", "--worst", "2", "--best", "2"): "runs samples: --worst, --best and --failed pick one selection",
-        ("rl-old", "--eval"): "the held-out evaluations of run 'rl-old' keep only their metrics",
+        ("rl-old", "--eval"): f"run 'rl-old' in {store.root} has no held-out samples recorded: none of its envs",
         ("nope", "--eval"): f"no run 'nope' in {store.root}",
         ("rl-old", "--tokens"): "runs samples: --tokens goes with --json",
     }

@@ -11,6 +11,7 @@ are several), `eval/<env>/missing_rewards`, `eval/<env>/completion_len_mean`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pyarrow as pa
 
@@ -19,7 +20,7 @@ from rollout_lib.data import load_env_prompts
 from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.rl.sample import env_interaction
 from rollout_lib.rl.score import env_reward_loop, function_means
-from rollout_lib.reward.tables import reward_inputs
+from rollout_lib.reward.tables import apply_rewards, reward_inputs
 from rollout_lib.determinism import derived_seed
 
 PASS = 1.0 - 1e-9  # a reward of 1 (up to rounding) passes
@@ -36,8 +37,17 @@ def load_eval_prompts(env: EnvSettings) -> pa.Table:
     return table.slice(0, env.eval.max_prompts) if env.eval.max_prompts else table
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """One evaluation: its metrics, and what they were computed from, for `rollout runs samples --eval`."""
+
+    metrics: dict[str, float | int | None]
+    scored: pa.Table  # the held-out rollouts with their rewards (wire.ROLLOUTS)
+    results: list  # each row's RewardResult: the total, why it is missing, each function's reward
+
+
 def evaluate_env(config: RlConfig, env: EnvSettings, prompts: pa.Table, sampler,
-                 reward_loops: RewardLoops) -> dict[str, float | int | None]:
+                 reward_loops: RewardLoops) -> HeldOut:
     """Sample every held-out prompt with `sampler` (the policy's, at the state being evaluated) and score it."""
     index = [e.name for e in config.settings.envs].index(env.name)
     target = eval_env(env)
@@ -47,7 +57,8 @@ def evaluate_env(config: RlConfig, env: EnvSettings, prompts: pa.Table, sampler,
                               interaction=interaction, context_limit=config.settings.max_seq_len)
     results = env_reward_loop(reward_loops, config, env, held_out=True).score(reward_inputs(rollouts, prompts))
     reward_loops.take_reward_model_metrics()  # the evaluation's reward-model counts are not the next step's
-    return held_out_metrics(env.name, results, [len(ids) for ids in rollouts.column("completion_ids").to_pylist()])
+    lengths = [len(ids) for ids in rollouts.column("completion_ids").to_pylist()]
+    return HeldOut(held_out_metrics(env.name, results, lengths), apply_rewards(rollouts, results), results)
 
 
 def held_out_metrics(env_name: str, results: list, lengths: list[int]) -> dict[str, float | int | None]:

@@ -5,6 +5,14 @@
 
     {"kind": ..., "label": "step-2", "step": 2, "algorithm": "sft" | "rm", "rows": id, "data": id}
 
+train-rl evaluates an env's held-out prompts before step 1, every `eval.every` steps and after the last; one
+record per step holds every env evaluated then, ``runs/<name>/evals/rl-step-<step>.json``:
+
+    {"kind": ..., "step": 2, "envs": {"<env>": {"scored": id, "rewards": id, "prompts": id}}}
+
+(``scored``: the held-out rollouts with their rewards, wire.ROLLOUTS; ``rewards``: each row's reward results,
+rl/score.rewards_json; ``prompts``: the held-out prompts, wire.PROMPTS), read by runlog/samples.read_eval_samples.
+
 ``data``: the eval dataset's table as loaded (wire.EXAMPLES or wire.PAIRS), whose text the reader shows beside each
 row. ``rows``: null where the evaluate task returned none (a result from before evaluations kept rows; the task's
 key holds its code version, so a flow meets one only from older code's store). A replayed run writes its records
@@ -23,7 +31,9 @@ from rollout_lib.store import ObjectStore
 
 EVALS_DIR = "evals"  # runs/<name>/evals/<label>.json
 EVAL_TABLES_KIND = "rollout.eval_tables/v1"
+RL_EVAL_TABLES_KIND = "rollout.rl_eval_tables/v1"
 _LABEL_RE = re.compile(r"step-(\d+)\.json")
+_RL_LABEL_RE = re.compile(r"rl-step-(\d+)\.json")
 log = logging.getLogger(__name__)
 
 
@@ -50,3 +60,27 @@ def read_eval_tables(store: ObjectStore, run_name: str, step: int) -> dict | Non
     except FileNotFoundError:
         return None
     return record if record.get("kind") == EVAL_TABLES_KIND else None
+
+
+def record_rl_eval_tables(store: ObjectStore, run_name: str, step: int, envs: dict[str, dict[str, str]]) -> None:
+    """Write the record of train-rl's evaluation at ``step``: ``envs`` maps each env evaluated to the ids of its
+    scored rollouts, reward results and prompts. Never raises: its failure is logged, not the run's."""
+    try:
+        write_record(store, f"{run_dir(store, run_name)}/{EVALS_DIR}", f"rl-step-{int(step)}.json",
+                     {"kind": RL_EVAL_TABLES_KIND, "step": int(step), "envs": envs})
+    except Exception:  # noqa: BLE001 - recording never fails a run
+        log.warning("run %r: recording the held-out samples of step %d failed", run_name, step, exc_info=True)
+
+
+def recorded_rl_evals(store: ObjectStore, run_name: str) -> list[int]:
+    """The steps of an RL run with a recorded evaluation, sorted."""
+    return numbered_records(store, f"{run_dir(store, run_name)}/{EVALS_DIR}", _RL_LABEL_RE)
+
+
+def read_rl_eval_tables(store: ObjectStore, run_name: str, step: int) -> dict | None:
+    """The record of train-rl's evaluation at ``step``, or None when it has none."""
+    try:
+        record = json.loads(store.fs.cat_file(f"{run_dir(store, run_name)}/{EVALS_DIR}/rl-step-{int(step)}.json"))
+    except FileNotFoundError:
+        return None
+    return record if record.get("kind") == RL_EVAL_TABLES_KIND else None

@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 from rollout_lib import wire
 from rollout_lib.runlog.metrics_file import read_metrics
 from rollout_lib.runlog.runs import check_run
+from rollout_lib.runlog.eval_tables import read_rl_eval_tables, recorded_rl_evals
 from rollout_lib.runlog.step_tables import read_step_tables, recorded_steps
 from rollout_lib.store import ObjectNotFoundError, ObjectStore, StoreError
 
@@ -79,11 +80,30 @@ def step_rows(store: ObjectStore, run_name: str, step: int, *, tokens: bool = Fa
 
 def read_eval_samples(store: ObjectStore, run_name: str, step: int | None = None, *,
                       tokens: bool = False) -> StepSamples:
-    """The held-out evaluation's samples: not stored yet. An evaluation keeps its metrics alone (rl/evaluate.py
-    samples and scores, then returns the means), so this says so, naming the run."""
+    """An RL run's held-out evaluation at ``step`` (default: the last), every env evaluated then, env by env, in the
+    rows of a step's samples (no advantage: nothing trains on them). A StoreError naming the run and what to do
+    when there is none."""
     check_run(store, run_name)
-    raise StoreError(f"the held-out evaluations of run {run_name!r} keep only their metrics (`rollout runs show "
-                     f"{run_name}`): their samples are not stored")
+    steps = recorded_rl_evals(store, run_name)
+    if not steps:
+        raise StoreError(f"run {run_name!r} in {store.root} has no held-out samples recorded: none of its envs has "
+                         "an `eval`, or it evaluated before rollout stored them; rerun its command (its steps come "
+                         "back from cache) to record them")
+    if step is None:
+        step = steps[-1]
+    if step not in steps:
+        raise StoreError(f"run {run_name!r} in {store.root} has no held-out evaluation at step {step}: it evaluated "
+                         f"at steps {_ranges(steps)}; pick one with --step")
+    rows = []
+    try:
+        for env, tables in read_rl_eval_tables(store, run_name, step)["envs"].items():
+            rows.extend(_rows(store, {"scored": tables["scored"], "rewards": tables["rewards"],
+                                      "prompts": {env: tables["prompts"]}}, tokens))
+    except ObjectNotFoundError as exc:
+        raise StoreError(f"the held-out samples of step {step} of run {run_name!r} are gone from {store.root} "
+                         f"({exc}; `rollout gc` deletes them once the run is older than its grace period): rerun the "
+                         "run's command to evaluate again") from None
+    return StepSamples(run_name, step, steps, rows)
 
 
 def select(rows: list[dict], *, worst: int | None = None, best: int | None = None,
@@ -163,7 +183,7 @@ def _ranges(steps: list[int]) -> str:
 
 def _rows(store: ObjectStore, record: dict, tokens: bool) -> list[dict]:
     scored = store.get_table(record["scored"], wire.ROLLOUTS)
-    samples = store.get_table(record["samples"], wire.TRAINING_SAMPLES)
+    samples = store.get_table(record["samples"], wire.TRAINING_SAMPLES) if record.get("samples") else None
     messages = {}
     asked = scored.column("example_id").unique()
     for prompts_id in record["prompts"].values():
@@ -171,8 +191,9 @@ def _rows(store: ObjectStore, record: dict, tokens: bool) -> list[dict]:
         prompts = prompts.filter(pc.is_in(prompts.column("example_id"), value_set=asked))  # not a whole prompt set
         messages.update(zip(prompts.column("example_id").to_pylist(), prompts.column("messages").to_pylist()))
     per_function = _per_function(store, record.get("rewards"), scored.num_rows)
-    by_sample = {row["sample_id"]: row for row in _columns(samples, ("sample_id", "input_ids", "loss_mask",
-                                                                     "advantages", "inference_logprobs"))}
+    by_sample = {} if samples is None else {  # a held-out evaluation trains nothing: no samples
+        row["sample_id"]: row for row in _columns(samples, ("sample_id", "input_ids", "loss_mask", "advantages",
+                                                            "inference_logprobs"))}
     rows = []
     for index, rollout in enumerate(scored.to_pylist()):
         sample = by_sample.get(rollout["sample_id"])
