@@ -21,7 +21,13 @@ from rollout_lib.reward.results import (
     raise_if_too_many_missing,
 )
 from rollout_lib.reward.verl import AsyncVerlRewardFunction, VerlRewardFunction, is_verl_style
-from rollout_lib.rl.score import run_reward_loops, score_rollouts
+from rollout_lib.rl.score import (
+    results_from_json,
+    results_json,
+    reward_results,
+    run_reward_loops,
+    score_rollouts,
+)
 
 # A reward file as a verl user writes it (after verl's utils/reward_score/gsm8k.py): nothing here knows rollout.
 VERL_REWARD_FILE = '''
@@ -115,6 +121,22 @@ def test_dict_returns_and_async_verl_functions(verl_rewards):
         results = loop.score([_item("#### 42"), _item("#### 7")])
     assert [r.reward for r in results] == [3.0, 0.0]
     assert results[0].per_function == {"compute_score_dict": 1.0, "compute_score_async": 1.0}
+    # The dict's other numbers travel with the result, named by function ("pred", a string, is the function's own).
+    assert [r.extra for r in results] == [{"compute_score_dict/acc": 1.0}, {"compute_score_dict/acc": 0.0}]
+
+
+def test_a_reward_dicts_other_numbers_reach_the_steps_metrics(tmp_path, verl_rewards):
+    """verl logs a reward dict's extra keys (reward_extra_info); here their means are the step's
+    `reward/<function>/<key>`, over the rollouts whose dict carried them, and survive the store's JSON."""
+    cfg = _config(tmp_path, {"gsm8k": "verl_gsm8k:compute_score_dict"})
+    rollouts, prompts = _tables([("gsm8k", "#### 42", "42"), ("gsm8k", "#### 41", "42"), ("gsm8k", "#### 42", "42"),
+                                 ("gsm8k", "#### 42", "forty-two")])
+    with run_reward_loops(cfg) as loops:
+        results, counts = reward_results(cfg, rollouts, prompts, loops)
+        scored, metrics = score_rollouts(cfg, rollouts, prompts, loops)
+    assert scored.column("reward").to_pylist() == [1.0, 0.0, 1.0, 0.0]
+    assert metrics["reward/compute_score_dict/acc"] == 0.5  # 2 of 4 right
+    assert results_from_json(results_json(results)) == results
 
 
 def test_what_the_verl_function_is_called_with(verl_rewards):

@@ -47,6 +47,16 @@ def as_score(value: Any) -> float:
     return score
 
 
+def extra_values(value: Any) -> dict[str, float]:
+    """The numbers a reward dict carries beside its "score" (verl's `reward_extra_info`: an accuracy, a length, a
+    format flag), which the step's metrics average; a float return carries none. Values that are not finite numbers
+    (strings, lists, None) are for the function's own logs and are left out."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(key): float(extra) for key, extra in value.items()
+            if key != "score" and isinstance(extra, numbers.Real) and math.isfinite(float(extra))}
+
+
 def is_async_callable(fn: Any) -> bool:
     """True when calling fn returns an awaitable by construction: `async def`, a bound async method, a
     functools.partial of one (at any depth), or an instance whose `__call__` is `async def`."""

@@ -1,7 +1,7 @@
 """Reward functions: the input they receive, the built-ins, and resolving a function from its config name.
 
-A reward function takes one `RewardInput` and returns a float, or a dict with a "score" key (room for extra
-diagnostics later). It may be `def` or `async def`; the loop (`loop.py`) detects which. Sync functions run in
+A reward function takes one `RewardInput` and returns a float, or a dict with a "score" key whose other numeric
+values are averaged into the step's metrics as `reward/<function>/<key>` (verl's reward_extra_info). It may be `def` or `async def`; the loop (`loop.py`) detects which. Sync functions run in
 worker processes, so they must be picklable: a module-level function of an importable module, a
 `functools.partial` of one, or an instance of a module-level class. Everything here is module-level for that
 reason.

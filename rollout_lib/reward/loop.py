@@ -23,7 +23,13 @@ import math
 import os
 from typing import Any, Callable, Sequence
 
-from rollout_lib.reward.contract import RewardInput, as_score, function_name, is_async_callable  # noqa: F401
+from rollout_lib.reward.contract import (  # noqa: F401
+    RewardInput,
+    as_score,
+    extra_values,
+    function_name,
+    is_async_callable,
+)
 from rollout_lib.reward.pool import RewardTimeout, SyncWorkerPool, WorkerFunctionError
 from rollout_lib.reward.results import (  # re-exported: the loop's vocabulary
     AllRewardsFailedError,
@@ -149,15 +155,18 @@ class RewardLoop:
 
     async def _score_item(self, item: RewardInput, slots: asyncio.Semaphore) -> RewardResult:
         outcomes = await asyncio.gather(*(self._call(i, item, slots) for i in range(len(self._functions))))
-        per_function = {name: score for name, (score, _) in zip(self._names, outcomes)}
-        errors = [error for _, error in outcomes if error is not None]
+        per_function = {name: score for name, (score, _, _) in zip(self._names, outcomes)}
+        extra = {f"{name}/{key}": value for name, (_, _, extras) in zip(self._names, outcomes)
+                 for key, value in extras.items()}
+        errors = [error for _, error, _ in outcomes if error is not None]
         if errors:
-            return RewardResult(reward=None, error="; ".join(errors), per_function=per_function)
-        reward = math.fsum(weight * score for weight, (score, _) in zip(self._weights, outcomes))
-        return RewardResult(reward=reward, error=None, per_function=per_function)
+            return RewardResult(reward=None, error="; ".join(errors), per_function=per_function, extra=extra)
+        reward = math.fsum(weight * score for weight, (score, _, _) in zip(self._weights, outcomes))
+        return RewardResult(reward=reward, error=None, per_function=per_function, extra=extra)
 
-    async def _call(self, i: int, item: RewardInput, slots: asyncio.Semaphore) -> tuple[float | None, str | None]:
-        """(score, None) or (None, "Type: reward fn 'name' ...")."""
+    async def _call(self, i: int, item: RewardInput,
+                    slots: asyncio.Semaphore) -> tuple[float | None, str | None, dict[str, float]]:
+        """(score, None, the reward dict's other numbers) or (None, "Type: reward fn 'name' ...", {})."""
         name = self._names[i]
         async with slots:
             try:
@@ -166,14 +175,14 @@ class RewardLoop:
                 else:
                     assert self._pool is not None
                     value = await self._pool.call(self._pool_index[i], item, self.timeout_s)
-                return as_score(value), None
+                return as_score(value), None, extra_values(value)
             except RewardTimeout:
-                return None, f"TimeoutError: reward fn '{name}' exceeded {self.timeout_s}s"
+                return None, f"TimeoutError: reward fn '{name}' exceeded {self.timeout_s}s", {}
             except WorkerFunctionError as exc:  # already "Type: message" from the worker
                 type_name, _, message = str(exc).partition(": ")
-                return None, f"{type_name}: reward fn '{name}': {message}"
+                return None, f"{type_name}: reward fn '{name}': {message}", {}
             except Exception as exc:  # noqa: BLE001 - a reward failure must never crash the step
-                return None, f"{type(exc).__name__}: reward fn '{name}': {exc}"
+                return None, f"{type(exc).__name__}: reward fn '{name}': {exc}", {}
 
     async def _call_async(self, fn: Callable[..., Any], item: RewardInput) -> Any:
         task = asyncio.ensure_future(fn(item))

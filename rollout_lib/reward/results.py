@@ -14,6 +14,8 @@ class RewardResult:
     reward: float | None
     error: str | None = None
     per_function: dict[str, float | None] = field(default_factory=dict)  # unweighted score per function
+    # The numbers each function's reward dict carried beside its score, as "<function>/<key>" (contract.extra_values).
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 class TooManyRewardsMissingError(RuntimeError):

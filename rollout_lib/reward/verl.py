@@ -2,8 +2,8 @@
 
 verl calls a custom reward function as `compute_score(data_source=..., solution_str=..., ground_truth=...,
 extra_info=..., **reward_kwargs)` (`verl/workers/reward_manager/naive.py`, `verl/trainer/ppo/reward.py`), `def` or
-`async def`, and reads a float, or a dict whose "score" is the reward (the loop reads "score" and drops the other
-keys, verl's diagnostics). verl's own scorers (`verl/utils/reward_score/gsm8k.py`) are bare:
+`async def`, and reads a float, or a dict whose "score" is the reward (the loop reads "score"; the dict's other
+numbers, verl's reward_extra_info, become the step's `reward/<function>/<key>` means). verl's own scorers (`verl/utils/reward_score/gsm8k.py`) are bare:
 `compute_score(solution_str, ground_truth, ...)`, and users name them as the reward directly.
 `resolve_reward_function` recognises either by its first parameters, with no config flag, and wraps it here, so it
 takes one `RewardInput` like ours; each argument is passed by name, when the function takes it (a parameter of that

@@ -97,11 +97,13 @@ def scored_rollouts(config: RlConfig, rollouts: pa.Table, results: list[RewardRe
 def results_json(results: list[RewardResult]) -> list[dict]:
     """RewardResults as JSON (a chunk's, in the store): floats round-trip exactly, and per_function stays in
     function order (pairs: the store's JSON sorts keys)."""
-    return [{"reward": r.reward, "error": r.error, "per_function": list(r.per_function.items())} for r in results]
+    return [{"reward": r.reward, "error": r.error, "per_function": list(r.per_function.items()),
+             **({"extra": list(r.extra.items())} if r.extra else {})} for r in results]
 
 
 def results_from_json(rows: list[dict]) -> list[RewardResult]:
-    return [RewardResult(row["reward"], row["error"], dict(row["per_function"])) for row in rows]
+    return [RewardResult(row["reward"], row["error"], dict(row["per_function"]), dict(row.get("extra", ())))
+            for row in rows]
 
 
 def rewards_json(results: list[RewardResult], reward_model_metrics: dict[str, int]) -> dict:
@@ -113,13 +115,18 @@ def rewards_json(results: list[RewardResult], reward_model_metrics: dict[str, in
 
 def function_means(env_name: str | None, results: list) -> dict[str, float | None]:
     """`reward/<function>` (`reward/<env>/<function>` with several envs): each reward function's unweighted mean
-    over the rollouts it scored, for envs with more than one (a weight-0 function is watched, not trained on)."""
-    names = list(results[0].per_function) if results else []
-    if len(names) < 2:
-        return {}
+    over the rollouts it scored, for envs with more than one (a weight-0 function is watched, not trained on); and
+    `reward/<function>/<key>`: the mean of each number a function's reward dict carried beside its score (verl's
+    reward_extra_info), over the rollouts that carried it."""
     prefix = f"reward/{env_name}/" if env_name else "reward/"
     means = {}
-    for name in names:
-        scores = [r.per_function[name] for r in results if r.per_function.get(name) is not None]
-        means[prefix + name] = math.fsum(scores) / len(scores) if scores else None
+    names = list(results[0].per_function) if results else []
+    if len(names) >= 2:
+        for name in names:
+            scores = [r.per_function[name] for r in results if r.per_function.get(name) is not None]
+            means[prefix + name] = math.fsum(scores) / len(scores) if scores else None
+    extra_keys = sorted({key for r in results for key in getattr(r, "extra", {})})
+    for key in extra_keys:
+        values = [r.extra[key] for r in results if key in r.extra]
+        means[prefix + key] = math.fsum(values) / len(values)
     return means
