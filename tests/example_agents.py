@@ -6,6 +6,7 @@ or None to leave scoring to the env's reward functions."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -85,3 +86,33 @@ def greedy_asker(base_url: str, task: dict, requests: int = 3) -> float:
         for _ in range(requests):
             chat(client, base_url, task["messages"])
     return 1.0
+
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "Adds two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
+
+
+def calls_a_tool(base_url: str, task: dict) -> float:
+    """Sends `tools`, runs the call it is answered with, and sends the result back as a tool message; the reward
+    is 1 when the first answer was a well-formed call of `add`."""
+    with httpx.Client(timeout=30) as client:
+        choice = chat(client, base_url, task["messages"], tools=[ADD_TOOL])["choices"][0]
+        message = choice["message"]
+        results = [{"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
+                    "content": str(sum(json.loads(call["function"]["arguments"]).values()))}
+                   for call in message.get("tool_calls") or []]
+        chat(client, base_url, [*task["messages"], message, *results], tools=[ADD_TOOL])
+    return float(choice["finish_reason"] == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "add")
+
+
+def retries_shorter(base_url: str, task: dict) -> float:
+    """Sends a follow-up past the context limit, is refused, and sends a short one instead; reward 1 on a 400."""
+    with httpx.Client(timeout=30) as client:
+        first = chat(client, base_url, task["messages"])["choices"][0]["message"]
+        try:
+            chat(client, base_url, [*task["messages"], first, {"role": "user", "content": "word " * 1500}])
+            status = 200
+        except httpx.HTTPStatusError as exc:
+            status = exc.response.status_code
+        chat(client, base_url, [*task["messages"], first, {"role": "user", "content": "short"}])
+    return float(status == 400)

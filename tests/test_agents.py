@@ -22,7 +22,7 @@ from rollout_lib.config.rl import RlConfig
 from rollout_lib.determinism import derived_seed
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.agent import AgentSettings, agent_reward
-from rollout_lib.model.chat import encode_prompt
+from rollout_lib.model.chat import encode_prompt, use_chat_template
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.reward.contract import RewardInput
 from rollout_lib.reward.loop import RewardLoop
@@ -32,6 +32,7 @@ from rollout_lib.sampling import SamplingParams
 from rollout_lib.sampling.base import sample_episodes
 
 ROOT = Path(__file__).resolve().parent.parent
+TOOLS_TEMPLATE = ROOT / "configs/templates/chatml-tools.jinja"
 
 # Drops the content of every assistant turn before the last user message, as reasoning templates drop <think>.
 REWRITING_TEMPLATE = (
@@ -168,6 +169,25 @@ def test_an_agent_that_hangs_or_raises_fails_its_episode_counted_with_its_reason
     assert fine.reward == 1.0
 
 
+def test_tool_calls_are_answered_structured_and_their_results_extend_the_sequence():
+    tools_tokenizer = use_chat_template(load_tokenizer(resolve_model("tiny:qwen2")), str(TOOLS_TEMPLATE))
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>'
+    policy = ScriptedPolicy(tools_tokenizer, call)
+    [row] = run(tools_tokenizer, policy, "calls_a_tool")
+    assert record(row)["state"]["agent_reward"] == 1.0 and record(row)["sequences"] == 1
+    first, second = [sequence for sequence, _, _ in policy.calls]
+    assert second[:len(first) + len(policy.ids)] == first + policy.ids
+    tool_turn = row["completion_turns"][1]
+    assert (tool_turn["role"], tool_turn["content"], tool_turn["sampled"]) == ("tool", "4", False)
+
+
+def test_a_request_refused_at_the_context_limit_leaves_the_episode_as_it_was(tokenizer):
+    [row] = run(tokenizer, ScriptedPolicy(tokenizer), "retries_shorter")
+    assert record(row)["state"] == {"agent_reward": 1.0, "requests": 3} and record(row)["sequences"] == 1
+    assert [(turn["content"], turn["sampled"]) for turn in row["completion_turns"]] == [
+        ("Hi there", True), ("short", False), ("Hi there", True)]
+
+
 def test_requests_past_max_requests_are_refused(tokenizer):
     [row] = run(tokenizer, ScriptedPolicy(tokenizer), "greedy_asker", max_requests=2)
     assert "429" in record(row)["state"]["episode_error"] and record(row)["turns"] == 2
@@ -190,6 +210,8 @@ def test_a_rerun_samples_the_same_tokens(tokenizer):
 def test_settings_name_the_agent_and_are_checked_without_importing_it():
     with pytest.raises(ValueError, match="agent function 'example_agents:missing'"):
         AgentSettings(import_path="example_agents:missing")
+    with pytest.raises(ValueError, match="bounded by max_requests"):
+        AgentSettings(import_path="example_agents:two_turns", max_turns=3)
     config = load_config(RlConfig, ROOT / "configs/rl-agent-tiny.toml")
     assert config.settings.envs[0].interaction.type == "agent"
 

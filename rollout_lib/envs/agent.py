@@ -36,6 +36,13 @@ class AgentSettings(InteractionSettings):
     max_requests: int = Field(16, ge=1)  # chat completions per episode; more are refused (HTTP 429)
     parser: str = "hermes"  # how tool calls are read from sampled text when a request gives `tools`
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_turn_limit(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "max_turns" in value:  # inherited, but the agent decides its own turns
+            raise ValueError("an agent's episodes are bounded by max_requests (and timeout_s), not max_turns")
+        return value
+
     @field_validator("parser")
     @classmethod
     def _known_parser(cls, name: str) -> str:
@@ -81,7 +88,8 @@ class AgentInteraction(Interaction):
 
 def agent_reward(item: Any) -> float:
     """The reward the episode's agent returned: a reward function (RewardInput), named in an env's rewards as
-    `function = "rollout_lib.envs.agent:agent_reward"`. Raises when the agent left scoring to the env (returned None): then name reward functions of your own."""
+    `function = "rollout_lib.envs.agent:agent_reward"`. Raises when the agent left scoring to the env (returned
+    None): then name reward functions of your own."""
     reward = item.state.get("agent_reward")
     if reward is None:
         raise ValueError("the agent returned no reward (None): score its episodes with reward functions of "

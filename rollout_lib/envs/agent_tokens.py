@@ -42,31 +42,35 @@ class AgentTokens:
     sequences: list[Episode] = field(default_factory=list)
     splits: int = 0
     _answered: _Answered | None = None
-    _pending: tuple[list[dict], list[dict] | None, list[int]] | None = None
+    _pending: tuple | None = None  # (messages, tools, (ids, rendered) appended or None, prompt or None)
 
     def prompt_for(self, tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """The token ids a request is sampled from; `record` must follow with what was sampled."""
+        """The token ids a request is sampled from. Nothing is kept until `record` adds what was sampled (a request
+        refused after this, at the context limit, leaves the episode as it was)."""
         messages = [normalise_message(message) for message in messages]
         appended = self._extension(tokenizer, messages, tools)
         if appended is None:
-            if self.sequences:
-                self.splits += 1
-            self.sequences.append(Episode(self.row, encode_prompt(tokenizer, messages, tools), {}, messages))
-            self._pending = (messages, tools, [])
-            return list(self.sequences[-1].sequence)
-        ids, rendered = appended
-        current = self.sequences[-1]
-        for message in rendered:
-            current.add(ids[message.start:message.end], [None] * (message.end - message.start), message.role,
-                        message.content, (message.body_start - message.start, message.body_end - message.start),
-                        sampled=False)
-        self._pending = (messages, tools, ids)
-        return list(current.sequence)
+            prompt = encode_prompt(tokenizer, messages, tools)
+            self._pending = (messages, tools, None, prompt)
+            return list(prompt)
+        self._pending = (messages, tools, appended, None)
+        return self.sequences[-1].sequence + appended[0]
 
     def record(self, ids: list[int], logprobs: list[float], text: str, assistant: dict, stops: set[int]) -> None:
         """The sampled turn of the request just prepared: its tokens as sampled, and the assistant message the
         agent was answered with (`assistant`: content and tool calls as rendered)."""
-        messages, tools, _ = self._pending
+        messages, tools, appended, prompt = self._pending
+        if appended is None:  # a new training sequence: the request's rendering is its prompt
+            if self.sequences:
+                self.splits += 1
+            self.sequences.append(Episode(self.row, prompt, {}, messages))
+        else:
+            rendered_ids, rendered = appended
+            for message in rendered:
+                self.sequences[-1].add(rendered_ids[message.start:message.end], [None] * (message.end - message.start),
+                                       message.role, message.content,
+                                       (message.body_start - message.start, message.body_end - message.start),
+                                       sampled=False)
         current = self.sequences[-1]
         current.add(list(ids), list(logprobs), "assistant", text, (0, len(ids)), sampled=True)
         current.model_turns += 1
