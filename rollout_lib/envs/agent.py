@@ -30,6 +30,7 @@ WHAT = "agent function"
 
 class AgentSettings(InteractionSettings):
     type: Literal["agent"] = "agent"
+    max_turns: int = Field(4, ge=1, exclude=True)  # inherited, unused and refused as a key (_no_turn_limit)
     import_path: str = Field(min_length=1)  # "package.module:function"
     kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the function after (base_url, task)
     timeout_s: float = Field(60.0, gt=0)  # per episode: past it the episode fails (counted), the step goes on
