@@ -32,7 +32,7 @@ def error_of(raw) -> str:
 SHIPPED_ALGORITHMS = {"rl-tiny.toml": "grpo", "rl-smollm2.toml": "grpo", "rl-reward.toml": "reward",
                       "rl-custom.toml": "custom", "rl-opd.toml": "opd", "rl-sft-distill.toml": "sft",
                       "rl-opsd.toml": "opsd", "rl-calculator.toml": "echo", "rl-guess.toml": "grpo",
-                      "rl-length.toml": "grpo", "rl-calculator-tools.toml": "grpo"}
+                      "rl-length.toml": "grpo", "rl-calculator-tools.toml": "grpo", "rl-agent-tiny.toml": "grpo"}
 
 
 def test_every_shipped_rl_config_is_checked():
@@ -227,8 +227,8 @@ def test_an_env_may_be_multi_turn_and_echo_without_turns_warns():
     assert env.interaction.max_turns == 2 and env.algo.roles["tool"].alpha == 0.2
     with pytest.warns(UserWarning, match=r"envs\[0\].algo: echo trains on tokens the environment writes"):
         validate_config(RlConfig, raw_config(algo={"type": "echo"}))
-    assert "algorithm.rl.envs[0].interaction: `type` must be one of: calculator, custom, guess_number" in error_of(
-        raw_config(interaction={"type": "chess"}))
+    assert ("algorithm.rl.envs[0].interaction: `type` must be one of: agent, calculator, custom, guess_number"
+            in error_of(raw_config(interaction={"type": "chess"})))
     assert "algorithm.rl.envs[0].interaction.custom_interaction" not in error_of(
         raw_config(interaction={"type": "custom", "import_path": "no_such_module:Env"}))
     assert "interaction class 'no_such_module:Env': cannot find module" in error_of(

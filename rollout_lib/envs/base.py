@@ -104,6 +104,9 @@ class Interaction:
 
     type_name: ClassVar[str]
     settings_class: ClassVar[type[InteractionSettings]]
+    # An interaction that runs its own episodes (an agent: envs/agent.py) defines `run_episodes`, taking what
+    # episodes.run_episodes takes after the interaction; the others are driven turn by turn by episodes.py.
+    drives_itself: ClassVar[bool] = False
 
     def __init__(self, settings: InteractionSettings, tools: Any = None):
         if not isinstance(settings, self.settings_class):

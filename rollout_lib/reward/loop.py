@@ -154,6 +154,9 @@ class RewardLoop:
         return list(await asyncio.gather(*(self._score_item(item, slots) for item in items)))
 
     async def _score_item(self, item: RewardInput, slots: asyncio.Semaphore) -> RewardResult:
+        if item.state.get("episode_error"):  # an episode that failed (an agent that raised) has no reward to score
+            return RewardResult(reward=None, error=f"episode failed: {item.state['episode_error']}",
+                                per_function={name: None for name in self._names})
         outcomes = await asyncio.gather(*(self._call(i, item, slots) for i in range(len(self._functions))))
         per_function = {name: score for name, (score, _, _) in zip(self._names, outcomes)}
         extra = {f"{name}/{key}": value for name, (_, _, extras) in zip(self._names, outcomes)

@@ -121,6 +121,7 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
         metrics["turns_mean"] = float(np.mean([episode["turns"] for episode in multi_turn]))
         metrics["env_token_fraction"] = env_tokens / max(sum(lengths), 1)
         metrics.update(tool_call_metrics(multi_turn))
+        metrics.update(agent_metrics(multi_turn))
     return rollouts, {**metrics, **curriculum_metrics}
 
 
@@ -133,6 +134,18 @@ def tool_call_metrics(episodes: list[dict]) -> dict:
     calls = sum(episode["tool_calls"] for episode in with_tools)
     return {"tool_calls_mean": calls / len(with_tools),
             "tool_call_error_fraction": sum(episode["tool_errors"] for episode in with_tools) / calls if calls else 0.0}
+
+
+def agent_metrics(episodes: list[dict]) -> dict:
+    """Over the episodes of agent envs (their records count training sequences, envs/agent_tokens.py): how many
+    times a request did not extend its episode's tokens (a new training sequence; the earlier ones are not trained),
+    and how many agents failed (raised, timed out: their rewards are missing). Empty without such episodes."""
+    agents = [episode for episode in episodes if "sequences" in episode]
+    if not agents:
+        return {}
+    return {"agent_sequence_splits": sum(max(episode["sequences"] - 1, 0) for episode in agents),
+            "agent_failures": sum(bool(episode["state"].get("episode_error")) for episode in agents),
+            "agent_requests_mean": float(np.mean([episode["turns"] for episode in agents]))}
 
 
 def sampled_entropy(rollouts: pa.Table, policy_envs: set[str]) -> float | None:

@@ -156,10 +156,15 @@ def sample_episodes(generate, tokenizer, interaction, prompts: pa.Table, prompt_
 
     def ended(index: int, episode) -> None:
         table.add(index, episode.completion_ids, episode.logprobs,
-                  tokenizer.decode(episode.completion_ids, skip_special_tokens=True), (episode.turns, episode.record()))
+                  tokenizer.decode(episode.completion_ids, skip_special_tokens=True), (episode.turns, episode.record()),
+                  prompt_ids=episode.prompt_ids)
 
-    run_episodes(generate, tokenizer, interaction, rows, prompt_ids, params, seed, stop_ids, context_limit,
-                 on_end=ended)
+    if interaction.drives_itself:  # an agent (envs/agent.py): it makes its own requests
+        interaction.run_episodes(generate, tokenizer, rows, prompt_ids, params, seed, stop_ids, context_limit,
+                                 on_end=ended)
+    else:
+        run_episodes(generate, tokenizer, interaction, rows, prompt_ids, params, seed, stop_ids, context_limit,
+                     on_end=ended)
     return table.table()
 
 
@@ -182,9 +187,10 @@ class RolloutRows:
         self.records: list[dict[str, Any] | None] = [None] * (len(self.prompt_rows) * group_size)
 
     def add(self, index: int, ids: list[int], logprobs: list[float | None], text: str,
-            episode: tuple[list[dict], str] | None = None) -> None:
+            episode: tuple[list[dict], str] | None = None, prompt_ids: list[int] | None = None) -> None:
         """Completion `index` (prompt-major): its tokens, their logprobs, its text, and for a multi-turn env its
-        (turns, episode record)."""
+        (turns, episode record); `prompt_ids`: what it was conditioned on when not the prompt row's rendering (an
+        agent frames its own requests)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"completion {index}: {len(ids)} tokens but {len(logprobs)} logprobs")
         prompt_row, group_index = divmod(index, self.group_size)
@@ -195,7 +201,7 @@ class RolloutRows:
             "example_id": row["example_id"],
             "env": row["env"],
             "group_index": group_index,
-            "prompt_ids": self.prompt_ids[prompt_row],
+            "prompt_ids": self.prompt_ids[prompt_row] if prompt_ids is None else prompt_ids,
             "completion_ids": ids,
             "sampling_logprobs": logprobs,
             "completion_text": text,

@@ -1,0 +1,98 @@
+"""An agent as an env: `interaction = { type = "agent", import_path = "pkg.module:function", kwargs = {...},
+timeout_s = 60, max_requests = 16 }`.
+
+The function is called once per episode as `function(base_url, task, **kwargs)` (sync or async): `base_url` is an
+OpenAI-compatible endpoint served by rollout for the step (agent_server.py) and backed by the step's sampler, `task`
+the prompt row (example_id, messages, answer, info). It talks to the policy through chat completions as many times
+as it likes (at most `max_requests`), and returns a float reward, or None to leave scoring to the env's reward
+functions (they read the episode's conversation and its state). The env's rewards are still required: with an agent
+that scores, name `rollout_lib.envs.agent:agent_reward`, which reads the reward the agent returned.
+
+An agent that raises, runs past `timeout_s`, or returns something else fails its episode: its reward is missing
+(the reward loop's null with a reason, never 0), the step counts `agent_failures`, and one log line names the
+example. Sampling seeds derive from (step seed, example, group index, request index), so a rerun replays the same
+episodes as long as the agent itself is deterministic; an agent with randomness of its own does not replay
+exactly. The module's source enters the sample stage's cache key (editing the agent resamples).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rollout_lib.envs.base import Interaction, InteractionSettings
+from rollout_lib.envs.tools.parsers import PARSERS
+from rollout_lib.reward.locate import check_reference, import_reference
+
+WHAT = "agent function"
+
+
+class AgentSettings(InteractionSettings):
+    type: Literal["agent"] = "agent"
+    max_turns: int = Field(4, ge=1, exclude=True)  # inherited, unused and refused as a key (_no_turn_limit)
+    import_path: str = Field(min_length=1)  # "package.module:function"
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the function after (base_url, task)
+    timeout_s: float = Field(60.0, gt=0)  # per episode: past it the episode fails (counted), the step goes on
+    max_requests: int = Field(16, ge=1)  # chat completions per episode; more are refused (HTTP 429)
+    parser: str = "hermes"  # how tool calls are read from sampled text when a request gives `tools`
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_turn_limit(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "max_turns" in value:  # inherited, but the agent decides its own turns
+            raise ValueError("an agent's episodes are bounded by max_requests (and timeout_s), not max_turns")
+        return value
+
+    @field_validator("parser")
+    @classmethod
+    def _known_parser(cls, name: str) -> str:
+        if name not in PARSERS:
+            raise ValueError(f"no tool-call parser {name!r} (known: {', '.join(sorted(PARSERS))})")
+        return name
+
+    @model_validator(mode="after")
+    def _found_without_running_it(self) -> "AgentSettings":
+        check_reference(self.import_path, self.kwargs, what=WHAT)  # found and read, never imported at plan time
+        return self
+
+    def user_modules(self) -> tuple[str, ...]:
+        return (self.import_path.partition(":")[0],)
+
+
+class AgentInteraction(Interaction):
+    """Drives its own episodes (agent_episodes.py): the agent, not the turn-by-turn driver, decides each turn."""
+
+    type_name = "agent"
+    settings_class = AgentSettings
+    drives_itself: ClassVar[bool] = True
+
+    def __init__(self, settings: AgentSettings, tools=None):
+        super().__init__(settings, tools)
+        if tools is not None:
+            raise ValueError("an agent sends its own `tools` with each request; the env's `tools` are not used")
+        self.agent = import_reference(settings.import_path, what=WHAT)
+        if not callable(self.agent):
+            raise TypeError(f"{WHAT} {settings.import_path!r} is not callable")
+
+    @property
+    def name(self) -> str:
+        return getattr(self.agent, "__name__", self.settings.import_path)
+
+    def run_episodes(self, generate, tokenizer, prompt_rows, prompt_ids, params, seed, stop_ids,
+                     context_limit=None, on_end=None):
+        from rollout_lib.envs.agent_episodes import run_agent_episodes
+
+        return run_agent_episodes(self, generate, tokenizer, prompt_rows, prompt_ids, params, seed, stop_ids,
+                                  context_limit, on_end)
+
+
+def agent_reward(item: Any) -> float:
+    """The reward the episode's agent returned: a reward function (RewardInput), named in an env's rewards as
+    `function = "rollout_lib.envs.agent:agent_reward"`. Raises when the agent left scoring to the env (returned
+    None): then name reward functions of your own."""
+    reward = item.state.get("agent_reward")
+    if reward is None:
+        raise ValueError("the agent returned no reward (None): score its episodes with reward functions of "
+                         "the env's own")
+    return float(reward)

@@ -1,0 +1,232 @@
+"""Agents over an OpenAI-compatible endpoint (envs/agent.py, agent_episodes.py, agent_server.py, agent_tokens.py):
+the step serves chat completions backed by its sampler, each episode's requests are kept apart by path, sampled
+tokens stay as sampled while requests extend the conversation, a history rewrite splits the episode (counted), and
+an agent that raises or hangs fails its episode (counted, reward missing) without failing the step.
+
+The policy is scripted (a generate function writing fixed turns one character per token through the real tiny
+tokenizer, ids no re-tokenization produces), as in test_tool_calls.py; the agents are in tests/example_agents.py."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rollout_lib import wire
+from rollout_lib.config import load_config
+from rollout_lib.config.rl import RlConfig
+from rollout_lib.determinism import derived_seed
+from rollout_lib.envs import build_interaction
+from rollout_lib.envs.agent import AgentSettings, agent_reward
+from rollout_lib.model.chat import encode_prompt, use_chat_template
+from rollout_lib.model.loading import load_tokenizer, resolve_model
+from rollout_lib.reward.contract import RewardInput
+from rollout_lib.reward.loop import RewardLoop
+from rollout_lib.reward.tables import reward_inputs
+from rollout_lib.rl.sample import agent_metrics
+from rollout_lib.sampling import SamplingParams
+from rollout_lib.sampling.base import sample_episodes
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS_TEMPLATE = ROOT / "configs/templates/chatml-tools.jinja"
+
+# Drops the content of every assistant turn before the last user message, as reasoning templates drop <think>.
+REWRITING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user %}{{- '(earlier)' }}"
+    "{%- else %}{{- m['content'] }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model("tiny:qwen2"))
+
+
+def char_ids(tokenizer, text: str) -> list[int]:
+    return [token for char in text for token in tokenizer(char, add_special_tokens=False)["input_ids"]]
+
+
+class ScriptedPolicy:
+    """Answers every request with `text` one character per token (then <|im_end|>), logprob -0.25 each, and keeps
+    what it was asked (sequence, max_tokens, seed), thread-safely."""
+
+    def __init__(self, tokenizer, text: str = "Hi there"):
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.ids = char_ids(tokenizer, text) + [self.end]
+        self.calls: list[tuple[list[int], int, int]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, sequences, params, seed):
+        with self.lock:
+            self.calls.extend((list(sequence), params.max_tokens, seed) for sequence in sequences)
+        return [(list(self.ids), [-0.25] * len(self.ids)) for _ in sequences]
+
+
+def prompts(n: int = 1) -> pa.Table:
+    return pa.Table.from_pylist([{"example_id": f"q{i}", "env": "agents",
+                                  "messages": [{"role": "user", "content": f"Question {i}?"}], "answer": "4",
+                                  "info": None, "source_line": i + 1} for i in range(n)], schema=wire.PROMPTS)
+
+
+def run(tokenizer, generate, agent: str, n_prompts: int = 1, group_size: int = 1, seed: int = 0, **settings):
+    interaction = build_interaction(AgentSettings(import_path=f"example_agents:{agent}", **settings))
+    table = prompts(n_prompts)
+    prompt_ids = [encode_prompt(tokenizer, messages) for messages in table.column("messages").to_pylist()]
+    rollouts = sample_episodes(generate, tokenizer, interaction, table, prompt_ids,
+                               SamplingParams(group_size=group_size, max_tokens=32), seed,
+                               [tokenizer.eos_token_id], 1024)
+    return rollouts.to_pylist()
+
+
+def record(row) -> dict:
+    return json.loads(row["episode"])
+
+
+def test_the_endpoint_answers_with_the_sampled_text_and_logprobs_and_an_extension_keeps_one_sequence(tokenizer):
+    policy = ScriptedPolicy(tokenizer)
+    [row] = run(tokenizer, policy, "two_turns")
+    first, second = [sequence for sequence, _, _ in policy.calls]
+    question = encode_prompt(tokenizer, [{"role": "user", "content": "Question 0?"}])
+    assert first == question and row["prompt_ids"] == question
+    # The second request is conditioned on the first answer's tokens as sampled (one character each), then the
+    # rendered follow-up: never on a re-tokenization of "Hi there".
+    assert second[:len(first) + len(policy.ids)] == first + policy.ids
+    assert tokenizer.decode(second[len(first) + len(policy.ids):]) == \
+        "\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
+    assert row["completion_ids"] == second[len(first):] + policy.ids
+    turns = row["completion_turns"]
+    assert [(turn["role"], turn["sampled"]) for turn in turns] == [("assistant", True), ("user", False),
+                                                                    ("assistant", True)]
+    assert turns[1]["content"] == "Go on." and turns[0]["content"] == "Hi there"
+    assert [lp is None for lp in row["sampling_logprobs"]] == \
+        [False] * len(policy.ids) + [True] * turns[1]["length"] + [False] * len(policy.ids)
+    assert record(row)["sequences"] == 1 and record(row)["turns"] == 2 and record(row)["end"] == "agent"
+    assert record(row)["state"] == {"agent_reward": None, "requests": 2}
+
+
+def test_a_template_that_rewrites_history_splits_the_episode_and_counts_it(tokenizer):
+    rewriting = load_tokenizer(resolve_model("tiny:qwen2"))
+    rewriting.chat_template = REWRITING_TEMPLATE
+    policy = ScriptedPolicy(rewriting)
+    [row] = run(rewriting, policy, "two_turns")
+    first, second = [sequence for sequence, _, _ in policy.calls]
+    assert "(earlier)" in rewriting.decode(second) and second[:len(first) + len(policy.ids)] != first + policy.ids
+    # The episode trains on its last sequence only: the rewritten history is prompt, the last answer sampled.
+    assert row["prompt_ids"] == second and row["completion_ids"] == policy.ids
+    assert [turn["sampled"] for turn in row["completion_turns"]] == [True]
+    assert record(row)["sequences"] == 2
+    assert agent_metrics([record(row)])["agent_sequence_splits"] == 1
+
+
+def test_an_agent_that_edits_what_it_was_answered_splits_and_its_reward_is_read(tokenizer):
+    rows = run(tokenizer, ScriptedPolicy(tokenizer), "rewrites_history", n_prompts=1, group_size=2)
+    assert [record(row)["sequences"] for row in rows] == [2, 2]
+    assert agent_metrics([record(row) for row in rows]) == {"agent_sequence_splits": 2, "agent_failures": 0,
+                                                            "agent_requests_mean": 2.0}
+    [item] = reward_inputs(pa.Table.from_pylist(rows[:1], schema=wire.ROLLOUTS))
+    assert agent_reward(item) == 0.5
+
+
+def test_concurrent_episodes_are_kept_apart(tokenizer):
+    policy = ScriptedPolicy(tokenizer)
+    rows = run(tokenizer, policy, "interleaved", n_prompts=2, group_size=2)
+    assert len(policy.calls) == 12
+    for row in rows:  # every follow-up an episode recorded is its own prompt's, all in one sequence
+        contents = [turn["content"] for turn in row["completion_turns"] if not turn["sampled"]]
+        assert contents == [f"{row['example_id']} round 0", f"{row['example_id']} round 1"]
+        assert record(row)["sequences"] == 1 and record(row)["state"]["agent_reward"] == 1.0
+        assert f"Question {row['example_id'][1]}?" in tokenizer.decode(row["prompt_ids"])
+    # Each request was seeded by its own (example, group index, request index).
+    assert sorted(seed for _, _, seed in policy.calls) == sorted(
+        derived_seed("agent-request", 0, f"q{p}", g, r) for p in range(2) for g in range(2) for r in range(3))
+
+
+def test_an_agent_that_hangs_or_raises_fails_its_episode_counted_with_its_reason(tokenizer, caplog):
+    [hung] = run(tokenizer, ScriptedPolicy(tokenizer), "hangs", timeout_s=0.3)
+    assert record(hung)["end"] == "error" and record(hung)["turns"] == 0 and hung["completion_ids"] == []
+    assert "timed out after 0.3s" in record(hung)["state"]["episode_error"]
+    [raised] = run(tokenizer, ScriptedPolicy(tokenizer), "explodes")
+    assert record(raised)["state"]["episode_error"] == "agent example_agents:explodes: RuntimeError: no luck with q0"
+    assert any("no luck with q0" in message for message in caplog.messages)
+    assert agent_metrics([record(hung), record(raised)])["agent_failures"] == 2
+
+    async def always_one(item):
+        return 1.0
+
+    # The reward of a failed episode is missing with its reason, never a score of what it left behind.
+    with RewardLoop([(always_one, 1.0)]) as loop:
+        [result] = loop.score(reward_inputs(pa.Table.from_pylist([raised], schema=wire.ROLLOUTS)))
+        [fine] = loop.score([RewardInput(prompt=[], completion_text="x")])
+    assert result.reward is None and "episode failed" in result.error and "no luck with q0" in result.error
+    assert fine.reward == 1.0
+
+
+def test_tool_calls_are_answered_structured_and_their_results_extend_the_sequence():
+    tools_tokenizer = use_chat_template(load_tokenizer(resolve_model("tiny:qwen2")), str(TOOLS_TEMPLATE))
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>'
+    policy = ScriptedPolicy(tools_tokenizer, call)
+    [row] = run(tools_tokenizer, policy, "calls_a_tool")
+    assert record(row)["state"]["agent_reward"] == 1.0 and record(row)["sequences"] == 1
+    first, second = [sequence for sequence, _, _ in policy.calls]
+    assert second[:len(first) + len(policy.ids)] == first + policy.ids
+    tool_turn = row["completion_turns"][1]
+    assert (tool_turn["role"], tool_turn["content"], tool_turn["sampled"]) == ("tool", "4", False)
+
+
+def test_a_request_refused_at_the_context_limit_leaves_the_episode_as_it_was(tokenizer):
+    [row] = run(tokenizer, ScriptedPolicy(tokenizer), "retries_shorter")
+    assert record(row)["state"] == {"agent_reward": 1.0, "requests": 3} and record(row)["sequences"] == 1
+    assert [(turn["content"], turn["sampled"]) for turn in row["completion_turns"]] == [
+        ("Hi there", True), ("short", False), ("Hi there", True)]
+
+
+def test_requests_past_max_requests_are_refused(tokenizer):
+    [row] = run(tokenizer, ScriptedPolicy(tokenizer), "greedy_asker", max_requests=2)
+    assert "429" in record(row)["state"]["episode_error"] and record(row)["turns"] == 2
+
+
+def test_a_rerun_samples_the_same_tokens(tokenizer):
+    def seeded(sequences, params, seed):  # a policy whose tokens are a function of its seed alone
+        draw = random.Random(seed)
+        ids = [draw.randrange(100, 1000) for _ in range(5)] + [tokenizer.eos_token_id]
+        return [(ids, [-1.0] * len(ids)) for _ in sequences]
+
+    first = run(tokenizer, seeded, "two_turns", group_size=2, seed=7)
+    again = run(tokenizer, seeded, "two_turns", group_size=2, seed=7)
+    other = run(tokenizer, seeded, "two_turns", group_size=2, seed=8)
+    assert [row["completion_ids"] for row in first] == [row["completion_ids"] for row in again]
+    assert first[0]["completion_ids"] != first[1]["completion_ids"]  # group members draw their own seeds
+    assert [row["completion_ids"] for row in first] != [row["completion_ids"] for row in other]
+
+
+def test_settings_name_the_agent_and_are_checked_without_importing_it():
+    with pytest.raises(ValueError, match="agent function 'example_agents:missing'"):
+        AgentSettings(import_path="example_agents:missing")
+    with pytest.raises(ValueError, match="bounded by max_requests"):
+        AgentSettings(import_path="example_agents:two_turns", max_turns=3)
+    config = load_config(RlConfig, ROOT / "configs/rl-agent-tiny.toml")
+    assert config.settings.envs[0].interaction.type == "agent"
+
+
+@pytest.mark.slow
+def test_a_two_step_run_with_an_agent_env(prefect_server, tmp_path):
+    from clirun import run_rollout
+
+    done = run_rollout("train", "rl", "--config", str(ROOT / "configs/rl-agent-tiny.toml"), "--max-steps", "2",
+                       "--set", f"run.store={tmp_path / 'store'}", PYTHONPATH=str(ROOT / "tests"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(json.loads(done.stdout)["reward_curve"]) == 2
+    metrics_file = tmp_path / "store/runs/rl-agent-tiny/metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for step in metrics:  # every episode's agent asked at least once and returned its reward
+        assert step["rollouts"] == 8 and step["agent_requests_mean"] >= 1 and step["agent_failures"] == 0
+        assert step["missing_rewards"] == 0 and step["agent_sequence_splits"] == 0
