@@ -35,7 +35,8 @@ class FakeJudges:
     """Replicas answering chat completions with "<verdict>\\n\\n7" (by host). `mode[url]`: "ok", "500", "400",
     "refuse". `hold`: completions wait until it is set (a threading.Event), so requests pile up in flight."""
 
-    def __init__(self, *urls: str):
+    def __init__(self, *urls: str, model: str = "judge-m"):
+        self.model = model
         self.mode = dict.fromkeys(urls, "ok")
         self.calls: Counter[str] = Counter()
         self.bodies: list[dict] = []
@@ -46,7 +47,7 @@ class FakeJudges:
         if self.mode[url] == "refuse":
             raise httpx.ConnectError("[Errno 111] Connection refused")
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "judge-m", "max_model_len": 512}]})
+            return httpx.Response(200, json={"data": [{"id": self.model, "max_model_len": 512}]})
         self.calls[url] += 1
         self.bodies.append(json.loads(request.content))
         if self.mode[url] == "500":
@@ -127,6 +128,64 @@ def test_the_router_fails_over_and_answers_errors_in_one_line_naming_the_setting
         not_json = httpx.post(f"http://{router.address}/v1/chat/completions", content=b"{oops", timeout=10)
         assert not_json.status_code == 400 and "is not JSON" in not_json.json()["error"]["message"]
         assert set(router.pool.outstanding.values()) == {0}
+    finally:
+        router.close()
+
+
+class FakeRewardModel:
+    """Pooling replicas answering `POST /classify` with one score per input, by host; `down` ones refuse."""
+
+    def __init__(self, *urls: str):
+        self.down: set[str] = set()
+        self.calls: Counter[str] = Counter()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}"
+        if url in self.down:
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "rm-m", "max_model_len": 128}]})
+        self.calls[url] += 1
+        inputs = json.loads(request.content)["input"]
+        return httpx.Response(200, json={"data": [{"index": i, "probs": [0.25]} for i, _ in enumerate(inputs)]})
+
+
+def test_one_address_serves_every_judge_and_reward_model_by_name_and_each_pool_fails_over():
+    """Seed 004: one `reward_router_address` over all of a run's reward servers. Two judges and a reward model, two
+    replicas each, behind one router; a replica of each goes down mid-way, and every request is still answered by
+    the model it named, none lost."""
+    C, D, E, F = "http://c.test", "http://d.test", "http://e.test", "http://f.test"
+    first, second, rm = FakeJudges(A, B), FakeJudges(C, D, model="judge-n"), FakeRewardModel(E, F)
+    pools = [EndpointPool(urls, name, session=HttpSession(transport=httpx.MockTransport(fake)), eject_after=1,
+                          probe_interval_s=3600)
+             for urls, name, fake in (([A, B], "judge-m", first), ([C, D], "judge-n", second), ([E, F], "rm-m", rm))]
+    router = PoolRouter(pools[0], where=WHERE).start()
+    router.add(pools[1], where="algorithm.rl.envs[1].rewards[0].judge")
+    router.add(pools[2], where="algorithm.rl.envs[0].rewards[1].reward_model")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        def ask(round_: int) -> list[httpx.Response]:
+            return [post(router, {**chat, "model": "judge-m"}), post(router, {**chat, "model": "judge-n"}),
+                    post(router, {"model": "rm-m", "input": [f"text {round_}", "more"]}, path="/classify")]
+
+        replies = [reply for round_ in range(3) for reply in ask(round_)]
+        first.mode[A], second.mode[D], rm.down = "refuse", "refuse", {E}  # one replica of each, mid-way
+        replies += [reply for round_ in range(3, 6) for reply in ask(round_)]
+        assert [r.status_code for r in replies] == [200] * 18  # nothing lost
+        assert {body["model"] for body in first.bodies} == {"judge-m"} and len(first.bodies) == 6
+        assert {body["model"] for body in second.bodies} == {"judge-n"} and len(second.bodies) == 6
+        assert sum(rm.calls.values()) == 6 and replies[2].json()["data"][1]["probs"] == [0.25]
+        assert first.calls[B] >= 3 and second.calls[C] >= 3 and rm.calls[F] >= 3  # the survivors took over
+        listed = httpx.get(f"http://{router.address}/v1/models", timeout=10).json()
+        assert [entry["id"] for entry in listed["data"]] == ["judge-m", "judge-n", "rm-m"]
+
+        unnamed = post(router, chat)  # verl's requests name none: with several models, say which there are
+        assert unnamed.status_code == 400
+        assert "serves 'judge-m', 'judge-n', 'rm-m': name one as the body's \"model\"" in \
+            unnamed.json()["error"]["message"]
+        unknown = post(router, {**chat, "model": "judge-x"})
+        assert unknown.status_code == 404 and "no model 'judge-x' here" in unknown.json()["error"]["message"]
+        assert all(set(pool.outstanding.values()) == {0} for pool in pools)
     finally:
         router.close()
 

@@ -89,10 +89,13 @@ class SyncJudgeClient:
     keeps the pool's guarantees (least outstanding, per-attempt timeouts, failover); the reward loop's `timeout_s`
     kills the worker, as for any sync function, so the HTTP call needs no timeout of its own."""
 
-    def __init__(self, router_address: str, max_tokens: int, temperature: float, where: str):
+    def __init__(self, router_address: str, max_tokens: int, temperature: float, where: str,
+                 model: str | None = None):
+        """`model`: the judge's served name, which the run's router (one address for every model) routes by."""
         self.server = RewardServer(router_address, where=where)
         self.max_tokens = max_tokens
         self.temperature = temperature
+        self.model = model
 
     def chat(self, messages: list[dict], *, max_tokens: int | None = None, temperature: float | None = None,
              seed: int | None = None) -> str:
@@ -102,6 +105,8 @@ class SyncJudgeClient:
                 "temperature": self.temperature if temperature is None else temperature}
         if seed is not None:
             body["seed"] = seed
+        if self.model is not None:
+            body["model"] = self.model
         try:
             response = _http_client().post(f"http://{self.server.router_address}/v1/chat/completions", json=body)
         except httpx.TransportError as exc:

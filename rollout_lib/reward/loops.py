@@ -75,8 +75,9 @@ class RewardLoops:
             return function
         if is_async_callable(function):  # kwargs are bound already (a partial)
             return WithJudge(function, self._judge_client(reward.judge, reward.judge_max_tokens, 0.0, where), {})
-        client = SyncJudgeClient(self._router(reward.judge, judge_where).address, reward.judge_max_tokens, 0.0,
-                                 judge_where)
+        router = self._router(reward.judge, judge_where)
+        model = self.served_models.pool(reward.judge, where=judge_where).model  # what the router routes by
+        client = SyncJudgeClient(router.address, reward.judge_max_tokens, 0.0, judge_where, model)
         return SyncWithJudge(function, client, {})
 
     def _router(self, judge, where: str):

@@ -1,11 +1,18 @@
-"""One served model's replica pool over HTTP: the address a user's reward function POSTs OpenAI-compatible requests
-to (verl's `reward_router_address`, seed 004), with the pool's guarantees.
+"""A run's served models' replica pools over HTTP, behind one address: the one a user's reward function POSTs
+OpenAI-compatible requests to (verl's `reward_router_address`, seed 004: one address over all of a run's reward
+servers), routed by the body's `"model"`, each with its pool's guarantees.
 
     router = PoolRouter(pool, where="algorithm.rl.envs[0].rewards[0].judge").start()
+    router.add(other_pool, where="algorithm.rl.envs[1].rewards[0].judge")   # another judge, a reward model
     router.address          # "127.0.0.1:PORT", verl's format: the function builds f"http://{address}/v1/..."
     router.close()
 
-It is the pool itself, not a second balancer: each request is `pool.call(...)`, so selection is least outstanding
+A body that names no model (verl's requests name none) goes to the one model the router serves; with several, it is
+refused in one line listing them. `GET /v1/models` lists every model; another GET (a body-less request) goes to
+the one model, or names them. Every model the run serves is a pool here: its judges, and its reward models on
+vLLM's pooling runner (`POST /classify` with their name).
+
+For each model it is the pool itself, not a second balancer: each request is `pool.call(...)`, so selection is least outstanding
 requests (counted together with the run's own calls to that model, the built-in judge's included), every attempt
 has the pool's timeout, a failed attempt moves to another replica, a replica rollout serves is restarted when none
 answers, and the in-flight count is released on every path (pool.py). Why not `vllm-router` (docs/serving.md):
@@ -45,9 +52,9 @@ START_TIMEOUT_S = 30.0
 
 class PoolRouter:
     def __init__(self, pool: EndpointPool, *, where: str):
-        """`where`: the setting whose model this is (every error the router answers names it)."""
-        self.pool = pool
-        self.where = where
+        """`pool`: the first model's; `where`: the setting whose model it is (an error about a model names its
+        setting). `add` serves more."""
+        self.pools: dict[str, tuple[EndpointPool, str]] = {pool.model: (pool, where)}
         # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and without it every reply
         # (headers, then body) waits ~40 ms for the client's delayed ACK.
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -66,8 +73,23 @@ class PoolRouter:
         """host:port, as verl hands it to compute_score."""
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def pool(self) -> EndpointPool:
+        """The pool of a router serving one model."""
+        (pool, _), = self.pools.values()
+        return pool
+
+    @property
+    def where(self) -> str:
+        return " / ".join(where for _, where in self.pools.values())
+
+    def add(self, pool: EndpointPool, *, where: str) -> "PoolRouter":
+        """Serve `pool`'s model too, under its served name (a name served already keeps its first pool)."""
+        self.pools.setdefault(pool.model, (pool, where))
+        return self
+
     def __repr__(self) -> str:
-        return f"PoolRouter({self.address}, {self.pool!r})"
+        return f"PoolRouter({self.address}, {[pool for pool, _ in self.pools.values()]!r})"
 
     def start(self) -> "PoolRouter":
         """Serve from a daemon thread; returns once the server accepts connections (raises, naming the setting, if it
@@ -110,20 +132,44 @@ class PoolRouter:
                 return self._error(400, f"the request body is a JSON {type(body).__name__}, not an object")
             if body.get("stream"):
                 return self._error(400, "streaming is not supported: send the request without \"stream\"")
-            body.setdefault("model", self.pool.model)
+        elif path == "/v1/models" and len(self.pools) > 1:
+            return await self._models()
+        named = body.get("model") if body is not None else None
+        if named is None and len(self.pools) > 1:
+            return self._error(400, f"this address serves {self._names()}: name one as the body's \"model\"")
+        if named is not None and named not in self.pools:
+            return self._error(404, f"no model {named!r} here: it serves {self._names()}")
+        pool, where = self.pools[named] if named is not None else next(iter(self.pools.values()))
+        if body is not None:
+            body.setdefault("model", pool.model)
         try:
-            reply = await self.pool.call(lambda replica: replica.request(request.method, path, body))
+            reply = await pool.call(lambda replica: replica.request(request.method, path, body))
         except RequestRejected as exc:
-            return self._error(exc.status, str(exc))
+            return self._error(exc.status, str(exc), pool, where)
         except PoolUnavailable as exc:
-            return self._error(503, str(exc))
+            return self._error(503, str(exc), pool, where)
         except ServingError as exc:  # a reply that is not JSON, or of the wrong shape
-            return self._error(502, str(exc))
+            return self._error(502, str(exc), pool, where)
         except Exception as exc:  # noqa: BLE001 - the caller gets one line, not a dropped connection
-            log.exception("reward router of %s", self.where)
-            return self._error(500, f"{type(exc).__name__}: {exc}")
+            log.exception("reward router of %s", where)
+            return self._error(500, f"{type(exc).__name__}: {exc}", pool, where)
         return JSONResponse(reply)
 
-    def _error(self, status: int, message: str) -> JSONResponse:
-        line = " ".join(f"reward router of {self.where} (model {self.pool.model!r}): {message}".split())
+    async def _models(self) -> JSONResponse:
+        """Every model's own /v1/models entry (max_model_len and all), in the order they were added."""
+        data = []
+        for pool, _ in self.pools.values():
+            listed = await pool.call(lambda replica: replica.request("GET", "/v1/models", None))
+            data.extend(entry for entry in listed.get("data", []) if entry.get("id") == pool.model)
+        return JSONResponse({"object": "list", "data": data})
+
+    def _names(self) -> str:
+        return ", ".join(repr(name) for name in self.pools)
+
+    def _error(self, status: int, message: str, pool: EndpointPool | None = None, where: str | None = None
+               ) -> JSONResponse:
+        if pool is None and len(self.pools) == 1:  # before routing: the one model it serves
+            pool, where = next(iter(self.pools.values()))
+        about = f"{where} (model {pool.model!r})" if pool is not None else self.where
+        line = " ".join(f"reward router of {about}: {message}".split())
         return JSONResponse({"error": {"message": line, "code": status}}, status_code=status)

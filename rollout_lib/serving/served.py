@@ -58,7 +58,8 @@ class ServedModels:
         self._started: list[str] = []  # deployments this object started, stopped by close()
         self._lock = threading.Lock()  # tasks may run in threads of one flow process
         self._policy_servers: dict[bytes, PolicyServer] = {}
-        self._routers: dict[bytes, PoolRouter] = {}  # per frozen model a reward function reaches over HTTP
+        self._router: PoolRouter | None = None  # every model a reward function reaches over HTTP, one address
+        self._routable: list[tuple[EndpointPool, str]] = []  # what the router serves, or will once it starts
 
     def pool(self, frozen: ExternalModel | ServedModel, *, tokenizer=None, where: str) -> EndpointPool:
         """The started pool of `frozen` (connecting on first use); `tokenizer`: the policy's, checked once."""
@@ -77,16 +78,27 @@ class ServedModels:
             return pool
 
     def router(self, frozen: ExternalModel | ServedModel, *, where: str) -> PoolRouter:
-        """The HTTP router in front of `frozen`'s pool (serving/router.py: one address for every replica, with the
-        pool's guarantees), started on first use on 127.0.0.1 and stopped at close(). `where` names the setting in
-        the router's errors (the first to ask: later ones share it)."""
-        pool = self.pool(frozen, where=where)
-        key = canonical_json(frozen.model_dump(mode="json"))
+        """The run's one HTTP router (serving/router.py: one address for every replica of every model a reward
+        function reaches, routed by model name, with each pool's guarantees), serving `frozen`'s pool from now on;
+        started on first use on 127.0.0.1 and stopped at close(). `where` names the setting in the errors about
+        that model (the first to ask: later ones share it)."""
+        return self._routed(self.pool(frozen, where=where), where)
+
+    def _routed(self, pool: EndpointPool, where: str) -> PoolRouter:
         with self._lock:
-            router = self._routers.get(key)
-            if router is None or not router.alive():
-                router = self._routers[key] = PoolRouter(pool, where=where).start()
-            return router
+            if all(known is not pool for known, _ in self._routable):
+                self._routable.append((pool, where))
+            if self._router is None or not self._router.alive():
+                self._router = PoolRouter(pool, where=where).start()
+            for routable, routable_where in self._routable:  # the reward models served so far too
+                self._router.add(routable, where=routable_where)
+            return self._router
+
+    def _routable_too(self, pool: EndpointPool, where: str) -> None:
+        """A reward model's pool: behind the run's router as well (its /classify by name), now or once it starts."""
+        self._routable.append((pool, where))
+        if self._router is not None:
+            self._router.add(pool, where=where)
 
     def connect(self, frozen: ExternalModel | ServedModel, *, tokenizer, where: str) -> str:
         """Connect `frozen` now (serving it if rollout is to) and check its tokenizer; returns what it connected."""
@@ -109,6 +121,7 @@ class ServedModels:
                 asyncio.run(pool.start())
                 self._pools[key] = pool
                 self.described[key] = f"reward model {deployment.name!r} at {', '.join(deployment.base_urls)}"
+                self._routable_too(pool, where)
             return pool
 
     def reward_model_at(self, reference, base_url: Sequence[str], served_name: str | None, *, tokenizer,
@@ -126,6 +139,7 @@ class ServedModels:
                     raise ConfigError([(where, str(exc))]) from None
                 self._pools[key] = pool
                 self.described[key] = f"reward model {pool.model!r} at {pool.url_list}"
+                self._routable_too(pool, where)
             return pool
 
     def policy_server(self, base_model, *, replicas: int = 1, max_model_len: int | None = None,
@@ -216,9 +230,10 @@ class ServedModels:
     def close(self) -> None:
         """Close every pool; stop the deployments this object started."""
         with self._lock:
-            for router in self._routers.values():  # first: they send through the pools
-                router.close()
-            self._routers.clear()
+            if self._router is not None:  # first: it sends through the pools
+                self._router.close()
+                self._router = None
+            self._routable.clear()
             for pool in self._pools.values():
                 asyncio.run(pool.aclose())
             self._pools.clear()
