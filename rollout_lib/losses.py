@@ -16,7 +16,8 @@ micro-batch). Each component has its own denominator so components never dilute 
 tokens do not shrink the rl term's per-token step), and dividing by the step-global count makes gradient
 accumulation over micro-batches equal the one-big-batch gradient.
 
-The rl component: DPPO-Binary-TV trust-region mask + a k2 KL regulariser (prime-rl's default "DPPO+KL" loss).
+The rl component: DPPO-Binary-TV trust-region mask + a k2 KL regulariser (prime-rl's default "DPPO+KL" loss), the
+`type = "default"` of the rl loss menu (rollout_lib/rl_losses: gspo, cispo, each its own module).
     r_t = exp(logp_t - logp_inf_t);  keep_t = not (A_t > 0 and p_t - p_inf_t > eps_high)
                                                  and not (A_t <= 0 and p_t - p_inf_t < -eps_low)
     loss_t = w_t · ( -keep_t · r_t · A_t  +  kl_coef · ½ (logp_t - logp_inf_t)² )

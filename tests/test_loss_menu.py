@@ -330,3 +330,16 @@ def test_rl_tiny_trains_two_steps_with_each_menu_loss(prefect_server, tmp_path, 
     assert done.returncode == 0, done.stderr[-3000:]
     result = final_result(done)
     assert len(result["reward_curve"]) == 2 and result["checkpoint"]
+
+
+@pytest.mark.slow
+def test_gspo_with_a_constant_normaliser_trains_on_two_ranks_what_one_trains(tmp_path):
+    """The numerator / (C · sequences) scheme through real data parallelism (2 torchrun ranks, gloo): rl_sequences
+    is summed over the ranks like every N_c, so the step is the one-process step within float rounding."""
+    from test_rl_data_parallel import assert_same_training, run_in_process
+
+    menu = ("algorithm.rl.loss.type=gspo", "algorithm.rl.loss.normalizer={ constant = 16 }")
+    one = run_in_process(str(tmp_path / "one"), 1, 2, *menu)
+    two = run_in_process(str(tmp_path / "two"), 2, 2, *menu)
+    assert all(m["micro_batches"] > 2 for m in one["history"])  # both ranks had real micro-batches
+    assert_same_training(one, two)
