@@ -343,3 +343,39 @@ def test_gspo_with_a_constant_normaliser_trains_on_two_ranks_what_one_trains(tmp
     two = run_in_process(str(tmp_path / "two"), 2, 2, *menu)
     assert all(m["micro_batches"] > 2 for m in one["history"])  # both ranks had real micro-batches
     assert_same_training(one, two)
+
+
+@pytest.mark.slow
+def test_a_run_records_a_skipped_step_and_goes_on(prefect_server, tmp_path, monkeypatch):
+    """The guard through the flow: step 2's loss is made non-finite (as an impossible behaviour logprob makes it);
+    the run skips it, records it, logs it and trains step 3."""
+    from clirun import train_in_process
+
+    import rollout_lib.trainer.causal as causal
+    from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.store import ObjectStore
+
+    real_train, trained = causal.train_on_micro_batches, {"steps": 0}
+
+    def counting_steps(*args, **kwargs):
+        trained["steps"] += 1
+        return real_train(*args, **kwargs)
+
+    def poisoned_second_step(logprobs, streams, counts, **kwargs):
+        loss, metrics = component_loss(logprobs, streams, counts, **kwargs)
+        if trained["steps"] != 2:
+            return loss, metrics
+        return loss * math.inf, {**metrics, "loss/total": math.inf}
+
+    monkeypatch.setattr(causal, "component_loss", poisoned_second_step)
+    monkeypatch.setattr(causal, "train_on_micro_batches", counting_steps)
+    store = str(tmp_path / "store")
+    result = train_in_process("train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps", "3",
+                              "--set", f"run.store={store}", "--set", "run.name=guarded")
+    steps = [record for record in read_metrics(ObjectStore(store), "guarded") if record["step"] > 0]
+    assert [record.get("skipped_nonfinite") for record in steps] == [None, 1, None]
+    # The skipped step keeps only its finite numbers (neither its loss nor its gradient norm was: the step's log
+    # line says "skipped"); the others trained.
+    assert "loss" not in steps[1] and "grad_norm" not in steps[1]
+    assert all(record["grad_norm"] > 0 and math.isfinite(record["loss"]) for record in (steps[0], steps[2]))
+    assert len(result["reward_curve"]) == 3

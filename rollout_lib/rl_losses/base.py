@@ -63,8 +63,6 @@ class RlLoss:
 
     type_name: ClassVar[str]
     settings_class: ClassVar[type[LossSettings]]
-    # GSPO reads each token's sequence; the trainer passes `sequence_ids` to every loss, this says it is required.
-    needs_sequences: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,6 +76,8 @@ class RlLoss:
 
     def terms(self, logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, weights: Tensor, *,
               sequence_ids: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """(Σ_t w_t · loss_t, metrics) over one micro-batch's flat per-token tensors; `sequence_ids`: each token's
+        packed sequence (None where the caller has no sequence boundaries)."""
         raise NotImplementedError
 
 

@@ -48,7 +48,6 @@ class GspoSettings(EpsSettings):
 class Gspo(RlLoss):
     type_name = "gspo"
     settings_class = GspoSettings
-    needs_sequences = True
 
     def terms(self, logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, weights: Tensor, *,
               sequence_ids: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
