@@ -214,8 +214,10 @@ class RlSteps:
         metrics.update(self._held_out(step, [future.result() for future in evaluating]))
         self.history.append(metrics)
         step_events.publish(step, metrics)
-        self.logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %.4f, %s", step, metrics["reward_mean"],
-                         metrics["reward_std"], metrics["missing_rewards"], metrics["loss"],
+        # A step the finite-gradient guard skipped has no finite loss (trainer/nonfinite.py).
+        loss = "skipped (non-finite)" if metrics.get("skipped_nonfinite") else f"{metrics['loss']:.4f}"
+        self.logger.info("step %d: reward %.3f (std %.3f, %d missing), loss %s, %s", step, metrics["reward_mean"],
+                         metrics["reward_std"], metrics["missing_rewards"], loss,
                          " ".join(f"{name[:-2]} {metrics[name]:.2f}s" for name in STAGE_TIMES if name in metrics))
         if checkpoint:  # the segment's line, as train-rm's and train-sft's: one step's reward is a few prompts' worth
             segment = [m for m in self.history if m["step"] >= self.segment_first]

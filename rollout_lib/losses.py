@@ -16,7 +16,8 @@ micro-batch). Each component has its own denominator so components never dilute 
 tokens do not shrink the rl term's per-token step), and dividing by the step-global count makes gradient
 accumulation over micro-batches equal the one-big-batch gradient.
 
-The rl component: DPPO-Binary-TV trust-region mask + a k2 KL regulariser (prime-rl's default "DPPO+KL" loss).
+The rl component: DPPO-Binary-TV trust-region mask + a k2 KL regulariser (prime-rl's default "DPPO+KL" loss), the
+`type = "default"` of the rl loss menu (rollout_lib/rl_losses: gspo, cispo, each its own module).
     r_t = exp(logp_t - logp_inf_t);  keep_t = not (A_t > 0 and p_t - p_inf_t > eps_high)
                                                  and not (A_t <= 0 and p_t - p_inf_t < -eps_low)
     loss_t = w_t · ( -keep_t · r_t · A_t  +  kl_coef · ½ (logp_t - logp_inf_t)² )
@@ -58,6 +59,7 @@ below; value and gradient are zero when the reference is the policy and the samp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -162,14 +164,16 @@ def rl_loss_terms(
     eps_low: float = DEFAULT_EPS_LOW,
     eps_high: float = DEFAULT_EPS_HIGH,
     kl_coef: float = DEFAULT_KL_COEF,
+    max_ratio: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """rl numerator: Σ_t w_t (-keep_t · r_t · A_t + kl_coef · ½ log² r_t), r_t = exp(logp_t - logp_inf_t).
 
     keep_t drops a token whose probability moved past the trust region in its advantage's direction
-    (A > 0: p - p_inf > eps_high; A <= 0: p - p_inf < -eps_low). See the module docstring for why.
+    (A > 0: p - p_inf > eps_high; A <= 0: p - p_inf < -eps_low). See the module docstring for why. `max_ratio`:
+    r_t above it counts as max_ratio, without gradient (`capped`); None: no ceiling.
     """
     log_ratio = logprobs - inference_logprobs
-    ratio = torch.exp(log_ratio)
+    ratio = capped(torch.exp(log_ratio), max_ratio)
     member = weights != 0
 
     with torch.no_grad():
@@ -195,7 +199,15 @@ def rl_loss_terms(
             # far the trainer has drifted from the sampler (off-policyness plus trainer/inference mismatch).
             "mismatch_kl": _mean_over(ratio - 1 - log_ratio, member),
         }
+        if max_ratio is not None:  # only then: the default's metrics (in checkpoint manifests) stay as they were
+            metrics["capped_fraction"] = _mean_over((log_ratio > math.log(max_ratio)).float(), member)
     return numerator, metrics
+
+
+def capped(ratio: Tensor, max_ratio: float | None) -> Tensor:
+    """`ratio` with values above `max_ratio` set to it; those carry no gradient (clamp's), so a wild ratio (a stale
+    or mismatched behaviour logprob) can dominate neither the step's value nor its update. None: `ratio` as it is."""
+    return ratio if max_ratio is None else ratio.clamp(max=max_ratio)
 
 
 RL_LOSS_WHAT = "rl loss function"
@@ -287,6 +299,28 @@ def count_component_tokens(*micro_batches: Mapping[str, Tensor]) -> dict[str, in
     return counts
 
 
+def count_rl_sequences(*micro_batches: Mapping[str, Tensor]) -> int:
+    """Packed sequences with at least one rl token, summed over the given micro-batches: the `rl_sequences` count a
+    constant rl normaliser (Dr. GRPO) divides by, C · rl_sequences. Streams without `sequence_lengths` are one
+    sequence."""
+    total = 0
+    for streams in micro_batches:
+        rl = _component_masks(streams)["rl"]
+        if "sequence_lengths" not in streams:
+            total += int(bool(rl.any()))
+            continue
+        sequence_ids = sequence_ids_of(streams["sequence_lengths"], rl.device)
+        total += int(torch.unique(sequence_ids[rl]).numel())
+    return total
+
+
+def sequence_ids_of(sequence_lengths: Tensor, device: torch.device | None = None) -> Tensor:
+    """[T] index of each token's packed sequence, from a micro-batch's `sequence_lengths` (streams are flat in
+    packed order for both layouts, packing.collate_micro_batch)."""
+    lengths = sequence_lengths.to(device=device, dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+
+
 def loss_tokens(streams: Mapping[str, Tensor]) -> Tensor:
     """[T] bool: the tokens some component trains on, the only ones whose logprobs the loss reads."""
     masks = _component_masks(streams)
@@ -303,20 +337,30 @@ def component_loss(
     kl_coef: float = DEFAULT_KL_COEF,
     ref_kl_eps_low: float = DEFAULT_REF_KL_EPS_LOW,
     ref_kl_kl_coef: float = DEFAULT_REF_KL_KL_COEF,
-    rl_loss: Callable[..., Any] | None = None,
+    rl_loss: Callable[..., Any] | Any | None = None,
+    rl_normalizer: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """loss = Σ_c numerator_c / N_c over c ∈ {rl, ce, ref_kl}; N_c is step-global, so micro-batch losses add up.
 
     rl weights are `(loss_mask & rl_weights != 0) · rl_weights`; ce and ref_kl weights apply as they are. The
-    keyword settings are the rl and ref_kl components' (config: RlLossSettings); `rl_loss`: a user's rl numerator
-    in place of rl_loss_terms (custom_rl_terms).
+    keyword settings are the rl and ref_kl components' (config: RlLossSettings); `rl_loss`: the rl numerator in
+    place of rl_loss_terms, a registered loss (rollout_lib.rl_losses: an object with `terms`, given each token's
+    sequence from `streams["sequence_lengths"]`) or a user's function (custom_rl_terms). `rl_normalizer` C: N_rl =
+    C · token_counts["rl_sequences"] (count_rl_sequences) instead of the rl token count (Dr. GRPO).
     """
     _check_streams(logprobs, streams)
+    sequence_lengths = streams.get("sequence_lengths")
     # Streams take logprobs' dtype: pass float32 logprobs (ratios of bf16 logprobs are too coarse for the mask).
     streams = {key: streams[key].to(device=logprobs.device) for key in STREAM_KEYS}
     masks = _component_masks(streams)
     weights = {c: torch.where(masks[c], streams[f"{c}_weights"].to(logprobs.dtype), 0.0) for c in COMPONENTS}
 
+    denominators = dict(token_counts)
+    if rl_normalizer is not None:
+        if "rl_sequences" not in token_counts:
+            raise KeyError("a constant rl normaliser divides by C · token_counts['rl_sequences']: count them over "
+                           "every micro-batch of the step (count_rl_sequences)")
+        denominators["rl"] = rl_normalizer * token_counts["rl_sequences"]
     for component in COMPONENTS:
         local = int(masks[component].sum())
         if local > token_counts.get(component, 0):
@@ -338,7 +382,11 @@ def component_loss(
     if bool(on_policy.any()):
         inference_logprobs = torch.where(on_policy, logprobs.detach(), inference_logprobs)
     numerators: dict[str, tuple[Tensor, dict[str, float]]] = {}
-    if token_counts.get("rl", 0) and rl_loss is not None:
+    if token_counts.get("rl", 0) and hasattr(rl_loss, "terms"):
+        sequence_ids = None if sequence_lengths is None else sequence_ids_of(sequence_lengths, logprobs.device)
+        numerators["rl"] = rl_loss.terms(logprobs, inference_logprobs, streams["advantages"].to(logprobs.dtype),
+                                         weights["rl"], sequence_ids=sequence_ids)
+    elif token_counts.get("rl", 0) and rl_loss is not None:
         numerators["rl"] = custom_rl_terms(rl_loss, logprobs, inference_logprobs,
                                            streams["advantages"].to(logprobs.dtype), weights["rl"])
     elif token_counts.get("rl", 0):
@@ -355,7 +403,7 @@ def component_loss(
         )
 
     for component, (numerator, component_metrics) in numerators.items():
-        contribution = numerator / token_counts[component]
+        contribution = numerator / denominators[component]
         loss = loss + contribution
         metrics[f"loss/{component}"] = contribution.detach().item()
         metrics.update({f"{component}/{name}": value for name, value in component_metrics.items()})

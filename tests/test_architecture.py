@@ -14,7 +14,7 @@ PACKAGE = ROOT / "rollout_lib"
 FLOORS = {
     0: {"__init__", "wire", "store", "store_gc", "paths", "errors", "settings_base", "determinism", "hardware",
         "checkpoint", "processes", "step_events", "digests", "adapters"},
-    1: {"model", "packing", "losses", "data"},
+    1: {"model", "packing", "losses", "rl_losses", "data"},
     2: {"algo", "envs", "sampling", "reward", "serving"},
     3: {"config"},
     4: {"identity", "trainer", "sft", "rm", "rl", "runlog", "plan"},

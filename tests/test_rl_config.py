@@ -266,4 +266,6 @@ def test_a_custom_rl_loss_is_named_by_import_path_checked_at_plan_time_and_keyed
     module.write_text(module.read_text().replace("* scale", "* scale * 0.5"))
     assert training_hash(validate_config(RlConfig, with_loss({"type": "custom", "import_path": "my_rl_loss:loss",
                                                               "kwargs": {"scale": 2.0}}))) != before
-    assert "rl_loss" in custom.settings.loss_kwargs() and "rl_loss" not in default.settings.loss_kwargs()
+    # The user's function with its kwargs bound; the default is the registered DPPO+k2 loss.
+    assert custom.settings.loss_kwargs()["rl_loss"].keywords == {"scale": 2.0}
+    assert default.settings.loss_kwargs()["rl_loss"].type_name == "default"

@@ -3,7 +3,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
 
     [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval, zero_advantage_filter,
                               chat_template (a .jinja file framing the policy's conversations instead of its own)
-    [algorithm.rl.optimizer]  / .budget / .loss (the rl component's trust region and KL) / .reward_loop / .hardware
+    [algorithm.rl.optimizer]  / .budget / .loss (the rl component's loss: type = "default" | "gspo" | "cispo" |
+                              "custom", its knobs, the normaliser, the guards) / .reward_loop / .hardware
     [algorithm.rl.collapse]   action = "warn" | "fail" | "off", patience, zero_advantage_fraction, min_entropy: the
                               collapse guard (rl/collapse.py), outside the training identity
     [algorithm.rl.policy_sampler]  how the live policy samples: { type = "hf", batch_size } (embedded transformers)
@@ -54,14 +55,9 @@ from rollout_lib.config.common import (
     OptimizerSettings,
     StrictModel,
 )
-from rollout_lib.losses import (
-    DEFAULT_EPS_HIGH,
-    DEFAULT_EPS_LOW,
-    DEFAULT_KL_COEF,
-    DEFAULT_REF_KL_EPS_LOW,
-    DEFAULT_REF_KL_KL_COEF,
-    RL_LOSS_WHAT,
-)
+from rollout_lib.losses import RL_LOSS_WHAT
+from rollout_lib.rl_losses import build_rl_loss, rl_loss_settings_types
+from rollout_lib.rl_losses.default import DefaultLossSettings
 from rollout_lib.reward.locate import check_reference, import_reference, module_source_digest
 from rollout_lib.reward.settings import (
     RewardFunctionSettings,
@@ -208,36 +204,32 @@ class EnvSettings(StrictModel):
         return self.sampling.model_copy(update={"temperature": 0.0, "group_size": 1})
 
 
-class RlLossSettings(StrictModel):
-    """The knobs of the rl component (losses.rl_loss_terms: DPPO trust region in probability space and k2 KL) and
-    of the ref_kl component (losses.ref_kl_loss_terms: its one-sided, low-side trust region and k2 KL).
-
-    `type = "custom"` (seed 002's `[trainer.loss] type = "custom"`): the rl component's numerator is a user
+class CustomLossSettings(DefaultLossSettings):
+    """`type = "custom"` (seed 002's `[trainer.loss] type = "custom"`): the rl component's numerator is a user
     function named by `import_path`, called with `kwargs` (losses.custom_rl_terms states its contract); eps_low,
-    eps_high and kl_coef then do not apply to it, the ref_kl knobs still do. "default" adds nothing to the dump, so
-    identities from before the setting stay."""
+    eps_high and kl_coef then do not apply to it (they stay in its dump, as before the loss menu), the ref_kl knobs
+    and the normaliser still do. Located here, not in rollout_lib.rl_losses: it is found by import path."""
 
-    type: Literal["default", "custom"] = Field("default", exclude_if=lambda value: value == "default")
-    import_path: str | None = Field(None, min_length=1, exclude_if=lambda value: value is None)
+    type: Literal["custom"]
+    import_path: str | None = Field(None, min_length=1)
     kwargs: dict[str, Any] = Field(default_factory=dict, exclude_if=lambda value: not value)
-    eps_low: float = Field(DEFAULT_EPS_LOW, gt=0, le=1)
-    eps_high: float = Field(DEFAULT_EPS_HIGH, gt=0, le=1)
-    kl_coef: float = Field(DEFAULT_KL_COEF, ge=0)
-    ref_kl_eps_low: float = Field(DEFAULT_REF_KL_EPS_LOW, gt=0, le=1)
-    ref_kl_kl_coef: float = Field(DEFAULT_REF_KL_KL_COEF, ge=0)
 
     @model_validator(mode="after")
-    def _custom_names_its_function(self) -> "RlLossSettings":
-        if self.type == "custom":
-            if self.import_path is None:
-                raise ValueError('type = "custom" needs import_path = "package.module:function"')
-            check_reference(self.import_path, self.kwargs, what=RL_LOSS_WHAT)  # found, never run
-        elif self.import_path is not None or self.kwargs:
-            raise ValueError('import_path and kwargs are for type = "custom"')
+    def _custom_names_its_function(self) -> "CustomLossSettings":
+        if self.import_path is None:
+            raise ValueError('type = "custom" needs import_path = "package.module:function"')
+        if self.max_ratio is not None:
+            raise ValueError('max_ratio caps the built-in losses\' ratio; a custom loss caps its own (kwargs)')
+        check_reference(self.import_path, self.kwargs, what=RL_LOSS_WHAT)  # found, never run
         return self
 
     def user_modules(self) -> tuple[str, ...]:
-        return (self.import_path.partition(":")[0],) if self.type == "custom" else ()
+        return (self.import_path.partition(":")[0],)
+
+
+# The rl component's loss (rollout_lib/rl_losses: default, gspo, cispo; custom), picked by `type`, "default" when
+# none is named; every variant also holds the ref_kl component's knobs and the shared guards (rl_losses/base.py).
+RlLossSettings = tagged_union((*rl_loss_settings_types(), CustomLossSettings), "loss", default="default")
 
 
 class CollapseSettings(StrictModel):
@@ -270,7 +262,7 @@ class RlSettings(StrictModel):
     checkpoint_interval: int = Field(10, ge=1)  # a snapshot every N steps (and at the last step)
     optimizer: OptimizerSettings
     budget: BudgetSettings
-    loss: RlLossSettings = RlLossSettings()
+    loss: RlLossSettings = DefaultLossSettings()
     policy_sampler: SamplerChoice = Field(default_factory=lambda: sampler_settings_types()[0]())
     # Step n trains on rollouts sampled from the policy of step n-1-k (the initial policy while that is < 0), so
     # step n+1 samples while step n trains (docs/serving.md, "Off-policy steps"). 0: the synchronous loop.
@@ -350,12 +342,14 @@ class RlSettings(StrictModel):
         return self.packing
 
     def loss_kwargs(self) -> dict:
-        """Settings of the rl and ref_kl loss components, as `losses.component_loss` takes them (with a custom rl
-        loss: the user's function, imported here, where the step runs, with its kwargs bound)."""
-        settings = self.loss.model_dump(exclude={"type", "import_path", "kwargs"})
-        if self.loss.type == "custom":
-            settings["rl_loss"] = _custom_rl_loss(self.loss.import_path, canonical_json(self.loss.kwargs))
-        return settings
+        """Settings of the rl and ref_kl loss components, as `losses.component_loss` takes them: the rl loss (a
+        registered one, rollout_lib/rl_losses, or with a custom rl loss the user's function, imported here, where
+        the step runs, with its kwargs bound), the ref_kl knobs and the rl normaliser."""
+        loss = self.loss
+        rl_loss = (_custom_rl_loss(loss.import_path, canonical_json(loss.kwargs)) if loss.type == "custom"
+                   else build_rl_loss(loss))
+        return {"rl_loss": rl_loss, "ref_kl_eps_low": loss.ref_kl_eps_low, "ref_kl_kl_coef": loss.ref_kl_kl_coef,
+                "rl_normalizer": loss.normalizer_constant()}
 
 
 class RlAlgorithm(StrictModel):
@@ -441,6 +435,9 @@ class RlConfig(EntryPointConfig):
             settings["behaviour_logprobs"] = self.settings.behaviour_logprobs_source
         if not settings["max_off_policy_steps"]:
             settings.pop("max_off_policy_steps")
+        # Whether a run stops after non-finite steps, never what a step that runs trains (a skipped step is skipped
+        # whatever the limit).
+        settings["loss"].pop("max_nonfinite_steps")
         if self.settings.loss.type == "custom":  # the function's source decides the weights as much as its name
             settings["loss"]["source"] = module_source_digest(self.settings.loss.user_modules()[0])
         if self.settings.chat_template is not None:  # the template's content, not where this checkout keeps it

@@ -16,9 +16,11 @@ the step, not an average of micro-batch means. Then gradients are clipped and th
 
 The step knows no algorithm: the per-token weight streams decide which tokens train which component (SFT ships
 ce_weights, RL algorithms rl_weights / ref_kl_weights). A NaN/inf loss or gradient norm raises before the
-optimizer steps, so the weights are untouched. A micro-batch with no token in any component still runs forward
-and backward, on a graph-attached zero (a zero-gradient no-op): with data parallelism every rank must issue the
-same collectives, whatever its micro-batches hold. A step with no token at all does not move the optimizer.
+optimizer steps, so the weights are untouched; with `skip_nonfinite` (RL) the step is skipped instead, counted by
+the trainer's NonFiniteGuard (trainer/nonfinite.py), which fails the run after `loss.max_nonfinite_steps` in a row.
+A micro-batch with no token in any component still runs forward and backward, on a graph-attached zero (a
+zero-gradient no-op): with data parallelism every rank must issue the same collectives, whatever its micro-batches
+hold. A step with no token at all does not move the optimizer.
 The caller sets the learning rate and seeds the RNG (dropout) before calling.
 """
 
@@ -32,7 +34,7 @@ import pyarrow as pa
 import torch
 
 from rollout_lib import wire
-from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens, loss_tokens
+from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens, count_rl_sequences, loss_tokens
 from rollout_lib.model.chat import use_chat_template
 from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
 from rollout_lib.model.packed_attention import use_packed_attention
@@ -41,6 +43,7 @@ from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs, adapted
 from rollout_lib.trainer.data_parallel import DataParallel
 from rollout_lib.hardware import hardware_of_config, place_model
+from rollout_lib.trainer.nonfinite import NonFiniteGuard, finite_metrics, first_nonfinite_gradient
 from rollout_lib.trainer.optim import build_optimizer, clip_gradients
 from rollout_lib.trainer.sharding import is_sharded
 
@@ -55,6 +58,7 @@ def train_on_micro_batches(
     max_grad_norm: float | None,
     loss_kwargs: dict | None = None,
     data_parallel: DataParallel | None = None,
+    skip_nonfinite: bool = False,
 ) -> dict[str, float]:
     """One optimizer step over `micro_batches`; returns its metrics. `loss_kwargs`: the rl and ref_kl components'
     settings (`losses.component_loss`). `data_parallel`: this process is one rank of several; it trains its share
@@ -66,6 +70,10 @@ def train_on_micro_batches(
     (real tokens run through the model), `positions` (including padding), `nonpad_fraction`, `micro_batches`
     (trained) and `tokens_per_s` (real tokens per second of forward, backward and optimizer step); a data-parallel
     filler counts in none of them.
+
+    `skip_nonfinite`: a non-finite loss or gradient skips the optimizer step instead of raising; the metrics then
+    hold `skipped_nonfinite = 1` and `nonfinite_tensor` (the first non-finite tensor's name, a str), and only their
+    finite numbers. Every rank skips together (the decision is summed over the ranks).
     """
     started = time.perf_counter()
     check_micro_batches(micro_batches)
@@ -81,12 +89,18 @@ def train_on_micro_batches(
     counts = {c: sum(local[c] for local in local_counts) for c in COMPONENTS}
     if data_parallel is not None:
         counts = data_parallel.sum_counts(counts)
+    if (loss_kwargs or {}).get("rl_normalizer") is not None:  # Dr. GRPO: N_rl = C · the step's rl sequences
+        sequences = count_rl_sequences(*batches)
+        if data_parallel is not None:
+            sequences = int(data_parallel.sum_numbers({"rl_sequences": sequences})["rl_sequences"])
+        counts = {**counts, "rl_sequences": sequences}
 
     metrics: dict[str, float] = {"loss": 0.0, **{f"loss/{c}": 0.0 for c in COMPONENTS},
                                  **{f"tokens/{c}": counts[c] for c in COMPONENTS}}
     weighted: dict[str, float] = {}  # component diagnostics, summed with their micro-batch's token count
     tokens = positions = ran = 0
     grad_norm = 0.0
+    nonfinite: str | None = None  # the first non-finite tensor of this step (skip_nonfinite)
     if not model.training:  # a no-op walk over every module costs ~1 ms a step on a tiny model
         model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -95,8 +109,11 @@ def train_on_micro_batches(
             logprobs = token_logprobs(model, batch, needed=loss_tokens(batch))  # no logits for prompt tokens
             loss, parts = component_loss(logprobs, batch, counts, **(loss_kwargs or {}))
             if not torch.isfinite(loss):
-                raise NonFiniteLossError(f"micro-batch {index}: loss is {loss.item()} (non-finite); "
-                                         "weights not updated")
+                if not skip_nonfinite:
+                    raise NonFiniteLossError(f"micro-batch {index}: loss is {loss.item()} (non-finite); "
+                                             "weights not updated")
+                # Still backward: every rank must issue the same collectives; the step is skipped below.
+                nonfinite = nonfinite or f"loss of micro-batch {index} ({loss.item()})"
             loss.backward()
             if index < real:  # a filler's forward and backward are not work the step asked for
                 ran += 1
@@ -113,10 +130,13 @@ def train_on_micro_batches(
             if data_parallel is not None and not is_sharded(model):  # FSDP reduce-scattered them in backward
                 data_parallel.sum_gradients(model.parameters())
             grad_norm = clip_gradients(model.parameters(), max_grad_norm)
-            if not torch.isfinite(grad_norm):
+            if not torch.isfinite(grad_norm) and not skip_nonfinite:
                 raise NonFiniteLossError(f"gradient norm is {grad_norm.item()}; weights not updated")
+            if skip_nonfinite:
+                nonfinite = _skip_decision(model, nonfinite, grad_norm, data_parallel)
             grad_norm = grad_norm.item()
-            optimizer.step()
+            if nonfinite is None:
+                optimizer.step()
     finally:
         # On success the gradients are spent; on failure none may leak into the next attempt.
         optimizer.zero_grad(set_to_none=True)
@@ -139,7 +159,22 @@ def train_on_micro_batches(
         "micro_batches": ran,
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
     })
+    if nonfinite is not None:  # present only then: a finite step's metrics (in manifests) are as before the guard
+        return {**finite_metrics(metrics), "skipped_nonfinite": 1, "nonfinite_tensor": nonfinite}
     return metrics
+
+
+def _skip_decision(model: torch.nn.Module, nonfinite: str | None, grad_norm: torch.Tensor,
+                   data_parallel: DataParallel | None) -> str | None:
+    """What makes this step skip (the first non-finite tensor's name), or None to step. Ranks decide together: a
+    rank whose own loss was non-finite skips every rank's step, even should its summed gradient look finite."""
+    if nonfinite is None and not torch.isfinite(grad_norm):
+        nonfinite = first_nonfinite_gradient(model.named_parameters()) or f"gradient norm ({grad_norm.item()})"
+    if data_parallel is not None:
+        skipping = data_parallel.sum_numbers({"nonfinite": float(nonfinite is not None)})["nonfinite"]
+        if skipping and nonfinite is None:
+            nonfinite = "another rank's loss or gradient"
+    return nonfinite
 
 
 # --- where a step's micro-batches come from ---------------------------------------------------------------------
@@ -205,6 +240,8 @@ class CausalLmTrainer(CheckpointedTrainer):
     def __init__(self, *args, batches: StepBatches | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.batches = batches
+        loss = getattr(self.inputs.settings, "loss", None)  # RL's; SFT has none and raises on a non-finite step
+        self.nonfinite_guard = NonFiniteGuard(loss.max_nonfinite_steps) if loss is not None else None
 
     @classmethod
     def build(cls, inputs: TrainingInputs):
@@ -230,8 +267,12 @@ class CausalLmTrainer(CheckpointedTrainer):
         if self.batches is None:
             raise RuntimeError("this trainer was given no micro-batches to train on")
         settings = self.inputs.settings
-        return train_on_micro_batches(
+        metrics = train_on_micro_batches(
             self.model, self.optimizer, self.batches.for_step(step), packed=settings.packed,
             pad_token_id=self.tokenizer.pad_token_id, max_grad_norm=settings.optimizer.max_grad_norm,
             loss_kwargs=settings.loss_kwargs(), data_parallel=self.data_parallel,
+            skip_nonfinite=self.nonfinite_guard is not None,
         )
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.after_step(step, metrics.pop("nonfinite_tensor", None))
+        return metrics

@@ -51,9 +51,11 @@ def clip_gradients(parameters, max_grad_norm: float | None) -> torch.Tensor:
     """Total gradient norm (before clipping) over the parameters that have a gradient; with `max_grad_norm`,
     the gradients are scaled in place so that their total norm is at most that."""
     params = [p for p in parameters if p.grad is not None]
-    if max_grad_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     # Sharded gradients (FSDP2's DTensors): the norm is a DTensor too, its value summed over the shards.
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    total = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    # clip_grad_norm_ in two calls (the same bits), so that a non-finite norm scales nothing: it would turn every
+    # gradient NaN and hide which one was not (trainer/nonfinite.py); such a step never reaches the optimizer.
+    if max_grad_norm is not None and bool(torch.isfinite(total)):
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+    return total
