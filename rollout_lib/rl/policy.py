@@ -23,11 +23,11 @@ from rollout_lib.rl.policy_group import PolicyGroup
 from rollout_lib.rl.policy_state import (  # noqa: F401  (re-exported: the API of a run's policy)
     STEP_STATE_KIND,
     FrozenPolicy,
-    checkpoint_of,
     pending_steps,
     policy_inputs,
     rebuild_policy,
     record_step_state,
+    snapshot_of_state,
     snapshot_state,
 )
 from rollout_lib.trainer.base import TrainingInputs
@@ -69,7 +69,7 @@ class InProcess:
         return new_state, metrics
 
     def snapshot(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer, metrics: dict) -> str:
-        indexed = checkpoint_of(inputs.store, state_id, inputs.config.settings.checkpoint_interval)
+        indexed = snapshot_of_state(inputs.store, state_id, inputs.config.settings.checkpoint_interval)
         if indexed is not None and resident.get(state_id) is None:
             return indexed  # nothing resident to tell about it: a rebuild finds it in the index
         return snapshot_state(inputs, self.at(inputs, state_id, resident), state_id, metrics)

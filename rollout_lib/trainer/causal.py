@@ -33,14 +33,13 @@ import torch
 
 from rollout_lib import wire
 from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens, loss_tokens
-from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
+from rollout_lib.model.loading import load_causal_lm
 from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs, adapted
+from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
 from rollout_lib.trainer.data_parallel import DataParallel
-from rollout_lib.hardware import hardware_of_config, place_model
-from rollout_lib.trainer.optim import build_optimizer, clip_gradients
+from rollout_lib.trainer.optim import clip_gradients
 from rollout_lib.trainer.sharding import is_sharded
 
 
@@ -206,23 +205,14 @@ class CausalLmTrainer(CheckpointedTrainer):
         self.batches = batches
 
     @classmethod
-    def build(cls, inputs: TrainingInputs):
-        hardware = hardware_of_config(inputs.config)
-        hardware.use_deterministic_kernels(inputs.config.run.torch_threads)
-        resolved = resolve_model(inputs.settings.base_model)
-        tokenizer = load_tokenizer(resolved)
-        torch.manual_seed(inputs.config.run.seed)
+    def load_model(cls, resolved, inputs: TrainingInputs, hardware):
         model = load_causal_lm(resolved)
-        model.config.pad_token_id = tokenizer.pad_token_id
         if inputs.settings.packed and hardware.device.type == "cpu":
             # Attention per packed sequence, without the masked-out blocks: a CPU's win (one small SDPA per
             # sequence). On a GPU those many small kernels are launch-bound: transformers' sdpa over the row's
             # block-diagonal mask ran the rl-smollm2 step 3.9x faster on an H200 (docs/hardware.md, "On a GPU").
             use_packed_attention(model)
-        model = adapted(model, inputs, "causal_lm")
-        place_model(model, hardware, trainable=True)  # before the optimizer: it holds the placed parameters
-        optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
-        return model, tokenizer, optimizer
+        return model
 
     def run_step(self, step: int) -> dict[str, float]:
         if self.batches is None:
