@@ -241,7 +241,8 @@ def _loading(what: str, resolved: ResolvedModel, fn, *args, **kwargs):
         with FROM_PRETRAINED:
             return fn(*args, **kwargs)
     except (OSError, ValueError) as exc:
-        hint = "" if resolved.is_local else " (not a local directory; as a hub id it needs the hub or a populated cache)"
+        hint = ("" if resolved.is_local
+                else " (not a local directory; as a hub id it needs the hub or a populated cache)")
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load {what} from {resolved.source!r}{hint}: {first_line}") from exc
 

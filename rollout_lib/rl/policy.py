@@ -8,7 +8,7 @@ behind one interface, picked once per run from its settings (`policy_mode`).
                         a copy of the model at that state, never the live trainer: the training thread keeps a
                         copy of every state it produces before it moves on, and a stage that finds none (a rerun)
                         rebuilds one from the store.
-    DataParallel        N = nproc x nnodes > 1: the trainer lives in N torchrun processes for the whole run
+    InPolicyGroup       N = nproc x nnodes > 1: the trainer lives in N torchrun processes for the whole run
                         (rl/policy_group.py), which train each step and write its new state; this process keeps
                         only frozen copies of the states, loaded from the weights the group exports.
 
@@ -92,7 +92,7 @@ class InProcessFrozen(InProcess):
         resident.keep_frozen(state_id, FrozenPolicy.copy_of(state_id, trainer))
 
 
-class DataParallel:
+class InPolicyGroup:
     """nproc x nnodes > 1: the trainer lives in the run's PolicyGroup; this process holds frozen copies only."""
 
     def group(self, inputs: TrainingInputs, resident: ResidentTrainer) -> PolicyGroup:
@@ -126,10 +126,10 @@ class DataParallel:
         return self.group(inputs, resident).snapshot(state_id, metrics)
 
 
-def policy_mode(inputs: TrainingInputs) -> InProcess | DataParallel:
+def policy_mode(inputs: TrainingInputs) -> InProcess | InPolicyGroup:
     """The run's mode, from its settings: data-parallel processes, else in process (with frozen copies if k > 0)."""
     if hardware_settings(inputs.settings).world_size > 1:
-        return DataParallel()
+        return InPolicyGroup()
     return InProcessFrozen() if inputs.config.settings.max_off_policy_steps else InProcess()
 
 

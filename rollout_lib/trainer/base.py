@@ -82,7 +82,7 @@ def adapter_record(model, base_model) -> dict:
 
 class CheckpointedTrainer:
     kind_of_model: ClassVar[str]
-    # Set on each rank of a data-parallel segment (trainer.data_parallel.DataParallel): run_step then trains the
+    # Set on each rank of a data-parallel segment (trainer.data_parallel.DataParallelRank): run_step then trains the
     # rank's share of the step and sums counts and gradients over the ranks. None: one process trains it all.
     data_parallel = None
 

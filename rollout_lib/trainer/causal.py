@@ -38,7 +38,7 @@ from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
-from rollout_lib.trainer.data_parallel import DataParallel
+from rollout_lib.trainer.data_parallel import DataParallelRank
 from rollout_lib.trainer.optim import clip_gradients
 from rollout_lib.trainer.sharding import is_sharded
 
@@ -52,7 +52,7 @@ def train_on_micro_batches(
     pad_token_id: int,
     max_grad_norm: float | None,
     loss_kwargs: dict | None = None,
-    data_parallel: DataParallel | None = None,
+    data_parallel: DataParallelRank | None = None,
 ) -> dict[str, float]:
     """One optimizer step over `micro_batches`; returns its metrics. `loss_kwargs`: the rl and ref_kl components'
     settings (`losses.component_loss`). `data_parallel`: this process is one rank of several; it trains its share
