@@ -101,7 +101,7 @@ class CheckpointedTrainer:
 
     @classmethod
     def load_model(cls, resolved, inputs: TrainingInputs, hardware):
-        """The base model as this trainer trains it (a new head initialised from the seed torch holds)."""
+        """The base model as this trainer trains it; `build` has seeded torch, so a new head starts from the seed."""
         raise NotImplementedError
 
     def run_step(self, step: int) -> dict:
