@@ -20,6 +20,7 @@ from rollout_cli import stack
 from rollout_cli.config_cmd import ENTRY_POINTS, config_group, load_settings
 from rollout_cli.follow import follow
 from rollout_cli.local_server import use_prefect_api
+from rollout_cli.options import STORE_OPTION_DEFAULT, UsageLine
 from rollout_cli.runs import runs_group
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time unless the user opts in
@@ -29,15 +30,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # load reports are noi
 # (rich, not tqdm: untouched); read when transformers is imported, here and in every process the CLI starts.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "rollout_lib")  # library log lines reach the flow run
-
-def default_store_url() -> str:
-    from rollout_lib.paths import default_store
-
-    return str(default_store())
-
-
-# A command's --store: by default the store of rollout's home, where `rollout train` writes unless told otherwise.
-STORE_OPTION_DEFAULT = dict(default=default_store_url, show_default="the home's store, .rollout/store")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,13 +59,6 @@ def _known_errors() -> tuple[type[Exception], ...]:
     from rollout_lib.store import StoreError
 
     return ConfigError, DataError, ModelLoadError, StoreError, EngineError, ServingError, stack.StackError
-
-
-class UsageLine(click.UsageError):
-    """A usage error shown as one line (`rollout: error: ...`), not click's usage block."""
-
-    def show(self, file=None) -> None:
-        print(f"rollout: error: {self.format_message()}", file=sys.stderr)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -26,7 +26,7 @@ _STORE_HELP = "store root (fsspec URL) [default: .rollout/store]"
 
 
 def _open_store(store_url: str | None):
-    from rollout_cli.main import default_store_url
+    from rollout_cli.options import default_store_url
     from rollout_lib.store import ObjectStore
 
     return ObjectStore(store_url or default_store_url())
@@ -138,7 +138,7 @@ def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int
     """Print one step of RL run NAME sample by sample: prompt, completion, rewards, advantage, tokens. With --eval,
     the held-out evaluation: an RL run's samples, an SFT or reward-model run's examples with their loss (SFT) or
     scores (RM), worst first."""
-    from rollout_cli.main import UsageLine
+    from rollout_cli.options import UsageLine
     from rollout_lib.runlog import samples
     from rollout_lib.runlog.metrics_file import json_line
 
@@ -165,7 +165,7 @@ def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int
 
 def _held_out_samples(store, name: str, step: int | None, worst: int | None, best: int | None, failed: bool,
                       tokens: bool, as_json: bool) -> None:
-    from rollout_cli.main import UsageLine
+    from rollout_cli.options import UsageLine
     from rollout_lib.runlog.eval_samples import read_eval_rows, worst_first
     from rollout_lib.runlog.eval_tables import recorded_rl_evals
     from rollout_lib.runlog.metrics_file import json_line

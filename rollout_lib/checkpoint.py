@@ -256,11 +256,25 @@ def _end_of_turn_id(tokenizer) -> int | None:
     return int(ids[0]) if special else None
 
 
-def resolve_checkpoint(store: ObjectStore, reference: str) -> str:
-    """A checkpoint id, or a ref name such as `runs/<name>/latest`."""
+def checkpoint_named(store: ObjectStore | None, reference: str) -> str | None:
+    """The checkpoint id `reference` names: itself when it is one, else the id the ref of that name in `store`
+    points at (`runs/<name>/latest`); None when it names none (a hub id "org/name", a path, `tiny:qwen2`, a ref not
+    written yet). The one answer to "which checkpoint is this": model references and the CLI ask here."""
     if is_content_id(reference):
         return reference
-    checkpoint_id = store.get_ref(reference)
+    if store is None or "/" not in reference:
+        return None
+    try:
+        return store.get_ref(reference)
+    except StoreError as exc:
+        if str(exc).startswith("invalid ref name"):
+            return None  # not a ref's spelling: an absolute or relative path, `~/...`, a URL
+        raise
+
+
+def resolve_checkpoint(store: ObjectStore, reference: str) -> str:
+    """The checkpoint id of a reference that must name one (a checkpoint id, or a ref such as `runs/<name>/latest`)."""
+    checkpoint_id = checkpoint_named(store, reference)
     if checkpoint_id is None:
         raise StoreError(f"{reference!r} is neither a checkpoint id nor a ref in {store.root}")
     return checkpoint_id

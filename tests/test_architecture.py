@@ -1,14 +1,18 @@
-"""The library's floors (docs/architecture.md): every room of rollout_lib (a sub-package or top-level module) sits on
-a floor, imports point down or sideways only, function-local imports included, and no rooms import each other in
-a circle. A new room fails here until it is given a floor."""
+"""The house (docs/architecture.md): rollout_cli > flows > tasks > rollout_lib, imports pointing down only. Every
+room of rollout_lib (a sub-package or top-level module) sits on a floor, imports point down or sideways only, no
+rooms import each other in a circle, no files import each other in a circle inside a room (flows/, tasks/ and
+rollout_cli/ are one room each), and docs/architecture.md names every module. Function-local imports count.
+Each check is a function of a checkout's root, so the tests below also run it on a small broken house."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "rollout_lib"
+LAYERS = ("rollout_lib", "tasks", "flows", "rollout_cli")  # lowest first: each imports only the ones before it
+FORBIDDEN = {"rollout_lib": ("prefect",)}  # the library runs and tests without Prefect
 
 # Lowest first; docs/architecture.md says what belongs where.
 FLOORS = {
@@ -21,33 +25,146 @@ FLOORS = {
 }
 FLOOR_OF = {room: floor for floor, rooms in FLOORS.items() for room in rooms}
 
-
-def _room(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if parts[0] == "rollout_lib" and len(parts) > 1 else None
+Graph = dict[str, dict[str, list[str]]]  # module -> imported module -> where ("file:line")
 
 
-def room_imports() -> dict[str, dict[str, list[str]]]:
-    """room -> imported room -> where ("file:line"), for every import statement of the package."""
-    found: dict[str, dict[str, list[str]]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        source = _room(module) or "__init__"
+def modules(root: Path) -> dict[str, Path]:
+    """Every module of the four layers, by dotted name (a package by its own name)."""
+    return {".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+            for layer in LAYERS for path in sorted((root / layer).rglob("*.py"))}
+
+
+def module_imports(root: Path) -> Graph:
+    """Every import statement of the four layers, function-local ones included. A target inside the house is the
+    module it names (`from rollout_lib import rl` names rollout_lib.rl); one outside keeps its dotted name."""
+    known = modules(root)
+
+    def resolve(name: str) -> str:
+        inside = name
+        while inside and inside not in known:
+            inside = inside.rpartition(".")[0]
+        return inside or name
+
+    found: Graph = {}
+    for module, path in known.items():
         package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-        found.setdefault(source, {})
+        found[module] = {}
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
-                targets = [".".join(part for part in (base, node.module or "") if part)]
+                source = ".".join(part for part in (base, node.module or "") if part)
+                targets = [f"{source}.{alias.name}" for alias in node.names]
             else:
                 continue
-            for target in targets:
-                room = _room(target)
-                if room is not None and room != source:
-                    found[source].setdefault(room, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            for target in {resolve(target) for target in targets} - {module}:
+                found[module].setdefault(target, []).append(f"{path.relative_to(root)}:{node.lineno}")
     return found
+
+
+def room(module: str) -> str:
+    """rollout_lib's rooms by their name (the package itself is `__init__`); flows, tasks, rollout_cli whole."""
+    parts = module.split(".")
+    if parts[0] != "rollout_lib":
+        return parts[0]
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def room_imports(root: Path = ROOT) -> Graph:
+    """room of rollout_lib -> imported room -> where."""
+    found: Graph = {}
+    for module, targets in module_imports(root).items():
+        if module.split(".")[0] == "rollout_lib":
+            into = found.setdefault(room(module), {})
+            for target, places in targets.items():
+                if target.split(".")[0] == "rollout_lib" and room(target) != room(module):
+                    into.setdefault(room(target), []).extend(places)
+    return found
+
+
+def find_circle(graph: Graph) -> list[str]:
+    """One circle of the graph as its edges ("a -> b at file:line"), or [] if there is none."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if node in path:
+            circle = path[path.index(node):] + [node]
+            return [f"{a} -> {b} at {graph[a][b][0]}" for a, b in zip(circle, circle[1:])]
+        if node in done:
+            return []
+        for target in sorted(graph.get(node, ())):
+            circle = visit(target, [*path, node])
+            if circle:
+                return circle
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        circle = visit(node, [])
+        if circle:
+            return circle
+    return []
+
+
+def upward_room_imports(root: Path) -> list[str]:
+    return [f"{where}: {source} (floor {FLOOR_OF[source]}) imports {target} (floor {FLOOR_OF[target]}); move the "
+            f"piece both need down to a floor {source} may import"
+            for source, targets in room_imports(root).items() if source in FLOOR_OF
+            for target, places in targets.items() if target in FLOOR_OF and FLOOR_OF[target] > FLOOR_OF[source]
+            for where in places]
+
+
+def layer_violations(root: Path) -> list[str]:
+    """Imports of a higher layer, or of a package the layer must not import (prefect_ray is Prefect too)."""
+    found = []
+    for module, targets in module_imports(root).items():
+        layer = module.split(".")[0]
+        below = f"only {', '.join(LAYERS[:LAYERS.index(layer)])}" if LAYERS.index(layer) else "no other layer"
+        for target, places in targets.items():
+            top = target.split(".")[0]
+            upward = top in LAYERS and LAYERS.index(top) > LAYERS.index(layer)
+            forbidden = any(top == name or top.startswith(f"{name}_") for name in FORBIDDEN.get(layer, ()))
+            if upward or forbidden:
+                found += [f"{where}: {layer}/ imports {target}, but it may import {below}"
+                          f"{', and never ' + top if forbidden else ''}: move the shared piece down a layer, or the "
+                          f"import up" for where in places]
+    return found
+
+
+def file_circle_in_a_room(root: Path) -> list[str]:
+    """A circle of files inside one room: module imports between files of the same room only."""
+    graph = {module: {target: places for target, places in targets.items()
+                      if target.split(".")[0] in LAYERS and room(target) == room(module)}
+             for module, targets in module_imports(root).items()}
+    return find_circle(graph)
+
+
+def undocumented_modules(root: Path, doc: str) -> list[str]:
+    """rollout_lib modules the doc does not name: a module is named by its path below rollout_lib/ (`rl/pack.py`,
+    `rl/pack`, a sub-package's `trackers/build`), a package by `rl/`, a top-level module by `wire.py`, or any
+    module by its bare name on its room's line in the floor plan (`rl/ prompts · sample · ...`)."""
+    plan = doc.split("```")[1] if doc.count("```") >= 2 else ""
+    markers = list(re.finditer(r"\b([a-z_]+)/ ", plan))
+    sections = {marker.group(1): plan[marker.end(): after.start() if after else len(plan)]
+                for marker, after in zip(markers, [*markers[1:], None])}
+    missing = []
+    for path in sorted((root / "rollout_lib").rglob("*.py")):
+        parts = path.relative_to(root / "rollout_lib").with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        if parts[-1] == "__init__":
+            names = ["/".join(parts[i:-1]) + "/" for i in range(len(parts) - 1)]
+        else:
+            names = [f"{'/'.join(parts[i:])}{suffix}" for i in range(len(parts)) for suffix in (".py", "")]
+            # `base.py` alone is ambiguous (four rooms have one), `wire` alone is a word
+            names = [name for name in names if "/" in name or (len(parts) == 1 and name.endswith(".py"))]
+        named = any(re.search(rf"(?<!\w){re.escape(name)}(?!\w)", doc) for name in names)
+        in_room_line = len(parts) > 1 and re.search(rf"\b{parts[-1]}\b", sections.get(parts[0], ""))
+        if not (named or in_room_line):
+            missing.append(f"{path.relative_to(root)}:1: not named in docs/architecture.md; add it to its room's "
+                           f"line (or a line of its own) saying what it does")
+    return missing
 
 
 def test_every_room_has_a_floor():
@@ -56,34 +173,78 @@ def test_every_room_has_a_floor():
 
 
 def test_imports_point_down_or_sideways():
-    upward = [f"{where}: {source} (floor {FLOOR_OF[source]}) imports {target} (floor {FLOOR_OF[target]})"
-              for source, targets in room_imports().items() if source in FLOOR_OF
-              for target, places in targets.items() if target in FLOOR_OF and FLOOR_OF[target] > FLOOR_OF[source]
-              for where in places]
+    upward = upward_room_imports(ROOT)
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
 def test_no_rooms_import_each_other_in_a_circle():
-    graph = {source: set(targets) for source, targets in room_imports().items()}
-    done: set[str] = set()
+    circle = find_circle(room_imports())
+    assert not circle, "rooms import each other in a circle; move the shared piece down a floor:\n" + "\n".join(circle)
 
-    def visit(room: str, path: list[str]) -> list[str] | None:
-        if room in path:
-            return path[path.index(room):] + [room]
-        if room in done:
-            return None
-        for target in sorted(graph.get(room, ())):
-            circle = visit(target, [*path, room])
-            if circle:
-                return circle
-        done.add(room)
-        return None
 
-    for room in sorted(graph):
-        circle = visit(room, [])
-        assert circle is None, "import circle: " + " -> ".join(circle)
+def test_no_files_import_each_other_in_a_circle_inside_a_room():
+    circle = file_circle_in_a_room(ROOT)
+    assert not circle, ("files import each other in a circle; move the piece they share into a module of its own "
+                        "(or down a floor):\n" + "\n".join(circle))
+
+
+def test_layers_point_down():
+    violations = layer_violations(ROOT)
+    assert not violations, "imports across the layers rollout_cli > flows > tasks > rollout_lib:\n" + "\n".join(
+        violations)
+
+
+def test_the_doc_names_every_module():
+    missing = undocumented_modules(ROOT, (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    assert not missing, "\n".join(missing)
 
 
 def test_the_check_sees_function_local_imports():
     """The control: a function-local import counts (circles hid behind them before)."""
     assert "rollout_lib/rl/score.py" in " ".join(room_imports()["rl"]["hardware"])
+
+
+def _house(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    return root
+
+
+def test_the_checks_fail_on_a_broken_house(tmp_path):
+    """Each check on a small house built to break it: the checks can fail, and name the file and line."""
+    root = _house(tmp_path, {
+        "rollout_lib/__init__.py": "",
+        "rollout_lib/wire.py": "def f():\n    from rollout_lib import model\n",  # floor 0 reaching floor 1
+        "rollout_lib/model/__init__.py": "",
+        "rollout_lib/model/a.py": "from rollout_lib.model import b\n",
+        "rollout_lib/model/b.py": "from .a import x\nfrom rollout_lib.wire import f\n",  # a <-> b; model <-> wire
+        "rollout_lib/model/c.py": "import prefect_ray\n",
+        "tasks/__init__.py": "",
+        "tasks/t.py": "from flows.f import g\n",
+        "flows/__init__.py": "",
+        "flows/f.py": "import rollout_cli.m\n",
+        "rollout_cli/__init__.py": "",
+        "rollout_cli/m.py": "from tasks import t\nfrom rollout_lib import wire\n",  # downward: fine
+    })
+    assert upward_room_imports(root) == [
+        "rollout_lib/wire.py:2: wire (floor 0) imports model (floor 1); move the piece both need down to a floor "
+        "wire may import"]
+    assert find_circle(room_imports(root)) == ["model -> wire at rollout_lib/model/b.py:2",
+                                               "wire -> model at rollout_lib/wire.py:2"]
+    assert file_circle_in_a_room(root) == ["rollout_lib.model.a -> rollout_lib.model.b at rollout_lib/model/a.py:1",
+                                           "rollout_lib.model.b -> rollout_lib.model.a at rollout_lib/model/b.py:1"]
+    assert [line.split(", but")[0] for line in layer_violations(root)] == [
+        "rollout_lib/model/c.py:1: rollout_lib/ imports prefect_ray", "tasks/t.py:1: tasks/ imports flows.f",
+        "flows/f.py:1: flows/ imports rollout_cli.m"]
+    doc = "```\n 1 basics   model/ a · the b module\n 0 ground   wire.py\n```\n"
+    assert [line.split(":")[0] for line in undocumented_modules(root, doc)] == ["rollout_lib/model/c.py"]
+    assert undocumented_modules(root, doc + "c.py") and not undocumented_modules(root, doc + "rollout_lib/model/c.py")
+    missing = undocumented_modules(root, doc.replace("wire.py", "the wire") + "model/c.py")
+    assert [line.split(":")[0] for line in missing] == ["rollout_lib/wire.py"]
+
+
+def test_a_circle_of_files_spans_flows_tasks_and_rollout_cli(tmp_path):
+    root = _house(tmp_path, {"rollout_lib/__init__.py": "", "rollout_cli/main.py": "from rollout_cli.runs import r\n",
+                             "rollout_cli/runs.py": "def r():\n    from rollout_cli.main import store_url\n"})
+    assert file_circle_in_a_room(root)[1] == "rollout_cli.runs -> rollout_cli.main at rollout_cli/runs.py:2"

@@ -33,7 +33,7 @@ from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
 from rollout_lib.checkpoint import read_manifest
 from rollout_lib.trainer.data_parallel import (
     KILL_RANK_ENV,
-    DataParallel,
+    DataParallelRank,
     empty_micro_batch,
     failure_message,
     first_failure,
@@ -127,7 +127,7 @@ def test_share_is_round_robin_and_pads_ranks_with_empty_micro_batches(tmp_path):
     _, batches = sft_inputs(config)
     step = batches.for_step(1)
     assert step.num_rows == 3
-    zero, one = DataParallel(0, 2).share(step), DataParallel(1, 2).share(step)
+    zero, one = DataParallelRank(0, 2).share(step), DataParallelRank(1, 2).share(step)
     assert zero["micro_batch_index"].to_pylist() == [step["micro_batch_index"][i].as_py() for i in (0, 2)]
     assert one.num_rows == 2 and one["input_ids"][0] == step["input_ids"][1]
     filler = one.slice(1, 1)

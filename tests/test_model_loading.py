@@ -110,19 +110,23 @@ def test_encoder_reward_uses_the_pooled_logits():
 def test_a_checkpoint_reference_is_looked_up_in_its_store(tmp_path):
     from rollout_lib.config import RlConfig, load_config
     from rollout_lib.config.common import ModelRef
-    from rollout_lib.model.loading import checkpoint_of, model_content_digest
+    from rollout_lib.checkpoint import checkpoint_named
+    from rollout_lib.model.loading import checkpoint_named_by, model_content_digest
     from rollout_lib.store import ObjectStore
 
     store = ObjectStore(str(tmp_path / "store"))
     checkpoint = store.put_json({"kind": "not-a-real-checkpoint"})
     store.set_ref("runs/sft/latest", checkpoint)
-    assert checkpoint_of(ModelRef(uri="runs/sft/latest", store=store.root)) == checkpoint
-    assert checkpoint_of(ModelRef(uri=checkpoint, store=store.root)) == checkpoint
+    assert checkpoint_named_by(ModelRef(uri="runs/sft/latest", store=store.root)) == checkpoint
+    assert checkpoint_named_by(ModelRef(uri=checkpoint, store=store.root)) == checkpoint
     assert model_content_digest(ModelRef(uri="runs/sft/latest", store=store.root)) == f"checkpoint:{checkpoint}"
     # A hub id is no ref of the store; a local directory of a ref's spelling wins over the ref.
-    assert checkpoint_of(ModelRef(uri="Qwen/Qwen2.5-0.5B-Instruct", store=store.root)) is None
+    assert checkpoint_named_by(ModelRef(uri="Qwen/Qwen2.5-0.5B-Instruct", store=store.root)) is None
     with pytest.raises(ModelLoadError, match="is a checkpoint id, but no store was given"):
-        checkpoint_of(ModelRef(uri=checkpoint))
+        checkpoint_named_by(ModelRef(uri=checkpoint))
+    # Below every caller: a path, a package model or a ref without a store names no checkpoint.
+    assert {checkpoint_named(store, uri) for uri in ("/no/such/dir", "./runs/sft/latest", "tiny:qwen2")} == {None}
+    assert checkpoint_named(None, "runs/sft/latest") is None and checkpoint_named(None, checkpoint) == checkpoint
     with pytest.raises(ModelLoadError, match=r"'runs/nope/latest': no such local directory, and no checkpoint ref "
                                              r"of that name in "):
         locate_model(ModelRef(uri="runs/nope/latest", store=store.root))

@@ -65,7 +65,7 @@ def _held_by_rank(rank: int, inputs, start: str, batches, init_file: str, result
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from rollout_lib.trainer.data_parallel import DataParallel
+    from rollout_lib.trainer.data_parallel import DataParallelRank
 
     def held(tensors) -> int:
         return sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in tensors)
@@ -76,7 +76,7 @@ def _held_by_rank(rank: int, inputs, start: str, batches, init_file: str, result
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         trainer = CausalLmTrainer.from_checkpoint(inputs, start, batches=batches)
-        trainer.data_parallel = DataParallel(rank, 2)
+        trainer.data_parallel = DataParallelRank(rank, 2)
         trainer.shard()
         gathered = []  # inside its layer's FSDP unit: the weight its forward multiplies by, all-gathered
         q_proj = next(module for name, module in trainer.model.named_modules() if name.endswith("self_attn.q_proj"))

@@ -9,13 +9,14 @@ interval or the store's credentials reuses every finished step), and anything th
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import blake3
 
+from rollout_lib.checkpoint import checkpoint_named
 from rollout_lib.config.loading import training_hash
 from rollout_lib.errors import ConfigError
 from rollout_lib.model.loading import ModelLoadError, model_content_digest
-from rollout_lib.serving.references import checkpoint_in_store
 from rollout_lib.serving.settings import ExternalModel
 from rollout_lib.store import ObjectStore, StoreError, canonical_json
 
@@ -71,13 +72,8 @@ def _flatten(value, key: str, into: dict) -> dict:
 
 def content_identity(ref, store: ObjectStore | None) -> str:
     """What a served model's weights are: `checkpoint:<id>` for a checkpoint of the store, else the model's
-    content digest."""
-    try:
-        checkpoint_id = checkpoint_in_store(ref.uri, store)
-    except StoreError as exc:
-        if not str(exc).startswith("invalid ref name"):
-            raise
-        checkpoint_id = None  # not a ref's spelling (an absolute path, say): an ordinary model reference
+    content digest (a local directory of a ref's spelling is that directory, as everywhere)."""
+    checkpoint_id = None if Path(ref.uri).expanduser().is_dir() else checkpoint_named(store, ref.uri)
     return f"checkpoint:{checkpoint_id}" if checkpoint_id else model_content_digest(ref)
 
 

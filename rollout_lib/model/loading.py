@@ -29,8 +29,8 @@ from pathlib import Path
 import blake3
 
 from rollout_lib.adapters import apply_saved_adapter, merged
-from rollout_lib.checkpoint import (ADAPTER_KEY, export_hf_directory, is_adapter_checkpoint, model_weights,
-                                    read_manifest, write_model_directory)
+from rollout_lib.checkpoint import (ADAPTER_KEY, checkpoint_named, export_hf_directory, is_adapter_checkpoint,
+                                    model_weights, read_manifest, write_model_directory)
 from rollout_lib.paths import rollout_cache_dir  # noqa: F401  (re-exported: callers import it from here)
 from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import ObjectStore, StoreError, is_content_id
@@ -126,7 +126,7 @@ def model_content_digest(ref: ModelRef | str) -> str:
     """The identity of a model's content, for cache keys: a local model (directory, `pkg:`, `tiny:`) is the blake3
     of its files (the GGUF file alone when it is one), so a re-saved directory or an upgraded package never
     returns results of the old weights. A hub id has no local content to hash: it is its name and revision."""
-    checkpoint_id = checkpoint_of(ModelRef(uri=ref) if isinstance(ref, str) else ref)
+    checkpoint_id = checkpoint_named_by(ModelRef(uri=ref) if isinstance(ref, str) else ref)
     if checkpoint_id is not None:
         return f"checkpoint:{checkpoint_id}"  # content-addressed already
     resolved = locate_model(ref)
@@ -177,7 +177,7 @@ def locate_model(ref: ModelRef | str) -> ResolvedModel:
         if ref.gguf_file and not (path / ref.gguf_file).is_file():
             raise ModelLoadError(f"model reference {uri!r}: no GGUF file {ref.gguf_file!r} in it")
         return ResolvedModel(str(path.resolve()), gguf_file=ref.gguf_file, revision=ref.revision)
-    checkpoint_id = checkpoint_of(ref)
+    checkpoint_id = checkpoint_named_by(ref)
     if checkpoint_id is not None:
         return ResolvedModel(str(exported_checkpoint(ObjectStore(ref.store), checkpoint_id, uri)))
     if uri.startswith((".", "/", "~")) or uri.count("/") > 1:
@@ -199,7 +199,7 @@ def offline_problem(ref: ModelRef) -> str | None:
     """Why a run could not load `ref` with the hub off, or None: a hub id whose config or tokenizer files are not in
     the Hugging Face cache would fail only when the run loads it. Nothing is downloaded or loaded; a local directory,
     a package, the tiny model and a checkpoint are local by construction."""
-    if not hub_downloads_off() or checkpoint_of(ref) is not None:
+    if not hub_downloads_off() or checkpoint_named_by(ref) is not None:
         return None
     resolved = locate_model(ref)
     if resolved.is_local:
@@ -219,25 +219,14 @@ def offline_problem(ref: ModelRef) -> str | None:
             "then copy the cache here), or allow downloads with HF_HUB_OFFLINE=0")
 
 
-def checkpoint_of(ref: ModelRef) -> str | None:
-    """The checkpoint id a reference names in its store (`ref.store`), or None when it names no checkpoint: a local
-    directory of the same spelling wins, and a hub id ("org/name") is no ref of the store."""
-    uri = ref.uri
-    if Path(uri).expanduser().is_dir():
+def checkpoint_named_by(ref: ModelRef) -> str | None:
+    """The checkpoint id a model reference names in its store (`ref.store`; checkpoint.checkpoint_named), or None;
+    a local directory of the same spelling wins."""
+    if Path(ref.uri).expanduser().is_dir():
         return None
-    if is_content_id(uri):
-        if ref.store is None:
-            raise ModelLoadError(f"model reference {uri!r} is a checkpoint id, but no store was given to find it in")
-        return uri
-    if ref.store is None or "/" not in uri or uri.startswith((".", "/", "~")) or ":" in uri:
-        return None
-
-    try:
-        return ObjectStore(ref.store).get_ref(uri)
-    except StoreError as exc:
-        if str(exc).startswith("invalid ref name"):
-            return None  # not a ref's spelling
-        raise
+    if ref.store is None and is_content_id(ref.uri):
+        raise ModelLoadError(f"model reference {ref.uri!r} is a checkpoint id, but no store was given to find it in")
+    return checkpoint_named(ObjectStore(ref.store) if ref.store else None, ref.uri)
 
 
 # transformers' from_pretrained is not thread-safe: it swaps PreTrainedModel.tie_weights for a no-op class-wide while
@@ -252,7 +241,8 @@ def _loading(what: str, resolved: ResolvedModel, fn, *args, **kwargs):
         with FROM_PRETRAINED:
             return fn(*args, **kwargs)
     except (OSError, ValueError) as exc:
-        hint = "" if resolved.is_local else " (not a local directory; as a hub id it needs the hub or a populated cache)"
+        hint = ("" if resolved.is_local
+                else " (not a local directory; as a hub id it needs the hub or a populated cache)")
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load {what} from {resolved.source!r}{hint}: {first_line}") from exc
 
@@ -350,7 +340,7 @@ def model_skeleton(ref: ModelRef, *, reward_model: bool = False):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if checkpoint_of(ref) is not None:
+    if checkpoint_named_by(ref) is not None:
         return None
     resolved = locate_model(ref)
     if resolved.gguf_file or not (Path(resolved.source) / "config.json").is_file():

@@ -227,9 +227,9 @@ def load_scorer(settings, served_models=None, where: str = "reward_model", hardw
 def reward_checkpoint_manifest(ref: ModelRef) -> dict | None:
     """The manifest of the checkpoint `ref` names (None: it names no checkpoint); a checkpoint that is not a
     reward model (a policy of train-sft or train-rl) is an error: its weights have no score head."""
-    from rollout_lib.model.loading import ModelLoadError, checkpoint_of
+    from rollout_lib.model.loading import ModelLoadError, checkpoint_named_by
 
-    checkpoint_id = checkpoint_of(ref)
+    checkpoint_id = checkpoint_named_by(ref)
     if checkpoint_id is None:
         return None
     try:

@@ -8,7 +8,7 @@ behind one interface, picked once per run from its settings (`policy_mode`).
                         a copy of the model at that state, never the live trainer: the training thread keeps a
                         copy of every state it produces before it moves on, and a stage that finds none (a rerun)
                         rebuilds one from the store.
-    DataParallel        N = nproc x nnodes > 1: the trainer lives in N torchrun processes for the whole run
+    InPolicyGroup       N = nproc x nnodes > 1: the trainer lives in N torchrun processes for the whole run
                         (rl/policy_group.py), which train each step and write its new state; this process keeps
                         only frozen copies of the states, loaded from the weights the group exports.
 
@@ -23,11 +23,11 @@ from rollout_lib.rl.policy_group import PolicyGroup
 from rollout_lib.rl.policy_state import (  # noqa: F401  (re-exported: the API of a run's policy)
     STEP_STATE_KIND,
     FrozenPolicy,
-    checkpoint_of,
     pending_steps,
     policy_inputs,
     rebuild_policy,
     record_step_state,
+    snapshot_of_state,
     snapshot_state,
 )
 from rollout_lib.trainer.base import TrainingInputs
@@ -69,7 +69,7 @@ class InProcess:
         return new_state, metrics
 
     def snapshot(self, inputs: TrainingInputs, state_id: str, resident: ResidentTrainer, metrics: dict) -> str:
-        indexed = checkpoint_of(inputs.store, state_id, inputs.config.settings.checkpoint_interval)
+        indexed = snapshot_of_state(inputs.store, state_id, inputs.config.settings.checkpoint_interval)
         if indexed is not None and resident.get(state_id) is None:
             return indexed  # nothing resident to tell about it: a rebuild finds it in the index
         return snapshot_state(inputs, self.at(inputs, state_id, resident), state_id, metrics)
@@ -92,7 +92,7 @@ class InProcessFrozen(InProcess):
         resident.keep_frozen(state_id, FrozenPolicy.copy_of(state_id, trainer))
 
 
-class DataParallel:
+class InPolicyGroup:
     """nproc x nnodes > 1: the trainer lives in the run's PolicyGroup; this process holds frozen copies only."""
 
     def group(self, inputs: TrainingInputs, resident: ResidentTrainer) -> PolicyGroup:
@@ -126,10 +126,10 @@ class DataParallel:
         return self.group(inputs, resident).snapshot(state_id, metrics)
 
 
-def policy_mode(inputs: TrainingInputs) -> InProcess | DataParallel:
+def policy_mode(inputs: TrainingInputs) -> InProcess | InPolicyGroup:
     """The run's mode, from its settings: data-parallel processes, else in process (with frozen copies if k > 0)."""
     if hardware_settings(inputs.settings).world_size > 1:
-        return DataParallel()
+        return InPolicyGroup()
     return InProcessFrozen() if inputs.config.settings.max_off_policy_steps else InProcess()
 
 

@@ -5,7 +5,7 @@ train-sft and train-rm do per segment, trainer/data_parallel.py) would pay torch
 trainer every step. Here the ranks start once, on the first train step, and stay:
 
     flow process                                  torchrun --standalone --nproc_per_node N
-    (samples, scores, evaluates with a frozen       -m rollout_lib.rl.policy_worker SPEC
+    (samples, scores, evaluates with a frozen       -m rollout_lib.rl.policy_rank SPEC
      copy of each state; writes nothing it          rank r: the trainer (weights + optimizer state) at the
      did not compute)                                 current state; trains its share of each step's micro-
            |  one JSON line per command, to every     batches (trainer.data_parallel: counts and gradients
@@ -182,7 +182,7 @@ class PolicyGroup:
             pickle.dump(GroupSpec(self.inputs, host, listener.getsockname()[1]), out)
         env = rank_environment(self.inputs)
         run_id = f"rollout-policy-{os.path.basename(self._workdir.name)}-{next(self._starts)}"
-        module = "rollout_lib.rl.policy_worker"
+        module = "rollout_lib.rl.policy_rank"
         self._tail.clear()
         self._process = subprocess.Popen(
             torchrun_command(self.nproc, spec_path, module=module, nodes=self.nodes, run_id=run_id),

@@ -62,9 +62,9 @@ def snapshot_ref(state_id: str, checkpoint_interval: int) -> str:
     return f"{CHAIN_INDEX_REFS}rl-state-{state_id}-every-{checkpoint_interval}"
 
 
-def checkpoint_of(store: ObjectStore, state_id: str, checkpoint_interval: int) -> str | None:
-    """The checkpoint of a state: itself for the initial checkpoint, the one indexed for the interval for a step
-    record; None when it has none (or the index names a checkpoint that is gone)."""
+def snapshot_of_state(store: ObjectStore, state_id: str, checkpoint_interval: int) -> str | None:
+    """The checkpoint id that holds a policy state: the state itself for the initial checkpoint, the snapshot
+    indexed for the interval for a step record; None when it has none (or the index names one that is gone)."""
     if store.get_json(state_id).get("kind") != STEP_STATE_KIND:
         return state_id
     checkpoint = store.get_ref(snapshot_ref(state_id, checkpoint_interval))
@@ -81,7 +81,7 @@ def pending_steps(store: ObjectStore, state_id: str, checkpoint_interval: int) -
         if record.get("kind") != STEP_STATE_KIND:
             return state_id, batches
         if record["step"] % checkpoint_interval == 0:
-            checkpoint = checkpoint_of(store, state_id, checkpoint_interval)
+            checkpoint = snapshot_of_state(store, state_id, checkpoint_interval)
             if checkpoint is not None:
                 return checkpoint, batches
         batches[record["step"]] = record["micro_batches"]
@@ -120,7 +120,7 @@ def snapshot_state(inputs: TrainingInputs, trainer: CausalLmTrainer, state_id: s
     any writes it: rank 0 writes only after the gathers every rank takes part in); the others get None when it is
     written now."""
     interval = inputs.config.settings.checkpoint_interval
-    checkpoint = checkpoint_of(inputs.store, state_id, interval)
+    checkpoint = snapshot_of_state(inputs.store, state_id, interval)
     if checkpoint is None:
         checkpoint = trainer.snapshot(metrics)
         if checkpoint is None:

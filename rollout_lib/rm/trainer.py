@@ -15,12 +15,11 @@ import torch
 
 from rollout_lib import wire
 from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
-from rollout_lib.model.loading import load_reward_model, load_tokenizer, resolve_model
+from rollout_lib.model.loading import load_reward_model
 from rollout_lib.rm.pairs import collate_pairs, forward_pairs
-from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs, adapted
+from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
 from rollout_lib.determinism import step_rows
-from rollout_lib.hardware import hardware_of_config, place_model
-from rollout_lib.trainer.optim import build_optimizer, clip_gradients
+from rollout_lib.trainer.optim import clip_gradients
 from rollout_lib.trainer.sharding import is_sharded
 
 
@@ -28,18 +27,8 @@ class RewardModelTrainer(CheckpointedTrainer):
     kind_of_model = "reward_model"
 
     @classmethod
-    def build(cls, inputs: TrainingInputs):
-        hardware = hardware_of_config(inputs.config)
-        hardware.use_deterministic_kernels(inputs.config.run.torch_threads)
-        resolved = resolve_model(inputs.settings.base_model)
-        tokenizer = load_tokenizer(resolved)
-        torch.manual_seed(inputs.config.run.seed)  # the new score head is initialised from the run's seed
-        model = load_reward_model(resolved)
-        model.config.pad_token_id = tokenizer.pad_token_id
-        model = adapted(model, inputs, "reward_model")  # its score head trains in full (peft's modules_to_save)
-        place_model(model, hardware, trainable=True)  # before the optimizer: it holds the placed parameters
-        optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
-        return model, tokenizer, optimizer
+    def load_model(cls, resolved, inputs: TrainingInputs, hardware):
+        return load_reward_model(resolved)
 
     @functools.cached_property
     def pairs(self) -> dict[str, list]:

@@ -11,7 +11,8 @@ here).
     served.py         ServedModels: every model a run reaches (frozen models, served reward models, the policy server)
     policy_server.py  the live policy's server: weights reloaded in place each step, checked by a probe
     weight_sync.py    the weights file in shared memory the policy server reloads from
-    policy_worker.py  runs inside vLLM: a policy server's worker extension (the two below, over /collective_rpc)
+    worker_extension.py  runs inside vLLM: a policy server's worker extension (the two below, over
+                      /collective_rpc)
     engine_reload.py  runs inside vLLM: the policy's weights reloaded in place, by the CPU backend's short path
     store_fetch.py    runs inside vLLM: a policy server on another node copies each state from the run's store
     tokenizers.py     the check that a served model and the policy share a tokenizer

@@ -53,9 +53,9 @@ _START_MARKER = "=== rollout: starting "  # written to a replica's log before ea
 # processed_logprobs: a sampled token's logprob is that of the distribution it was drawn from (after temperature
 # and top_p), the samplers' contract (sampling/base.py); prompt logprobs (scoring) are unprocessed either way.
 # A live-policy server's worker extension: it reloads the policy's weights in place and fetches a policy state from
-# the run's store, for a server on a node that shares nothing else with the trainer (policy_worker.py; POST
+# the run's store, for a server on a node that shares nothing else with the trainer (worker_extension.py; POST
 # /collective_rpc, in dev mode).
-POLICY_WORKER_EXTENSION = "rollout_lib.serving.policy_worker.PolicyWorker"
+POLICY_SERVER_EXTENSION = "rollout_lib.serving.worker_extension.PolicyServerExtension"
 # vLLM's OpenAI server with its engine core forked rather than spawned on CPUs (a replica ready 6 s sooner).
 SERVER_MODULE = "rollout_lib.serving.vllm_server_main"
 SERVER_FLAGS = ("--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
@@ -256,7 +256,7 @@ def _server_env(deployment: Deployment, replica_count: int) -> dict[str, str]:
     env["TOKENIZERS_PARALLELISM"] = "false"
     if "--enable-lora" in deployment.extra_args:  # a LoRA policy's adapter is loaded (in place) while it runs
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    # The server's entry point (vllm_server_main.py) and a live policy's worker extension (policy_worker.py) are
+    # The server's entry point (vllm_server_main.py) and a live policy's worker extension (worker_extension.py) are
     # imported from this checkout.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(PROJECT_ROOT), env.get("PYTHONPATH"))))
     return {**env, **deployment.env}
@@ -268,7 +268,7 @@ def _server_command(deployment: Deployment, port: int) -> list[str]:
         "--model", deployment.model_dir, "--served-model-name", deployment.name,
         "--host", HOST, "--port", str(port), "--max-model-len", str(deployment.max_model_len),
         *SERVER_FLAGS, *(["--runner", "pooling"] if deployment.runner == "pooling" else []),
-        *(["--worker-extension-cls", POLICY_WORKER_EXTENSION] if deployment.live_policy else []),
+        *(["--worker-extension-cls", POLICY_SERVER_EXTENSION] if deployment.live_policy else []),
         *deployment.extra_args,
     ]
 

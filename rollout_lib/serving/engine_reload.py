@@ -28,7 +28,7 @@ checkpoint that lacks a tensor the model needs or holds one of another shape (ch
 takes vLLM's `reload_weights`: slower, always right. Either way the policy server's probe checks the result.
 
 Imports vLLM, torch and safetensors only, lazily: vLLM's environment has no rollout beyond the files this package
-puts on its path (policy_worker.py).
+puts on its path (worker_extension.py).
 """
 
 from __future__ import annotations

@@ -9,20 +9,11 @@ import json
 import re
 from pathlib import Path
 
+from rollout_lib.checkpoint import checkpoint_named
 from rollout_lib.model.loading import exported_checkpoint
 from rollout_lib.store import ObjectStore, StoreError, is_content_id
 
 DEFAULT_MAX_MODEL_LEN = 2048  # upper bound of the default: the model's max_position_embeddings if smaller
-
-
-def checkpoint_in_store(uri: str, store: ObjectStore | None) -> str | None:
-    """The checkpoint id `uri` names in `store`, or None when it names no checkpoint (a local directory of that
-    name wins over a ref of the same spelling)."""
-    if is_content_id(uri):
-        return uri
-    if store is None or Path(uri).expanduser().is_dir() or "/" not in uri:
-        return None
-    return store.get_ref(uri)
 
 
 def served_model_directory(reference, store_url: str | None = None) -> Path:
@@ -44,12 +35,7 @@ def served_model_directory(reference, store_url: str | None = None) -> Path:
     store = ObjectStore(store_url) if store_url else None
     if store is None and is_content_id(uri):
         raise StoreError(f"model reference {uri!r} is a checkpoint id, but no store was given to find it in")
-    try:
-        checkpoint_id = checkpoint_in_store(uri, store)
-    except StoreError as exc:
-        if not str(exc).startswith("invalid ref name"):
-            raise
-        checkpoint_id = None  # not a ref's spelling: maybe a hub id
+    checkpoint_id = checkpoint_named(store, uri)
     if checkpoint_id is not None:
         return exported_checkpoint(store, checkpoint_id, uri)
     try:

@@ -1,4 +1,4 @@
-"""Runs inside a vLLM policy server, not in rollout: part of its worker extension (policy_worker.py, which engine.py
+"""Runs inside a vLLM policy server, not in rollout: part of its worker extension (worker_extension.py, which engine.py
 gives every live-policy server), it copies a policy state's files from the run's store to a directory on the
 server's own machine, so a server on another node, which shares nothing with the trainer but the store, can reload
 them as a local server does (`reload_policy_weights`, `/v1/load_lora_adapter`).

@@ -1,8 +1,8 @@
 """What every checkpointed trainer shares: build from its inputs, step in order, snapshot, reopen a snapshot.
 
-A subclass says how to build (model, tokenizer, optimizer) from its inputs (`build`) and how to train one step
-(`run_step`); this class owns the step order, the learning-rate schedule and per-step seeding (`train_step`) and
-the checkpoint round trip (`initial`, `from_checkpoint`, `snapshot`).
+A subclass says which model it trains (`load_model`) and how to train one step (`run_step`); this class builds
+(model, tokenizer, optimizer) from the inputs (`build`) and owns the step order, the learning-rate schedule and
+per-step seeding (`train_step`) and the checkpoint round trip (`initial`, `from_checkpoint`, `snapshot`).
 """
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from rollout_lib.adapters import adapter_config, with_adapter
 from rollout_lib.store import ObjectStore
 from rollout_lib.checkpoint import (ADAPTER_KEY, gathered_weights, model_weights, read_manifest, restore_checkpoint,
                                     save_checkpoint, save_model_files)
-from rollout_lib.hardware import hardware_settings
-from rollout_lib.model.loading import model_content_digest
+from rollout_lib.hardware import hardware_of_config, hardware_settings, place_model
+from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
+from rollout_lib.model.chat import use_chat_template
 from rollout_lib.determinism import GLOBAL_RNG, seed_for_step, seed_torch
 from rollout_lib.trainer.optim import build_optimizer, lr_at, set_lr
 from rollout_lib.trainer.sharding import (full_weights, load_full_optimizer_state, receive_optimizer_state,
@@ -80,7 +83,7 @@ def adapter_record(model, base_model) -> dict:
 
 class CheckpointedTrainer:
     kind_of_model: ClassVar[str]
-    # Set on each rank of a data-parallel segment (trainer.data_parallel.DataParallel): run_step then trains the
+    # Set on each rank of a data-parallel segment (trainer.data_parallel.DataParallelRank): run_step then trains the
     # rank's share of the step and sums counts and gradients over the ranks. None: one process trains it all.
     data_parallel = None
 
@@ -98,8 +101,8 @@ class CheckpointedTrainer:
     # --- what a subclass provides -------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, inputs: TrainingInputs) -> tuple[Any, Any, Any]:
-        """(model, tokenizer, optimizer) at step 0, deterministically from the settings and seed."""
+    def load_model(cls, resolved, inputs: TrainingInputs, hardware):
+        """The base model as this trainer trains it; `build` has seeded torch, so a new head starts from the seed."""
         raise NotImplementedError
 
     def run_step(self, step: int) -> dict:
@@ -107,6 +110,22 @@ class CheckpointedTrainer:
         raise NotImplementedError
 
     # --- what this class provides -------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, inputs: TrainingInputs) -> tuple[Any, Any, Any]:
+        """(model, tokenizer, optimizer) at step 0, deterministically from the settings and seed: the base model
+        (`load_model`) with the entry point's adapter, placed on its hardware."""
+        hardware = hardware_of_config(inputs.config)
+        hardware.use_deterministic_kernels(inputs.config.run.torch_threads)
+        resolved = resolve_model(inputs.settings.base_model)
+        # RL's `chat_template` override: the policy's prompts, env replies and checkpoints use it.
+        tokenizer = use_chat_template(load_tokenizer(resolved), getattr(inputs.settings, "chat_template", None))
+        torch.manual_seed(inputs.config.run.seed)  # a new head (the reward model's score head) starts from the seed
+        model = cls.load_model(resolved, inputs, hardware)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model = adapted(model, inputs, cls.kind_of_model)  # a reward model's score head trains in full
+        place_model(model, hardware, trainable=True)  # before the optimizer: it holds the placed parameters
+        return model, tokenizer, build_optimizer(model.parameters(), inputs.settings.optimizer)
 
     def train_step(self, step: int) -> dict:
         """One optimizer step. Steps run strictly in order, each with its scheduled learning rate and its own seed

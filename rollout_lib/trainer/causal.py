@@ -35,16 +35,14 @@ import torch
 
 from rollout_lib import wire
 from rollout_lib.losses import COMPONENTS, component_loss, count_component_tokens, count_rl_sequences, loss_tokens
-from rollout_lib.model.chat import use_chat_template
-from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
+from rollout_lib.model.loading import load_causal_lm
 from rollout_lib.model.packed_attention import use_packed_attention
 from rollout_lib.packing import check_micro_batches, collate_micro_batch, token_logprobs
 from rollout_lib.store import ObjectStore
-from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs, adapted
-from rollout_lib.trainer.data_parallel import DataParallel
-from rollout_lib.hardware import hardware_of_config, place_model
+from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
+from rollout_lib.trainer.data_parallel import DataParallelRank
 from rollout_lib.trainer.nonfinite import NonFiniteGuard, finite_metrics, first_nonfinite_gradient
-from rollout_lib.trainer.optim import build_optimizer, clip_gradients
+from rollout_lib.trainer.optim import clip_gradients
 from rollout_lib.trainer.sharding import is_sharded
 
 
@@ -57,7 +55,7 @@ def train_on_micro_batches(
     pad_token_id: int,
     max_grad_norm: float | None,
     loss_kwargs: dict | None = None,
-    data_parallel: DataParallel | None = None,
+    data_parallel: DataParallelRank | None = None,
     skip_nonfinite: bool = False,
 ) -> dict[str, float]:
     """One optimizer step over `micro_batches`; returns its metrics. `loss_kwargs`: the rl and ref_kl components'
@@ -165,7 +163,7 @@ def train_on_micro_batches(
 
 
 def _skip_decision(model: torch.nn.Module, nonfinite: str | None, grad_norm: torch.Tensor,
-                   data_parallel: DataParallel | None) -> str | None:
+                   data_parallel: DataParallelRank | None) -> str | None:
     """What makes this step skip (the first non-finite tensor's name), or None to step. Ranks decide together: a
     rank whose own loss was non-finite skips every rank's step, even should its summed gradient look finite."""
     if nonfinite is None and not torch.isfinite(grad_norm):
@@ -244,24 +242,14 @@ class CausalLmTrainer(CheckpointedTrainer):
         self.nonfinite_guard = NonFiniteGuard(loss.max_nonfinite_steps) if loss is not None else None
 
     @classmethod
-    def build(cls, inputs: TrainingInputs):
-        hardware = hardware_of_config(inputs.config)
-        hardware.use_deterministic_kernels(inputs.config.run.torch_threads)
-        resolved = resolve_model(inputs.settings.base_model)
-        # The policy's chat template override (RL's `chat_template`): its prompts, env replies and checkpoints use it.
-        tokenizer = use_chat_template(load_tokenizer(resolved), getattr(inputs.settings, "chat_template", None))
-        torch.manual_seed(inputs.config.run.seed)
+    def load_model(cls, resolved, inputs: TrainingInputs, hardware):
         model = load_causal_lm(resolved)
-        model.config.pad_token_id = tokenizer.pad_token_id
         if inputs.settings.packed and hardware.device.type == "cpu":
             # Attention per packed sequence, without the masked-out blocks: a CPU's win (one small SDPA per
             # sequence). On a GPU those many small kernels are launch-bound: transformers' sdpa over the row's
             # block-diagonal mask ran the rl-smollm2 step 3.9x faster on an H200 (docs/hardware.md, "On a GPU").
             use_packed_attention(model)
-        model = adapted(model, inputs, "causal_lm")
-        place_model(model, hardware, trainable=True)  # before the optimizer: it holds the placed parameters
-        optimizer = build_optimizer(model.parameters(), inputs.settings.optimizer)
-        return model, tokenizer, optimizer
+        return model
 
     def run_step(self, step: int) -> dict[str, float]:
         if self.batches is None:

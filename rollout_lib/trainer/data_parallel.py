@@ -63,7 +63,7 @@ class DataParallelError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class DataParallel:
+class DataParallelRank:
     """This process's place in the group (`rank` of `world_size`) and the device its collectives run on (gloo: CPU
     tensors, nccl: CUDA ones)."""
 

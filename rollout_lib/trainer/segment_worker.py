@@ -22,16 +22,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, RECEIVE_SPEC, STEP_MARKER, DataParallel, group_backend
+from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, RECEIVE_SPEC, STEP_MARKER, DataParallelRank, group_backend
 from rollout_lib.hardware import hardware_settings
 from rollout_lib.trainer.segment import TrainStepError
 
 
-def join_group(argv: list[str] | None) -> tuple[object, DataParallel]:
+def join_group(argv: list[str] | None) -> tuple[object, DataParallelRank]:
     """(the spec this rank was started with, this rank's place in the process group), the group joined (gloo on
     CPU; on CUDA, nccl with this rank on its local rank's GPU). The flow's node names the pickled spec file on the
     command line; another node's ranks (`RECEIVE_SPEC BACKEND`) receive it from the flow's node over the group,
-    whose first rank there reports to the flow (DataParallel.reporter)."""
+    whose first rank there reports to the flow (DataParallelRank.reporter)."""
     arguments = argv if argv is not None else sys.argv[1:]
     spec = None
     if arguments[0] == RECEIVE_SPEC:
@@ -54,7 +54,7 @@ def join_group(argv: list[str] | None) -> tuple[object, DataParallel]:
         received = [spec]
         dist.broadcast_object_list(received, src=reporter)
         spec = received[0]
-    return spec, DataParallel(rank, world_size, device, reporter)
+    return spec, DataParallelRank(rank, world_size, device, reporter)
 
 
 @record

@@ -1,6 +1,6 @@
 """One rank of data-parallel RL training (rl/policy_group.py), as torchrun starts it:
 
-    torchrun --standalone --nproc_per_node N -m rollout_lib.rl.policy_worker SPEC
+    torchrun --standalone --nproc_per_node N -m rollout_lib.rl.policy_rank SPEC
 
 SPEC: a pickled policy_group.GroupSpec (on another node: `--receive-spec BACKEND`, the spec sent over the group,
 segment_worker.join_group). The rank connects to the flow's socket (on the flow's node), says its rank, then runs
@@ -23,14 +23,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rollout_lib.hardware import hardware_settings
 from rollout_lib.rl.policy_state import adopt_snapshot, rebuild_policy, record_step_state, snapshot_state
-from rollout_lib.trainer.data_parallel import DataParallel
+from rollout_lib.trainer.data_parallel import DataParallelRank
 from rollout_lib.trainer.segment_worker import join_group, kill_step
 
 
 class PolicyRank:
     """This rank's trainer and the state it is at; every rank holds the same weights and optimizer state."""
 
-    def __init__(self, inputs, data_parallel: DataParallel):
+    def __init__(self, inputs, data_parallel: DataParallelRank):
         self.inputs = inputs
         self.data_parallel = data_parallel
         self.sharded = hardware_settings(inputs.settings).sharding == "fsdp"  # trainer/sharding.py
