@@ -4,7 +4,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
     [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval, zero_advantage_filter,
                               chat_template (a .jinja file framing the policy's conversations instead of its own)
     [algorithm.rl.optimizer]  / .budget / .loss (the rl component's loss: type = "default" | "gspo" | "cispo" |
-                              "custom", its knobs, the normaliser, the guards) / .reward_loop / .hardware
+                              "custom", its knobs, the normaliser, the guards, the sampler-trainer mismatch
+                              correction) / .reward_loop / .hardware
     [algorithm.rl.collapse]   action = "warn" | "fail" | "off", patience, zero_advantage_fraction, min_entropy: the
                               collapse guard (rl/collapse.py), outside the training identity
     [algorithm.rl.policy_sampler]  how the live policy samples: { type = "hf", batch_size } (embedded transformers)
