@@ -150,7 +150,8 @@ class RlSteps:
         if snapshot:
             self.checkpoint = task(snapshot_task)(cfg, prompts, self.state, step,
                                                   {**step_metrics, **trained["metrics"]}, res.resident)
-        metrics = {**step_metrics, **trained["metrics"], "step": step}
+        # Policy versions between the state that sampled the step's tokens and the state trained (0 on-policy).
+        metrics = {**step_metrics, **trained["metrics"], "step": step, "staleness_mean": self.schedule.lag(step)}
         if not self.schedule.synchronous:  # optimizer steps between the weights that sampled and those trained
             metrics["off_policy_lag"] = self.schedule.lag(step)
         checkpoint = self.checkpoint if snapshot else None

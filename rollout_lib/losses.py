@@ -339,6 +339,7 @@ def component_loss(
     ref_kl_kl_coef: float = DEFAULT_REF_KL_KL_COEF,
     rl_loss: Callable[..., Any] | Any | None = None,
     rl_normalizer: float | None = None,
+    correction: Any | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """loss = Σ_c numerator_c / N_c over c ∈ {rl, ce, ref_kl}; N_c is step-global, so micro-batch losses add up.
 
@@ -346,7 +347,10 @@ def component_loss(
     keyword settings are the rl and ref_kl components' (config: RlLossSettings); `rl_loss`: the rl numerator in
     place of rl_loss_terms, a registered loss (rollout_lib.rl_losses: an object with `terms`, given each token's
     sequence from `streams["sequence_lengths"]`) or a user's function (custom_rl_terms). `rl_normalizer` C: N_rl =
-    C · token_counts["rl_sequences"] (count_rl_sequences) instead of the rl token count (Dr. GRPO).
+    C · token_counts["rl_sequences"] (count_rl_sequences) instead of the rl token count (Dr. GRPO). `correction`
+    (rl_losses/correction.py; `inference_logprobs` are then the sampler's): the rl ratio is taken against this
+    forward's detached logprobs (the trainer's π_old, on-policy) and each rl token's weight is scaled by the
+    correction's factor; its diagnostics are `mismatch/<name>`. None: the loss as before the setting.
     """
     _check_streams(logprobs, streams)
     sequence_lengths = streams.get("sequence_lengths")
@@ -382,16 +386,24 @@ def component_loss(
     if bool(on_policy.any()):
         inference_logprobs = torch.where(on_policy, logprobs.detach(), inference_logprobs)
     numerators: dict[str, tuple[Tensor, dict[str, float]]] = {}
+    sequence_ids = None if sequence_lengths is None else sequence_ids_of(sequence_lengths, logprobs.device)
+    rl_inference_logprobs = inference_logprobs
+    if correction is not None and token_counts.get("rl", 0):
+        # The sampler's logprobs are the correction's denominator; the trust region is against the trainer's π_old.
+        factors, diagnostics = correction.token_factors(logprobs.detach(), inference_logprobs, masks["rl"],
+                                                        sequence_ids)
+        weights["rl"] = weights["rl"] * factors.to(logprobs.dtype)
+        rl_inference_logprobs = logprobs.detach()
+        metrics.update({f"mismatch/{name}": value for name, value in diagnostics.items()})
     if token_counts.get("rl", 0) and hasattr(rl_loss, "terms"):
-        sequence_ids = None if sequence_lengths is None else sequence_ids_of(sequence_lengths, logprobs.device)
-        numerators["rl"] = rl_loss.terms(logprobs, inference_logprobs, streams["advantages"].to(logprobs.dtype),
+        numerators["rl"] = rl_loss.terms(logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype),
                                          weights["rl"], sequence_ids=sequence_ids)
     elif token_counts.get("rl", 0) and rl_loss is not None:
-        numerators["rl"] = custom_rl_terms(rl_loss, logprobs, inference_logprobs,
+        numerators["rl"] = custom_rl_terms(rl_loss, logprobs, rl_inference_logprobs,
                                            streams["advantages"].to(logprobs.dtype), weights["rl"])
     elif token_counts.get("rl", 0):
         numerators["rl"] = rl_loss_terms(
-            logprobs, inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"],
+            logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"],
             eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
         )
     if token_counts.get("ce", 0):

@@ -4,7 +4,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
     [algorithm.rl]            base_model, max_seq_len, packing, checkpoint_interval, zero_advantage_filter,
                               chat_template (a .jinja file framing the policy's conversations instead of its own)
     [algorithm.rl.optimizer]  / .budget / .loss (the rl component's loss: type = "default" | "gspo" | "cispo" |
-                              "custom", its knobs, the normaliser, the guards) / .reward_loop / .hardware
+                              "custom", its knobs, the normaliser, the guards, the sampler-trainer mismatch
+                              correction) / .reward_loop / .hardware
     [algorithm.rl.collapse]   action = "warn" | "fail" | "off", patience, zero_advantage_fraction, min_entropy: the
                               collapse guard (rl/collapse.py), outside the training identity
     [algorithm.rl.policy_sampler]  how the live policy samples: { type = "hf", batch_size } (embedded transformers)
@@ -56,6 +57,7 @@ from rollout_lib.config.common import (
     StrictModel,
 )
 from rollout_lib.losses import RL_LOSS_WHAT
+from rollout_lib.rl_losses.correction import build_correction
 from rollout_lib.rl_losses import build_rl_loss, rl_loss_settings_types
 from rollout_lib.rl_losses.default import DefaultLossSettings
 from rollout_lib.reward.locate import check_reference, import_reference, module_source_digest
@@ -324,6 +326,16 @@ class RlSettings(StrictModel):
                              "(or \"auto\") for off-policy steps")
         return self
 
+    @model_validator(mode="after")
+    def _correction_reweights_the_sampler(self) -> "RlSettings":
+        # The correction reads the sampler's logprobs (the wire's behaviour stream) and takes the trainer's π_old
+        # from the training forward: both hold only with the sampler as the source, on-policy.
+        if self.loss.correction.active and (self.behaviour_logprobs_source != "sampler" or self.max_off_policy_steps):
+            raise ValueError(f"loss.correction {self.loss.correction.type!r} reweights the sampler's logprobs against "
+                             "the trainer's: it needs behaviour_logprobs = \"sampler\" and max_off_policy_steps = 0 "
+                             f"(here {self.behaviour_logprobs_source!r}, k = {self.max_off_policy_steps})")
+        return self
+
     @property
     def behaviour_logprobs_source(self) -> str:
         """The resolved source: "sampler", "trainer" (recomputed at the advantages stage) or "training_forward"."""
@@ -348,8 +360,10 @@ class RlSettings(StrictModel):
         loss = self.loss
         rl_loss = (_custom_rl_loss(loss.import_path, canonical_json(loss.kwargs)) if loss.type == "custom"
                    else build_rl_loss(loss))
-        return {"rl_loss": rl_loss, "ref_kl_eps_low": loss.ref_kl_eps_low, "ref_kl_kl_coef": loss.ref_kl_kl_coef,
-                "rl_normalizer": loss.normalizer_constant()}
+        kwargs = {"rl_loss": rl_loss, "ref_kl_eps_low": loss.ref_kl_eps_low, "ref_kl_kl_coef": loss.ref_kl_kl_coef,
+                  "rl_normalizer": loss.normalizer_constant()}
+        correction = build_correction(loss.correction)
+        return kwargs if correction is None else {**kwargs, "correction": correction}
 
 
 class RlAlgorithm(StrictModel):
@@ -521,6 +535,12 @@ class RlConfig(EntryPointConfig):
                                  f"{env.algo.type} distils a frozen model's samples: set sampler.source to a frozen "
                                  "model ({ model = \"<ref>\" } or { base_url = [...], name = \"...\" }); ce on the "
                                  "policy's own samples is a different algorithm"))
+            if settings.loss.correction.active and env.sampler.frozen is not None \
+                    and ALGORITHMS[env.algo.type].action_loss == "rl":
+                problems.append((f"{where}.sampler.source",
+                                 f"loss.correction {settings.loss.correction.type!r} compares the policy's sampler "
+                                 "with its trainer; a frozen model's logprobs are another policy's, never the "
+                                 "trainer's: sample this env from the policy or set correction type = \"none\""))
             if env.sampling.max_tokens >= settings.max_seq_len:
                 problems.append((f"{where}.sampling.max_tokens", f"must be < algorithm.rl.max_seq_len "
                                  f"({settings.max_seq_len}) to leave room for the prompt"))

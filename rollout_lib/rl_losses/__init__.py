@@ -1,7 +1,8 @@
 """The rl component's losses, one module each, registered by their `type` name (base.py): `default` (DPPO+k2,
 losses.rl_loss_terms), `gspo`, `cispo`. Importing this package imports every module in it, so a loss module dropped
 here appears in the config's `algorithm.rl.loss` union without editing anything else. (`custom`, a user's function,
-is the config's: it is located by import path, config/rl.py.)
+is the config's: it is located by import path, config/rl.py.) correction.py is no loss: the mismatch correction
+any of them can run under (`algorithm.rl.loss.correction`).
 """
 
 import importlib

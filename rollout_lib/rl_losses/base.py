@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from rollout_lib.losses import DEFAULT_REF_KL_EPS_LOW, DEFAULT_REF_KL_KL_COEF, _mean_over
+from rollout_lib.rl_losses.correction import CorrectionSettings
 from rollout_lib.settings_base import StrictModel
 
 DEFAULT_MAX_NONFINITE_STEPS = 3
@@ -49,6 +50,10 @@ class LossSettings(StrictModel):
     # A step whose loss or gradient is not finite is skipped (no optimizer step, `skipped_nonfinite = 1`); this many
     # in a row fail the run. Never part of the training identity: it decides whether a run stops, not its weights.
     max_nonfinite_steps: int = Field(DEFAULT_MAX_NONFINITE_STEPS, ge=1)
+    # The inference-training mismatch correction (correction.py): "none" is left out of the dump, so the identities
+    # of runs from before it stay.
+    correction: CorrectionSettings = Field(default_factory=CorrectionSettings,
+                                           exclude_if=lambda value: not value.active)
 
     def normalizer_constant(self) -> float | None:
         return None if self.normalizer == "tokens" else self.normalizer.constant

@@ -21,6 +21,10 @@ TRAINING_PANELS = (("loss", "loss", "eval/loss"), ("accuracy", "pair accuracy", 
 PASS_RATE_SUFFIX = "/pass_rate"
 # Optimizer panels: (name, title, smoothed); the learning rate is a schedule, not a noisy measurement.
 OPTIMIZER_PANELS = (("lr", "learning rate", False), ("grad_norm", "gradient norm", True))
+# Sampler-trainer mismatch panels (rl_losses/correction.py), drawn where a run's correction reports them.
+MISMATCH_PANELS = (("mismatch/kl", "sampler-trainer mismatch KL", True),
+                   ("mismatch/ratio_max", "mismatch ratio max", True),
+                   ("mismatch/masked_fraction", "mismatch masked fraction", True))
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ def curve_panels(history: list[dict]) -> list[Panel]:
     if pass_rates:
         panels.append(Panel("held-out pass rate", [_series(history, metric, env if len(pass_rates) > 1 else "held-out",
                                                            held_out=True) for env, metric in pass_rates]))
-    for name, title, smoothed in OPTIMIZER_PANELS:
+    for name, title, smoothed in OPTIMIZER_PANELS + MISMATCH_PANELS:
         if name in present:
             panels.append(Panel(title, [_training_series(history, name, name, smoothed)], from_zero=True))
     return panels

@@ -96,6 +96,7 @@ def train_on_micro_batches(
     metrics: dict[str, float] = {"loss": 0.0, **{f"loss/{c}": 0.0 for c in COMPONENTS},
                                  **{f"tokens/{c}": counts[c] for c in COMPONENTS}}
     weighted: dict[str, float] = {}  # component diagnostics, summed with their micro-batch's token count
+    maxima: dict[str, float] = {}  # `*_max` diagnostics: the largest micro-batch's (this rank's, data-parallel)
     tokens = positions = ran = 0
     grad_norm = 0.0
     nonfinite: str | None = None  # the first non-finite tensor of this step (skip_nonfinite)
@@ -122,8 +123,10 @@ def train_on_micro_batches(
                 component, _, what = name.partition("/")
                 if component == "loss":
                     metrics[name] += value
+                elif what.endswith("_max"):  # a maximum over the step, not a token-weighted mean
+                    maxima[name] = max(maxima.get(name, value), value)
                 elif what != "tokens":
-                    weighted[name] = weighted.get(name, 0.0) + value * local[component]
+                    weighted[name] = weighted.get(name, 0.0) + value * local[_COUNTED_BY.get(component, component)]
         if any(counts.values()):
             if data_parallel is not None and not is_sharded(model):  # FSDP reduce-scattered them in backward
                 data_parallel.sum_gradients(model.parameters())
@@ -148,7 +151,9 @@ def train_on_micro_batches(
         tokens, positions, ran = (int(summed[name]) for name in ("tokens", "positions", "ran"))
     elapsed = time.perf_counter() - started
     for name, total in weighted.items():
-        metrics[name] = total / counts[name.partition("/")[0]]
+        component = name.partition("/")[0]
+        metrics[name] = total / counts[_COUNTED_BY.get(component, component)]
+    metrics.update(maxima)
     metrics.update({
         "grad_norm": grad_norm,
         "tokens": tokens,
@@ -160,6 +165,10 @@ def train_on_micro_batches(
     if nonfinite is not None:  # present only then: a finite step's metrics (in manifests) are as before the guard
         return {**finite_metrics(metrics), "skipped_nonfinite": 1, "nonfinite_tensor": nonfinite}
     return metrics
+
+
+# Diagnostics that are not a component's own but are averaged over one's tokens (mismatch: the rl tokens).
+_COUNTED_BY = {"mismatch": "rl"}
 
 
 def _skip_decision(model: torch.nn.Module, nonfinite: str | None, grad_norm: torch.Tensor,
