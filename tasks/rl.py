@@ -38,6 +38,7 @@ from rollout_lib.identity import sources
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
 from rollout_lib.rl.curriculum import next_difficulty_pools
+from rollout_lib.rl.dynamic_sampling import sample_and_score_resampled
 from rollout_lib.store import ObjectStore
 from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
 from rollout_lib.rl.pack import pack
@@ -194,9 +195,12 @@ def sample_and_score_task(config: RlConfig, prompts_ids: dict[str, str], policy_
     store = open_store(config)
     policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident)
     samplers = build_samplers(config, policy.model, policy.tokenizer, served_models, policy_state=policy_state)
-    streamed = sample_and_score(config, samplers, _prompt_tables(config, prompts_ids), step, reward_loops,
-                                curriculum_state=None if curriculum is None else store.get_json(curriculum),
-                                policy_model=policy.model, policy_state=policy_state)
+    # Envs with `dynamic_sampling` replace their uniform groups by fresh ones (rl/dynamic_sampling.py).
+    sample = sample_and_score_resampled if any(env.dynamic_sampling for env in config.settings.envs) \
+        else sample_and_score
+    streamed = sample(config, samplers, _prompt_tables(config, prompts_ids), step, reward_loops,
+                      curriculum_state=None if curriculum is None else store.get_json(curriculum),
+                      policy_model=policy.model, policy_state=policy_state)
     return {"rollouts": store.put_table(streamed.rollouts),
             "rewards": store.put_json(rewards_json(streamed.results, streamed.reward_model_metrics)),
             "behaviour": None if streamed.behaviour is None else store.put_table(streamed.behaviour),

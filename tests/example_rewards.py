@@ -66,3 +66,11 @@ def words_unless_length_divides_by_4(inp: RewardInput) -> float:
     if len(inp.completion_text) % 4 == 0:
         raise ValueError(f"refusing a completion of {len(inp.completion_text)} characters")
     return len(inp.completion_text.split()) / 16
+
+
+def words_unless_prompt_words_even(inp: RewardInput) -> float:
+    """A completion's word count / 16, except 0.0 for every completion of a prompt with an even number of words:
+    a reward whose groups are uniform for some prompts (tests/test_dynamic_sampling.py)."""
+    if len(inp.prompt[-1]["content"].split()) % 2 == 0:
+        return 0.0
+    return len(inp.completion_text.split()) / 16

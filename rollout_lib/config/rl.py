@@ -25,6 +25,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
                  `teacher = <frozen model>` is its sampling source
       curriculum = { type = "difficulty_pools", easy_threshold, hard_threshold, easy_weight, hard_weight }:
                  prompts drawn away from examples always solved or never solved (rollout_lib/rl/curriculum.py)
+      dynamic_sampling = { max_rounds }: groups whose rewards are all equal replaced by fresh ones (DAPO,
+                 rollout_lib/rl/dynamic_sampling.py)
       [[algorithm.rl.envs.rewards]]  function = ... | reward_model = ... | judge = ... (reward/settings.py)
 """
 
@@ -139,6 +141,14 @@ class DifficultyPoolsSettings(StrictModel):
         return self
 
 
+class DynamicSamplingSettings(StrictModel):
+    """DAPO dynamic sampling (rollout_lib/rl/dynamic_sampling.py): a group whose rewards are all equal (no signal
+    under a group-relative algorithm) is replaced by a group of a freshly drawn prompt, for up to `max_rounds`
+    rounds of replacements; then the step trains on the groups it kept."""
+
+    max_rounds: int = Field(3, ge=1)
+
+
 class EnvSettings(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     source: PromptSource
@@ -157,6 +167,9 @@ class EnvSettings(StrictModel):
     # Which prompts a step draws: weighted by each example's difficulty pool (docs/environments.md, "Curriculum").
     # None: a uniform draw; then absent from the settings' dump, so identities from before the setting stay.
     curriculum: DifficultyPoolsSettings | None = Field(None, exclude_if=lambda value: value is None)
+    # Groups whose rewards are all equal replaced by fresh ones (docs/algorithms.md, "DAPO dynamic sampling").
+    # None: off; then absent from the settings' dump, so identities from before the setting stay.
+    dynamic_sampling: DynamicSamplingSettings | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="before")
     @classmethod
@@ -541,6 +554,8 @@ class RlConfig(EntryPointConfig):
                                  f"loss.correction {settings.loss.correction.type!r} compares the policy's sampler "
                                  "with its trainer; a frozen model's logprobs are another policy's, never the "
                                  "trainer's: sample this env from the policy or set correction type = \"none\""))
+            if env.dynamic_sampling is not None:
+                problems += _dynamic_sampling_problems(self, env, where)
             if env.sampling.max_tokens >= settings.max_seq_len:
                 problems.append((f"{where}.sampling.max_tokens", f"must be < algorithm.rl.max_seq_len "
                                  f"({settings.max_seq_len}) to leave room for the prompt"))
@@ -553,6 +568,19 @@ class RlConfig(EntryPointConfig):
         if settings.micro_batch_tokens is not None and settings.micro_batch_tokens < settings.max_seq_len:
             problems.append(("algorithm.rl.micro_batch_tokens", f"must be >= max_seq_len ({settings.max_seq_len})"))
         return problems
+
+
+def _dynamic_sampling_problems(config: "RlConfig", env: EnvSettings, where: str) -> list[tuple[str, str]]:
+    """Dynamic sampling scores each round inside the streamed sample stage (rl/dynamic_sampling.py): the staged
+    path (and a dask or ray fan-out, which is staged) is not built for it."""
+    problems = []
+    if not config.settings.reward_loop.streamed or config.run.task_runner.type != "thread":
+        problems.append((f"{where}.dynamic_sampling", "needs streamed scoring (algorithm.rl.reward_loop.streamed = "
+                         "true, run.task_runner.type = \"thread\"): the staged path does not resample"))
+    if env.sampling.group_size == 1:
+        problems.append((f"{where}.dynamic_sampling", "with sampling.group_size = 1 every group is uniform and "
+                         "would be replaced"))
+    return problems
 
 
 @functools.lru_cache(maxsize=8)

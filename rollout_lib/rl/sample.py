@@ -69,7 +69,8 @@ def env_interaction(config: RlConfig, env_index: int):
 
 def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table],
                     step: int, curriculum_state: dict | None = None,
-                    stream_to: Callable[[str, pa.Table], OnRollout] | None = None) -> tuple[pa.Table, dict]:
+                    stream_to: Callable[[str, pa.Table], OnRollout] | None = None,
+                    replacements: dict[str, pa.Table] | None = None, round_index: int = 0) -> tuple[pa.Table, dict]:
     """ROLLOUTS of every env for `step` (rewards null), and sampling metrics.
 
     `stream_to(env name, the env's chosen PROMPTS)`: the callback its sampler tells of each of the env's rows as
@@ -78,9 +79,17 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
 
     `curriculum_state`: the difficulty pools to draw with (rl/curriculum.py, `{env: {example_id: pool}}`), read
     by the envs that set `curriculum`; None: every env draws uniformly. Per such env, the metrics count the
-    prompts drawn from each pool (`curriculum/<env>/drawn_easy`, `/drawn_hard`)."""
+    prompts drawn from each pool (`curriculum/<env>/drawn_easy`, `/drawn_hard`).
+
+    `replacements`: a dynamic-sampling round's prompts (rl/dynamic_sampling.py), by env, sampled with seeds of
+    their own (`round_index` > 0) instead of the step's draw; envs it does not name sample nothing."""
     parts, curriculum_metrics = [], {}
     for env_index, env in enumerate(config.settings.envs):
+        if replacements is not None:
+            if env.name in replacements:
+                parts.append(_sample_env(config, samplers, env_index, replacements[env.name], stream_to,
+                                         derived_seed(config.run.seed, "sample", step, env_index, round_index)))
+            continue
         difficulty = None
         if env.curriculum is not None and curriculum_state is not None:
             difficulty = curriculum_state.get(env.name, {})
@@ -90,16 +99,27 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
             pools = [difficulty.get(example_id) for example_id in chosen.column("example_id").to_pylist()]
             curriculum_metrics[f"curriculum/{env.name}/drawn_easy"] = pools.count("easy")
             curriculum_metrics[f"curriculum/{env.name}/drawn_hard"] = pools.count("hard")
-        interaction = env_interaction(config, env_index)
-        streaming = {} if stream_to is None else {"on_rollout": stream_to(env.name, chosen)}
-        try:
-            parts.append(samplers[env.name].sample(chosen, env.sampling,
-                                                   derived_seed(config.run.seed, "sample", step, env_index),
-                                                   interaction=interaction, context_limit=config.settings.max_seq_len,
-                                                   **streaming))
-        except EpisodeError as exc:
-            raise EpisodeError(f"{env_locator(env_index, 'interaction')}: {exc}") from exc
+        parts.append(_sample_env(config, samplers, env_index, chosen, stream_to,
+                                 derived_seed(config.run.seed, "sample", step, env_index)))
     rollouts = pa.concat_tables(parts)
+    return rollouts, {**rollout_metrics(config, rollouts), **curriculum_metrics}
+
+
+def _sample_env(config: RlConfig, samplers: dict, env_index: int, chosen: pa.Table,
+                stream_to: Callable[[str, pa.Table], OnRollout] | None, seed: int) -> pa.Table:
+    """Env `env_index`'s rollouts of its `chosen` PROMPTS."""
+    env = config.settings.envs[env_index]
+    interaction = env_interaction(config, env_index)
+    streaming = {} if stream_to is None else {"on_rollout": stream_to(env.name, chosen)}
+    try:
+        return samplers[env.name].sample(chosen, env.sampling, seed, interaction=interaction,
+                                         context_limit=config.settings.max_seq_len, **streaming)
+    except EpisodeError as exc:
+        raise EpisodeError(f"{env_locator(env_index, 'interaction')}: {exc}") from exc
+
+
+def rollout_metrics(config: RlConfig, rollouts: pa.Table) -> dict:
+    """The sampling metrics of a step's ROLLOUTS (rollouts, lengths, truncation, entropy, turns, tool calls)."""
     lengths = [len(ids) for ids in rollouts.column("completion_ids").to_pylist()]
     max_tokens = {env.name: env.sampling.max_tokens for env in config.settings.envs}
     episodes = [json.loads(text) if text else None for text in rollouts.column("episode").to_pylist()]
@@ -122,7 +142,7 @@ def sample_rollouts(config: RlConfig, samplers: dict, prompt_tables: dict[str, p
         metrics["env_token_fraction"] = env_tokens / max(sum(lengths), 1)
         metrics.update(tool_call_metrics(multi_turn))
         metrics.update(agent_metrics(multi_turn))
-    return rollouts, {**metrics, **curriculum_metrics}
+    return metrics
 
 
 def tool_call_metrics(episodes: list[dict]) -> dict:

@@ -53,16 +53,19 @@ class StreamedStep:
 
 def sample_and_score(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table], step: int,
                      loops: RewardLoops, curriculum_state: dict | None = None, policy_model=None,
-                     policy_state: str | None = None) -> StreamedStep:
+                     policy_state: str | None = None, replacements: dict[str, pa.Table] | None = None,
+                     round_index: int = 0) -> StreamedStep:
     """sample_rollouts with every rollout scored as soon as it is sampled. `policy_model`: the sampling state's
     model (`policy_state`), whose behaviour logprobs of the rollouts are computed as they come in when the run
-    recomputes them off-policy (rl/behaviour_stream.py)."""
+    recomputes them off-policy (rl/behaviour_stream.py). `replacements`, `round_index`: a dynamic-sampling
+    round's prompts (sample_rollouts)."""
     behaviour = BehaviourStream(config, policy_model, policy_state) \
         if policy_model is not None and overlaps_behaviour_logprobs(config) else None
     with StreamedScoring(config, loops) as scoring, behaviour or contextlib.nullcontext():
         listeners = [scoring.stream_to] + ([behaviour.stream_to] if behaviour is not None else [])
         rollouts, metrics = sample_rollouts(config, samplers, prompt_tables, step, curriculum_state,
-                                            stream_to=_handed_to(listeners))
+                                            stream_to=_handed_to(listeners), replacements=replacements,
+                                            round_index=round_index)
         sampled_at = time.perf_counter()
         results, reward_model_metrics = scoring.results(rollouts, prompt_tables)
         scored_at = time.perf_counter()

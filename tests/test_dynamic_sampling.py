@@ -1,0 +1,188 @@
+"""DAPO dynamic sampling (rollout_lib/rl/dynamic_sampling.py): which groups are uniform, the seeded replacement
+draw (deterministic, never a prompt the step drew), the rounds' bookkeeping and metrics, settings errors, and a
+tiny run whose kept groups all carry signal and whose rerun ends on the same checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rollout_lib.config import ConfigError, RlConfig, training_hash, validate_config
+from rollout_lib.config.loading import read_toml
+from rollout_lib.reward.loop import RewardResult
+from rollout_lib.rl.dynamic_sampling import Round, replacement_prompts, resampled, uniform_groups
+
+ROOT = Path(__file__).resolve().parent.parent
+UNIFORM = {"words/0", "words/1", "words/2", "words/3", "words/4"}  # the fake reward's prompts without signal
+
+
+def raw_config(**env_overrides) -> dict:
+    raw = read_toml(ROOT / "configs/rl-tiny.toml")
+    raw["algorithm"]["rl"]["envs"][0].update(env_overrides)
+    return raw
+
+
+def prompts(n: int) -> pa.Table:
+    return pa.table({"example_id": [f"words/{i}" for i in range(n)]})
+
+
+def groups(example_ids: list[str], group_size: int = 2) -> Round:
+    """A round's rows: `group_size` rollouts per prompt, rewards equal for the UNIFORM prompts, else 0 and 1."""
+    rows = [(example_id, 0.5 if example_id in UNIFORM else float(i)) for example_id in example_ids
+            for i in range(group_size)]
+    return Round(pa.table({"env": ["words"] * len(rows), "example_id": [r[0] for r in rows]}),
+                 [RewardResult(r[1]) for r in rows])
+
+
+def test_uniform_groups_are_those_whose_present_rewards_are_all_equal():
+    rollouts = pa.table({"env": ["a"] * 8 + ["b"] * 2, "example_id": ["x", "x", "y", "y", "z", "z", "w", "w",
+                                                                      "v", "v"]})
+    results = [RewardResult(1.0), RewardResult(1.0),  # x: equal
+               RewardResult(0.0), RewardResult(1.0),  # y: signal
+               RewardResult(None, "boom"), RewardResult(None, "boom"),  # z: none present
+               RewardResult(None, "boom"), RewardResult(0.3),  # w: one present
+               RewardResult(2.0), RewardResult(2.0)]  # v: equal, but env b does not resample
+    assert uniform_groups(rollouts, results, {"a"}) == {("a", "x"), ("a", "z"), ("a", "w")}
+
+
+def test_replacements_are_seeded_fresh_and_differ_per_round():
+    table = prompts(10)
+    drawn = {"words/0", "words/3", "words/7"}
+
+    def draw(round_index: int, count: int = 4, step: int = 2) -> list[str]:
+        return replacement_prompts(table, drawn, count, seed=1, step=step, env_index=0,
+                                   round_index=round_index).column("example_id").to_pylist()
+
+    assert draw(1) == draw(1)  # a rerun draws the same
+    assert len(set(draw(1))) == 4 and not set(draw(1)) & drawn
+    assert len({tuple(draw(r)) for r in (1, 2, 3)} | {tuple(draw(1, step=3))}) == 4  # seeded per round and step
+    assert sorted(draw(1, count=20)) == sorted(set(table.column("example_id").to_pylist()) - drawn)  # all left
+
+
+def test_rounds_replace_uniform_groups_until_the_batch_is_full():
+    config = validate_config(RlConfig, raw_config(dynamic_sampling={"max_rounds": 3}))
+    table, calls = prompts(12), []
+
+    def sample_round(chosen, round_index):
+        calls.append((round_index, chosen["words"].column("example_id").to_pylist()))
+        return groups(chosen["words"].column("example_id").to_pylist())
+
+    first = groups(["words/0", "words/5", "words/1", "words/6"])  # two uniform, two with signal
+    kept, metrics = resampled(config, {"words": table}, 4, first, sample_round)
+    drawn = [example_id for _, ids in calls for example_id in ids]
+    assert len(drawn) == len(set(drawn)) and not set(drawn) & {"words/0", "words/5", "words/1", "words/6"}
+    kept_ids = list(dict.fromkeys(kept.rollouts.column("example_id").to_pylist()))
+    assert len(kept_ids) == 4 and not set(kept_ids) & UNIFORM  # full, every kept group with signal
+    assert kept_ids[:2] == ["words/5", "words/6"]  # the first round's kept groups first, in order
+    assert [r.reward for r in kept.results] == [0.0, 1.0] * 4  # the rewards follow their rows
+    assert metrics["dynamic_sampling/kept_groups"] == 4 and metrics["dynamic_sampling/short_by"] == 0
+    assert metrics["dynamic_sampling/rounds"] == len(calls) >= 1
+    assert metrics["dynamic_sampling/dropped_groups"] == 2 + sum(len(set(ids) & UNIFORM) for _, ids in calls)
+    again, _ = resampled(config, {"words": table}, 4, first, lambda chosen, r: groups(
+        chosen["words"].column("example_id").to_pylist()))
+    assert again.rollouts.equals(kept.rollouts)  # deterministic: a rerun keeps the same groups
+
+
+def test_rounds_run_out_and_the_step_trains_on_what_it_kept():
+    config = validate_config(RlConfig, raw_config(dynamic_sampling={"max_rounds": 2}))
+    table = prompts(7)  # words/0-4 uniform: the 3 left after the first draw can fill one group at most
+    first = groups(["words/0", "words/1", "words/5", "words/2"])
+    rounds = []
+    kept, metrics = resampled(config, {"words": table}, 1, first,
+                              lambda chosen, r: rounds.append(r) or groups(chosen["words"].column("example_id")
+                                                                           .to_pylist()))
+    assert set(kept.rollouts.column("example_id").to_pylist()) == {"words/5", "words/6"}
+    assert metrics == {"dynamic_sampling/rounds": 1, "dynamic_sampling/dropped_groups": 5,
+                       "dynamic_sampling/kept_groups": 2, "dynamic_sampling/short_by": 2}
+    assert rounds == [1]  # round 1 drew all 3 prompts left: round 2 has none to draw
+
+    nothing, metrics = resampled(config, {"words": prompts(4)}, 1, groups(["words/0", "words/1", "words/2",
+                                                                            "words/3"]), None)
+    assert nothing.rollouts.num_rows == 8 and metrics["dynamic_sampling/kept_groups"] == 0  # the step still exists
+    assert metrics["dynamic_sampling/short_by"] == 4 and metrics["dynamic_sampling/rounds"] == 0
+
+
+def error_of(raw) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(RlConfig, raw)
+    return str(info.value)
+
+
+def test_settings_are_checked_and_absent_leaves_the_identity_as_it_was():
+    assert "algorithm.rl.envs[0].dynamic_sampling.max_rounds: must be >= 1 (got 0)" in error_of(
+        raw_config(dynamic_sampling={"max_rounds": 0}))
+    assert "algorithm.rl.envs[0].dynamic_sampling.rounds: unknown key" in error_of(
+        raw_config(dynamic_sampling={"rounds": 2}))
+    plain = validate_config(RlConfig, raw_config())
+    assert all("dynamic_sampling" not in env for env in plain.training_settings()["envs"])
+    on = validate_config(RlConfig, raw_config(dynamic_sampling={}))
+    assert on.settings.envs[0].dynamic_sampling.max_rounds == 3
+    assert training_hash(on) != training_hash(plain)
+    assert on.plan_problems() == []
+    staged = raw_config(dynamic_sampling={})
+    staged["algorithm"]["rl"]["reward_loop"] = {"streamed": False}
+    assert "algorithm.rl.envs[0].dynamic_sampling: needs streamed scoring" in error_of(staged)
+
+
+def test_bad_settings_are_one_line_and_exit_2():
+    from clirun import run_rollout
+
+    for setting in ("algorithm.rl.envs[0].dynamic_sampling={ max_rounds = 0 }",
+                    "algorithm.rl.reward_loop.streamed=false"):
+        done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--dry-run", "--set",
+                           "algorithm.rl.envs[0].dynamic_sampling={}", "--set", setting)
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "algorithm.rl" in lines[0] and "dynamic_sampling" in lines[0], done.stderr
+
+
+DYNAMIC_RUN = ["train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps", "2", "--name", "dapo",
+               "--set", "algorithm.rl.envs[0].rewards=[{ function = "
+                        '"example_rewards:words_unless_prompt_words_even" }]',
+               "--set", "algorithm.rl.envs[0].dynamic_sampling={ max_rounds = 2 }"]
+
+
+@pytest.mark.slow
+def test_a_tiny_run_trains_on_groups_with_signal_and_reruns_to_the_same_checkpoint(prefect_server, tmp_path):
+    """rl-tiny with a reward that is 0 for every completion of 3 of its 8 prompts: each step's kept groups all
+    carry signal, the metrics count the rounds, and a rerun of the same command ends on the same checkpoint from
+    cache, as does a run killed after step 2's sampling and rerun."""
+    from clirun import cli_env, final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
+
+    from rollout_lib import wire
+    from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.runlog.step_tables import read_step_tables
+    from rollout_lib.store import ObjectStore
+
+    args = [*DYNAMIC_RUN, "--store", str(tmp_path / "store")]
+    first = train_in_process(*args)
+    store = ObjectStore(str(tmp_path / "store"))
+    steps = read_metrics(store, "dapo")
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["dynamic_sampling/kept_groups"] + m["dynamic_sampling/short_by"] == 4
+        assert m["rollouts"] == 8 * m["dynamic_sampling/kept_groups"]
+    assert sum(m["dynamic_sampling/dropped_groups"] for m in steps) >= 1  # the reward made some groups uniform
+    assert any(m["dynamic_sampling/rounds"] >= 1 for m in steps)  # and fresh groups were drawn for them
+    for step in (1, 2):
+        scored = store.get_table(read_step_tables(store, "dapo", step)["scored"], wire.ROLLOUTS)
+        rewards: dict[str, set] = {}
+        for example_id, reward in zip(scored.column("example_id").to_pylist(), scored.column("reward").to_pylist()):
+            rewards.setdefault(example_id, set()).add(reward)
+        assert all(len(values) > 1 for values in rewards.values()), rewards  # no uniform group trained
+
+    again = train_in_process(*args)
+    assert again["checkpoint"] == first["checkpoint"]
+    states = task_run_states(again["flow_run_id"])
+    assert {states[f"{stage}-{step}"] for stage in ("sample-step", "train-step") for step in (1, 2)} == {"Cached"}
+
+    # Killed once step 2's sampling (its rounds included) is done: the rerun resumes to the same checkpoint.
+    killed = [*DYNAMIC_RUN, "--store", str(tmp_path / "killed")]
+    env = cli_env(PYTHONPATH=str(ROOT / "tests"))  # where example_rewards lives, outside the library
+    run_until_then_kill(killed, "sample-step-2' - Finished", tmp_path / "killed.log", env=env)
+    resumed = run_rollout(*killed, PYTHONPATH=str(ROOT / "tests"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert final_result(resumed)["checkpoint"] == first["checkpoint"]
+    assert read_metrics(store, "dapo")[-1]["dynamic_sampling/kept_groups"] == steps[-1]["dynamic_sampling/kept_groups"]
