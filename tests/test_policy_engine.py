@@ -335,6 +335,7 @@ def test_a_train_rl_run_samples_on_the_engine_and_records_each_state(prefect_ser
     from clirun import final_result, run_rollout
 
     from rollout_lib.rl.policy import STEP_STATE_KIND
+    from rollout_lib.runlog.eval_tables import read_rl_eval_tables, recorded_rl_evals
     from rollout_lib.runlog.metrics_file import read_metrics
     from rollout_lib.store import ObjectStore
 
@@ -363,7 +364,13 @@ def test_a_train_rl_run_samples_on_the_engine_and_records_each_state(prefect_ser
     assert len(loaded) == len(set(loaded)) == 4, loaded  # the initial state, states 1, 2 and 3: once each
     assert [record["step"] for record in steps if "eval/words/reward_mean" in record] == [2, 3]
 
+    # The held-out evaluations keep their samples too (`rollout runs samples --eval`): apart, since they ran on the
+    # states evaluated (the initial one, 2 and 3), not on those the steps sampled from.
+    held_out = {tables["scored"] for step in recorded_rl_evals(store, "rl-engine")
+                for tables in read_rl_eval_tables(store, "rl-engine", step)["envs"].values()}
+    assert recorded_rl_evals(store, "rl-engine") == [0, 2, 3] and len(held_out) == 3
     sampled_from: set[str] = set()
+    evaluated: set[str] = set()
     for object_id in store.list_objects():
         try:
             table = store.get_table(object_id)
@@ -372,8 +379,9 @@ def test_a_train_rl_run_samples_on_the_engine_and_records_each_state(prefect_ser
         if "sampled_from" in table.column_names and "completion_ids" in table.column_names:
             values = set(table.column("sampled_from").to_pylist())
             assert len(values) == 1 and None not in values, values
-            sampled_from |= values
+            (evaluated if object_id in held_out else sampled_from).update(values)
     assert len(sampled_from) == 3 and all(store.has(state) for state in sampled_from)
+    assert len(evaluated) == 3 and len(evaluated & sampled_from) == 2  # state 3 sampled nothing: only evaluated
     records = {store.get_json(state)["step"]: store.get_json(state) for state in sampled_from
                if _is_record(store, state, STEP_STATE_KIND)}
     assert sorted(records) == [1, 2]  # step records, whatever the snapshots: the initial checkpoint, then 1 and 2
