@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rollout_lib.envs.base import Interaction, InteractionSettings
-from rollout_lib.envs.tools.parsers import PARSERS
+from rollout_lib.envs.tools.parsers import ParserName
 from rollout_lib.reward.locate import check_reference, import_reference
 
 WHAT = "agent function"
@@ -35,7 +35,7 @@ class AgentSettings(InteractionSettings):
     kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the function after (base_url, task)
     timeout_s: float = Field(60.0, gt=0)  # per episode: past it the episode fails (counted), the step goes on
     max_requests: int = Field(16, ge=1)  # chat completions per episode; more are refused (HTTP 429)
-    parser: str = "hermes"  # how tool calls are read from sampled text when a request gives `tools`
+    parser: ParserName = "hermes"  # how tool calls are read from sampled text when a request gives `tools`
 
     @model_validator(mode="before")
     @classmethod
@@ -43,13 +43,6 @@ class AgentSettings(InteractionSettings):
         if isinstance(value, dict) and "max_turns" in value:  # inherited, but the agent decides its own turns
             raise ValueError("an agent's episodes are bounded by max_requests (and timeout_s), not max_turns")
         return value
-
-    @field_validator("parser")
-    @classmethod
-    def _known_parser(cls, name: str) -> str:
-        if name not in PARSERS:
-            raise ValueError(f"no tool-call parser {name!r} (known: {', '.join(sorted(PARSERS))})")
-        return name
 
     @model_validator(mode="after")
     def _found_without_running_it(self) -> "AgentSettings":

@@ -18,26 +18,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from rollout_lib.envs.base import EnvReply, Interaction, InteractionSettings
 from rollout_lib.envs.tools.executor import CallResult, run_call
-from rollout_lib.envs.tools.parsers import PARSERS, ParsedCall
+from rollout_lib.envs.tools.parsers import PARSERS, ParsedCall, ParserName
 
 
 class ToolCallsSettings(InteractionSettings):
     type: Literal["tools"] = "tools"
     max_turns: int = Field(4, ge=1)
-    parser: str = "hermes"  # how calls are written: a key of envs/tools/parsers' registry
+    parser: ParserName = "hermes"  # how calls are written: a key of envs/tools/parsers' registry
     timeout_s: float = Field(10.0, gt=0)  # per call
     max_calls_per_turn: int = Field(4, ge=1)  # calls past it are answered with an error, not run
-
-    @field_validator("parser")
-    @classmethod
-    def _known_parser(cls, name: str) -> str:
-        if name not in PARSERS:
-            raise ValueError(f"no tool-call parser {name!r} (known: {', '.join(sorted(PARSERS))})")
-        return name
 
 
 class ToolCalls(Interaction):

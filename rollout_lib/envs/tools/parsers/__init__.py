@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
+
+from pydantic import AfterValidator
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,16 @@ def register(name: str) -> Callable[[Parser], Parser]:
         return parser
 
     return add
+
+
+def known_parser(name: str) -> str:
+    """`name`, when a parser is registered under it (a settings validator: ParserName)."""
+    if name not in PARSERS:
+        raise ValueError(f"no tool-call parser {name!r} (known: {', '.join(sorted(PARSERS))})")
+    return name
+
+
+ParserName = Annotated[str, AfterValidator(known_parser)]  # a `parser` setting
 
 
 for _module in pkgutil.iter_modules(__path__):
