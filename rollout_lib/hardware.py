@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -61,6 +61,10 @@ class HardwareSettings(StrictModel):
     nnodes: int = Field(1, ge=1)
     rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:[0-9]{1,5}$")
     rdzv_timeout_s: float = Field(300.0, gt=0)
+    # The GPUs of each node the trainer takes (docs/scale.md, "GPUs placed"): torchrun's ranks see only these
+    # (CUDA_VISIBLE_DEVICES), local rank i computes on the i-th; one process in the flow's own: on the first. None:
+    # every GPU, as before. Where the model computes, never what: not in the identity.
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _one_gpu_per_process(self) -> "HardwareSettings":
@@ -73,6 +77,12 @@ class HardwareSettings(StrictModel):
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ValueError(f'nnodes = {self.nnodes} joins the nodes at a rendezvous: set rdzv_endpoint = "host:port" '
                              '(a free port on node 0, reachable from every node)')
+        if self.gpus is not None:
+            if len(set(self.gpus)) < len(self.gpus):
+                raise ValueError(f"gpus lists a GPU twice: {self.gpus}")
+            if self.device == "cpu" or self.device.startswith("cuda:"):
+                raise ValueError(f'gpus places the trainer on GPUs {self.gpus}: use device = "cuda" or "auto", '
+                                 f'not {self.device!r}')
         if self.cpu_offload and self.sharding != "fsdp":
             raise ValueError('cpu_offload is FSDP2\'s offload of the shards: set sharding = "fsdp" with it')
         return self
@@ -162,6 +172,9 @@ def resolve_hardware(settings: HardwareSettings, where: str = "hardware") -> Res
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(settings.device)
+    if device.type == "cuda" and settings.gpus and settings.world_size == 1:
+        # in the flow's own process, which sees every GPU; torchrun's ranks see only `gpus` (visible_devices)
+        device = torch.device("cuda", settings.gpus[0])
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError([(f"{where}.device", f"{settings.device!r}: CUDA is not available on this machine "
@@ -178,6 +191,46 @@ def resolve_hardware(settings: HardwareSettings, where: str = "hardware") -> Res
             raise ConfigError([(f"{where}.precision", f"{torch.cuda.get_device_name(device)} has no bf16 support; "
                                                       'use "fp32"')])
     return ResolvedHardware(device, settings.precision, settings.gradient_checkpointing, settings.cuda_deterministic)
+
+
+def visible_devices(gpus: list[int] | None) -> dict[str, str]:
+    """The environment that shows a process only `gpus` (None or empty: nothing set, every GPU as before)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in gpus)} if gpus else {}
+
+
+def replica_gpus(gpus: list[int] | None, replicas: int) -> list[list[int]]:
+    """`gpus` split into `replicas` consecutive equal shares, replica j's the j-th ([] without gpus)."""
+    if not gpus:
+        return []
+    share = len(gpus) // replicas
+    return [list(gpus[j * share:(j + 1) * share]) for j in range(replicas)]
+
+
+def placement_problems(where: str, hardware: HardwareSettings,
+                       served: list[tuple[str, list[int] | None]] = ()) -> list[tuple[str, str]]:
+    """Plan-time (locator, problem) pairs of GPU placement: the trainer's `gpus` (at `where`.gpus) too few for its
+    nproc ranks, a served model's GPUs (`served`: (locator, gpus)) shared with the trainer or another served model,
+    and, where torch sees CUDA, a GPU the node does not have (on a CPU-only machine that check is skipped: the
+    nodes' GPUs are unknown here)."""
+    problems = []
+    trainer = hardware.gpus or []
+    if trainer and hardware.nproc > len(trainer):
+        problems.append((f"{where}.gpus", f"nproc = {hardware.nproc} ranks per node take one GPU each, and gpus "
+                                          f"lists {len(trainer)} ({trainer}): list {hardware.nproc} GPUs or "
+                                          "lower nproc"))
+    taken = {gpu: f"{where}.gpus" for gpu in trainer}
+    for locator, gpus in served:
+        for gpu in gpus or []:
+            if gpu in taken:
+                problems.append((locator, f"GPU {gpu} is also in {taken[gpu]}: the trainer's ranks and each served "
+                                          "model's replicas take disjoint GPUs"))
+                break
+        taken.update({gpu: locator for gpu in gpus or []})
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        problems += [(locator, f"GPU {gpu} is not on this node, which has {count} (0-{count - 1})")
+                     for gpu, locator in sorted(taken.items()) if gpu >= count][:1]
+    return problems
 
 
 def hardware_of_config(config) -> ResolvedHardware:

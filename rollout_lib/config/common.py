@@ -8,7 +8,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rollout_lib.paths import default_store
-from rollout_lib.hardware import HardwareSettings, hardware_settings, resolve_hardware  # noqa: F401  (composed here)
+from rollout_lib.hardware import (HardwareSettings, hardware_settings,  # noqa: F401  (composed here)
+                                  placement_problems, resolve_hardware)
 from rollout_lib.settings_base import ModelRef, StrictModel, tagged_union
 
 __all__ = ["ModelRef", "StrictModel"]  # defined in settings_base (importable without this package), used here
@@ -288,7 +289,15 @@ class EntryPointConfig(StrictModel):
 
     def plan_problems(self) -> list[tuple[str, str]]:
         """The seed's validate_plan: (dotted locator, problem) pairs found at plan time, before any model loads."""
-        return self.adapter_problems()
+        return self.adapter_problems() + self.placement_problems()
+
+    def served_gpus(self) -> list[tuple[str, list[int] | None]]:
+        """(locator, gpus) of each model this entry point serves on this node beside its trainer (RL's policy)."""
+        return []
+
+    def placement_problems(self) -> list[tuple[str, str]]:
+        """GPUs the trainer and the served models cannot take as set (hardware.placement_problems)."""
+        return placement_problems(self.hardware_locator, hardware_settings(self.settings), self.served_gpus())
 
     def adapter_problems(self) -> list[tuple[str, str]]:
         """An adapter whose target modules match nothing in the base model, found from the base's config.json

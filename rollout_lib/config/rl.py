@@ -514,12 +514,15 @@ class RlConfig(EntryPointConfig):
                               "trainer's are not, so importance ratios are off-policy by construction"))
         return found
 
+    def served_gpus(self) -> list[tuple[str, list[int] | None]]:
+        return [("algorithm.rl.policy_sampler.gpus", getattr(self.settings.policy_sampler, "gpus", None))]
+
     def plan_problems(self) -> list[tuple[str, str]]:
         """Problems found at plan time, before any model loads: names and kwargs that cannot resolve."""
         from rollout_lib.reward.functions import check_reward_function
 
         settings = self.settings
-        problems = self.adapter_problems()
+        problems = self.adapter_problems() + self.placement_problems()
         judges = {where for where, _ in self.judges()}
         problems += [(f"{where}.runner", "'pooling' serves a reward model: only a reward function's judge may name one")
                      for where, frozen in self.frozen_models()

@@ -56,7 +56,7 @@ class RmConfig(EntryPointConfig):
 
     def plan_problems(self) -> list[tuple[str, str]]:
         """The seed's validate_plan: problems found at plan time, before any model loads."""
-        problems = self.adapter_problems()
+        problems = self.adapter_problems() + self.placement_problems()
         if self.settings.head == "pairwise_logistic":
             problems.append(("algorithm.rm.head", "pairwise_logistic is not implemented yet; use bradley_terry"))
         return problems

@@ -84,7 +84,7 @@ class SftConfig(EntryPointConfig):
     def plan_problems(self) -> list[tuple[str, str]]:
         """The seed's validate_plan: problems found at plan time, before any model loads."""
         settings = self.settings
-        problems = self.adapter_problems()
+        problems = self.adapter_problems() + self.placement_problems()
         if settings.packed and settings.gradient_accumulation != 1:
             problems.append((
                 "algorithm.sft.gradient_accumulation",

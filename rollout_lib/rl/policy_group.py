@@ -25,6 +25,12 @@ state), `export` (the weights of a state the flow has no copy of: after a crash,
 process holds no trainer, only frozen copies (rl/policy_state.py `FrozenPolicy`) built from the exported files, bit
 for bit what the ranks trained.
 
+The socket is closed to anyone but the group's ranks: each group draws a secret (`secrets.token_hex(32)`), hands
+it to node 0's torchrun in its environment (SECRET_ENV: never on a command line, which the other nodes' announced
+commands print, and never logged), and every rank presents it as it joins (node 0's reporting rank sends it to the
+other nodes' ranks over the process group, with the spec: a second node needs nothing beyond its logged command). A
+connection that does not present it within HELLO_TIMEOUT_S is closed and the group keeps waiting for its ranks.
+
 A rank that fails (an exception, SIGKILL) makes torchrun stop the others; the command then raises
 DataParallelError naming the step and the rank, the group is gone, and the next command (a rerun's) starts a new
 one, which rebuilds the state it is asked for from the store.
@@ -33,11 +39,13 @@ one, which rebuilds the state it is asked for from the store.
 from __future__ import annotations
 
 import copy
+import hmac
 import itertools
 import json
 import logging
 import os
 import pickle
+import secrets
 import select
 import socket
 import subprocess
@@ -64,6 +72,10 @@ logger = logging.getLogger(__name__)
 # How long the ranks may take to start and connect (importing torch and transformers, under load), and to stop.
 CONNECT_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
+# The environment variable node 0's torchrun carries the group's secret in (policy_rank.group_secret reads it).
+SECRET_ENV = "ROLLOUT_POLICY_GROUP_SECRET"
+# How long a connection may take to present the secret: a silent client must not hold the ranks' door for long.
+HELLO_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,7 @@ class PolicyGroup:
         self._skeleton = None  # a model to copy frozen copies from (the trainer's build, weights replaced)
         self._exports = itertools.count(1)  # next() is atomic: two threads never get one file name
         self._starts = itertools.count(1)  # each start is a rendezvous of its own
+        self._secret = secrets.token_hex(32)  # what a rank presents as it joins (module docstring); never logged
 
     # --- the commands -----------------------------------------------------------------------------------------
 
@@ -180,7 +193,7 @@ class PolicyGroup:
         spec_path = os.path.join(self._workdir.name, "spec.pkl")
         with open(spec_path, "wb") as out:
             pickle.dump(GroupSpec(self.inputs, host, listener.getsockname()[1]), out)
-        env = rank_environment(self.inputs)
+        env = {**rank_environment(self.inputs), SECRET_ENV: self._secret}
         run_id = f"rollout-policy-{os.path.basename(self._workdir.name)}-{next(self._starts)}"
         module = "rollout_lib.rl.policy_rank"
         self._tail.clear()
@@ -203,10 +216,33 @@ class PolicyGroup:
                 if self._process.poll() is not None or time.monotonic() > deadline:
                     raise self._failed(what, [])
                 if select.select([listener], [], [], 1.0)[0]:
-                    connection, _ = listener.accept()
-                    channel = connection.makefile("rw", encoding="utf-8")
-                    ranks[json.loads(channel.readline())["rank"]] = channel
+                    connection, address = listener.accept()
+                    joined = self._admit(connection, ranks)
+                    if joined is None:
+                        logger.warning("policy group: refused a connection from %s (no rank of this group: it did not "
+                                       "present the group's secret within %g s)", address[0], HELLO_TIMEOUT_S)
+                    else:
+                        ranks[joined[0]] = joined[1]
         self._ranks = [ranks[rank] for rank in range(self.world_size)]
+
+    def _admit(self, connection: socket.socket, joined: dict) -> tuple[int, object] | None:
+        """(rank, its channel) for a rank of this group that has not joined yet: it sends `{"rank", "secret"}`
+        within HELLO_TIMEOUT_S. Anything else is closed: None."""
+        connection.settimeout(HELLO_TIMEOUT_S)
+        channel = connection.makefile("rw", encoding="utf-8")
+        try:
+            hello = json.loads(channel.readline())
+            rank, secret = hello["rank"], str(hello["secret"]).encode()
+            # compare_digest: the time taken says nothing of how much of the secret matched
+            if hmac.compare_digest(secret, self._secret.encode()) and rank in range(self.world_size) \
+                    and rank not in joined:
+                connection.settimeout(None)  # a rank's commands take as long as they take
+                return rank, channel
+        except (OSError, ValueError, KeyError, TypeError):  # silent, cut off, not JSON, not a rank's hello
+            pass
+        channel.close()
+        connection.close()
+        return None
 
     def _keep_output(self, process: subprocess.Popen) -> None:
         for line in process.stdout:

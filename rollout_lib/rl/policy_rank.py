@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node N -m rollout_lib.rl.policy_rank SPEC
 
 SPEC: a pickled policy_group.GroupSpec (on another node: `--receive-spec BACKEND`, the spec sent over the group,
-segment_worker.join_group). The rank connects to the flow's socket (on the flow's node), says its rank, then runs
+segment_worker.join_group). The rank connects to the flow's socket (on the flow's node), says its rank and presents
+the group's secret (`group_secret`), then runs
 the flow's commands (one JSON line each, the same to every rank) in lockstep with the others and answers each with
 one line: `{"state", "metrics"}` or `{"checkpoint"}` (rank 0's is the one the flow reads), or `{"error"}` before
 it exits non-zero, which makes torchrun stop the other ranks. On CUDA, rank i computes on the GPU of its local
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rollout_lib.hardware import hardware_settings
+from rollout_lib.rl.policy_group import SECRET_ENV
 from rollout_lib.rl.policy_state import adopt_snapshot, rebuild_policy, record_step_state, snapshot_state
 from rollout_lib.trainer.data_parallel import DataParallelRank
 from rollout_lib.trainer.segment_worker import join_group, kill_step
@@ -87,12 +89,23 @@ class PolicyRank:
         dist.barrier()
 
 
+def group_secret(data_parallel: DataParallelRank) -> str:
+    """The secret this rank presents to the flow's socket: node 0's torchrun carries it in its environment
+    (SECRET_ENV), the reporting rank (on node 0) sends it to every other rank over the group, so other nodes'
+    commands need not carry it. Every rank calls this (a collective)."""
+    own = os.environ.pop(SECRET_ENV, None)  # out of the environment: no child process inherits it
+    held = [own if data_parallel.reports else None]
+    dist.broadcast_object_list(held, src=data_parallel.reporter)
+    return held[0]
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     spec, data_parallel = join_group(argv)
+    secret = group_secret(data_parallel)
     channel = socket.create_connection((spec.host, spec.port)).makefile("rw", encoding="utf-8")
     try:
-        channel.write(json.dumps({"rank": data_parallel.rank}) + "\n")
+        channel.write(json.dumps({"rank": data_parallel.rank, "secret": secret}) + "\n")
         channel.flush()
         policy = PolicyRank(spec.inputs, data_parallel)
         for line in channel:

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollout_lib.adapters import is_adapted
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
@@ -67,6 +67,25 @@ class VllmSamplerSettings(SamplerSettings):
     # their /v1/models lists. Where the policy samples, never what: not in the identity.
     base_url: list[str] | None = Field(None, min_length=1)
     served_name: str | None = None
+    # The GPUs of this node the policy server takes (docs/scale.md, "GPUs placed"), split into `replicas` equal
+    # consecutive shares: replica j sees only its own (CUDA_VISIBLE_DEVICES). Disjoint from the trainer's
+    # (hardware.gpus), checked at plan time. None: every replica sees every GPU, as before. Not in the identity.
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _gpus_shared_evenly(self) -> "VllmSamplerSettings":
+        if self.gpus is None:
+            return self
+        if len(set(self.gpus)) < len(self.gpus):
+            raise ValueError(f"gpus lists a GPU twice: {self.gpus}")
+        if self.base_url is not None:
+            raise ValueError("gpus places the replicas rollout starts here, and base_url names servers you run "
+                             "elsewhere: set their GPUs where they start (CUDA_VISIBLE_DEVICES), or leave base_url "
+                             "out")
+        if len(self.gpus) % self.replicas:
+            raise ValueError(f"gpus = {self.gpus} splits into replicas = {self.replicas} equal shares: list a "
+                             f"multiple of {self.replicas} GPUs")
+        return self
 
     def identity_settings(self) -> dict:
         # Replicas, concurrency, timeouts and the tolerance are resources or checks: they never decide which tokens
@@ -108,7 +127,7 @@ class VllmSampler(Sampler):
             probe_dtype=torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32,
             adapter_rank=(model.peft_config["default"].r if is_adapted(model) and settings.adapter_serving == "lora"
                           else None),
-            remote_urls=settings.base_url or (), served_name=settings.served_name)
+            remote_urls=settings.base_url or (), served_name=settings.served_name, gpus=settings.gpus or ())
         self.hold_reports: list = []  # serving.policy_server.HoldReport of every hold this sampler made (metrics, tests)
         self.held_state: str | None = None  # the state this sampler's last hold brought the server to
         self.recoveries = 0  # restarts of dead replicas so far in this stage (a sampler lives for one stage)

@@ -36,6 +36,7 @@ from typing import Iterator, Mapping, Sequence
 
 import psutil
 
+from rollout_lib.hardware import replica_gpus, visible_devices
 from rollout_lib.paths import PROJECT_ROOT, state_dir
 from rollout_lib.processes import cmdline_contains, free_ports, group_members, port_is_free
 from rollout_lib.serving.references import default_max_model_len, default_name, served_model_directory
@@ -114,6 +115,8 @@ class Deployment:
     owner_pid: int | None = None
     # Serves the policy being trained: dev mode on, weights reloaded in place (serving/policy_server.py).
     live_policy: bool = False
+    # Replica j's GPUs, its CUDA_VISIBLE_DEVICES (hardware.replica_gpus); empty: every replica sees every GPU.
+    gpus: list[list[int]] = field(default_factory=list)
 
     @property
     def orphaned(self) -> bool:
@@ -236,9 +239,10 @@ def answers(base_url: str, name: str, timeout_s: float = 2.0) -> bool:
     return any(entry.get("id") == name for entry in models.get("data", []) if isinstance(entry, dict))
 
 
-def _server_env(deployment: Deployment, replica_count: int) -> dict[str, str]:
-    """The environment of a replica: the caller's, the defaults verified here, then the deployment's own `env`.
-    The replicas share the cores: each gets cores // replicas OpenMP threads (ROLLOUT_VLLM_THREADS overrides)."""
+def _server_env(deployment: Deployment, replica_count: int, index: int = 0) -> dict[str, str]:
+    """The environment of replica `index`: the caller's, the defaults verified here, the deployment's own `env`,
+    then its GPUs (`Deployment.gpus`: placed, it sees only those). The replicas share the cores: each gets
+    cores // replicas OpenMP threads (ROLLOUT_VLLM_THREADS overrides)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = os.environ.get("ROLLOUT_VLLM_THREADS") or str(max(1, cores // max(1, replica_count)))
     env = {**os.environ}
@@ -259,7 +263,8 @@ def _server_env(deployment: Deployment, replica_count: int) -> dict[str, str]:
     # The server's entry point (vllm_server_main.py) and a live policy's worker extension (worker_extension.py) are
     # imported from this checkout.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(PROJECT_ROOT), env.get("PYTHONPATH"))))
-    return {**env, **deployment.env}
+    placed = visible_devices(deployment.gpus[index]) if deployment.gpus else {}
+    return {**env, **deployment.env, **placed}
 
 
 def _server_command(deployment: Deployment, port: int) -> list[str]:
@@ -282,7 +287,8 @@ def _launch(deployment: Deployment, index: int, port: int, replica_count: int) -
         handle.write(f"\n{_START_MARKER}{started_at}: {' '.join(command)}\n".encode())
         handle.flush()
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=_server_env(deployment, replica_count), cwd=serve_dir(), start_new_session=True)
+                                   env=_server_env(deployment, replica_count, index), cwd=serve_dir(),
+                                   start_new_session=True)
     _children[process.pid] = process
     return Replica(index=index, pid=process.pid, port=port, base_url=f"http://{HOST}:{port}", log=str(log),
                    started_at=started_at)
@@ -418,13 +424,13 @@ def start_deployment(reference, *, name: str | None = None, replicas: int = 1, p
                      store_url: str | None = None, max_model_len: int | None = None, runner: str = "generate",
                      extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                      ready_timeout_s: float = 600.0, owner_pid: int | None = None,
-                     live_policy: bool = False) -> Deployment:
+                     live_policy: bool = False, gpus: Sequence[int] = ()) -> Deployment:
     """Serve `reference` as `name` on `replicas` vLLM servers (the first on `port` if given, the others on free
     ports), started in parallel; return once every replica answers. A deployment of that name already running
     the same model directory with the same runner is reused as it is (dead replicas restarted); the same name
     serving anything else is an error. When a replica exits or the timeout passes, everything started is stopped
     and EngineError names the URL and the end of its log. `live_policy`: a policy server, in dev mode (module
-    docstring)."""
+    docstring). `gpus`: split evenly over the replicas, each seeing only its share (hardware.replica_gpus)."""
     if runner not in RUNNERS:
         raise EngineError(f"runner {runner!r}: expected one of {', '.join(RUNNERS)}")
     if replicas < 1:
@@ -454,7 +460,8 @@ def start_deployment(reference, *, name: str | None = None, replicas: int = 1, p
                                 max_model_len=max_model_len or default_max_model_len(model_dir),
                                 extra_args=list(extra_args),
                                 env={**(env or {}), **({DEV_MODE_ENV: "1"} if live_policy else {})},
-                                owner_pid=owner_pid, live_policy=live_policy)
+                                owner_pid=owner_pid, live_policy=live_policy,
+                                gpus=replica_gpus(list(gpus), replicas))
         try:
             for i in range(replicas):
                 deployment.replicas.append(_launch(deployment, i, ports[i], replica_count=replicas))

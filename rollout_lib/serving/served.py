@@ -36,6 +36,7 @@ import threading
 from collections.abc import Sequence
 
 from rollout_lib.errors import ConfigError
+from rollout_lib.hardware import replica_gpus
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
 from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer, lora_server_args, remote_deployment
@@ -146,17 +147,20 @@ class ServedModels:
                       timeout_s: float | None = 120.0, max_attempts: int = 3,
                       tolerance: float = DEFAULT_TOLERANCE, extra_args: Sequence[str] = (),
                       probe_dtype=None, adapter_rank: int | None = None, remote_urls: Sequence[str] = (),
-                      served_name: str | None = None) -> PolicyServer:
+                      served_name: str | None = None, gpus: Sequence[int] = ()) -> PolicyServer:
         """The run's policy server for `base_model` (a ModelRef), started on first use: a live-policy deployment
         named `policy-<model>-<this pid>`, or an orphaned one of the same model (its run was killed) adopted.
         What it holds is unknown until `PolicyServer.hold` reloads and checks it. `extra_args`: server flags
         (engine.start_deployment), e.g. the engine's dtype; an orphan is adopted only if started with the same.
         `adapter_rank`: the policy is a LoRA adapter of that rank on `base_model` (policy_server.py).
         `remote_urls`: policy servers on other nodes, started there (`rollout serve start BASE --live-policy`),
-        reached by URL, shipped each state through the run's store; none is started here."""
+        reached by URL, shipped each state through the run's store; none is started here. `gpus`: this node's GPUs
+        the replicas take, split evenly (engine.start_deployment)."""
         if adapter_rank is not None:
             extra_args = [*extra_args, *lora_server_args(adapter_rank)]
-        key = canonical_json(["policy", base_model.uri, replicas, max_model_len, list(extra_args), list(remote_urls)])
+        placed = replica_gpus(list(gpus), replicas)  # replica j's GPUs (hardware.replica_gpus)
+        key = canonical_json(["policy", base_model.uri, replicas, max_model_len, list(extra_args), list(remote_urls),
+                              placed])
         with self._lock:
             server = self._policy_servers.get(key)
             if server is None and remote_urls:
@@ -172,7 +176,8 @@ class ServedModels:
                 deployment = None
                 for running in engine.running_deployments():
                     if (running.live_policy and running.orphaned and running.model_dir == str(model_dir)
-                            and len(running.replicas) == replicas and running.extra_args == list(extra_args)):
+                            and len(running.replicas) == replicas and running.extra_args == list(extra_args)
+                            and running.gpus == placed):
                         deployment = engine.claim_orphan(running.name, os.getpid())
                         if deployment is not None:
                             log.info("adopting policy server %s left by a killed run", running.name)
@@ -183,7 +188,7 @@ class ServedModels:
                     deployment = engine.start_deployment(base_model, name=name, replicas=replicas,
                                                          store_url=store_url, max_model_len=max_model_len,
                                                          owner_pid=os.getpid(), live_policy=True,
-                                                         extra_args=extra_args)
+                                                         extra_args=extra_args, gpus=gpus)
                 self._started.append(deployment.name)
                 server = PolicyServer(deployment, timeout_s=timeout_s, max_attempts=max_attempts, tolerance=tolerance,
                                       adapter_base=base_model.uri if adapter_rank is not None else None,

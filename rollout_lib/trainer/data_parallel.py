@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from rollout_lib import step_events
 from rollout_lib.losses import COMPONENTS
-from rollout_lib.hardware import hardware_of_config, hardware_settings
+from rollout_lib.hardware import hardware_of_config, hardware_settings, visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -220,12 +220,14 @@ def log_node_commands(commands: dict[int, list[str]]) -> None:
 
 def rank_environment(inputs) -> dict[str, str]:
     """The environment torchrun starts the ranks with: this process's, unbuffered output, the run's thread count
-    (torchrun would set 1) and, sharded, SHARDED_MALLOC (a user's own values of those win)."""
+    (torchrun would set 1), sharded, SHARDED_MALLOC (a user's own values of those win) and, with hardware.gpus, only
+    those GPUs visible: torchrun starts every local rank with this one environment, and local rank i computes on
+    the i-th visible GPU (segment_worker.join_group)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(inputs.config.run.torch_threads))
     if hardware_settings(inputs.settings).sharding == "fsdp":
         env = {**SHARDED_MALLOC, **env}
-    return env
+    return {**env, **visible_devices(hardware_settings(inputs.settings).gpus)}
 
 
 def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, first: int, last: int, nproc: int,

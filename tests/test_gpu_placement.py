@@ -1,0 +1,163 @@
+"""GPUs placed (issue 44): the trainer's ranks and the policy server's replicas take disjoint GPUs of a node, each
+launched process seeing only its own (CUDA_VISIBLE_DEVICES), refused at plan time when they cannot. This machine
+has no GPU: tested by the environment each launched process receives (docs/scale.md, "GPUs placed")."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from clirun import ROOT
+from rollout_cli.config_cmd import config_class
+from rollout_cli.main import main
+from rollout_lib.config import load_config, training_hash
+from rollout_lib.hardware import replica_gpus
+from rollout_lib.rl import policy_group
+from rollout_lib.serving import engine
+from rollout_lib.trainer import data_parallel
+
+TRAINER_GPUS = ["--set", "algorithm.rl.hardware.gpus=[0, 1]", "--set", "algorithm.rl.hardware.nproc=2"]
+
+
+@pytest.fixture(autouse=True)
+def _in_the_repository(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def rollout(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def inputs_of(entry_point: str, *overrides: str):
+    """What the launching side reads of a training's inputs: its config and settings block."""
+    config = load_config(config_class(entry_point), f"configs/{entry_point}-tiny.toml", list(overrides))
+    return SimpleNamespace(config=config, settings=config.settings)
+
+
+class Launched(Exception):
+    """Raised by the stand-in for Popen once it has seen what the process would be started with."""
+
+
+def launched_env(monkeypatch, module, start) -> dict:
+    """The environment `start()` launches its process with (module.subprocess.Popen, stopped there)."""
+    seen = {}
+
+    def popen(command, **kwargs):
+        seen.update(kwargs["env"], command=command)
+        raise Launched
+
+    monkeypatch.setattr(module.subprocess, "Popen", popen)
+    with pytest.raises(Launched):
+        start()
+    return seen
+
+
+# --- what each launched process sees ------------------------------------------------------------------------
+
+
+def test_a_training_segments_torchrun_sees_only_the_trainers_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")  # the node's, as a scheduler may set it
+    inputs = inputs_of("sft", "algorithm.sft.hardware.nproc=2", "algorithm.sft.hardware.gpus=[4, 6]")
+    env = launched_env(monkeypatch, data_parallel, lambda: data_parallel.run_segment_in_processes(
+        object, inputs, "checkpoint", 1, 2, 2))
+    assert "torch.distributed.run" in env["command"] and "--nproc_per_node=2" in env["command"]
+    # local rank i takes the i-th visible GPU (segment_worker: cuda:LOCAL_RANK): rank 0 -> GPU 4, rank 1 -> GPU 6
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert "4,6" not in " ".join(env["command"])  # the placement is the environment's, not the command line's
+
+
+def test_the_rl_policy_groups_torchrun_sees_only_the_trainers_gpus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    inputs = inputs_of("rl", "algorithm.rl.hardware.nproc=2", "algorithm.rl.hardware.gpus=[2, 3]")
+    group = policy_group.PolicyGroup(inputs)
+    try:
+        env = launched_env(monkeypatch, policy_group, lambda: group._start("train step 1"))
+    finally:
+        group._workdir.cleanup()
+    assert "rollout_lib.rl.policy_rank" in env["command"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_without_gpus_the_ranks_environment_is_what_it_was(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert data_parallel.rank_environment(inputs_of("sft", "algorithm.sft.hardware.nproc=2"))[
+        "CUDA_VISIBLE_DEVICES"] == "5"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert "CUDA_VISIBLE_DEVICES" not in data_parallel.rank_environment(
+        inputs_of("sft", "algorithm.sft.hardware.nproc=2"))
+
+
+def deployment(gpus: list[list[int]], env: dict | None = None) -> engine.Deployment:
+    return engine.Deployment(name="policy", model="m", model_dir="/m", runner="generate", max_model_len=64,
+                             env=env or {}, gpus=gpus)
+
+
+def test_each_vllm_replica_sees_only_its_share_of_the_policy_servers_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    placed = deployment(replica_gpus([2, 3, 4, 5], 2))
+    assert placed.gpus == [[2, 3], [4, 5]]
+    assert [engine._server_env(placed, 2, j)["CUDA_VISIBLE_DEVICES"] for j in (0, 1)] == ["2,3", "4,5"]
+    # placed wins over the deployment's own env, which is set for every replica alike
+    assert engine._server_env(deployment([[6]], {"CUDA_VISIBLE_DEVICES": "0"}), 1, 0)["CUDA_VISIBLE_DEVICES"] == "6"
+    assert engine._server_env(deployment([]), 2, 1)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"  # unplaced: as before
+    # a record written before placement existed still loads, unplaced
+    record = placed.to_json()
+    del record["gpus"]
+    assert engine.Deployment.from_json(record).gpus == []
+
+
+def test_one_trainer_process_computes_on_the_first_of_its_gpus(monkeypatch):
+    from rollout_lib.hardware import HardwareSettings, resolve_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert resolve_hardware(HardwareSettings(gpus=[3])).device == torch.device("cuda", 3)
+    # torchrun's ranks see only their GPUs, renumbered from 0: the settings' "cuda" is the rank's own there
+    assert resolve_hardware(HardwareSettings(gpus=[3, 4], nproc=2)).device == torch.device("cuda")
+
+
+# --- refused at plan time, in one line ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("entry_point", "overrides", "error"), [
+    ("rl", [*TRAINER_GPUS, "--set", 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 2, gpus = [1, 2] }'],
+     "algorithm.rl.policy_sampler.gpus: GPU 1 is also in algorithm.rl.hardware.gpus: the trainer's ranks and each "
+     "served model's replicas take disjoint GPUs"),
+    ("sft", ["--set", "algorithm.sft.hardware.nproc=4", "--set", "algorithm.sft.hardware.gpus=[0, 1]"],
+     "algorithm.sft.hardware.gpus: nproc = 4 ranks per node take one GPU each, and gpus lists 2 ([0, 1]): list 4 "
+     "GPUs or lower nproc"),
+    ("rl", ["--set", 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 2, gpus = [1, 2, 3] }'],
+     "algorithm.rl.policy_sampler: gpus = [1, 2, 3] splits into replicas = 2 equal shares: list a multiple of 2 GPUs"),
+    ("rm", ["--set", 'algorithm.rm.hardware.device="cpu"', "--set", "algorithm.rm.hardware.gpus=[0]"],
+     "algorithm.rm.hardware: gpus places the trainer on GPUs [0]: use device = \"cuda\" or \"auto\", not 'cpu'"),
+])
+def test_gpus_that_do_not_fit_are_refused_in_one_line(capsys, entry_point, overrides, error):
+    code, out, err = rollout(capsys, "train", entry_point, "--config", f"configs/{entry_point}-tiny.toml",
+                             "--dry-run", *overrides)
+    assert (code, out) == (2, ""), err
+    assert err.startswith(f"rollout: error: configs/{entry_point}-tiny.toml: {error}") and len(err.splitlines()) == 1, \
+        err
+
+
+def test_a_gpu_the_node_does_not_have_is_refused_where_torch_sees_cuda(capsys, monkeypatch):
+    # this machine has no GPU: CUDA as torch would report a node of 2 (on a CPU-only machine the check is skipped)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, out, err = rollout(capsys, "train", "rl", "--config", "configs/rl-tiny.toml", "--dry-run", *TRAINER_GPUS,
+                             "--set", 'algorithm.rl.policy_sampler={ type = "vllm", gpus = [5] }')
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1, err
+    assert "algorithm.rl.policy_sampler.gpus: GPU 5 is not on this node, which has 2 (0-1)" in err
+
+
+def test_disjoint_gpus_pass_the_plan_and_leave_the_training_identity_as_it_was(capsys):
+    placed = [*TRAINER_GPUS, "--set", 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 2, gpus = [2, 3] }']
+    code, out, err = rollout(capsys, "train", "rl", "--config", "configs/rl-tiny.toml", "--dry-run", *placed)
+    assert code == 0, err
+    unplaced = ["algorithm.rl.hardware.nproc=2", 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 2 }']
+    with_gpus = placed[1::2]  # the --set values
+    assert training_hash(load_config(config_class("rl"), "configs/rl-tiny.toml", with_gpus)) == \
+        training_hash(load_config(config_class("rl"), "configs/rl-tiny.toml", unplaced))
