@@ -14,6 +14,7 @@ from rollout_lib.config import RmConfig
 from rollout_lib.data import read_pairs
 from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
 from rollout_lib.rm.evaluate import evaluate_pairs_with_rows
+from rollout_lib.rm.heads import DEFAULT_HEAD
 from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
@@ -29,7 +30,10 @@ def _inputs(config: RmConfig, tokenized_id: str) -> TrainingInputs:
 
 
 def _reads_tokenizer(config: RmConfig) -> dict:
-    return {"tokenizer": model_content_digest(config.settings.base_model), "max_seq_len": config.settings.max_seq_len}
+    reads = {"tokenizer": model_content_digest(config.settings.base_model), "max_seq_len": config.settings.max_seq_len}
+    if config.settings.head != DEFAULT_HEAD:  # the head decides the inputs; absent at the default, as keys were
+        reads["head"] = config.settings.head
+    return reads
 
 
 @task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS,
@@ -44,7 +48,8 @@ def load_pairs_task(config: RmConfig, split: str) -> dict:
 def tokenize_pairs_task(config: RmConfig, pairs_id: str, split: str) -> dict:
     store = open_store(config)
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model))
-    table = tokenize_pairs(store.get_table(pairs_id, wire.PAIRS), tokenizer, config.settings.max_seq_len)
+    table = tokenize_pairs(store.get_table(pairs_id, wire.PAIRS), tokenizer, config.settings.max_seq_len,
+                           config.settings.head)
     return {"tokenized": store.put_table(table)}
 
 
@@ -81,5 +86,6 @@ def evaluate_task(config: RmConfig, checkpoint_id: str, tokenized_id: str, label
     trainer = resident.get(checkpoint_id) or RewardModelTrainer.from_checkpoint(_inputs(config, ""), checkpoint_id)
     store = open_store(config)
     metrics, rows = evaluate_pairs_with_rows(trainer.model, store.get_table(tokenized_id, wire.TOKENIZED_PAIRS),
-                                             trainer.tokenizer.pad_token_id, config.settings.eval_batch_size)
+                                             trainer.tokenizer.pad_token_id, config.settings.eval_batch_size,
+                                             config.settings.head)
     return {**metrics, "rows": store.put_table(rows)}  # rows: each pair's scores (wire.RM_EVAL_ROWS)

@@ -53,8 +53,8 @@ def test_unknown_head_lists_the_heads_that_exist():
     assert "bradley_terry" in message and "pairwise_logistic" in message
 
 
-def test_pairwise_logistic_is_rejected_at_plan_time():
-    assert "algorithm.rm.head: pairwise_logistic is not implemented yet" in error_of(rm_raw(head="pairwise_logistic"))
+def test_pairwise_logistic_is_a_head():  # tests/test_rm_heads.py trains it
+    assert validate_config(RmConfig, rm_raw(head="pairwise_logistic")).settings.head == "pairwise_logistic"
 
 
 def test_missing_section_names_its_place():

@@ -7,22 +7,28 @@ had seen the demonstration, without seeing it.
 - `hint_placement = "user"` appends the hint to the last user turn; `"system"` puts it in a leading system message
   (merged into the first system message when there is one). The hint is cut to `max_hint_tokens`; the problem is
   never cut.
-- `reference = "initial"` (default): the frozen base model shown the hint, a fixed target that cannot drift with
-  the policy; `"policy"`: the live policy at the weights the samples were drawn from (the SDFT paper's setting,
-  which drifts: see the default's comment).
-The reference is scored in process at temperature 1 (one forward per sample), deterministic on CPU, so a resumed
-run reproduces it exactly.
+- `reference = "policy"` (default; seed 002: the SDFT setting, "zero extra deployments"): the live policy at the
+  weights the samples were drawn from, so the target moves with the policy;
+  `"initial"`: the frozen base model, a fixed target; or a frozen model (`{ model = "<ref>" }` or
+  `{ base_url = [...], name = "..." }`), which must share the policy's tokenizer (checked at plan time and when the
+  run connects it, like opd's teacher).
+"policy" and "initial" are scored in process at temperature 1 (one forward per sample), deterministic on CPU, so a
+resumed run reproduces them exactly; a frozen model is scored by prefill through its pool, as opd scores its teacher.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
 import pyarrow as pa
 from pydantic import Field
 
-from rollout_lib.algo.base import Algorithm, AlgoSettings
+from rollout_lib.algo.base import Algorithm, AlgoSettings, MissingResourceError
+from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, named_or_frozen
+
+OpsdReference = named_or_frozen("policy", "initial")
 
 
 class OpsdSettings(AlgoSettings):
@@ -31,10 +37,10 @@ class OpsdSettings(AlgoSettings):
     hint_placement: Literal["user", "system"] = "user"
     hint_template: str = "Here is an example of a good answer:\n{demo}"
     max_hint_tokens: int = Field(256, ge=1)
-    # "initial" by default: with the live policy as its own reference, the target moves with every step; on the
-    # tiny model that collapsed within 6 steps (reward 0.08 -> 0.46 -> 0.04) where the frozen one learned
-    # (0.08 -> 0.8). The seed reports the same drift over long runs with "policy".
-    reference: Literal["policy", "initial"] = "initial"
+    # "policy" by default, as the seed has it. Its target drifts with the policy: on the tiny model taught to copy a
+    # hint that collapsed within 9 steps (reward 0.46 -> 0.04) where "initial" learned (0.08 -> 0.8), and the seed
+    # reports the same drift over long runs; "initial" or a frozen model is the fixed target (docs/algorithms.md).
+    reference: OpsdReference = "policy"
 
 
 class OnPolicySelfDistillation(Algorithm):
@@ -48,26 +54,44 @@ class OnPolicySelfDistillation(Algorithm):
     def __init__(self, settings, resources=None, where: str = "algo"):
         super().__init__(settings, resources, where)
         self._initial_model = None
+        self._frozen = None
+        if isinstance(settings.reference, FROZEN_MODEL_TYPES):
+            if self.resources.served_models is None:
+                raise MissingResourceError(f"{where}: an opsd algorithm with a frozen reference is built with the "
+                                           "run's served_models, and none was given")
+            self._frozen = self.resources.served_models.pool(settings.reference, tokenizer=self.resources.tokenizer,
+                                                             where=f"{where}.reference")
 
     async def score(self, samples: pa.Table) -> pa.Table:
         from rollout_lib.model.chat import encode_prompt
 
         tokenizer = self.resources.tokenizer
         rows_by_example = self._prompt_rows(samples.column("env")[0].as_py() if samples.num_rows else "")
-        model = self._reference_model()
-        reference = []
+        jobs = []
         for sample_id, ids, mask in zip(samples.column("sample_id").to_pylist(),
                                         samples.column("input_ids").to_pylist(),
                                         samples.column("loss_mask").to_pylist()):
             n_prompt = mask.index(True) if True in mask else len(ids)
             row = rows_by_example[sample_id.rsplit("#", 1)[0]]
-            hinted = encode_prompt(tokenizer, self._hinted_messages(row))
-            completion = ids[n_prompt:]
-            scored = completion_logprobs(model, hinted, completion)
-            reference.append([0.0] * n_prompt + scored)
+            jobs.append((n_prompt, encode_prompt(tokenizer, self._hinted_messages(row)), ids[n_prompt:]))
+        if self._frozen is None:
+            model = self._reference_model()
+            scored = [completion_logprobs(model, hinted, completion) for _, hinted, completion in jobs]
+        else:
+            gate = asyncio.Semaphore(self.settings.reference.concurrency)
+            scored = await asyncio.gather(*(self._frozen_logprobs(gate, hinted, completion)
+                                            for _, hinted, completion in jobs))
+        reference = [[0.0] * n_prompt + logprobs for (n_prompt, _, _), logprobs in zip(jobs, scored)]
         column = samples.schema.get_field_index("ref_logprobs")
         field = samples.schema.field(column)
         return samples.set_column(column, field, pa.array(reference, type=field.type))
+
+    async def _frozen_logprobs(self, gate, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        if not completion_ids:
+            return []
+        async with gate:
+            # The pool's prefill logprobs are of tokens 1..n: the completion's are the last len(completion_ids).
+            return (await self._frozen.score(prompt_ids + completion_ids))[-len(completion_ids):]
 
     def _prompt_rows(self, env: str) -> dict[str, dict]:
         return {row["example_id"]: row for row in self.resources.prompts[env].to_pylist()}

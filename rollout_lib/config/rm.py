@@ -23,7 +23,7 @@ RM_HEADS = ("bradley_terry", "pairwise_logistic")
 
 class RmSettings(StrictModel):
     base_model: ModelRef
-    head: str = "bradley_terry"
+    head: str = "bradley_terry"  # or "pairwise_logistic": both responses in one input (rm/heads.py)
     minibatch_size: int = Field(ge=1)  # preference pairs per optimizer step
     max_seq_len: int = Field(256, ge=8)
     center_rewards_coefficient: float = Field(0.0, ge=0)
@@ -57,6 +57,7 @@ class RmConfig(EntryPointConfig):
     def plan_problems(self) -> list[tuple[str, str]]:
         """The seed's validate_plan: problems found at plan time, before any model loads."""
         problems = self.adapter_problems() + self.placement_problems()
-        if self.settings.head == "pairwise_logistic":
-            problems.append(("algorithm.rm.head", "pairwise_logistic is not implemented yet; use bradley_terry"))
+        if self.settings.head == "pairwise_logistic" and self.settings.center_rewards_coefficient:
+            problems.append(("algorithm.rm.center_rewards_coefficient", "centres bradley_terry's rewards; "
+                             "pairwise_logistic scores a pair, not a response: leave it 0"))
         return problems

@@ -240,6 +240,10 @@ def reward_checkpoint_manifest(ref: ModelRef) -> dict | None:
         shown = ref.uri if ref.uri == checkpoint_id else f"{ref.uri} ({checkpoint_id})"
         raise ModelLoadError(f"checkpoint {shown} is a {manifest.get('kind_of_model')!r}, not a reward model "
                              "(train-rm writes those)")
+    if manifest.get("reward_head", "bradley_terry") != "bradley_terry":
+        shown = ref.uri if ref.uri == checkpoint_id else f"{ref.uri} ({checkpoint_id})"
+        raise ModelLoadError(f"checkpoint {shown} is a {manifest['reward_head']} reward model: it compares two "
+                             "responses and has no reward for one (train it with head = \"bradley_terry\")")
     return manifest
 
 

@@ -22,6 +22,9 @@ def load_reward_checkpoint(store: ObjectStore, reference: str):
     manifest = read_manifest(store, checkpoint_id)
     if manifest.get("kind_of_model") != "reward_model":
         raise StoreError(f"checkpoint {checkpoint_id} is a {manifest.get('kind_of_model')!r}, not a reward model")
+    if manifest.get("reward_head", "bradley_terry") != "bradley_terry":
+        raise StoreError(f"checkpoint {checkpoint_id} is a {manifest['reward_head']} reward model: it compares two "
+                         "responses and has no reward for one")
     with tempfile.TemporaryDirectory() as tmp:
         export_model_directory(store, checkpoint_id, tmp, manifest)
         with FROM_PRETRAINED:

@@ -8,14 +8,15 @@ import pyarrow as pa
 import torch
 
 from rollout_lib import wire
-from rollout_lib.model.reward import encode_prompt_response, pad_right, reward_scores
+from rollout_lib.model.reward import pad_right, reward_scores
+from rollout_lib.rm.heads import DEFAULT_HEAD, pair_inputs
 
 
-def tokenize_pairs(pairs: pa.Table, tokenizer, max_seq_len: int) -> pa.Table:
+def tokenize_pairs(pairs: pa.Table, tokenizer, max_seq_len: int, head: str = DEFAULT_HEAD) -> pa.Table:
     rows = pairs.to_pydict()
-    chosen = [encode_prompt_response(tokenizer, p, c, max_seq_len) for p, c in zip(rows["prompt"], rows["chosen"])]
-    rejected = [encode_prompt_response(tokenizer, p, r, max_seq_len)
-                for p, r in zip(rows["prompt"], rows["rejected"])]
+    inputs = [pair_inputs(head, tokenizer, p, c, r, max_seq_len)
+              for p, c, r in zip(rows["prompt"], rows["chosen"], rows["rejected"])]
+    chosen, rejected = [pair[0] for pair in inputs], [pair[1] for pair in inputs]
     return pa.Table.from_pydict(
         {"chosen_input_ids": chosen, "rejected_input_ids": rejected, "margin": rows["margin"],
          "source_line": rows["source_line"]},

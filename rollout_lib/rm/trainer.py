@@ -1,4 +1,4 @@
-"""The reward-model trainer: one Bradley-Terry optimizer step per planned minibatch of pairs.
+"""The reward-model trainer: one optimizer step per planned minibatch of pairs, on its head's loss (rm/heads.py).
 
 Deterministic on CPU: the batch plan derives from the seed, each step seeds dropout from (seed, step), and the
 learning rate is a function of the step, so a run restored from a snapshot replays exactly what an uninterrupted
@@ -14,8 +14,9 @@ import time
 import torch
 
 from rollout_lib import wire
-from rollout_lib.losses import bradley_terry_batch_mean, pair_metrics
+from rollout_lib.losses import pair_metrics
 from rollout_lib.model.loading import load_reward_model
+from rollout_lib.rm.heads import DEFAULT_HEAD, pair_loss
 from rollout_lib.rm.pairs import collate_pairs, forward_pairs
 from rollout_lib.trainer.base import CheckpointedTrainer, NonFiniteLossError, TrainingInputs
 from rollout_lib.determinism import step_rows
@@ -30,13 +31,19 @@ class RewardModelTrainer(CheckpointedTrainer):
     def load_model(cls, resolved, inputs: TrainingInputs, hardware):
         return load_reward_model(resolved)
 
+    def manifest_facts(self) -> dict:
+        # A pairwise head's model compares two responses: readers of a scalar reward refuse it. Absent at the
+        # default, so checkpoint ids from before the setting stay.
+        head = self.inputs.settings.head
+        return {} if head == DEFAULT_HEAD else {"reward_head": head}
+
     @functools.cached_property
     def pairs(self) -> dict[str, list]:
         """The tokenized pairs' columns as Python lists, read once."""
         return self.inputs.store.get_table(self.inputs.data_ids["tokenized"], wire.TOKENIZED_PAIRS).to_pydict()
 
     def run_step(self, step: int) -> dict[str, float]:
-        """One Bradley-Terry step over the step's pairs. Data-parallel (`self.data_parallel`), a rank trains pairs
+        """One step over the step's pairs. Data-parallel (`self.data_parallel`), a rank trains pairs
         rank, rank + N, ... and scales its batch mean by its share of the step's pairs, so the summed gradients are
         those of the step's mean (a rank without a pair runs one pair scaled by zero); metrics are the step's."""
         settings = self.inputs.settings
@@ -52,7 +59,7 @@ class RewardModelTrainer(CheckpointedTrainer):
             self.model.train()
         r_chosen, r_rejected = forward_pairs(self.model, batch)
         margin = batch.margin.to(r_chosen.device) if batch.margin is not None else None
-        loss = bradley_terry_batch_mean(r_chosen, r_rejected, margin, settings.center_rewards_coefficient)
+        loss = pair_loss(settings.head, r_chosen, r_rejected, margin, settings.center_rewards_coefficient)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"loss is {loss.item()} (non-finite); weights not updated")
         if self.data_parallel is not None:

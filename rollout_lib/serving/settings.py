@@ -96,14 +96,21 @@ FrozenModel = Annotated[
 ]
 
 
-def _model_or_policy(value: Any) -> str | None:
-    return "policy" if value == "policy" else _frozen_kind(value)
+def named_or_frozen(*names: str):
+    """A setting that is one of `names` (models the run already holds, such as "policy") or a frozen model, with
+    one error message whichever shape was meant."""
+    choices = ", ".join(f'"{name}"' for name in names)
+
+    def kind(value: Any) -> str | None:
+        return value if isinstance(value, str) and value in names else _frozen_kind(value)
+
+    return Annotated[
+        Union[tuple(Annotated[Literal[name], Tag(name)] for name in names)  # noqa: UP007
+              + (Annotated[ServedModel, Tag("frozen(served)")], Annotated[ExternalModel, Tag("frozen(external)")])],
+        Discriminator(kind, custom_error_type="model_source",
+                      custom_error_message=f"must be {choices} or a frozen model: {_FROZEN_SHAPES}"),
+    ]
 
 
 # "policy" (the model being trained) or a frozen model: one error message, whichever shape was meant.
-PolicyOrFrozen = Annotated[
-    Union[Annotated[Literal["policy"], Tag("policy")],  # noqa: UP007
-          Annotated[ServedModel, Tag("frozen(served)")], Annotated[ExternalModel, Tag("frozen(external)")]],
-    Discriminator(_model_or_policy, custom_error_type="model_source",
-                  custom_error_message=f'must be "policy" or a frozen model: {_FROZEN_SHAPES}'),
-]
+PolicyOrFrozen = named_or_frozen("policy")

@@ -203,6 +203,10 @@ class CheckpointedTrainer:
         full = full_weights(self.model, keeper)
         return gathered_weights(self.model, full) if full is not None else None
 
+    def manifest_facts(self) -> dict:
+        """What a model-specific trainer records in its checkpoints' manifests for their readers (none here)."""
+        return {}
+
     def snapshot(self, metrics: dict, history: list[dict] | None = None) -> str | None:
         """Write weights, optimizer state and a manifest; return the checkpoint id. `history`: every step's
         metrics since the last snapshot (kept in the store, so a reused checkpoint still tells its curve).
@@ -225,6 +229,7 @@ class CheckpointedTrainer:
             extra["max_seq_len"] = max_seq_len
         if getattr(self.inputs.settings, "adapter", None) is not None:  # the weights are the adapter's alone
             extra[ADAPTER_KEY] = adapter_record(self.model, self.inputs.settings.base_model)
+        extra.update(self.manifest_facts())
         if history:
             extra["history"] = store.put_json([deterministic_metrics(m) for m in history])
         self.checkpoint_id = save_checkpoint(
