@@ -40,12 +40,9 @@ log = logging.getLogger(__name__)
 def record_eval_tables(store: ObjectStore, run_name: str, step: int, algorithm: str, rows_id: str | None,
                        data_id: str) -> None:
     """Write the record of the evaluation at ``step``. Never raises: its failure is logged, not the run's."""
-    try:
-        write_record(store, f"{run_dir(store, run_name)}/{EVALS_DIR}", f"step-{int(step)}.json",
-                     {"kind": EVAL_TABLES_KIND, "label": f"step-{int(step)}", "step": int(step),
-                      "algorithm": algorithm, "rows": rows_id, "data": data_id})
-    except Exception:  # noqa: BLE001 - recording never fails a run
-        log.warning("run %r: recording the evaluation of step %d failed", run_name, step, exc_info=True)
+    _write(store, run_name, f"step-{int(step)}.json", "the evaluation", step,
+           {"kind": EVAL_TABLES_KIND, "label": f"step-{int(step)}", "step": int(step), "algorithm": algorithm,
+            "rows": rows_id, "data": data_id})
 
 
 def recorded_evals(store: ObjectStore, run_name: str) -> list[int]:
@@ -55,21 +52,14 @@ def recorded_evals(store: ObjectStore, run_name: str) -> list[int]:
 
 def read_eval_tables(store: ObjectStore, run_name: str, step: int) -> dict | None:
     """The record of the evaluation at ``step``, or None when it has none."""
-    try:
-        record = json.loads(store.fs.cat_file(f"{run_dir(store, run_name)}/{EVALS_DIR}/step-{int(step)}.json"))
-    except FileNotFoundError:
-        return None
-    return record if record.get("kind") == EVAL_TABLES_KIND else None
+    return _read(store, run_name, f"step-{int(step)}.json", EVAL_TABLES_KIND)
 
 
 def record_rl_eval_tables(store: ObjectStore, run_name: str, step: int, envs: dict[str, dict[str, str]]) -> None:
     """Write the record of train-rl's evaluation at ``step``: ``envs`` maps each env evaluated to the ids of its
     scored rollouts, reward results and prompts. Never raises: its failure is logged, not the run's."""
-    try:
-        write_record(store, f"{run_dir(store, run_name)}/{EVALS_DIR}", f"rl-step-{int(step)}.json",
-                     {"kind": RL_EVAL_TABLES_KIND, "step": int(step), "envs": envs})
-    except Exception:  # noqa: BLE001 - recording never fails a run
-        log.warning("run %r: recording the held-out samples of step %d failed", run_name, step, exc_info=True)
+    _write(store, run_name, f"rl-step-{int(step)}.json", "the held-out samples", step,
+           {"kind": RL_EVAL_TABLES_KIND, "step": int(step), "envs": envs})
 
 
 def recorded_rl_evals(store: ObjectStore, run_name: str) -> list[int]:
@@ -79,8 +69,19 @@ def recorded_rl_evals(store: ObjectStore, run_name: str) -> list[int]:
 
 def read_rl_eval_tables(store: ObjectStore, run_name: str, step: int) -> dict | None:
     """The record of train-rl's evaluation at ``step``, or None when it has none."""
+    return _read(store, run_name, f"rl-step-{int(step)}.json", RL_EVAL_TABLES_KIND)
+
+
+def _write(store: ObjectStore, run_name: str, name: str, what: str, step: int, record: dict) -> None:
     try:
-        record = json.loads(store.fs.cat_file(f"{run_dir(store, run_name)}/{EVALS_DIR}/rl-step-{int(step)}.json"))
+        write_record(store, f"{run_dir(store, run_name)}/{EVALS_DIR}", name, record)
+    except Exception:  # noqa: BLE001 - recording never fails a run
+        log.warning("run %r: recording %s of step %d failed", run_name, what, step, exc_info=True)
+
+
+def _read(store: ObjectStore, run_name: str, name: str, kind: str) -> dict | None:
+    try:
+        record = json.loads(store.fs.cat_file(f"{run_dir(store, run_name)}/{EVALS_DIR}/{name}"))
     except FileNotFoundError:
         return None
-    return record if record.get("kind") == RL_EVAL_TABLES_KIND else None
+    return record if record.get("kind") == kind else None
