@@ -13,8 +13,6 @@ import asyncio
 import inspect
 import json
 import logging
-import math
-import numbers
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from rollout_lib.envs.agent_server import MODEL_NAME, RequestError, chat_complet
 from rollout_lib.envs.agent_tokens import AgentTokens, assistant_message
 from rollout_lib.envs.episodes import Episode, turn_text
 from rollout_lib.envs.tools.parsers import PARSERS
+from rollout_lib.reward.contract import as_score
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +94,7 @@ class _AgentStep:
             call = (agent(base_url, task, **kwargs) if inspect.iscoroutinefunction(agent)
                     else _in_daemon_thread(agent, base_url, task, **kwargs))
             result = await asyncio.wait_for(call, self.settings.timeout_s)
-            if result is not None and (isinstance(result, bool) or not isinstance(result, numbers.Real)
-                                       or not math.isfinite(float(result))):
-                raise TypeError(f"returned {result!r}, not a finite float or None")
-            run.reward = None if result is None else float(result)
+            run.reward = None if result is None else as_score(result)  # a reward function's contract
         except TimeoutError:
             run.error = f"timed out after {self.settings.timeout_s}s (interaction.timeout_s)"
         except Exception as exc:  # noqa: BLE001 - the user's agent may raise anything: its episode fails, counted
