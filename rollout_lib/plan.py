@@ -96,7 +96,8 @@ def _check_tool_template(config: RlConfig) -> None:
     """An env with tools needs a chat template that renders them, its calls and their results, token-exactly
     (model/chat.py tool_template_problem): the policy's own or `algorithm.rl.chat_template`. Checked on the
     tokenizer alone, before anything runs."""
-    with_tools = [index for index, env in enumerate(config.settings.envs) if env.tools]
+    with_tools = [index for index, env in enumerate(config.settings.envs) if env.tools or (
+        env.interaction is not None and getattr(env.interaction, "action", None) == "tool_call")]  # OpenEnv's
     if not with_tools:
         return
     override = config.settings.chat_template
@@ -110,7 +111,8 @@ def _check_tool_template(config: RlConfig) -> None:
     else:
         message = (f"algorithm.rl.chat_template ({override}) does not render tools or tool calls token-exactly "
                    f"({problem}); e.g. {TOOLS_TEMPLATE_EXAMPLE} does")
-    raise ConfigError([(env_locator(index, "tools"), message) for index in with_tools])
+    raise ConfigError([(env_locator(index, "tools" if config.settings.envs[index].tools else "interaction.action"),
+                        message) for index in with_tools])
 
 
 def _in_run_store(config, ref: ModelRef) -> ModelRef:

@@ -14,6 +14,8 @@ user's). What it must guarantee:
 
 - `start(prompt)` returns the episode's initial state, a JSON-serialisable dict (it is stored with the rollout
   and handed to reward functions as `RewardInput.state`);
+- `begin(prompt, seed)` (optional) also returns messages the environment writes before the first model turn, and
+  `end(state)` (optional) is told when the episode is over, whatever ended it;
 - `respond(state, messages)` reads the conversation so far (the prompt's messages, then every turn; the last one
   is the model's, role "assistant") and returns what the environment writes next, or `done`. It may update
   `state` in place. It sees every model turn that ended with the stop token, the last allowed one too (then its
@@ -139,6 +141,16 @@ class Interaction:
     def start(self, prompt: dict[str, Any]) -> dict[str, Any]:
         """The initial state of an episode on `prompt` (a PROMPTS row: messages, answer, info parsed to a dict)."""
         return {}
+
+    def begin(self, prompt: dict[str, Any], seed: int) -> tuple[dict[str, Any], list[dict[str, str]]]:
+        """What the driver calls to open an episode: `start(prompt)`, and the messages the environment writes before
+        the model's first turn (an env's first observation; appended to the prompt's messages and rendered with
+        them by the chat template). `seed` derives from the step's seed and the example, so every episode of a
+        group starts from the same draw and a rerun replays it. Most interactions only define `start`."""
+        return self.start(prompt), []
+
+    def end(self, state: dict[str, Any]) -> None:
+        """The episode is over, whatever ended it (called once, before it is recorded): release what it holds."""
 
     def respond(self, state: dict[str, Any], messages: list[dict[str, str]]) -> EnvReply:
         """The environment's answer to the model's last turn (`messages[-1]`), or EnvReply(done=True)."""

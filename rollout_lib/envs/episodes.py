@@ -19,6 +19,7 @@ from typing import Any
 from rollout_lib.envs.base import EnvReply, Interaction
 from rollout_lib.envs.render import TemplateMismatchError, render_env_reply
 from rollout_lib.determinism import derived_seed
+from rollout_lib.model.chat import encode_prompt
 
 class EpisodeError(ValueError):
     """An episode could not go on: the interaction failed or broke its contract, or the chat template cannot extend
@@ -75,26 +76,56 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
     each sequence by one model turn. `on_end(index, episode)`: told of each episode at the end of the turn it
     ended in (a streamed step scores it while the others play on). Raises EpisodeError when an episode cannot go
     on."""
-    episodes = []
-    for row, ids in zip(prompt_rows, prompt_ids):
-        for _ in range(params.group_size):
-            state = _call(interaction, "start", row, dict(row))
-            if not isinstance(state, dict):
-                raise EpisodeError(f"{interaction.name}.start returned {type(state).__name__} for "
-                                   f"{_example(row)}, not a dict")
-            episode = Episode(row, list(ids), state, [dict(m) for m in row["messages"]])
-            if interaction.tool_schemas is not None:
-                episode.tool_calls = episode.tool_errors = 0
-            episodes.append(episode)
-    stops = set(stop_ids)
+    episodes: list[Episode] = []
     told: set[int] = set()
 
     def tell(every: bool = False) -> None:  # the ended ones (every one, at the end), in index order
         for index, episode in enumerate(episodes):
-            if on_end is not None and index not in told and (every or episode.end is not None):
+            if index not in told and (every or episode.end is not None):
                 told.add(index)
-                on_end(index, episode)
+                _call(interaction, "end", episode.prompt, episode.state)
+                if on_end is not None:
+                    on_end(index, episode)
 
+    try:
+        for row, ids in zip(prompt_rows, prompt_ids):
+            for _ in range(params.group_size):
+                episodes.append(_begin(interaction, tokenizer, row, ids, seed))
+        _play(generate, tokenizer, interaction, episodes, params, seed, set(stop_ids), context_limit, tell)
+    finally:  # an episode that cannot go on fails the step: the others still release what they hold
+        for index, episode in enumerate(episodes):
+            if index not in told:
+                try:
+                    interaction.end(episode.state)
+                except Exception:  # noqa: BLE001 - the step's own failure is the one to report
+                    pass
+    return episodes
+
+
+def _begin(interaction: Interaction, tokenizer, row: dict, ids: list[int], seed: int) -> Episode:
+    """An episode's initial state; an env that writes before the model's first turn extends the prompt, rendered
+    by the chat template with the prompt's messages (none of it is sampled)."""
+    if type(interaction).begin is Interaction.begin:
+        state, opening = _call(interaction, "start", row, dict(row)), []
+    else:
+        begun = _call(interaction, "begin", row, dict(row), derived_seed("episode-begin", seed, row["example_id"]))
+        state, opening = begun if isinstance(begun, tuple) and len(begun) == 2 else (begun, None)
+    if not isinstance(state, dict):
+        raise EpisodeError(f"{interaction.name}.start returned {type(state).__name__} for {_example(row)}, not a dict")
+    if not isinstance(opening, list) or not all(isinstance(m, dict) and set(m) == {"role", "content"}
+                                                and all(isinstance(v, str) for v in m.values()) for m in opening):
+        raise EpisodeError(f"{interaction.name}.begin for {_example(row)} must return (state, [{{'role': str, "
+                           f"'content': str}}, ...])")
+    messages = [dict(m) for m in row["messages"]] + [dict(m) for m in opening]
+    prompt_ids = encode_prompt(tokenizer, messages, interaction.tool_schemas) if opening else list(ids)
+    episode = Episode(row, prompt_ids, state, messages)
+    if interaction.tool_schemas is not None:
+        episode.tool_calls = episode.tool_errors = 0
+    return episode
+
+
+def _play(generate: Generate, tokenizer, interaction: Interaction, episodes: list[Episode], params, seed: int,
+          stops: set[int], context_limit: int | None, tell: Callable[..., None]) -> None:
     for turn in range(interaction.settings.max_turns):
         running = [episode for episode in episodes if episode.end is None]
         if context_limit is not None:
@@ -116,7 +147,6 @@ def run_episodes(generate: Generate, tokenizer, interaction: Interaction, prompt
             else:
                 _env_turn(episode, interaction, tokenizer, ids[-1])
     tell(every=True)
-    return episodes
 
 
 def turn_text(tokenizer, ids: list[int], stops: set[int], keep_markup: bool) -> str:

@@ -142,6 +142,7 @@ def rollout_metrics(config: RlConfig, rollouts: pa.Table) -> dict:
         metrics["env_token_fraction"] = env_tokens / max(sum(lengths), 1)
         metrics.update(tool_call_metrics(multi_turn))
         metrics.update(agent_metrics(multi_turn))
+        metrics.update(openenv_metrics(multi_turn))
     return metrics
 
 
@@ -166,6 +167,18 @@ def agent_metrics(episodes: list[dict]) -> dict:
     return {"agent_sequence_splits": sum(max(episode["sequences"] - 1, 0) for episode in agents),
             "agent_failures": sum(bool(episode["state"].get("episode_error")) for episode in agents),
             "agent_requests_mean": float(np.mean([episode["turns"] for episode in agents]))}
+
+
+def openenv_metrics(episodes: list[dict]) -> dict:
+    """Over the episodes of OpenEnv envs (envs/openenv_env.py; their states count steps and action errors): how many
+    failed (the environment raised, its server died: their rewards are missing), environment steps per episode, and
+    turns whose action the environment did not take (none written, or refused) per episode. Empty without them."""
+    ours = [episode["state"] for episode in episodes if {"env_reward", "action_errors"} <= set(episode["state"])]
+    if not ours:
+        return {}
+    return {"env_failures": sum(bool(state.get("episode_error")) for state in ours),
+            "env_steps_mean": float(np.mean([state["steps"] for state in ours])),
+            "env_action_errors_mean": float(np.mean([state["action_errors"] for state in ours]))}
 
 
 def sampled_entropy(rollouts: pa.Table, policy_envs: set[str]) -> float | None:
