@@ -39,6 +39,16 @@ if .venv-vllm/bin/python -c "import importlib.util as u, sys; sys.exit(not any(m
 fi
 .venv-vllm/bin/python -W ignore -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
+# OpenEnv (interaction = { type = "openenv" }; tests/test_openenv.py): openenv-core without its dependencies, whose
+# gradio pins pillow<13 (the project runs 13) and pulls ~100 packages; what it imports here is fastapi, uvicorn,
+# websockets, requests and pydantic (already installed) and fastmcp (13 new packages, nothing moved: checked with
+# pip install --dry-run). ~33 s on a machine that has the rest; a venv that has both is kept as it is (pip alone
+# takes ~30 s to say so) (docs/environments.md, "OpenEnv environments").
+if [ "${1:-}" = "--test" ] && ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('openenv-core') != '0.3.0' or m.version('fastmcp') != '4.2.3')" 2>/dev/null; then
+  pip install --no-deps openenv-core==0.3.0
+  pip install fastmcp==4.2.3
+fi
+
 # The MLflow tracking server the tests start (tests/test_trackers.py), in its own venv: mlflow 3.17.2 pins
 # pyarrow<26 (the project runs 26) and pulls ~850 MB (scikit-learn, scipy, flask, ...). rollout itself needs no
 # mlflow package: it speaks the server's REST API. ~2 min on a fresh machine; a venv that has it is kept.
