@@ -168,6 +168,7 @@ def test_a_wrong_guess_is_answered_by_the_observation_and_a_rerun_replays(tokeni
     assert episodes(tokenizer, turns, group_size=1, environment=ENVIRONMENT) == first
 
 
+@pytest.mark.slow  # starts the example's env server
 def test_served_episodes_are_the_in_process_episodes(tokenizer, server):
     wrong = 8 if secret() < 8 else 1
     turns = ["I am not sure.", f'{{"guess": {wrong}}}', f'{{"guess": {secret()}}}']
@@ -199,6 +200,7 @@ def test_tool_call_actions_are_tool_messages_with_their_call_ids(tokenizer):
     assert record(row)["tool_calls"] == 2 and record(row)["tool_errors"] == 1
 
 
+@pytest.mark.slow  # starts the example's env server
 def test_a_served_env_killed_mid_step_fails_that_group_naming_the_url(tokenizer, server, caplog):
     url = server.ensure().url
 
@@ -221,7 +223,10 @@ def test_a_served_env_killed_mid_step_fails_that_group_naming_the_url(tokenizer,
     lines = [r.getMessage() for r in caplog.records if url in r.getMessage()]
     assert len(lines) == 2 and all("(example 'g0'): the episode fails, its reward is missing" in line
                                    for line in lines)
-    assert openenv_metrics([record(row) for row in rows])["env_failures"] == 2  # (the next user restarts it)
+    assert openenv_metrics([record(row) for row in rows])["env_failures"] == 2
+    # A step that starts with the server gone fails at once, naming the URL (the next user restarts it).
+    with pytest.raises(ValueError, match=f"^OpenEnv server {url}: GET /schema failed .*is the env server running"):
+        build_interaction(OpenEnvSettings(url=url))
 
 
 def test_an_environment_that_raises_fails_its_episode_not_the_step(tokenizer):
@@ -231,6 +236,11 @@ def test_an_environment_that_raises_fails_its_episode_not_the_step(tokenizer):
     assert record(row)["state"]["episode_error"].startswith(
         f"OpenEnv environment {ENVIRONMENT}: reset raised ValueError: empty range")
     assert record(row)["turns"] == 1 and [result.reward for result in scores([row])] == [None]
+
+
+def test_a_class_that_is_not_an_openenv_environment_is_refused_naming_it():
+    with pytest.raises(TypeError, match="'rollout_lib.envs.guess_number:GuessNumber' is not a subclass of openenv"):
+        build_interaction(OpenEnvSettings(environment="rollout_lib.envs.guess_number:GuessNumber"))
 
 
 def test_settings_are_checked_at_plan_time_without_importing_the_env():
@@ -265,6 +275,7 @@ def test_without_the_package_the_plan_stops_in_one_line_naming_the_extra():
                      "pip install --no-deps openenv-core==0.3.0 fastmcp==4.2.3, as scripts/setup.sh --test does)"]
 
 
+@pytest.mark.slow  # starts the example's env server; trains two steps twice
 def test_two_steps_in_process_and_served_sample_the_same_episodes(server):
     from inprocess_rl import reward_curve_in_process
 
