@@ -32,7 +32,8 @@ def error_of(raw) -> str:
 SHIPPED_ALGORITHMS = {"rl-tiny.toml": "grpo", "rl-smollm2.toml": "grpo", "rl-reward.toml": "reward",
                       "rl-custom.toml": "custom", "rl-opd.toml": "opd", "rl-sft-distill.toml": "sft",
                       "rl-opsd.toml": "opsd", "rl-calculator.toml": "echo", "rl-guess.toml": "grpo",
-                      "rl-length.toml": "grpo", "rl-calculator-tools.toml": "grpo", "rl-agent-tiny.toml": "grpo"}
+                      "rl-length.toml": "grpo", "rl-calculator-tools.toml": "grpo", "rl-agent-tiny.toml": "grpo",
+                      "rl-openenv-tiny.toml": "grpo"}
 
 
 def test_every_shipped_rl_config_is_checked():

@@ -17,8 +17,8 @@ prompt source, reward functions, sampling settings and algorithm (per env, as in
       sampler  = { source = "policy" } (default) | { source = <frozen model> }: where rollouts come from, the live
                  policy or a frozen model ({ model = "<ref>" } or { base_url = [...], name = "..." }, serving/settings.py)
       sampling = { group_size, temperature, top_p, max_tokens }
-      interaction = { type = "calculator" | "guess_number" | "tools" | "custom" | "agent", ... }: multi-turn
-                 episodes
+      interaction = { type = "calculator" | "guess_number" | "tools" | "custom" | "agent" | "openenv", ... }:
+                 multi-turn episodes (openenv: an OpenEnv environment, envs/openenv_env.py)
       tools    = ["pkg.module:function", { type = "function", function = {...}, import_path = "..." }]: OpenAI-format
                  tool calls, with interaction = { type = "tools" } (envs/tool_calls.py)
       algo     = { type = "grpo" } | { type = "max_rl" } | ...   (the registry in rollout_lib/algo); for sft,
