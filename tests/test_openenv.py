@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -177,6 +178,8 @@ def test_served_episodes_are_the_in_process_episodes(tokenizer, server):
     assert [(row["prompt_ids"], row["completion_ids"], row["episode"]) for row in served] == \
         [(row["prompt_ids"], row["completion_ids"], row["episode"]) for row in in_process]
     assert record(served[0])["state"]["env_reward"] == 1.0 and record(served[0])["state"]["steps"] == 2
+    # Every session closed with its episode, and with the last one the sessions' event-loop thread stopped.
+    assert not [thread for thread in threading.enumerate() if thread.name == "openenv-sessions"]
     # A refused action is the model's to read there too, in fewer words (the client does not pass pydantic's on).
     [refused] = episodes(tokenizer, JSON_TURNS, group_size=1, url=server.url)
     assert refused["completion_turns"][3]["content"] == \

@@ -106,7 +106,8 @@ def action_class_of(env_class: type, environment: type, action: type) -> type:
 
 class ServedEnvs:
     """A served environment: one WebSocket session per episode (each has an environment of its own on the server),
-    all driven from one event loop on a thread of this interaction."""
+    all driven from one event loop on a thread of their own, started with the first session and stopped when the
+    last one closes (a step's interaction is built per step: no thread outlives its episodes)."""
 
     def __init__(self, settings):  # envs.openenv_env.OpenEnvSettings
         from openenv.core.generic_client import GenericEnvClient  # noqa: F401 - missing: say so now, not mid-step
@@ -116,8 +117,9 @@ class ServedEnvs:
         self.where = f"OpenEnv server {self.url}"
         self.timeout_s = settings.timeout_s
         self.schemas = self._get("/schema")  # also the start-up probe: a server that does not answer fails here
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="openenv-sessions", daemon=True).start()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.open_sessions = 0
 
     def _get(self, path: str) -> dict:
         try:
@@ -134,12 +136,27 @@ class ServedEnvs:
     def open(self) -> "ServedSession":
         from openenv.core.generic_client import GenericEnvClient
 
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            self.thread = threading.Thread(target=self.loop.run_forever, name="openenv-sessions", daemon=True)
+            self.thread.start()
+        self.open_sessions += 1
         return ServedSession(self, GenericEnvClient(base_url=self.url, connect_timeout_s=self.timeout_s,
                                                     message_timeout_s=self.timeout_s))
 
     def run(self, coroutine):
         # The client bounds each message by timeout_s; the margin only guards against a loop that never answers.
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(self.timeout_s * 2 + 5)
+
+    def closed(self) -> None:
+        """A session closed; with the last one, the loop and its thread stop."""
+        self.open_sessions -= 1
+        if self.open_sessions == 0 and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+            if not self.thread.is_alive():
+                self.loop.close()
+            self.loop = self.thread = None
 
 
 class ServedSession:
@@ -157,6 +174,8 @@ class ServedSession:
             self.envs.run(self.client.close())
         except Exception:  # noqa: BLE001 - the episode is over either way
             pass
+        finally:
+            self.envs.closed()
 
     def _outcome(self, what: str, request) -> Outcome:
         try:
