@@ -156,10 +156,10 @@ class OpenEnvInteraction(Interaction):
         action = first_json_object(text)
         if action is None:
             return self._refused(state, "error: no action: write one JSON object, the action")
-        outcome = self._step(state, session, action)
-        if outcome is None:
+        answer = self._step(state, session, action)
+        if answer is None:
             return EnvReply(done=True)
-        return EnvReply(messages=[{"role": "user", "content": outcome}])
+        return EnvReply(messages=[{"role": "user", "content": answer[0]}])
 
     def _tool_turn(self, state: dict, session, text: str, turn: int) -> EnvReply:
         parsed = self.parse_calls(text)
@@ -171,31 +171,35 @@ class OpenEnvInteraction(Interaction):
             if call.problem is None:
                 structured.append({"id": call_id, "type": "function",
                                    "function": {"name": call.name, "arguments": call.arguments}})
-            if call.problem is not None or call.name != self.settings.tool_name:
+            if call.problem is not None:
                 state["action_errors"] += 1
-                content = (f"error: {call.problem}" if call.problem is not None else
-                           f"error: unknown tool {call.name!r}; the action is the tool {self.settings.tool_name!r}")
+                content, failed = f"error: {call.problem}", True
+            elif call.name != self.settings.tool_name:
+                state["action_errors"] += 1
+                content = f"error: unknown tool {call.name!r}; the action is the tool {self.settings.tool_name!r}"
+                failed = True
             else:
-                content = self._step(state, session, call.arguments)
-                if content is None:
+                answer = self._step(state, session, call.arguments)
+                if answer is None:
                     return EnvReply(done=True)
-            errors += content.startswith("error: ")
+                content, failed = answer
+            errors += failed
             named = {"name": call.name} if call.name is not None else {}
             replies.append({"role": "tool", "tool_call_id": call_id, **named, "content": content})
         assistant = {"role": "assistant", "content": parsed.content, "tool_calls": structured}
         return EnvReply(messages=replies, assistant=assistant, tool_errors=errors)
 
-    def _step(self, state: dict, session, action: dict) -> str | None:
-        """The observation's message after stepping `action`; an `error: ...` text for an action the env refuses;
-        None when the episode is done."""
+    def _step(self, state: dict, session, action: dict) -> tuple[str, bool] | None:
+        """(the observation's message, False) after stepping `action`; (an `error: ...` text, True) for an action
+        the environment refuses; None when the episode is done."""
         try:
             observation, reward, done = session.step(action)
         except InvalidAction as refused:
             state["action_errors"] += 1
-            return f"error: invalid action: {refused}"
+            return f"error: invalid action: {refused}", True
         state["steps"] += 1
         self._observe(state, observation, reward)
-        return None if done else self._render(observation)
+        return None if done else (self._render(observation), False)
 
     def _refused(self, state: dict, message: str) -> EnvReply:
         state["action_errors"] += 1
