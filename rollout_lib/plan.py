@@ -261,6 +261,8 @@ def _frozen_model_contents(config: RlConfig) -> dict[str, str]:
 def _reward_name(reward) -> str:
     if hasattr(reward, "function"):
         return reward.function
+    if hasattr(reward, "rubric"):
+        return f"the verifiers environment's rubric (weight {reward.weight:g})"
     if hasattr(reward, "reward_model"):
         if reward.base_url is not None:
             return f"reward_model {reward.reward_model.uri} (your vLLM pooling server at {', '.join(reward.base_url)})"
