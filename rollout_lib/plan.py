@@ -96,7 +96,7 @@ def _check_tool_template(config: RlConfig) -> None:
     """An env with tools needs a chat template that renders them, its calls and their results, token-exactly
     (model/chat.py tool_template_problem): the policy's own or `algorithm.rl.chat_template`. Checked on the
     tokenizer alone, before anything runs."""
-    with_tools = [index for index, env in enumerate(config.settings.envs) if env.tools]
+    with_tools = [index for index, env in enumerate(config.settings.envs) if env.tools or _verifiers_tools(env)]
     if not with_tools:
         return
     override = config.settings.chat_template
@@ -110,7 +110,17 @@ def _check_tool_template(config: RlConfig) -> None:
     else:
         message = (f"algorithm.rl.chat_template ({override}) does not render tools or tool calls token-exactly "
                    f"({problem}); e.g. {TOOLS_TEMPLATE_EXAMPLE} does")
-    raise ConfigError([(env_locator(index, "tools"), message) for index in with_tools])
+    raise ConfigError([(env_locator(index, "interaction" if _verifiers_tools(config.settings.envs[index]) else "tools"),
+                        message) for index in with_tools])
+
+
+def _verifiers_tools(env) -> bool:
+    """Whether the env runs a verifiers environment that has tools (a ToolEnv): loaded already, its prompts read."""
+    if env.interaction is None or env.interaction.type != "verifiers":
+        return False
+    from rollout_lib.envs.verifiers_env import load_verifiers_environment
+
+    return bool(getattr(load_verifiers_environment(env.interaction), "tool_defs", None))
 
 
 def _in_run_store(config, ref: ModelRef) -> ModelRef:
