@@ -87,7 +87,7 @@ def run_episodes(tokenizer, env: EnvSettings, turns: list[str], rows: int = 2, g
 
 
 def score(env: EnvSettings, prompts, rollouts):
-    with RewardLoops(RewardLoopSettings(timeout_s=60)) as loops:
+    with RewardLoops(RewardLoopSettings(timeout_s=60, sync_workers=1)) as loops:  # one worker loads verifiers
         return loops.for_rewards(env.rewards, "rewards", env_rubric(env)).score(reward_inputs(rollouts, prompts))
 
 
@@ -141,6 +141,8 @@ def test_a_tool_env_runs_its_tool_and_keeps_every_sampled_token():
         assert row["sampling_logprobs"][turns[1]["start"]] is None  # the env's tokens carry no logprob
         # the second call was conditioned on exactly the first call's tokens, then the rendered tool turn
         assert row["prompt_ids"] + ids[:turns[2]["start"]] in policy.sequences
+    _, again, _ = run_episodes(tokenizer, env, [call, "The answer is 7"], rows=1)
+    assert again.equals(rollouts)  # no clock, uuid or call id of the environment's leaks into what is stored
     results = score(env, prompts, rollouts)
     assert [r.per_function for r in results] == [{"correct_sum": 1.0, "num_turns": 2.0, "total_tool_calls": 1.0,
                                                   "add_calls": 1.0}] * 2
@@ -230,4 +232,25 @@ def test_two_steps_of_each_example_through_the_cli(prefect_server, tmp_path, con
     assert [m["step"] for m in metrics] == [1, 2]
     for step in metrics:  # every episode asked the policy at least once; the rubric's metrics are in the step's
         assert step["rollouts"] == 4 and step["agent_requests_mean"] >= 1 and step["agent_failures"] == 0
-        assert step[metric] is not None and step["reward/num_turns"] >= 1
+        assert step["completion_len_mean"] > 0 and step["verifiers_prompt_too_long"] == 0
+        assert step[metric] is not None and step["reward/num_turns"] >= 1 and step["missing_rewards"] == 0
+
+
+def test_an_environment_that_raises_fails_its_episode_counted_never_the_step(tmp_path, monkeypatch, tokenizer):
+    (tmp_path / "vf_raising_env.py").write_text(
+        "from datasets import Dataset\nimport verifiers as vf\n\n\n"
+        "class Raising(vf.MultiTurnEnv):\n"
+        "    async def env_response(self, messages, state, **kwargs):\n"
+        "        raise KeyError('the environment broke')\n\n\n"
+        "def load_environment():\n"
+        "    return Raising(dataset=Dataset.from_list([{'question': 'Hi?', 'answer': 'x'}]), max_turns=3,\n"
+        "                   rubric=vf.Rubric(funcs=[lambda completion: 1.0]))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = env_settings("vf_raising_env")
+    prompts, rollouts, _ = run_episodes(tokenizer, env, ["Hello"], rows=1, group_size=1)
+    (row,) = rollouts.to_pylist()
+    record = json.loads(row["episode"])
+    assert record["end"] == "error" and record["turns"] == 1  # the first turn was sampled, then the env raised
+    assert "KeyError: 'the environment broke'" in record["state"]["episode_error"]
+    (result,) = score(env, prompts, rollouts)
+    assert result.reward is None and "the environment broke" in result.error

@@ -142,6 +142,7 @@ def rollout_metrics(config: RlConfig, rollouts: pa.Table) -> dict:
         metrics["env_token_fraction"] = env_tokens / max(sum(lengths), 1)
         metrics.update(tool_call_metrics(multi_turn))
         metrics.update(agent_metrics(multi_turn))
+        metrics.update(verifiers_metrics(multi_turn))
     return metrics
 
 
@@ -166,6 +167,18 @@ def agent_metrics(episodes: list[dict]) -> dict:
     return {"agent_sequence_splits": sum(max(episode["sequences"] - 1, 0) for episode in agents),
             "agent_failures": sum(bool(episode["state"].get("episode_error")) for episode in agents),
             "agent_requests_mean": float(np.mean([episode["turns"] for episode in agents]))}
+
+
+def verifiers_metrics(episodes: list[dict]) -> dict:
+    """Over the episodes of verifiers environments (their records keep the environment's final state,
+    envs/verifiers_client.py): how many ended on a verifiers error (a model response it refused, a tool that stopped
+    it: `verifiers_errors`) and how many because a prompt outgrew the context (`verifiers_prompt_too_long`); the
+    rubric still scores them, as verifiers does. Empty without such episodes."""
+    states = [episode["state"]["verifiers"] for episode in episodes if "verifiers" in episode["state"]]
+    if not states:
+        return {}
+    return {"verifiers_errors": sum(state.get("error") is not None for state in states),
+            "verifiers_prompt_too_long": sum(bool(state.get("prompt_too_long")) for state in states)}
 
 
 def sampled_entropy(rollouts: pa.Table, policy_envs: set[str]) -> float | None:
