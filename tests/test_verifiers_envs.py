@@ -38,9 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TOOLS_TEMPLATE = ROOT / "configs/templates/chatml-tools.jinja"
 
-if str(EXAMPLES) not in sys.path:  # where the example environments' modules are, as PYTHONPATH=examples for the CLI
-    sys.path.insert(0, str(EXAMPLES))
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -158,6 +155,9 @@ def test_settings_checks_name_the_module_and_the_extra(monkeypatch):
     with pytest.raises(ValueError, match='source type "verifiers" is the dataset'):
         EnvSettings.model_validate({"name": "x", "prompts_per_step": 1, "source": {"type": "verifiers"},
                                     "rewards": [{"function": "exact_match"}]})
+    with pytest.raises(ValueError, match="held-out evaluation of a verifiers environment is not built"):
+        EnvSettings.model_validate({"name": "vf", "prompts_per_step": 2, "eval": {"source": {"type": "verifiers"}},
+                                    "interaction": {"type": "verifiers", "env_id": "vf_tool_env"}})
     real_version = importlib.metadata.version
 
     def version_without(installed: str | None):

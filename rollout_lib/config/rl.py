@@ -215,6 +215,9 @@ class EnvSettings(StrictModel):
         if any(isinstance(reward, RubricSettings) for reward in self.rewards) and not runs_verifiers:
             raise ValueError('rewards: { rubric = "verifiers" } scores with the env\'s verifiers environment: set '
                              'interaction = { type = "verifiers", env_id = "..." }')
+        if runs_verifiers and self.eval is not None:
+            raise ValueError("eval: held-out evaluation of a verifiers environment is not built (its episodes need "
+                             "the environment's own dataset rows); leave eval out of this env")
         return self
 
     @model_validator(mode="after")
