@@ -254,3 +254,24 @@ def test_an_environment_that_raises_fails_its_episode_counted_never_the_step(tmp
     assert "KeyError: 'the environment broke'" in record["state"]["episode_error"]
     (result,) = score(env, prompts, rollouts)
     assert result.reward is None and "the environment broke" in result.error
+
+
+def test_a_nan_from_a_rubric_function_is_a_missing_reward_and_a_bool_counts_as_verifiers_reads_it(
+        tmp_path, monkeypatch, tokenizer):
+    (tmp_path / "vf_nan_env.py").write_text(
+        "from datasets import Dataset\nimport verifiers as vf\n\n\n"
+        "def said_hello(completion) -> bool:\n"
+        "    return 'Hello' in completion[-1].content\n\n\n"
+        "async def unmeasurable(completion, answer) -> float:\n"
+        "    return float('nan') if answer == 'b' else 0.5\n\n\n"
+        "def load_environment():\n"
+        "    rows = [{'question': 'Hi?', 'answer': 'a'}, {'question': 'Yo?', 'answer': 'b'}]\n"
+        "    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows),\n"
+        "                            rubric=vf.Rubric(funcs=[said_hello, unmeasurable], weights=[1.0, 1.0]))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = env_settings("vf_nan_env")
+    prompts, rollouts, _ = run_episodes(tokenizer, env, ["Hello"], rows=2, group_size=1)
+    first, second = score(env, prompts, rollouts)
+    assert first.reward == 1.5 and first.per_function == {"said_hello": 1.0, "unmeasurable": 0.5, "num_turns": 1.0}
+    assert second.reward is None and "reward is not finite: nan" in second.error  # never 0, as verifiers' would be
+    assert "unmeasurable" in second.error
