@@ -94,7 +94,11 @@ class VerifiersSettings(InteractionSettings):
 
     @model_validator(mode="after")
     def _args_are_json(self) -> "VerifiersSettings":
-        json.dumps(self.env_args)  # they key the loaded environment and enter the identity
+        try:  # they key the loaded environment and enter the identity
+            json.dumps(self.env_args)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"env_args must be JSON values (strings, numbers, booleans, lists, tables): {exc}") \
+                from None
         return self
 
     def user_modules(self) -> tuple[str, ...]:
