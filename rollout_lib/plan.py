@@ -96,7 +96,7 @@ def _check_tool_template(config: RlConfig) -> None:
     """An env with tools needs a chat template that renders them, its calls and their results, token-exactly
     (model/chat.py tool_template_problem): the policy's own or `algorithm.rl.chat_template`. Checked on the
     tokenizer alone, before anything runs."""
-    with_tools = [index for index, env in enumerate(config.settings.envs) if env.tools or (
+    with_tools = [index for index, env in enumerate(config.settings.envs) if env.tools or _verifiers_tools(env) or (
         env.interaction is not None and getattr(env.interaction, "action", None) == "tool_call")]  # OpenEnv's
     if not with_tools:
         return
@@ -111,8 +111,24 @@ def _check_tool_template(config: RlConfig) -> None:
     else:
         message = (f"algorithm.rl.chat_template ({override}) does not render tools or tool calls token-exactly "
                    f"({problem}); e.g. {TOOLS_TEMPLATE_EXAMPLE} does")
-    raise ConfigError([(env_locator(index, "tools" if config.settings.envs[index].tools else "interaction.action"),
+    raise ConfigError([(env_locator(index, _tools_place(config.settings.envs[index])),
                         message) for index in with_tools])
+
+
+def _tools_place(env) -> str:
+    """Where an env's tools come from, for the refusal's locator."""
+    if env.tools:
+        return "tools"
+    return "interaction" if _verifiers_tools(env) else "interaction.action"
+
+
+def _verifiers_tools(env) -> bool:
+    """Whether the env runs a verifiers environment that has tools (a ToolEnv): loaded already, its prompts read."""
+    if env.interaction is None or env.interaction.type != "verifiers":
+        return False
+    from rollout_lib.envs.verifiers_env import load_verifiers_environment
+
+    return bool(getattr(load_verifiers_environment(env.interaction), "tool_defs", None))
 
 
 def _in_run_store(config, ref: ModelRef) -> ModelRef:
@@ -263,6 +279,8 @@ def _frozen_model_contents(config: RlConfig) -> dict[str, str]:
 def _reward_name(reward) -> str:
     if hasattr(reward, "function"):
         return reward.function
+    if hasattr(reward, "rubric"):
+        return f"the verifiers environment's rubric (weight {reward.weight:g})"
     if hasattr(reward, "reward_model"):
         if reward.base_url is not None:
             return f"reward_model {reward.reward_model.uri} (your vLLM pooling server at {', '.join(reward.base_url)})"

@@ -39,6 +39,27 @@ if .venv-vllm/bin/python -c "import importlib.util as u, sys; sys.exit(not any(m
 fi
 .venv-vllm/bin/python -W ignore -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
+# verifiers 0.3.1 (the `verifiers` extra: verifiers' v0 environments, docs/environments.md) for its tests: ~30 packages
+# (openai, anthropic, mcp 1.x, ...), installed only when pip's dry run moves none of the packages already here; else
+# the setup names them and goes on without it (its tests then skip, and a config naming a verifiers env is refused
+# with a line naming the extra). Known clash: verifiers 0.3.1 wants mcp<2, openenv-core 0.3.0 (fastmcp>=3) mcp 2.x:
+# verifiers goes first, on a venv without mcp, and OpenEnv's fastmcp below then moves mcp 1.x to 2.3.0 (pip names the
+# clash and goes on); verifiers' v0 environments never import mcp (only its experimental MCPEnv does), and the
+# tests ran on exactly that venv.
+VERIFIERS_VERSION=0.3.1
+if [ "${1:-}" = "--test" ] && ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('verifiers') != '$VERIFIERS_VERSION')" 2>/dev/null; then
+  report=$(mktemp)
+  pip install --dry-run --report "$report" "verifiers==$VERIFIERS_VERSION"  # the extra's pin (pyproject.toml)
+  if ! moves=$(.venv/bin/python scripts/pip-moves.py "$report"); then
+    rm -f "$report"
+    echo "setup: NOT installing the verifiers extra: it would move packages already installed:" >&2
+    echo "$moves" >&2
+  else
+    rm -f "$report"
+    pip install "verifiers==$VERIFIERS_VERSION"
+  fi
+fi
+
 # OpenEnv (interaction = { type = "openenv" }; tests/test_openenv.py): openenv-core without its dependencies, whose
 # gradio pins pillow<13 (the project runs 13) and pulls ~100 packages; what it imports here is fastapi, uvicorn,
 # websockets, requests and pydantic (already installed) and fastmcp (13 new packages, nothing moved: checked with
@@ -59,6 +80,7 @@ if [ "${1:-}" = "--test" ]; then
     PIP_VENV=.venv-mlflow pip install "mlflow==$MLFLOW_VERSION"
   fi
 fi
+
 
 if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -30,6 +30,7 @@ os.environ["PREFECT_HOME"] = str(SESSION_DIR / "prefect-home")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "examples"))  # the example environments' modules (PYTHONPATH=examples for the CLI)
 
 from clirun import run_cli  # noqa: E402
 from rollout_cli.local_server import SERVER_ENV, free_port, is_healthy  # noqa: E402

@@ -45,6 +45,7 @@ from rollout_lib.data.sources import is_table_source, source_identity
 from rollout_lib.digests import file_digest
 from rollout_lib.envs import interaction_settings_types
 from rollout_lib.envs.tools import ToolSettings
+from rollout_lib.envs.verifiers_env import VerifiersSource
 from rollout_lib.serving.settings import FROZEN_MODEL_TYPES, FrozenModel, PolicyOrFrozen
 from rollout_lib.adapters import AdapterSettings
 from rollout_lib.config.common import (
@@ -68,6 +69,7 @@ from rollout_lib.reward.settings import (
     RewardLoopSettings,
     RewardModelSettings,
     RewardSettings,
+    RubricSettings,
 )
 from rollout_lib.sampling import SamplingParams, sampler_settings_types
 from rollout_lib.settings_base import tagged_union
@@ -95,7 +97,7 @@ class ReasoningGymSource(StrictModel):
     config: dict[str, Any] = Field(default_factory=dict)  # further dataset kwargs (difficulty knobs)
 
 
-PromptSource = tagged_union((JsonlDataset, TableDataset, ReasoningGymSource), "source")
+PromptSource = tagged_union((JsonlDataset, TableDataset, ReasoningGymSource, VerifiersSource), "source")
 
 
 class EnvSampler(StrictModel):
@@ -190,6 +192,33 @@ class EnvSettings(StrictModel):
             raise ValueError(f"algo.teacher and sampler.source name different models: {algo['type']} samples from "
                              "its teacher, so give the model once")
         return {**value, "algo": algo, "sampler": {**sampler, "source": teacher}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verifiers_environment_supplies(cls, value: Any) -> Any:
+        """A verifiers environment brings its prompts (its dataset) and its rewards (its rubric): left out, they are
+        `source = { type = "verifiers" }` and `rewards = [{ rubric = "verifiers" }]` (envs/verifiers_env.py)."""
+        if (not isinstance(value, dict) or not isinstance(value.get("interaction"), dict)
+                or value["interaction"].get("type") != "verifiers"):
+            return value
+        value = dict(value)
+        value.setdefault("source", {"type": "verifiers"})
+        value.setdefault("rewards", [{"rubric": "verifiers"}])
+        return value
+
+    @model_validator(mode="after")
+    def _verifiers_parts_with_its_environment(self) -> "EnvSettings":
+        runs_verifiers = self.interaction is not None and self.interaction.type == "verifiers"
+        if self.source.type == "verifiers" and not runs_verifiers:
+            raise ValueError('source type "verifiers" is the dataset of the env\'s verifiers environment: set '
+                             'interaction = { type = "verifiers", env_id = "..." }')
+        if any(isinstance(reward, RubricSettings) for reward in self.rewards) and not runs_verifiers:
+            raise ValueError('rewards: { rubric = "verifiers" } scores with the env\'s verifiers environment: set '
+                             'interaction = { type = "verifiers", env_id = "..." }')
+        if runs_verifiers and self.eval is not None:
+            raise ValueError("eval: held-out evaluation of a verifiers environment is not built (its episodes need "
+                             "the environment's own dataset rows); leave eval out of this env")
+        return self
 
     @model_validator(mode="after")
     def _tools_with_the_tools_interaction(self) -> "EnvSettings":

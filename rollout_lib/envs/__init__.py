@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from rollout_lib.envs.base import INTERACTIONS, EnvReply, Interaction, InteractionSettings
 
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in ("base", "episodes", "render", "agent_episodes", "agent_server", "agent_tokens"):
+    if _module.name not in ("base", "episodes", "render", "agent_episodes", "agent_server", "agent_tokens",
+                            "verifiers_client", "verifiers_data", "verifiers_rubric"):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 

@@ -5,7 +5,11 @@ The agents run on an event loop of their own thread, beside the endpoint (agent_
 `generate` one request at a time on one worker thread (the policy sampler is not shared between threads). A
 request's seed derives from (step seed, example, group index, request index), so a rerun of the step samples the
 same tokens for the same requests. What an episode trains on is its last training sequence (agent_tokens.py): a
-split leaves the earlier ones untrained, counted in the record (`sequences`) and the step's metrics."""
+split leaves the earlier ones untrained, counted in the record (`sequences`) and the step's metrics.
+
+An interaction with `in_process = True` (a verifiers environment: envs/verifiers_env.py) runs on the same loop and
+gets an InProcessEndpoint instead of a base URL: the very `complete` the HTTP endpoint answers with, called without
+HTTP (no server is started), and a state dict it may fill for the env's rewards."""
 
 from __future__ import annotations
 
@@ -50,7 +54,20 @@ class _Run:
     closed: bool = False  # the agent returned, failed or timed out: later requests are refused
     reward: float | None = None
     error: str | None = None
+    state: dict = field(default_factory=dict)  # what an in-process agent leaves for the rewards (episode state)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a request's prompt and sample are recorded together
+
+
+class InProcessEndpoint:
+    """An in-process agent's handle on its episode's endpoint: `chat_completion(body)` is a POST to
+    `/episodes/<id>/v1/chat/completions` without HTTP (the same answers, refusals raised as RequestError), and
+    `state` the episode's state, which the agent may fill (JSON values) for the env's rewards."""
+
+    def __init__(self, complete, episode_id: str, state: dict):
+        self._complete, self.episode_id, self.state = complete, episode_id, state
+
+    async def chat_completion(self, body: dict) -> dict:
+        return await self._complete(self.episode_id, body)
 
 
 def run_agent_episodes(interaction, generate, tokenizer, prompt_rows: list[dict], prompt_ids: list[list[int]],
@@ -64,7 +81,7 @@ def run_agent_episodes(interaction, generate, tokenizer, prompt_rows: list[dict]
     _in_own_loop(step.run_all)
     if step.fatal is not None:
         raise step.fatal  # the sampler failed, not an agent: the step cannot go on
-    episodes = [_episode(run, ids, interaction.settings) for run, ids in
+    episodes = [_episode(run, ids, interaction) for run, ids in
                 zip(runs, (ids for ids in prompt_ids for _ in range(params.group_size)))]
     for index, episode in enumerate(episodes):
         if on_end is not None:
@@ -84,12 +101,16 @@ class _AgentStep:
     async def run_all(self) -> None:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-sampler") as sampler:
             self.sampler = sampler
+            if getattr(self.interaction, "in_process", False):
+                await asyncio.gather(*(self.run_agent(run, InProcessEndpoint(self.complete, str(run.index), run.state))
+                                       for run in self.runs))
+                return
             async with serving(self.complete) as root:
                 await asyncio.gather(*(self.run_agent(run, f"{root}/episodes/{run.index}/v1") for run in self.runs))
 
-    async def run_agent(self, run: _Run, base_url: str) -> None:
+    async def run_agent(self, run: _Run, base_url) -> None:
         task = {key: run.row.get(key) for key in ("example_id", "messages", "answer", "info")}
-        agent, kwargs = self.interaction.agent, self.settings.kwargs
+        agent, kwargs = self.interaction.agent, getattr(self.settings, "kwargs", {})
         try:
             call = (agent(base_url, task, **kwargs) if inspect.iscoroutinefunction(agent)
                     else _in_daemon_thread(agent, base_url, task, **kwargs))
@@ -178,11 +199,12 @@ class _AgentStep:
                                finish, prompt, ids, token_logprobs)
 
 
-def _episode(run: _Run, task_prompt_ids: list[int], settings) -> AgentEpisode:
+def _episode(run: _Run, task_prompt_ids: list[int], interaction) -> AgentEpisode:
     """The run's last training sequence as its episode; a run without requests has the task's prompt alone."""
-    state: dict[str, Any] = {"agent_reward": run.reward, "requests": run.requests}
+    state: dict[str, Any] = {**run.state, "agent_reward": run.reward, "requests": run.requests}
     if run.error is not None:
-        state["episode_error"] = f"agent {settings.import_path}: {run.error}"
+        where = getattr(interaction.settings, "import_path", None) or interaction.name
+        state["episode_error"] = f"agent {where}: {run.error}"
     sequences = run.tokens.sequences
     last = sequences[-1] if sequences else Episode(run.row, list(task_prompt_ids), {}, [])
     return AgentEpisode(run.row, last.prompt_ids, state, last.messages, last.completion_ids, last.logprobs,

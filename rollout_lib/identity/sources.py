@@ -31,6 +31,11 @@ def prompt_sources(config, env_name: str) -> dict:
                 "prompts_per_step": env.prompts_per_step}
     if is_table_source(env.source):  # likewise: the table's content digest, never its path
         return {"source": source_identity(env.source), "prompts_per_step": env.prompts_per_step}
+    if env.source.type == "verifiers":  # the environment's dataset: made by its module, with its arguments
+        return {"source": {**env.source.model_dump(mode="json"), "env_args": env.interaction.env_args,
+                           "env_source": {module: module_source_digest(module)
+                                          for module in env.interaction.user_modules()}},
+                "prompts_per_step": env.prompts_per_step}
     return {"source": env.source.model_dump(mode="json"), "prompts_per_step": env.prompts_per_step}
 
 
@@ -40,6 +45,11 @@ def reward_sources(config) -> dict:
     specs = {reward.function for env in config.settings.envs for reward in env.rewards if hasattr(reward, "function")}
     sources = {"reward_sources": {spec: module_source_digest(spec.partition(":")[0])
                                   for spec in sorted(specs) if ":" in spec}}
+    # A verifiers environment's rubric functions live in its module: editing them re-scores.
+    rubrics = {module for env in config.settings.envs if any(hasattr(reward, "rubric") for reward in env.rewards)
+               for module in env.interaction.user_modules()}
+    if rubrics:
+        sources["rubric_sources"] = {module: module_source_digest(module) for module in sorted(rubrics)}
     reward_models = reward_model_contents(config)
     return {**sources, "reward_models": list(reward_models)} if reward_models else sources
 

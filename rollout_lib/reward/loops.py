@@ -15,7 +15,8 @@ from rollout_lib.reward.judge_tokenizer import judge_tokenizer
 from rollout_lib.reward.loop import RewardLoop
 from rollout_lib.reward.reward_model import COUNTS, RewardModelScorer, ServedRewardModelScorer, load_scorer
 from rollout_lib.reward.servers import RewardServer
-from rollout_lib.reward.settings import JudgeSettings, RewardFunctionSettings, RewardLoopSettings, RewardModelSettings
+from rollout_lib.reward.settings import (JudgeSettings, RewardFunctionSettings, RewardLoopSettings,
+                                        RewardModelSettings, RubricSettings)
 from rollout_lib.reward.verl import VerlRewardFunction
 from rollout_lib.store import canonical_json
 
@@ -34,15 +35,25 @@ class RewardLoops:
         self._loops: dict[str, RewardLoop] = {}
         self._scorers: dict[str, RewardModelScorer | ServedRewardModelScorer] = {}
 
-    def for_rewards(self, rewards: list, where: str) -> RewardLoop:
-        """The loop of `rewards` (a list of reward settings at the locator `where`, e.g. an env's `rewards`)."""
+    def for_rewards(self, rewards: list, where: str, rubric=None) -> RewardLoop:
+        """The loop of `rewards` (a list of reward settings at the locator `where`, e.g. an env's `rewards`).
+        `rubric`: (its key, a function of the weight giving [(function, weight)]) for a `{ rubric = ... }` reward,
+        supplied by whoever knows the env's environment (rl/score.py: envs/verifiers_rubric.py)."""
         # A reward model's store is a locator the settings dump leaves out; two stores are two models.
         stores = [r.reward_model.store for r in rewards if isinstance(r, RewardModelSettings)]
         key = blake3.blake3(canonical_json([[r.model_dump(mode="json") for r in rewards], stores,
-                                            self.settings.model_dump(mode="json")])).hexdigest()
+                                            self.settings.model_dump(mode="json"),
+                                            rubric[0] if rubric is not None else None])).hexdigest()
         if key not in self._loops:
-            functions = [(self._reward(r, f"{where}[{r_index}]"), r.weight)
-                         for r_index, r in enumerate(rewards)]
+            functions = []
+            for r_index, r in enumerate(rewards):
+                if isinstance(r, RubricSettings):
+                    if rubric is None:
+                        raise ValueError(f"{where}[{r_index}]: a rubric reward scores with the env's verifiers "
+                                         "environment, and this env has none")
+                    functions.extend(rubric[1](r.weight))
+                else:
+                    functions.append((self._reward(r, f"{where}[{r_index}]"), r.weight))
             self._loops[key] = RewardLoop(functions, concurrency=self.settings.concurrency,
                                           timeout_s=self.settings.timeout_s, sync_workers=self.settings.sync_workers)
         return self._loops[key]

@@ -6,6 +6,7 @@
                    engine = "embedded" | "vllm", replicas,         (a discriminative reward model)
                    base_url = "http://node2:8000/v1" | [...], served_name   (served by you, on vLLM's pooling runner)
     judge = <frozen model>, template, pattern, score_range, ...    (a generative judge)
+    rubric = "verifiers", weight                                   (the env's verifiers Rubric: every function)
 """
 
 from __future__ import annotations
@@ -135,23 +136,32 @@ class RewardModelSettings(StrictModel):
         return value
 
 
+class RubricSettings(StrictModel):
+    """The reward functions of the env's verifiers environment's Rubric (envs/verifiers_rubric.py), each with its
+    rubric weight times `weight`; only with `interaction = { type = "verifiers", ... }`, whose environment it is."""
+
+    rubric: Literal["verifiers"]
+    weight: float = 1.0
+
+
 def _reward_kind(value: Any) -> str | None:
     if isinstance(value, dict):
         if "function" in value:  # a function may name a judge it calls
             return None if "reward_model" in value else "reward(function)"
-        kinds = [kind for kind in ("reward_model", "judge") if kind in value]
+        kinds = [kind for kind in ("reward_model", "judge", "rubric") if kind in value]
         return f"reward({kinds[0]})" if len(kinds) == 1 else None
     return {RewardFunctionSettings: "reward(function)", RewardModelSettings: "reward(reward_model)",
-            JudgeSettings: "reward(judge)"}.get(type(value))
+            JudgeSettings: "reward(judge)", RubricSettings: "reward(rubric)"}.get(type(value))
 
 
 RewardSettings = Annotated[
     Union[Annotated[RewardFunctionSettings, Tag("reward(function)")],  # noqa: UP007
           Annotated[RewardModelSettings, Tag("reward(reward_model)")],
-          Annotated[JudgeSettings, Tag("reward(judge)")]],
+          Annotated[JudgeSettings, Tag("reward(judge)")],
+          Annotated[RubricSettings, Tag("reward(rubric)")]],
     Discriminator(_reward_kind, custom_error_type="unknown_reward",
-                  custom_error_message="a reward names one of `function` (a reward function), `reward_model` and "
-                                       "`judge` (an LLM judge)")]
+                  custom_error_message="a reward names one of `function` (a reward function), `reward_model`, "
+                                       "`judge` (an LLM judge) and `rubric` (a verifiers environment's)")]
 
 
 class RewardLoopSettings(StrictModel):

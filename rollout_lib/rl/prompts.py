@@ -16,7 +16,12 @@ from rollout_lib.determinism import derived_seed
 
 def load_prompts(env: EnvSettings, where: str | None = None) -> pa.Table:
     """The env's PROMPTS, checked against what every step draws from it; `where`: its source's locator."""
-    table = load_env_prompts(env, where)
+    if env.source.type == "verifiers":  # the env's verifiers environment's dataset
+        from rollout_lib.envs.verifiers_data import verifiers_prompts
+
+        table = verifiers_prompts(env, where or f"env {env.name!r}: source")
+    else:
+        table = load_env_prompts(env, where)
     if env.prompts_per_step > table.num_rows:
         raise DataError(f"env {env.name!r}: prompts_per_step = {env.prompts_per_step} but its source has only "
                         f"{table.num_rows} prompts")

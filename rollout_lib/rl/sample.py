@@ -143,6 +143,7 @@ def rollout_metrics(config: RlConfig, rollouts: pa.Table) -> dict:
         metrics.update(tool_call_metrics(multi_turn))
         metrics.update(agent_metrics(multi_turn))
         metrics.update(openenv_metrics(multi_turn))
+        metrics.update(verifiers_metrics(multi_turn))
     return metrics
 
 
@@ -179,6 +180,18 @@ def openenv_metrics(episodes: list[dict]) -> dict:
     return {"env_failures": sum(bool(state.get("episode_error")) for state in ours),
             "env_steps_mean": float(np.mean([state["steps"] for state in ours])),
             "env_action_errors_mean": float(np.mean([state["action_errors"] for state in ours]))}
+
+
+def verifiers_metrics(episodes: list[dict]) -> dict:
+    """Over the episodes of verifiers environments (their records keep the environment's final state,
+    envs/verifiers_client.py): how many ended on a verifiers error (a model response it refused, a tool that stopped
+    it: `verifiers_errors`) and how many because a prompt outgrew the context (`verifiers_prompt_too_long`); the
+    rubric still scores them, as verifiers does. Empty without such episodes."""
+    states = [episode["state"]["verifiers"] for episode in episodes if "verifiers" in episode["state"]]
+    if not states:
+        return {}
+    return {"verifiers_errors": sum(state.get("error") is not None for state in states),
+            "verifiers_prompt_too_long": sum(bool(state.get("prompt_too_long")) for state in states)}
 
 
 def sampled_entropy(rollouts: pa.Table, policy_envs: set[str]) -> float | None:

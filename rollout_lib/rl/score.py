@@ -29,9 +29,21 @@ def run_reward_loops(config: RlConfig, served_models=None) -> RewardLoops:
 def env_reward_loop(loops: RewardLoops, config: RlConfig, env: EnvSettings, *, held_out: bool = False) -> RewardLoop:
     """The loop of an env's rewards, or of its held-out evaluation's when that names its own (`eval.rewards`)."""
     index = [e.name for e in config.settings.envs].index(env.name)
+    rubric = env_rubric(env)
     if held_out and env.eval.rewards:
-        return loops.for_rewards(env.eval.rewards, env_locator(index, "eval.rewards"))
-    return loops.for_rewards(env.rewards, env_locator(index, "rewards"))
+        return loops.for_rewards(env.eval.rewards, env_locator(index, "eval.rewards"), rubric)
+    return loops.for_rewards(env.rewards, env_locator(index, "rewards"), rubric)
+
+
+def env_rubric(env: EnvSettings):
+    """For an env running a verifiers environment: (key, weight -> its rubric's reward functions), what a
+    `{ rubric = "verifiers" }` reward scores with (envs/verifiers_rubric.py); None for any other env."""
+    if env.interaction is None or env.interaction.type != "verifiers":
+        return None
+    from rollout_lib.envs.verifiers_rubric import rubric_functions
+
+    settings = env.interaction
+    return settings.model_dump_json(), lambda weight: rubric_functions(settings, weight)
 
 
 def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str, pa.Table],

@@ -1,0 +1,37 @@
+"""A verifiers SingleTurnEnv, written as for verifiers 0.3.x and run unchanged by rollout (docs/environments.md,
+"verifiers environments"): reverse a short word. Its dataset is local rows (no hub), its rubric two reward
+functions and a weight-0 metric, all reading the parser's answer as verifiers' rubrics do.
+
+    PYTHONPATH=examples rollout train rl --config configs/rl-verifiers-single.toml
+
+`raise_on` (an env argument): the answers whose rollouts make one rubric function raise, to show what rollout does
+with a rubric function that fails (a missing reward, counted; verifiers would have scored it 0).
+"""
+
+from datasets import Dataset
+
+import verifiers as vf
+
+WORDS = ["cat", "dog", "sun", "tree", "moon", "fish", "bird", "lamp"]
+
+
+def load_environment(num_examples: int = 8, raise_on: list[str] | None = None) -> vf.Environment:
+    rows = [{"question": f"Reverse the word: {word}", "answer": word[::-1]} for word in WORDS[:num_examples]]
+    parser = vf.Parser()
+    failing = set(raise_on or [])
+
+    def exact_reverse(completion, answer, parser) -> float:
+        return 1.0 if (parser.parse_answer(completion) or "").strip() == answer else 0.0
+
+    def shared_letters(completion, answer, parser) -> float:
+        if answer in failing:
+            raise RuntimeError(f"shared_letters was told to fail on {answer!r}")
+        said = (parser.parse_answer(completion) or "").strip()
+        return len(set(said) & set(answer)) / len(set(answer))
+
+    def answer_length(completion, parser) -> float:  # weight 0: watched, not trained on
+        return float(len((parser.parse_answer(completion) or "").strip()))
+
+    rubric = vf.Rubric(funcs=[exact_reverse, shared_letters, answer_length], weights=[1.0, 0.5, 0.0], parser=parser)
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), system_prompt="Answer with the reversed word only.",
+                            parser=parser, rubric=rubric)
