@@ -23,6 +23,7 @@ from prefect.artifacts import (
 )
 from prefect.filesystems import RemoteFileSystem
 
+from flows import node_launch  # noqa: F401  (registers hardware.node_pool's launcher with the library)
 from flows.api_watch import watch_worker_flow_run
 from rollout_lib import step_events
 from rollout_lib.config.loading import apply_overrides, load_config, read_toml

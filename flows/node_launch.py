@@ -1,0 +1,99 @@
+"""The other nodes' parts of a rendezvous as flow runs of their node agents (hardware.node_pool, docs/scale.md).
+
+Each other node runs an agent: a Prefect process worker of the run's work pool on that node's own work queue
+(`rollout node start --pool P --node K`, rollout_cli/node.py), which registered the deployment
+`node-part/P-node-K` of flows/node_part.py. At every rendezvous the flow submits node K's part (its structured
+`NodePart`) as a flow run of that deployment, so node K's agent, and no other, starts it. Once node 0's torchrun has
+ended, `settle` reads each part's state: Completed is fine; Scheduled or Pending (no agent took it in time) is a
+part that never started, cancelled so that a late agent does not join a dead rendezvous; Failed or Crashed is a part
+that failed; Running long after node 0 ended is a part whose agent stopped reporting (killed, or its node lost),
+marked Crashed. Registered with the library on import (node_parts.register_pool_launcher).
+"""
+
+from __future__ import annotations
+
+import time
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.exceptions import ObjectNotFound
+from prefect.states import Cancelled, Crashed
+
+from rollout_lib.trainer.node_parts import (NodeLauncher, NodePart, NodePartError, NodeProblem, agent_command,
+                                            node_deployment, node_queue, register_pool_launcher)
+
+# How long the parts may take to end once node 0's torchrun has: after a success their ranks are done and exit
+# (the flow run process then reports Completed); after a failure their ranks lose node 0's and fail likewise.
+SETTLE_AFTER_SUCCESS_S = 120.0
+SETTLE_AFTER_FAILURE_S = 20.0
+POLL_S = 0.5
+WAITING = ("SCHEDULED", "PENDING")  # no agent has started the part (Late is a Scheduled state)
+ENDED = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+class NodePoolLauncher(NodeLauncher):
+    """Submits each part to its node's agent in work pool `pool` and reads what became of it."""
+
+    def __init__(self, pool: str):
+        self.pool = pool
+        self.runs: dict[int, tuple[UUID, str]] = {}  # node rank -> its part's flow run (id, name)
+
+    def launch(self, parts: dict[int, NodePart]) -> None:
+        self.runs = {}
+        with get_client(sync_client=True) as client:
+            deployments = {}
+            for rank in parts:  # every node has its agent, or nothing is submitted
+                try:
+                    deployments[rank] = client.read_deployment_by_name(node_deployment(self.pool, rank))
+                except ObjectNotFound:
+                    raise NodePartError(
+                        f"hardware.node_pool: node {rank} has no agent in work pool {self.pool!r} (no deployment "
+                        f"{node_deployment(self.pool, rank)}): run `{agent_command(self.pool, rank)}` on that node"
+                    ) from None
+            for rank, part in parts.items():
+                run = client.create_flow_run_from_deployment(
+                    deployments[rank].id, parameters={"part": part.to_parameters()},
+                    name=f"{part.run_id}-node-{rank}", work_queue_name=node_queue(rank))
+                self.runs[rank] = (run.id, run.name)
+
+    def settle(self, succeeded: bool) -> NodeProblem | None:
+        if not self.runs:
+            return None
+        deadline = time.monotonic() + (SETTLE_AFTER_SUCCESS_S if succeeded else SETTLE_AFTER_FAILURE_S)
+        with get_client(sync_client=True) as client:
+            while True:
+                states = {rank: client.read_flow_run(run_id).state for rank, (run_id, _) in self.runs.items()}
+                waiting = any(state.type.value in WAITING for state in states.values())
+                # a part nobody started will not start now; one that runs may still end
+                if all(state.type.value in ENDED for state in states.values()) or time.monotonic() > deadline or (
+                        not succeeded and waiting):
+                    break
+                time.sleep(POLL_S)
+            problems = [self._problem(client, rank, states[rank], succeeded) for rank in sorted(states)]
+        self.runs = {}
+        problems = [problem for problem in problems if problem is not None]
+        # a node that never started or was lost explains the rest; else the first that failed
+        return next((problem for problem in problems if problem.caused), problems[0] if problems else None)
+
+    def _problem(self, client, rank: int, state, succeeded: bool) -> NodeProblem | None:
+        run_id, name = self.runs[rank]
+        kind = state.type.value
+        where = f"node {rank}'s part (flow run {name!r}, work queue {node_queue(rank)!r} of pool {self.pool!r})"
+        if kind == "COMPLETED":
+            return None
+        if kind in WAITING:
+            client.set_flow_run_state(run_id, Cancelled(message="the rendezvous it was to join is over"), force=True)
+            return NodeProblem(f"{where} never started: no agent of that node took it; start it there with "
+                               f"`{agent_command(self.pool, rank)}`", caused=True)
+        if kind in ("FAILED", "CRASHED"):
+            return NodeProblem(f"{where} failed: {(state.message or kind.lower()).splitlines()[0]}", caused=False)
+        if kind == "CANCELLED":
+            return NodeProblem(f"{where} was cancelled", caused=True)
+        wait = SETTLE_AFTER_SUCCESS_S if succeeded else SETTLE_AFTER_FAILURE_S
+        client.set_flow_run_state(run_id, Crashed(message="its agent stopped reporting"), force=True)
+        return NodeProblem(f"{where} was still {state.name} {wait:g} s after node 0's torchrun ended: its agent "
+                           "stopped reporting (killed, or its node lost); restart it there with "
+                           f"`{agent_command(self.pool, rank)}`", caused=True)
+
+
+register_pool_launcher(NodePoolLauncher)

@@ -1,0 +1,171 @@
+"""Nodes that join by themselves (docs/scale.md, "Node agents"): node 1 is a node agent, `rollout node start --pool P
+--node 1`, a real Prefect process worker started from a directory of its own with a Prefect home of its own on
+127.0.0.1, against the session's server; node 0 is the flow (`rollout train`, here or in this process). Once the
+agent runs, the test runs nothing for node 1: the flow submits node 1's part of every rendezvous to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from clirun import ROOT, run_rollout, train_in_process
+from rollout_cli.processes import stop_process_group
+from rollout_lib.trainer.data_parallel import HOLD_AT_STEP_ENV
+from rollout_lib.trainer.node_parts import NodePart, node_deployment
+from test_nodes import free_port
+
+POOL = "test-nodes"  # each test its own (POOL-a, POOL-b): its part runs are its own
+
+
+def sft_args(store: Path, *more: str) -> list[str]:
+    return ["train", "sft", "--config", "configs/sft-tiny.toml", "--set", f"run.store={store}",
+            "--set", "algorithm.sft.gradient_accumulation=2", "--set", "algorithm.sft.budget.max_steps=2",
+            "--set", "algorithm.sft.checkpoint_interval=1", *more]
+
+
+def over_two_nodes(pool: str, timeout_s: float = 120) -> list[str]:
+    return ["--set", "algorithm.sft.hardware.nnodes=2", "--set", f"algorithm.sft.hardware.node_pool={pool}",
+            "--set", f"algorithm.sft.hardware.rdzv_endpoint=127.0.0.1:{free_port()}",
+            "--set", f"algorithm.sft.hardware.rdzv_timeout_s={timeout_s}"]
+
+
+class NodeAgent:
+    """`rollout node start --pool POOL --node 1` from `home`/work, PREFECT_HOME `home`/prefect: started, stopped,
+    killed with everything it started (its node lost)."""
+
+    def __init__(self, home: Path, pool: str, env: dict[str, str] | None = None):
+        self.pool = pool
+        self.work = home / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PYTHONPATH": str(ROOT), **(env or {})}
+        self.env.pop("ROLLOUT_STATE_DIR", None)
+        self.log = home / "agent.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "NodeAgent":
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "rollout_cli", "node", "start", "--pool", self.pool, "--node", "1", "--poll-s", "1"],
+                cwd=self.work, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "started!" not in self.log.read_text(errors="replace"):  # the worker's own "Worker ... started!"
+            assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.5)
+        return self
+
+    def kill_node(self) -> None:
+        """SIGKILL the agent and every process it started (the flow run's own session included): node 1 lost."""
+        agent = psutil.Process(self.process.pid)
+        for process in [*agent.children(recursive=True), agent]:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            stop_process_group(self.process.pid)
+
+
+@pytest.fixture
+def node_home(prefect_server, tmp_path) -> Path:
+    return tmp_path / "node-1"
+
+
+def part_runs(prefect_server, pool: str) -> list[dict]:
+    """Node 1's part flow runs in `pool` (name, state), oldest first."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"flow_runs": {"work_queue_name": {"any_": ["node-1"]}}, "work_pools": {"name": {"any_": [pool]}},
+                       "sort": "EXPECTED_START_TIME_ASC"}).encode()
+    request = urllib.request.Request(f"{prefect_server['api_url']}/flow_runs/filter", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return [{"name": run["name"], "state": run["state"]["type"], "message": run["state"].get("message")}
+                for run in json.loads(response.read())]
+
+
+def test_a_part_is_structured_parameters_checked_before_anything_runs():
+    part = NodePart(node_rank=1, nnodes=2, nproc=1, endpoint="node0:29400", run_id="rollout-abc", timeout_s=300,
+                    module="rollout_lib.trainer.segment_worker", backend="gloo", threads=2, gpus=(4, 5))
+    assert NodePart.from_parameters(part.to_parameters()) == part
+    assert part.command()[-4:] == ["-m", "rollout_lib.trainer.segment_worker", "--receive-spec", "gloo"]
+    assert part.environment({})["CUDA_VISIBLE_DEVICES"] == "4,5" and part.environment({})["OMP_NUM_THREADS"] == "2"
+    for field, value, says in [("module", "os; rm -rf /", "module must be one of"),
+                               ("endpoint", "node0:29400 --x", 'endpoint must be "host:port"'),
+                               ("node_rank", 0, "node_rank must be 1..nnodes-1"),
+                               ("run_id", "a b", "run_id must be")]:
+        with pytest.raises(ValueError, match=says):
+            NodePart.from_parameters({**part.to_parameters(), field: value})
+    with pytest.raises(ValueError, match="unknown field"):
+        NodePart.from_parameters({**part.to_parameters(), "command": "sh -c x"})
+    assert node_deployment("gpu", 3) == "node-part/gpu-node-3"
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_process_through_a_node_agent_end_on_one_node_of_twos_checkpoint(prefect_server,
+                                                                                           node_home, tmp_path):
+    expected = train_in_process(*sft_args(tmp_path / "one-node", "--nproc", "2"))
+    pool = f"{POOL}-a"
+    agent = NodeAgent(node_home, pool).start()
+    try:  # two segments, two rendezvous: node 1 joins each by itself
+        two_nodes = train_in_process(*sft_args(tmp_path / "two-nodes", *over_two_nodes(pool)))
+    finally:
+        agent.stop()
+    assert two_nodes["checkpoint"] == expected["checkpoint"]
+    runs = part_runs(prefect_server, pool)
+    assert [run["state"] for run in runs] == ["COMPLETED", "COMPLETED"], runs
+
+
+@pytest.mark.slow
+def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_and_the_rerun_ends_alike(
+        prefect_server, node_home, tmp_path):
+    from rollout_cli.node import register
+
+    pool = f"{POOL}-b"
+    # registered, but its worker never started: the part is never taken
+    register(prefect_server["api_url"], pool, 1, node_home)
+    never = run_rollout(*sft_args(tmp_path / "never", *over_two_nodes(pool, timeout_s=5)), "--quiet")
+    error = next(line for line in never.stderr.splitlines() if line.startswith("rollout: error:"))
+    assert never.returncode == 1 and "train steps 1-1: node 1's part (flow run " in error and (
+        f"work queue 'node-1' of pool '{pool}') never started: no agent of that node took it; start it there with "
+        f"`rollout node start --pool {pool} --node 1`; the segment's start checkpoint is in the store") in error, error
+    assert part_runs(prefect_server, pool)[-1]["state"] == "CANCELLED"  # a late agent will not join a dead rendezvous
+
+    # the agent and all it started SIGKILLed as node 1's rank holds at step 2: node 1 lost mid-segment
+    held = node_home / "held"
+    agent = NodeAgent(node_home, pool, {HOLD_AT_STEP_ENV: f"2:{held}"}).start()
+    store = tmp_path / "killed"
+    args = sft_args(store, *over_two_nodes(pool))
+    with (tmp_path / "killed.out").open("w") as out:
+        run = subprocess.Popen([sys.executable, "-m", "rollout_cli", *args, "--quiet"], cwd=ROOT, stdout=out,
+                               stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while not held.exists():
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+            time.sleep(0.2)
+        agent.kill_node()
+        _, stderr = run.communicate(timeout=300)
+    error = next(line for line in stderr.splitlines() if line.startswith("rollout: error:"))
+    assert run.returncode == 1 and "train steps 2-2: node 1's part (flow run " in error and (
+        "was still Running 20 s after node 0's torchrun ended: its agent stopped reporting (killed, or its node "
+        f"lost); restart it there with `rollout node start --pool {pool} --node 1`") in error, error
+
+    # the agent back (no hold): the rerun trains step 2 again from the store and ends where 1 node x 2 processes ends
+    agent = NodeAgent(node_home, pool).start()
+    try:
+        rerun = train_in_process(*args)
+    finally:
+        agent.stop()
+    expected = train_in_process(*sft_args(tmp_path / "one-node", "--nproc", "2"))
+    assert rerun["checkpoint"] == expected["checkpoint"]
