@@ -19,6 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Crashed
 
+from rollout_lib.errors import ConfigError
 from rollout_lib.trainer.node_parts import (NodeLauncher, NodePart, NodePartError, NodeProblem, agent_command,
                                             node_deployment, node_queue, register_pool_launcher)
 
@@ -94,6 +95,24 @@ class NodePoolLauncher(NodeLauncher):
         return NodeProblem(f"{where} was still {state.name} {wait:g} s after node 0's torchrun ended: its agent "
                            "stopped reporting (killed, or its node lost); restart it there with "
                            f"`{agent_command(self.pool, rank)}`", caused=True)
+
+
+def check_agents(cfg) -> None:
+    """Before anything runs: with hardware.node_pool, every other node has registered its agent in the pool, else a
+    ConfigError naming the setting, the node and the command to run there."""
+    hardware = getattr(cfg.settings, "hardware", None)
+    if hardware is None or hardware.node_pool is None:
+        return
+    with get_client(sync_client=True) as client:
+        for rank in range(1, hardware.nnodes):
+            try:
+                client.read_deployment_by_name(node_deployment(hardware.node_pool, rank))
+            except ObjectNotFound:
+                raise ConfigError([(
+                    f"algorithm.{cfg.algorithm.kind}.hardware.node_pool",
+                    f"node {rank} of {hardware.nnodes} has no agent in work pool {hardware.node_pool!r} (no deployment "
+                    f"{node_deployment(hardware.node_pool, rank)}): run `{agent_command(hardware.node_pool, rank)}` "
+                    "on that node")]) from None
 
 
 register_pool_launcher(NodePoolLauncher)

@@ -18,6 +18,7 @@ import pytest
 
 from clirun import ROOT, run_rollout, train_in_process
 from rollout_cli.processes import stop_process_group
+from rollout_lib.errors import ConfigError
 from rollout_lib.trainer.data_parallel import HOLD_AT_STEP_ENV
 from rollout_lib.trainer.node_parts import NodePart, node_deployment
 from test_nodes import free_port
@@ -119,6 +120,14 @@ def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_
     from rollout_cli.node import register
 
     pool = f"{POOL}-b"
+    # no agent registered: refused as the run starts, before anything runs
+    with pytest.raises(ConfigError) as refused:
+        train_in_process(*sft_args(tmp_path / "absent", *over_two_nodes(pool)))
+    assert str(refused.value) == (
+        f"algorithm.sft.hardware.node_pool: node 1 of 2 has no agent in work pool '{pool}' (no deployment "
+        f"node-part/{pool}-node-1): run `rollout node start --pool {pool} --node 1` on that node")
+    assert not (tmp_path / "absent").exists()
+
     # registered, but its worker never started: the part is never taken
     register(prefect_server["api_url"], pool, 1, node_home)
     never = run_rollout(*sft_args(tmp_path / "never", *over_two_nodes(pool, timeout_s=5)), "--quiet")
