@@ -177,3 +177,19 @@ def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_
     # every rendezvous had its part: never taken, step 1's, step 2's (node lost), step 2's again
     states = [run["state"] for run in part_runs(prefect_server, pool)]
     assert states == ["CANCELLED", "COMPLETED", "CRASHED", "COMPLETED"], states
+
+
+@pytest.mark.slow
+def test_a_part_whose_torchrun_fails_fails_in_one_line_naming_its_node(tmp_path):
+    from rollout_lib.trainer.node_agent import run_node_part
+    from rollout_lib.trainer.node_parts import NodePartError
+
+    # node 0 never comes: node 1's torchrun gives up at the rendezvous after 1 s
+    part = NodePart(node_rank=1, nnodes=2, nproc=1, endpoint=f"127.0.0.1:{free_port()}", run_id="rollout-alone",
+                    timeout_s=1, module="rollout_lib.trainer.segment_worker", backend="gloo")
+    lines: list[str] = []
+    with pytest.raises(NodePartError) as failed:
+        run_node_part(part, cwd=str(tmp_path), log=lines.append)
+    assert str(failed.value).startswith("node 1's torchrun (1 processes) failed: ") and "\n" not in str(failed.value)
+    assert lines[0].startswith("node 1: ") and "--node-rank=1" in lines[0] and any(
+        "RendezvousTimeoutError" in line for line in lines)

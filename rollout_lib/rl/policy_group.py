@@ -274,7 +274,8 @@ class PolicyGroup:
         where = f"{what}: data-parallel policy training ({self.world_size} processes) failed"
         rerun = "the steps before it are in the store, so a rerun trains from the last of them"
         node_problem = self.launcher.settle(False) if self.launcher is not None else None
-        if node_problem is not None and node_problem.caused:  # a node's part never started or was lost
+        # a node's part never started or was lost, or failed before its node joined: the group's failure
+        if node_problem is not None and (node_problem.caused or rendezvous_timeout(tail, self.nodes)):
             return DataParallelError(f"{what}: {node_problem.line}; {rerun}.")
         if node_problem is not None:  # it failed with node 0's ranks: which side began it, their output says
             where += f" ({node_problem.line})"

@@ -272,7 +272,8 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
         rerun = f"the segment's start checkpoint is in the store, so a rerun trains steps {first}-{last} again from it"
         if not succeeded:
             where = f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed"
-            if node_problem is not None and node_problem.caused:  # a node's part never started or was lost
+            # a node's part never started or was lost, or failed before its node joined: the segment's failure
+            if node_problem is not None and (node_problem.caused or rendezvous_timeout(list(tail), nodes)):
                 raise DataParallelError(f"train steps {first}-{last}: {node_problem.line}; {rerun}.\nnode 0's last "
                                         "output:\n" + "\n".join(list(tail)[-20:]))
             if node_problem is not None:  # it failed with node 0's ranks: which side began it, node 0's output says
