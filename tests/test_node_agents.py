@@ -1,12 +1,11 @@
 """Nodes that join by themselves (docs/scale.md, "Node agents"): node 1 is a node agent, `rollout node start --pool P
 --node 1`, a real Prefect process worker started from a directory of its own with a Prefect home of its own on
-127.0.0.1, against the session's server; node 0 is the flow (`rollout train`, here or in this process). Once the
+127.0.0.1, against the session's server; node 0 is the flow, in this process (`train_in_process`). Once the
 agent runs, the test runs nothing for node 1: the flow submits node 1's part of every rendezvous to it."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -16,10 +15,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from clirun import ROOT, run_rollout, train_in_process
+from clirun import ROOT, train_in_process
 from rollout_cli.processes import stop_process_group
 from rollout_lib.errors import ConfigError
-from rollout_lib.trainer.data_parallel import HOLD_AT_STEP_ENV
+from rollout_lib.trainer.data_parallel import HOLD_AT_STEP_ENV, DataParallelError
 from rollout_lib.trainer.node_parts import NodePart, node_deployment
 from test_nodes import free_port
 
@@ -130,11 +129,13 @@ def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_
 
     # registered, but its worker never started: the part is never taken
     register(prefect_server["api_url"], pool, 1, node_home)
-    never = run_rollout(*sft_args(tmp_path / "never", *over_two_nodes(pool, timeout_s=5)), "--quiet")
-    error = next(line for line in never.stderr.splitlines() if line.startswith("rollout: error:"))
-    assert never.returncode == 1 and "train steps 1-1: node 1's part (flow run " in error and (
+    with pytest.raises(DataParallelError) as never:
+        train_in_process(*sft_args(tmp_path / "never", *over_two_nodes(pool, timeout_s=5)))
+    error = str(never.value).splitlines()[0]
+    assert error.startswith("train steps 1-1: node 1's part (flow run ") and error.endswith(
         f"work queue 'node-1' of pool '{pool}') never started: no agent of that node took it; start it there with "
-        f"`rollout node start --pool {pool} --node 1`; the segment's start checkpoint is in the store") in error, error
+        f"`rollout node start --pool {pool} --node 1`; the segment's start checkpoint is in the store, so a rerun "
+        "trains steps 1-1 again from it."), error
     assert part_runs(prefect_server, pool)[-1]["state"] == "CANCELLED"  # a late agent will not join a dead rendezvous
 
     # the agent and all it started SIGKILLed as node 1's rank holds at step 2: node 1 lost mid-segment

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from rollout_lib import step_events
 from rollout_lib.losses import COMPONENTS
 from rollout_lib.hardware import hardware_of_config, hardware_settings, visible_devices
+# RECEIVE_SPEC: re-exported for the ranks (segment_worker)
 from rollout_lib.trainer.node_parts import (RECEIVE_SPEC, SHARDED_MALLOC, NodeLauncher, NodePart, NodePartError,
                                             launcher_for)
 
