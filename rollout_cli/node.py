@@ -44,7 +44,7 @@ def register(api_url: str, pool: str, node: int, directory: Path) -> str:
         flow_id = client.create_flow_from_name(NODE_FLOW)
         client.create_deployment(  # updated in place when it exists
             flow_id=flow_id, name=node_deployment(pool, node).partition("/")[2], work_pool_name=pool,
-            work_queue_name=node_queue(node), entrypoint=FLOW_ENTRYPOINT, concurrency_limit=1,
+            work_queue_name=node_queue(node), entrypoint=FLOW_ENTRYPOINT,
             pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(PROJECT_ROOT)}}],
             job_variables={"env": {NODE_DIR_ENV: str(directory), "PREFECT_LOGGING_EXTRA_LOGGERS": "rollout_lib"}},
             description=f"Node {node}'s part of each rendezvous of runs with hardware.node_pool = {pool!r}.")
