@@ -7,11 +7,13 @@ Each other node runs an agent: a Prefect process worker of the run's work pool o
 ended, `settle` reads each part's state: Completed is fine; Scheduled or Pending (no agent took it in time) is a
 part that never started, cancelled so that a late agent does not join a dead rendezvous; Failed or Crashed is a part
 that failed; Running long after node 0 ended is a part whose agent stopped reporting (killed, or its node lost),
-marked Crashed. Registered with the library on import (node_parts.register_pool_launcher).
+marked Crashed. While node 0 runs, a watch stops it as soon as a part ends badly, so that it does not wait for a
+part that will never join. Registered with the library on import (node_parts.register_pool_launcher).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from uuid import UUID
 
@@ -28,8 +30,10 @@ from rollout_lib.trainer.node_parts import (NodeLauncher, NodePart, NodePartErro
 SETTLE_AFTER_SUCCESS_S = 120.0
 SETTLE_AFTER_FAILURE_S = 20.0
 POLL_S = 0.5
+WATCH_S = 2.0  # how often the parts' states are read while node 0 runs
 WAITING = ("SCHEDULED", "PENDING")  # no agent has started the part (Late is a Scheduled state)
 ENDED = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+ENDED_BADLY = ("FAILED", "CRASHED", "CANCELLED")
 
 
 class NodePoolLauncher(NodeLauncher):
@@ -38,9 +42,11 @@ class NodePoolLauncher(NodeLauncher):
     def __init__(self, pool: str):
         self.pool = pool
         self.runs: dict[int, tuple[UUID, str]] = {}  # node rank -> its part's flow run (id, name)
+        self._watch: tuple[threading.Thread, threading.Event] | None = None
+        self._aborted_by: int | None = None  # the node whose part's end stopped node 0
 
-    def launch(self, parts: dict[int, NodePart]) -> None:
-        self.runs = {}
+    def launch(self, parts: dict[int, NodePart], abort=None) -> None:
+        self.runs, self._aborted_by = {}, None
         with get_client(sync_client=True) as client:
             deployments = {}
             for rank in parts:  # every node has its agent, or nothing is submitted
@@ -56,8 +62,33 @@ class NodePoolLauncher(NodeLauncher):
                     deployments[rank].id, parameters={"part": part.to_parameters()},
                     name=f"{part.run_id}-node-{rank}", work_queue_name=node_queue(rank))
                 self.runs[rank] = (run.id, run.name)
+        if abort is not None:
+            done = threading.Event()
+            self._watch = (threading.Thread(target=self._watch_parts, args=(abort, done), daemon=True), done)
+            self._watch[0].start()
+
+    def _watch_parts(self, abort, done: threading.Event) -> None:
+        """While node 0 runs: a part that ended badly (its torchrun failed, its process crashed, it was cancelled)
+        stops node 0, which would otherwise wait for it until the rendezvous times out, or, once the ranks are
+        starting, for torch's process-group timeout. An agent killed outright reports nothing: settle tells."""
+        runs = dict(self.runs)
+        with get_client(sync_client=True) as client:
+            while not done.wait(WATCH_S):
+                for rank, (run_id, _) in runs.items():
+                    try:
+                        kind = client.read_flow_run(run_id).state.type.value
+                    except Exception:  # noqa: BLE001  the server briefly busy: ask again next time
+                        continue
+                    if kind in ENDED_BADLY:
+                        self._aborted_by = rank
+                        abort()
+                        return
 
     def settle(self, succeeded: bool) -> NodeProblem | None:
+        if self._watch is not None:
+            self._watch[1].set()
+            self._watch[0].join(timeout=30)
+            self._watch = None
         if not self.runs:
             return None
         deadline = time.monotonic() + (SETTLE_AFTER_SUCCESS_S if succeeded else SETTLE_AFTER_FAILURE_S)
@@ -86,8 +117,9 @@ class NodePoolLauncher(NodeLauncher):
             client.set_flow_run_state(run_id, Cancelled(message="the rendezvous it was to join is over"), force=True)
             return NodeProblem(f"{where} never started: no agent of that node took it; start it there with "
                                f"`{agent_command(self.pool, rank)}`", caused=True)
-        if kind in ("FAILED", "CRASHED"):
-            return NodeProblem(f"{where} failed: {(state.message or kind.lower()).splitlines()[0]}", caused=False)
+        if kind in ("FAILED", "CRASHED"):  # the cause when its end is what stopped node 0
+            return NodeProblem(f"{where} failed: {(state.message or kind.lower()).splitlines()[0]}",
+                               caused=rank == self._aborted_by)
         if kind == "CANCELLED":
             return NodeProblem(f"{where} was cancelled", caused=True)
         wait = SETTLE_AFTER_SUCCESS_S if succeeded else SETTLE_AFTER_FAILURE_S

@@ -41,8 +41,9 @@ class NodeAgent:
     """`rollout node start --pool POOL --node 1` from `home`/work, PREFECT_HOME `home`/prefect: started, stopped,
     killed with everything it started (its node lost)."""
 
-    def __init__(self, home: Path, pool: str, env: dict[str, str] | None = None):
+    def __init__(self, home: Path, pool: str, env: dict[str, str] | None = None, directory: Path | None = None):
         self.pool = pool
+        self.directory = directory
         self.work = home / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PYTHONPATH": str(ROOT), **(env or {})}
@@ -53,7 +54,8 @@ class NodeAgent:
     def start(self) -> "NodeAgent":
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "rollout_cli", "node", "start", "--pool", self.pool, "--node", "1", "--poll-s", "1"],
+                [sys.executable, "-m", "rollout_cli", "node", "start", "--pool", self.pool, "--node", "1", "--poll-s", "1",
+                 *(["--dir", str(self.directory)] if self.directory else [])],
                 cwd=self.work, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         deadline = time.monotonic() + 120
@@ -138,6 +140,20 @@ def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_
         "trains steps 1-1 again from it."), error
     assert part_runs(prefect_server, pool)[-1]["state"] == "CANCELLED"  # a late agent will not join a dead rendezvous
 
+    # an agent whose parts fail at once (its parts' directory gone): node 0 stops then, not at the rendezvous' timeout
+    agent = NodeAgent(node_home, pool, directory=node_home / "parts").start()
+    (node_home / "parts").rmdir()
+    began = time.monotonic()
+    try:
+        with pytest.raises(DataParallelError) as failed:
+            train_in_process(*sft_args(tmp_path / "failed", *over_two_nodes(pool, timeout_s=300)))
+    finally:
+        agent.stop()
+    error = str(failed.value).splitlines()[0]
+    assert time.monotonic() - began < 300, error
+    assert error.startswith("train steps 1-1: node 1's part (flow run ") and "failed: " in error and (
+        f"No such file or directory: '{node_home / 'parts'}'") in error, error
+
     # the agent and all it started SIGKILLed as node 1's rank holds at step 2: node 1 lost mid-segment
     held = node_home / "held"
     agent = NodeAgent(node_home, pool, {HOLD_AT_STEP_ENV: f"2:{held}"}).start()
@@ -175,9 +191,9 @@ def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_
         agent.stop()
     expected = train_in_process(*sft_args(tmp_path / "one-node", "--nproc", "2"))
     assert rerun["checkpoint"] == expected["checkpoint"]
-    # every rendezvous had its part: never taken, step 1's, step 2's (node lost), step 2's again
+    # every rendezvous had its part: never taken, failed at once, step 1's, step 2's (node lost), step 2's again
     states = [run["state"] for run in part_runs(prefect_server, pool)]
-    assert states == ["CANCELLED", "COMPLETED", "CRASHED", "COMPLETED"], states
+    assert states == ["CANCELLED", "FAILED", "COMPLETED", "CRASHED", "COMPLETED"], states
 
 
 @pytest.mark.slow

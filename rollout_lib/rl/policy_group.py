@@ -210,7 +210,9 @@ class PolicyGroup:
         threading.Thread(target=self._keep_output, args=(self._process,), daemon=True).start()
         if self.launcher is not None:  # a new rendezvous at every start: the other nodes join each
             try:
-                self.launcher.launch(other_node_parts(self.inputs, self.nodes, self.nproc, module, run_id))
+                # a part that ends badly while the group runs stops node 0's torchrun (SIGTERM: it stops its ranks)
+                self.launcher.launch(other_node_parts(self.inputs, self.nodes, self.nproc, module, run_id),
+                                     abort=self._process.terminate)
             except BaseException:
                 self._process.kill()
                 self._process.wait()

@@ -253,7 +253,8 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
                                    text=True, env=env)
         if launcher is not None:
             try:
-                launcher.launch(other_node_parts(inputs, nodes, nproc, module, run_id))
+                # a part that ends badly while node 0 waits stops it (SIGTERM: torchrun stops its ranks)
+                launcher.launch(other_node_parts(inputs, nodes, nproc, module, run_id), abort=process.terminate)
             except BaseException as exc:
                 process.kill()
                 process.wait()

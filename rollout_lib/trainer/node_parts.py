@@ -160,7 +160,9 @@ class NodeLauncher:
     """Starts the other nodes' parts of each group (`launch`) and tells, once node 0's torchrun has ended, whether
     they did their share (`settle`). This one logs each part's command for someone to run on that node."""
 
-    def launch(self, parts: dict[int, NodePart]) -> None:
+    def launch(self, parts: dict[int, NodePart], abort=None) -> None:
+        """Start every part; `abort()` stops node 0's torchrun, for a launcher that sees a part end badly while
+        node 0 still waits for it (this one sees nothing)."""
         for node_rank, part in parts.items():
             logger.warning("node %d joins this process group with: %s", node_rank, shlex.join(part.command()))
 
@@ -176,7 +178,7 @@ class LoggedCommands(NodeLauncher):
     def __init__(self, announce):
         self.announce = announce
 
-    def launch(self, parts: dict[int, NodePart]) -> None:
+    def launch(self, parts: dict[int, NodePart], abort=None) -> None:
         self.announce({node_rank: part.command() for node_rank, part in parts.items()})
 
 
