@@ -210,3 +210,16 @@ def test_a_part_whose_torchrun_fails_fails_in_one_line_naming_its_node(tmp_path)
     assert str(failed.value).startswith("node 1's torchrun (1 processes) failed: ") and "\n" not in str(failed.value)
     assert lines[0].startswith("node 1: ") and "--node-rank=1" in lines[0] and any(
         "RendezvousTimeoutError" in line for line in lines)
+
+
+def test_a_node_agent_without_a_server_or_with_a_bad_pool_name_is_refused_in_one_line(monkeypatch, capsys):
+    from rollout_cli.main import main
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["node", "start", "--pool", "gpu-nodes", "--node", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "rollout: error: rollout node start: set PREFECT_API_URL to the flow's Prefect server (on node 0: "
+        "`rollout stack env` prints it)")
+    assert main(["node", "start", "--pool", "gpu nodes", "--node", "1"]) == 2
+    assert "Invalid value for --pool: 'gpu nodes': letters, digits" in capsys.readouterr().err
+    assert main(["node", "start", "--pool", "gpu", "--node", "0"]) == 2  # node 0 runs the flow
