@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from safetensors.torch import load_file
@@ -66,7 +67,7 @@ from rollout_lib.hardware import hardware_settings
 from rollout_lib.trainer.data_parallel import (DataParallelError, Nodes, failure_message, other_node_parts,
                                                rank_environment, rendezvous_timeout, root_cause_rank,
                                                torchrun_command)
-from rollout_lib.trainer.node_parts import NodeLauncher, launcher_for
+from rollout_lib.trainer.node_parts import NodeLauncher, NodePartError, launcher_for
 from rollout_lib.determinism import GLOBAL_RNG
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class GroupSpec:
 class PolicyGroup:
     """The N processes training the policy (started on first use), and the flow's side of their commands."""
 
-    def __init__(self, inputs: TrainingInputs, announce: NodeLauncher | None = None):
+    def __init__(self, inputs: TrainingInputs, announce: NodeLauncher | Callable | None = None):
         hardware = hardware_settings(inputs.settings)
         self.inputs = inputs
         self.nproc = hardware.nproc  # per node
@@ -213,10 +214,12 @@ class PolicyGroup:
                 # a part that ends badly while the group runs stops node 0's torchrun (SIGTERM: it stops its ranks)
                 self.launcher.launch(other_node_parts(self.inputs, self.nodes, self.nproc, module, run_id),
                                      abort=self._process.terminate)
-            except BaseException:
+            except BaseException as exc:
                 self._process.kill()
                 self._process.wait()
                 self._process = None
+                if isinstance(exc, NodePartError):
+                    raise DataParallelError(f"{what}: {exc}") from None
                 raise
         logger.info("data-parallel policy training: %d processes (torchrun pid %d)", self.world_size,
                     self._process.pid)

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -229,7 +229,7 @@ def rank_environment(inputs) -> dict[str, str]:
 
 
 def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, first: int, last: int, nproc: int,
-                             announce: NodeLauncher | None = None, **options) -> tuple[str, list[dict]]:
+                             announce: NodeLauncher | Callable | None = None, **options) -> tuple[str, list[dict]]:
     """Steps first..last from `checkpoint_id` as `nproc` torchrun processes (per node: with hardware.nnodes > 1 this
     machine is node 0, and the other nodes' parts are started by `announce`, by default hardware.node_pool's agents
     or logged commands: node_parts.launcher_for); (the snapshot's id, per-step metrics). Each finished step is
