@@ -23,6 +23,7 @@ from prefect.artifacts import (
 )
 from prefect.filesystems import RemoteFileSystem
 
+from flows import node_launch  # noqa: F401  (registers hardware.node_pool's launcher with the library)
 from flows.api_watch import watch_worker_flow_run
 from rollout_lib import step_events
 from rollout_lib.config.loading import apply_overrides, load_config, read_toml
@@ -56,6 +57,7 @@ def start_run(config_cls, config_path: str, overrides: list[str] | dict[str, Any
     run name holds one training, never two), and label the flow run so the UI finds it: tags for the run name,
     the flow and a short identity, and the resolved settings as the `<run>-settings` table artifact."""
     cfg = load_run_config(config_cls, config_path, overrides, max_steps, max_steps_key)
+    node_launch.check_agents(cfg)  # hardware.node_pool: every other node has its agent
     identity = claim_run_name(cfg)
     tag_flow_run(cfg.run.name, identity)
     create_table_artifact(settings_rows(cfg, identity), key=artifact_key(cfg.run.name, "settings"),

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import click
 
@@ -323,6 +324,35 @@ def stack_status() -> int:
 def stack_env() -> None:
     """Print exports for `eval`: point `prefect` at the stack."""
     print(stack.shell_env(), end="")
+
+
+# --- node -----------------------------------------------------------------------------------------------------
+
+
+@rollout.group("node")
+def node_group() -> None:
+    """This machine as a node of multi-node runs (hardware.node_pool, docs/scale.md)."""
+
+
+@node_group.command("start")
+@click.option("--pool", required=True, metavar="POOL", help="the runs' hardware.node_pool (a process work pool)")
+@click.option("--node", "node_rank", required=True, type=click.IntRange(min=1), metavar="K",
+              help="this node's number, 1 .. nnodes-1 (node 0 runs the flow)")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=".",
+              show_default=True, help="where this node's parts run")
+@click.option("--poll-s", type=click.FloatRange(min=0.5), default=2.0, show_default=True,
+              help="how often the worker asks for parts")
+def node_start(pool: str, node_rank: int, directory: Path, poll_s: float) -> None:
+    """Run node K's agent: a Prefect worker of POOL that starts node K's part of every rendezvous (foreground)."""
+    import re
+
+    from rollout_cli import node
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}", pool):
+        raise click.BadParameter(f"{pool!r}: letters, digits, '_', '.', '-' (as hardware.node_pool)",
+                                 param_hint="--pool")
+    directory.mkdir(parents=True, exist_ok=True)
+    node.start(pool, node_rank, directory.resolve(), poll_s)
 
 
 # --- serve ----------------------------------------------------------------------------------------------------

@@ -61,6 +61,11 @@ class HardwareSettings(StrictModel):
     nnodes: int = Field(1, ge=1)
     rdzv_endpoint: str | None = Field(None, pattern=r"^[^\s:]+:[0-9]{1,5}$")
     rdzv_timeout_s: float = Field(300.0, gt=0)
+    # The Prefect work pool whose node agents (`rollout node start --pool P --node K`, one per other node) start
+    # the other nodes' parts of every rendezvous by themselves, submitted by the flow (trainer/node_parts.py); a
+    # part not running and joined within rdzv_timeout_s fails the segment naming its node. None: each segment logs
+    # the other nodes' torchrun commands for someone to run. Where ranks run, never what: not in the identity.
+    node_pool: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
     # The GPUs of each node the trainer takes (docs/scale.md, "GPUs placed"): torchrun's ranks see only these
     # (CUDA_VISIBLE_DEVICES), local rank i computes on the i-th; one process in the flow's own: on the first. None:
     # every GPU, as before. Where the model computes, never what: not in the identity.
@@ -77,6 +82,9 @@ class HardwareSettings(StrictModel):
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ValueError(f'nnodes = {self.nnodes} joins the nodes at a rendezvous: set rdzv_endpoint = "host:port" '
                              '(a free port on node 0, reachable from every node)')
+        if self.node_pool is not None and self.nnodes == 1:
+            raise ValueError(f"node_pool = {self.node_pool!r} starts the other nodes' parts, and nnodes = 1: set "
+                             "nnodes to the nodes' count (this one included), or leave node_pool out")
         if self.gpus is not None:
             if len(set(self.gpus)) < len(self.gpus):
                 raise ValueError(f"gpus lists a GPU twice: {self.gpus}")

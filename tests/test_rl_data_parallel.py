@@ -101,7 +101,7 @@ def assert_same_training(one: dict, two: dict) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_on_one_node_or_on_two_train_what_one_trains(tmp_path, monkeypatch):
+def test_two_processes_on_one_node_or_on_two_train_what_one_trains(prefect_server, tmp_path, monkeypatch):
     one = run_in_process(str(tmp_path / "one"), 1, 2)
     two = run_in_process(str(tmp_path / "two"), 2, 2)
     assert all(m["micro_batches"] > 2 for m in one["history"])  # both ranks had real micro-batches
@@ -125,6 +125,22 @@ def test_two_processes_on_one_node_or_on_two_train_what_one_trains(tmp_path, mon
     assert len(joined) == 1 and joined[0].wait(timeout=60) == 0  # one start; stopped with the run
     assert nodes["manifest"] == two["manifest"] and nodes["rewards"] == two["rewards"]  # the same checkpoint
     assert all(torch.equal(nodes["held"][name], nodes["weights"][name]) for name in nodes["weights"])
+
+    # Node 1 a node agent (tests/test_node_agents.py: `rollout node start`, a Prefect worker from a directory and
+    # home of its own): the policy group's start submits node 1's part to it; nothing is run for node 1 here.
+    import flows.node_launch  # noqa: F401  what the flows import: hardware.node_pool's launcher
+    from test_node_agents import NodeAgent, part_runs
+
+    monkeypatch.undo()
+    agent = NodeAgent(tmp_path / "agent", "test-rl-nodes").start()
+    try:
+        pooled = run_in_process(str(tmp_path / "pooled"), 1, 2, "algorithm.rl.hardware.nnodes=2",
+                                f"algorithm.rl.hardware.rdzv_endpoint=127.0.0.1:{free_port()}",
+                                "algorithm.rl.hardware.node_pool=test-rl-nodes")
+    finally:
+        agent.stop()
+    assert pooled["manifest"] == two["manifest"] and pooled["rewards"] == two["rewards"]
+    assert [run["state"] for run in part_runs(prefect_server, "test-rl-nodes")] == ["COMPLETED"]  # one group
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ trainer every step. Here the ranks start once, on the first train step, and stay
                                                       frozen copy from
 
 With hardware.nnodes > 1 the group is nproc ranks on each of nnodes nodes, joined by torchrun's c10d rendezvous:
-this machine runs node 0's torchrun and announces the others' commands (`announce`, as a training segment does);
+this machine runs node 0's torchrun and its launcher starts the others' parts (trainer/node_parts.py: hardware.
+node_pool's agents, or logged commands), as a training segment does;
 their ranks receive the spec over the group and connect to the flow's socket at the rendezvous host, node 0's
 address. The store is the only thing the nodes share (object storage across machines).
 
@@ -53,6 +54,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from safetensors.torch import load_file
@@ -62,9 +64,10 @@ from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer
 from rollout_lib.checkpoint import load_model_weights
 from rollout_lib.hardware import hardware_settings
-from rollout_lib.trainer.data_parallel import (DataParallelError, Nodes, failure_message, group_backend,
-                                               log_node_commands, rank_environment, rendezvous_timeout,
-                                               root_cause_rank, torchrun_command)
+from rollout_lib.trainer.data_parallel import (DataParallelError, Nodes, failure_message, other_node_parts,
+                                               rank_environment, rendezvous_timeout, root_cause_rank,
+                                               torchrun_command)
+from rollout_lib.trainer.node_parts import NodeLauncher, NodePartError, launcher_for
 from rollout_lib.determinism import GLOBAL_RNG
 
 logger = logging.getLogger(__name__)
@@ -90,13 +93,14 @@ class GroupSpec:
 class PolicyGroup:
     """The N processes training the policy (started on first use), and the flow's side of their commands."""
 
-    def __init__(self, inputs: TrainingInputs, announce=log_node_commands):
+    def __init__(self, inputs: TrainingInputs, announce: NodeLauncher | Callable | None = None):
         hardware = hardware_settings(inputs.settings)
         self.inputs = inputs
         self.nproc = hardware.nproc  # per node
         self.world_size = hardware.world_size
         self.nodes = Nodes.of(hardware)
-        self.announce = announce  # handed the other nodes' torchrun commands at each start (data_parallel)
+        # starts the other nodes' parts at each start (hardware.node_pool's agents, or logged commands: node_parts)
+        self.launcher = launcher_for(hardware, announce) if self.nodes is not None else None
         self._workdir = tempfile.TemporaryDirectory(prefix="rollout-rl-dp-")
         self._process: subprocess.Popen | None = None
         self._ranks: list = []  # rank -> its socket's file (JSON lines both ways)
@@ -150,6 +154,10 @@ class PolicyGroup:
                 except (OSError, subprocess.TimeoutExpired):
                     self._process.kill()
                     self._process.wait()
+                if self.launcher is not None:  # the other nodes' parts end with the group
+                    problem = self.launcher.settle(self._process.returncode == 0)
+                    if problem is not None:
+                        logger.warning("policy group stopped: %s", problem.line)
             self._forget()
         self._workdir.cleanup()
 
@@ -201,11 +209,18 @@ class PolicyGroup:
             torchrun_command(self.nproc, spec_path, module=module, nodes=self.nodes, run_id=run_id),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env)
         threading.Thread(target=self._keep_output, args=(self._process,), daemon=True).start()
-        if self.nodes is not None:  # a new rendezvous at every start: the other nodes join each
-            backend = group_backend(self.inputs)
-            self.announce({rank: torchrun_command(self.nproc, spec_path, module=module, nodes=self.nodes,
-                                                  node_rank=rank, run_id=run_id, backend=backend)
-                           for rank in range(1, self.nodes.count)})
+        if self.launcher is not None:  # a new rendezvous at every start: the other nodes join each
+            try:
+                # a part that ends badly while the group runs stops node 0's torchrun (SIGTERM: it stops its ranks)
+                self.launcher.launch(other_node_parts(self.inputs, self.nodes, self.nproc, module, run_id),
+                                     abort=self._process.terminate)
+            except BaseException as exc:
+                self._process.kill()
+                self._process.wait()
+                self._process = None
+                if isinstance(exc, NodePartError):
+                    raise DataParallelError(f"{what}: {exc}") from None
+                raise
         logger.info("data-parallel policy training: %d processes (torchrun pid %d)", self.world_size,
                     self._process.pid)
         ranks: dict[int, object] = {}
@@ -263,6 +278,12 @@ class PolicyGroup:
         self._forget()
         where = f"{what}: data-parallel policy training ({self.world_size} processes) failed"
         rerun = "the steps before it are in the store, so a rerun trains from the last of them"
+        node_problem = self.launcher.settle(False) if self.launcher is not None else None
+        # a node's part never started or was lost, or failed before its node joined: the group's failure
+        if node_problem is not None and (node_problem.caused or rendezvous_timeout(tail, self.nodes)):
+            return DataParallelError(f"{what}: {node_problem.line}; {rerun}.")
+        if node_problem is not None:  # it failed with node 0's ranks: which side began it, their output says
+            where += f" ({node_problem.line})"
         if rendezvous_timeout(tail, self.nodes):
             return DataParallelError(
                 f"{what}: not every node of {self.nodes.count} joined the policy group's rendezvous at "

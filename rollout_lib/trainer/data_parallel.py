@@ -29,12 +29,11 @@ import logging
 import os
 import pickle
 import re
-import shlex
 import subprocess
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -44,6 +43,9 @@ import torch.distributed as dist
 from rollout_lib import step_events
 from rollout_lib.losses import COMPONENTS
 from rollout_lib.hardware import hardware_of_config, hardware_settings, visible_devices
+# RECEIVE_SPEC: re-exported for the ranks (segment_worker)
+from rollout_lib.trainer.node_parts import (RECEIVE_SPEC, SHARDED_MALLOC, NodeLauncher, NodePart, NodePartError,
+                                            launcher_for)
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +53,10 @@ logger = logging.getLogger(__name__)
 STEP_MARKER = "ROLLOUT_DATA_PARALLEL_STEP "
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself as it starts that step (a rank dying mid-segment).
 KILL_RANK_ENV = "ROLLOUT_TEST_KILL_RANK_AT_STEP"
+# Test hook: "STEP:PATH" makes every rank that sees it write PATH as it starts that step and wait there, for a test
+# to kill its node (an agent and all it started) mid-segment, the group joined.
+HOLD_AT_STEP_ENV = "ROLLOUT_TEST_HOLD_AT_STEP"
 WEIGHT_COLUMNS = ("rl_weights", "ce_weights", "ref_kl_weights")
-# Sharded ranks gather and free a layer's full parameters and gradients every micro-batch; glibc keeps such freed
-# blocks in its heap, so a rank's RSS kept the peak of an unsharded one. Large blocks from mmap, returned on free:
-# SmolLM2 SFT peak RSS per rank 3730 -> 2271 MiB (docs/hardware.md, "Sharded training"). A user's own values win.
-SHARDED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 class DataParallelError(RuntimeError):
@@ -180,25 +181,29 @@ class Nodes:
         return cls(hardware.nnodes, hardware.rdzv_endpoint, hardware.rdzv_timeout_s)
 
 
-# What the ranks of the other nodes are started with instead of the spec file: they receive the spec from the flow's
-# node over the process group once it is joined (segment_worker.join_group), so those nodes need a checkout and
-# environment like this one and the run's store, not this machine's files. Then the group's backend.
-RECEIVE_SPEC = "--receive-spec"
-
-
 def torchrun_command(nproc: int, spec_path: str, module: str = "rollout_lib.trainer.segment_worker",
-                     nodes: Nodes | None = None, node_rank: int = 0, run_id: str = "rollout",
-                     backend: str = "gloo") -> list[str]:
-    """The torchrun command of one node: this machine alone (`--standalone`), or node `node_rank` of `nodes` (node 0,
-    this machine, reads the spec file; the others receive it from node 0 over the group, in `backend`)."""
+                     nodes: Nodes | None = None, run_id: str = "rollout") -> list[str]:
+    """Node 0's torchrun command (this machine's): alone (`--standalone`), or the first of `nodes`. The other
+    nodes' are their `NodePart`s' (`node_parts`), which receive the spec from node 0 over the group."""
     if nodes is None:
         launch = ["--standalone"]
     else:
-        launch = [f"--nnodes={nodes.count}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+        launch = [f"--nnodes={nodes.count}", "--node-rank=0", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={run_id}",
                   f"--rdzv-conf=join_timeout={nodes.timeout_s:g}"]
-    spec = [spec_path] if node_rank == 0 else [RECEIVE_SPEC, backend]
-    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}", "-m", module, *spec]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}", "-m", module,
+            spec_path]
+
+
+def other_node_parts(inputs, nodes: Nodes, nproc: int, module: str, run_id: str) -> dict[int, NodePart]:
+    """Every other node's part of a group whose node 0 runs `torchrun_command(nproc, ..., module, nodes, run_id)`,
+    its ranks' environment made as node 0's (rank_environment)."""
+    hardware = hardware_settings(inputs.settings)
+    return {rank: NodePart(node_rank=rank, nnodes=nodes.count, nproc=nproc, endpoint=nodes.endpoint, run_id=run_id,
+                           timeout_s=nodes.timeout_s, module=module, backend=group_backend(inputs),
+                           threads=inputs.config.run.torch_threads, sharded=hardware.sharding == "fsdp",
+                           gpus=tuple(hardware.gpus) if hardware.gpus is not None else None)
+            for rank in range(1, nodes.count)}
 
 
 def group_backend(inputs) -> str:
@@ -209,13 +214,6 @@ def group_backend(inputs) -> str:
 def rendezvous_timeout(tail: list[str], nodes: Nodes | None) -> bool:
     """Whether a group's torchrun output says that not every node joined the rendezvous in time."""
     return nodes is not None and any("RendezvousTimeoutError" in line for line in tail)
-
-
-def log_node_commands(commands: dict[int, list[str]]) -> None:
-    """How the other nodes join: the command each runs now (from a checkout and venv like this one; it names no file
-    of this machine's, docs/scale.md). Every group is a rendezvous of its own, so the command is new each time."""
-    for node_rank, command in commands.items():
-        logger.warning("node %d joins this process group with: %s", node_rank, shlex.join(command))
 
 
 def rank_environment(inputs) -> dict[str, str]:
@@ -231,12 +229,15 @@ def rank_environment(inputs) -> dict[str, str]:
 
 
 def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, first: int, last: int, nproc: int,
-                             announce=log_node_commands, **options) -> tuple[str, list[dict]]:
+                             announce: NodeLauncher | Callable | None = None, **options) -> tuple[str, list[dict]]:
     """Steps first..last from `checkpoint_id` as `nproc` torchrun processes (per node: with hardware.nnodes > 1 this
-    machine is node 0, and `announce({node_rank: command})` is handed the other nodes' torchrun commands, which
-    their launcher runs); (the snapshot's id, per-step metrics). Each finished step is published (step_events) as
-    rank 0 reports it. Raises DataParallelError when a rank fails or a node never joins."""
-    nodes = Nodes.of(hardware_settings(inputs.settings))
+    machine is node 0, and the other nodes' parts are started by `announce`, by default hardware.node_pool's agents
+    or logged commands: node_parts.launcher_for); (the snapshot's id, per-step metrics). Each finished step is
+    published (step_events) as rank 0 reports it. Raises DataParallelError when a rank fails or a node's part
+    fails, never starts or is lost."""
+    hardware = hardware_settings(inputs.settings)
+    nodes = Nodes.of(hardware)
+    launcher = launcher_for(hardware, announce) if nodes is not None else None
     with tempfile.TemporaryDirectory(prefix="rollout-dp-") as workdir:
         spec = SegmentSpec(trainer_class, inputs, checkpoint_id, first, last, options,
                            os.path.join(workdir, "result.json"))
@@ -246,14 +247,20 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
         tail: deque[str] = deque(maxlen=400)
         env = rank_environment(inputs)
         run_id = f"rollout-{os.path.basename(workdir)}"
-        process = subprocess.Popen(torchrun_command(nproc, spec_path, nodes=nodes, run_id=run_id),
+        module = "rollout_lib.trainer.segment_worker"
+        process = subprocess.Popen(torchrun_command(nproc, spec_path, module, nodes=nodes, run_id=run_id),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    text=True, env=env)
-        if nodes is not None:
-            backend = group_backend(inputs)
-            announce({rank: torchrun_command(nproc, spec_path, nodes=nodes, node_rank=rank, run_id=run_id,
-                                             backend=backend)
-                      for rank in range(1, nodes.count)})
+        if launcher is not None:
+            try:
+                # a part that ends badly while node 0 waits stops it (SIGTERM: torchrun stops its ranks)
+                launcher.launch(other_node_parts(inputs, nodes, nproc, module, run_id), abort=process.terminate)
+            except BaseException as exc:
+                process.kill()
+                process.wait()
+                if isinstance(exc, NodePartError):
+                    raise DataParallelError(f"train steps {first}-{last}: {exc}") from None
+                raise
         with process:
             for line in process.stdout:
                 marker = line.find(STEP_MARKER)
@@ -262,18 +269,26 @@ def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, fi
                     step_events.publish(reported["step"], reported["metrics"])
                 else:
                     tail.append(line.rstrip("\n"))
-        if process.returncode != 0 or not os.path.exists(spec.result_path):
+        succeeded = process.returncode == 0 and os.path.exists(spec.result_path)
+        node_problem = launcher.settle(succeeded) if launcher is not None else None
+        rerun = f"the segment's start checkpoint is in the store, so a rerun trains steps {first}-{last} again from it"
+        if not succeeded:
             where = f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed"
+            # a node's part never started or was lost, or failed before its node joined: the segment's failure
+            if node_problem is not None and (node_problem.caused or rendezvous_timeout(list(tail), nodes)):
+                raise DataParallelError(f"train steps {first}-{last}: {node_problem.line}; {rerun}.\nnode 0's last "
+                                        "output:\n" + "\n".join(list(tail)[-20:]))
+            if node_problem is not None:  # it failed with node 0's ranks: which side began it, node 0's output says
+                where += f" ({node_problem.line})"
             if rendezvous_timeout(list(tail), nodes):
                 raise DataParallelError(
                     f"train steps {first}-{last}: not every node of {nodes.count} joined the rendezvous at "
                     f"{nodes.endpoint} within {nodes.timeout_s:g} s (hardware.rdzv_timeout_s); start the other "
                     f"nodes' torchrun (logged as the segment started), or set hardware.nnodes = 1. The segment's "
                     f"start checkpoint is in the store, so a rerun trains steps {first}-{last} again from it")
-            raise DataParallelError(failure_message(
-                where, process.returncode,
-                list(tail), f"the segment's start checkpoint is in the store, so a rerun trains steps {first}-{last} "
-                "again from it"))
+            raise DataParallelError(failure_message(where, process.returncode, list(tail), rerun))
+        if node_problem is not None:  # node 0 has the result: the segment stands; say what a node did afterwards
+            logger.warning("train steps %d-%d: %s", first, last, node_problem.line)
         with open(spec.result_path) as result:
             done = json.load(result)
     return done["checkpoint"], done["history"]

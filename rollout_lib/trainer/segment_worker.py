@@ -17,12 +17,14 @@ import os
 import pickle
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, RECEIVE_SPEC, STEP_MARKER, DataParallelRank, group_backend
+from rollout_lib.trainer.data_parallel import (HOLD_AT_STEP_ENV, KILL_RANK_ENV, RECEIVE_SPEC, STEP_MARKER,
+                                               DataParallelRank, group_backend)
 from rollout_lib.hardware import hardware_settings
 from rollout_lib.trainer.segment import TrainStepError
 
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         for step in range(spec.first, spec.last + 1):
             if step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            hold_at_step(step)
             try:
                 metrics = trainer.train_step(step)
             except Exception as exc:
@@ -88,6 +91,15 @@ def main(argv: list[str] | None = None) -> None:
             os.replace(spec.result_path + ".partial", spec.result_path)
     finally:
         dist.destroy_process_group()
+
+
+def hold_at_step(step: int) -> None:
+    """The test hook data_parallel.HOLD_AT_STEP_ENV = "STEP:PATH": at that step, write PATH and wait to be killed."""
+    target = os.environ.get(HOLD_AT_STEP_ENV)
+    if target and int(target.partition(":")[0]) == step:
+        open(target.partition(":")[2], "a").close()
+        while True:
+            time.sleep(1)
 
 
 def kill_step(rank: int) -> int | None:
