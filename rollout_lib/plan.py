@@ -14,6 +14,7 @@ from rollout_lib.data import read_examples, read_pairs
 from rollout_lib.model.chat import tool_template_problem, use_chat_template
 from rollout_lib.model.loading import load_tokenizer, locate_model, offline_problem
 from rollout_lib.errors import ConfigError
+from rollout_lib.plan_checks import checked, plan_warnings
 from rollout_lib.hardware import hardware_settings, resolve_hardware
 from rollout_lib.reward.judge_tokenizer import plan_problem as judge_tokenizer_problem
 from rollout_lib.serving.settings import ServedModel
@@ -212,7 +213,7 @@ def _rl_plan(config: RlConfig) -> dict:
         "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
         "optimizer": settings.optimizer.model_dump(mode="json"),
         "extending": _extending(settings),
-        "warnings": [f"{locator}: {message}" for locator, message in config.plan_warnings()],
+        "warnings": [f"{locator}: {message}" for locator, message in plan_warnings(config)],
     }
 
 
@@ -225,7 +226,8 @@ def _rlhf_plan(config: RlhfConfig) -> dict:
     sft_checkpoint, rm_checkpoint = "<the sft stage's checkpoint>", "<the rm stage's checkpoint>"
     plans = {}
     for stage in STAGES:
-        stage_config = config.stage_config(stage)  # no checkpoint given: the stage config's own model and rewards
+        # No checkpoint given: the stage config's own model and rewards.
+        stage_config = checked(config.stage_config(stage), config.stage(stage).config)
         plan = describe_plan(stage_config)
         if stage == "sft" or (stage == "rm" and config.rm.start_from == "base_model"):
             plan["run"] = config.stage_run_name(stage, training_identity(stage_config))
