@@ -18,6 +18,7 @@ import blake3
 
 from rollout_lib.identity.code import code_version
 from rollout_lib.store import ObjectStore, canonical_json
+from rollout_lib.identity.sources import dataset_identity
 from rollout_lib.identity.training import training_identity
 
 # Task results are small JSON (ids and numbers): they persist, and come back `Cached` on a rerun.
@@ -51,3 +52,7 @@ def content_key(*, reads: Callable[[Any], Any] = training_identity, ignore: tupl
         return blake3.blake3(canonical_json(material)).hexdigest()
 
     return key_fn
+
+
+# A data load task's key: what it reads of its split's data (identity.sources.dataset_identity), no setting.
+dataset_load_key = content_key(reads=lambda config: None, extra=lambda p: dataset_identity(p["config"], p["split"]))

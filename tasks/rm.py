@@ -19,19 +19,18 @@ from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.data_parallel import data_parallel_segment
-from rollout_lib.identity.sources import dataset_identity, rm_tokenizer_reads
+from rollout_lib.identity.sources import rm_tokenizer_reads
 from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
-from tasks.common import TASK_OPTIONS, content_key, open_store
+from tasks.common import TASK_OPTIONS, content_key, dataset_load_key, open_store
 
 
 def _inputs(config: RmConfig, tokenized_id: str) -> TrainingInputs:
     return TrainingInputs(open_store(config), config, training_identity(config), {"tokenized": tokenized_id})
 
 
-@task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=lambda p: dataset_identity(p["config"], p["split"])))
+@task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS, cache_key_fn=dataset_load_key)
 def load_pairs_task(config: RmConfig, split: str) -> dict:
     table = read_pairs(dataset_setting(config, split), dataset_locator(config, split))
     return {"pairs": open_store(config).put_table(table), "rows": table.num_rows}

@@ -13,7 +13,7 @@ from prefect import task
 from rollout_lib import wire
 from rollout_lib.config import SftConfig
 from rollout_lib.config.common import dataset_locator, dataset_setting
-from rollout_lib.identity.sources import dataset_identity, sft_packing_reads, sft_plan_reads, sft_tokenizer_reads
+from rollout_lib.identity.sources import sft_packing_reads, sft_plan_reads, sft_tokenizer_reads
 from rollout_lib.identity.training import training_identity
 from rollout_lib.data import read_examples
 from rollout_lib.model.loading import resolve_model
@@ -26,15 +26,14 @@ from rollout_lib.trainer.data_parallel import data_parallel_segment
 from rollout_lib.determinism import plan_batches
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
-from tasks.common import TASK_OPTIONS, content_key, open_store
+from tasks.common import TASK_OPTIONS, content_key, dataset_load_key, open_store
 
 
 def _inputs(config: SftConfig, samples_id: str) -> TrainingInputs:
     return TrainingInputs(open_store(config), config, training_identity(config), {"samples": samples_id})
 
 
-@task(name="load-examples", task_run_name="load-examples-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=lambda p: dataset_identity(p["config"], p["split"])))
+@task(name="load-examples", task_run_name="load-examples-{split}", **TASK_OPTIONS, cache_key_fn=dataset_load_key)
 def load_examples_task(config: SftConfig, split: str) -> dict:
     table = read_examples(dataset_setting(config, split), dataset_locator(config, split))
     return {"examples": open_store(config).put_table(table), "rows": table.num_rows}
@@ -49,8 +48,8 @@ def tokenize_examples_task(config: SftConfig, examples_id: str, split: str) -> d
     settings = config.settings
     tokenized = tokenize_examples(
         store.get_table(examples_id, wire.EXAMPLES), sft_tokenizer(resolve_model(settings.base_model)),
-        loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len, source=dataset_setting(config, split).path,
-    )
+        loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len,
+        source=dataset_setting(config, split).path)
     return {"samples": store.put_table(tokenized.samples), **tokenized.report()}
 
 

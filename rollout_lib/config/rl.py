@@ -245,7 +245,7 @@ RlLossSettings = tagged_union((*rl_loss_settings_types(), CustomLossSettings), "
 class CollapseSettings(StrictModel):
     """The collapse guard (rollout_lib/rl/collapse.py, docs/runs.md "When RL collapses"): a symptom held for
     `patience` consecutive steps is a collapse, said in one warning line ("warn"), or failing the run ("fail").
-    It watches the steps, never changes one: not part of the training identity (identity/settings.py), so changing
+    It watches the steps, never changes one: not part of the training identity (identity/training.py), so changing
     it reuses every finished step."""
 
     action: Literal["warn", "fail", "off"] = "warn"

@@ -1,5 +1,5 @@
 """Data sources beside JSONL: parquet files, Arrow files and `save_to_disk` folders (config.common.TableDataset),
-read offline into Arrow (their content digest, which stands for them in cache keys and identities: identity/data.py).
+read offline into Arrow (their content digest, which stands for them in cache keys and identities: identity/digests.py).
 
 Nothing here turns rows into Python objects: parquet is decoded column by column into Arrow buffers (only the
 columns rollout reads), Arrow files and `save_to_disk` folders are memory-mapped. What a loader does with the table

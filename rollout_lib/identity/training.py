@@ -51,7 +51,8 @@ def training_settings(config) -> dict:
     # `hardware` enters resolved, never as spelt: "auto" and the device it resolves to are one training, and
     # gradient checkpointing is none at all.
     not_training = NOT_TRAINING_BY_KIND.get(config.algorithm.kind, NOT_TRAINING)
-    block = settings.model_dump(mode="json", exclude=(set(not_training) | {"hardware"}) & set(type(settings).model_fields))
+    block = settings.model_dump(mode="json",
+                                exclude=(set(not_training) | {"hardware"}) & set(type(settings).model_fields))
     trained = {**block, "schedule_horizon": settings.optimizer.schedule_horizon(settings.budget.max_steps),
                "seed": config.run.seed, "torch_threads": config.run.torch_threads}
     resolved = resolve_hardware(hardware_settings(settings), config.hardware_locator)

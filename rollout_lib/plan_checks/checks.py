@@ -34,17 +34,13 @@ def plan_warnings(config) -> list[tuple[str, str]]:
     return rl_warnings(config) if isinstance(config, RlConfig) else []
 
 
-def served_gpus(config) -> list[tuple[str, list[int] | None]]:
-    """(locator, gpus) of each model the entry point serves on this node beside its trainer (RL's policy)."""
-    if config.algorithm.kind != "rl":
-        return []
-    return [("algorithm.rl.policy_sampler.gpus", getattr(config.settings.policy_sampler, "gpus", None))]
-
-
 def common_problems(config) -> list[tuple[str, str]]:
-    """The checks of every entry point: its adapter, then its GPU placement (hardware.placement_problems)."""
+    """The checks of every entry point: its adapter, then its GPU placement (hardware.placement_problems) beside the
+    models it serves on this node (RL's policy)."""
+    served = ([("algorithm.rl.policy_sampler.gpus", getattr(config.settings.policy_sampler, "gpus", None))]
+              if config.algorithm.kind == "rl" else [])
     return adapter_problems(config) + placement_problems(config.hardware_locator, hardware_settings(config.settings),
-                                                         served_gpus(config))
+                                                         served)
 
 
 def adapter_problems(config) -> list[tuple[str, str]]:
