@@ -95,8 +95,8 @@ def content_id(data: bytes) -> str:
     return blake3.blake3(data, max_threads=threads).hexdigest()
 
 
-def _file_content_id(path: str) -> str:
-    """The id of a local file's bytes, hashed where they lie (mmap, all cores)."""
+def file_content_id(path: str) -> str:
+    """The id of a local file's bytes, hashed where they lie (mmap, all cores): also a large file's digest."""
     hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
     hasher.update_mmap(path)
     return hasher.hexdigest()
@@ -278,7 +278,7 @@ class ObjectStore:
             if self.fs.size(path) != size:
                 return False
             if self._local:
-                if _file_content_id(path) != object_id:
+                if file_content_id(path) != object_id:
                     return False
                 os.utime(path)  # a re-put object counts as new for `rollout gc`'s grace period
                 return True
@@ -452,7 +452,7 @@ class ObjectStore:
         if not self._local:
             with open(tmp, "rb") as f:
                 return self.put_bytes(f.read())
-        object_id = _file_content_id(tmp)
+        object_id = file_content_id(tmp)
         path = self._object_fspath(object_id)
         if not self._holds_intact(path, object_id, os.path.getsize(tmp)):
             self._commit_local(tmp, path)

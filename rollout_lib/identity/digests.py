@@ -15,6 +15,7 @@ import blake3
 from rollout_lib.data.sources import data_files, is_table_source
 from rollout_lib.paths import rollout_cache_dir
 from rollout_lib.reward.locate import find_module_spec
+from rollout_lib.store import file_content_id
 
 
 def module_source_digest(module: str) -> str:
@@ -62,9 +63,7 @@ def cached_file_digest(path: Path) -> str:
     key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
     known = _digest_cache()
     if key not in known:
-        digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        digest.update_mmap(str(path))
-        known[key] = digest.hexdigest()
+        known[key] = file_content_id(str(path))
         _save_digest_cache(known)
     return known[key]
 
