@@ -49,8 +49,7 @@ def measure(kind: str, path: str, steps: int, store_root: str) -> dict:
     from types import SimpleNamespace
 
     from rollout_lib.data.prompts import load_jsonl_prompts, table_prompts
-    from rollout_lib.data.sources import content_digest
-    from rollout_lib.digests import file_digest
+    from rollout_lib.identity.digests import content_digest, file_digest
     from rollout_lib.reward.tables import prompt_messages
     from rollout_lib.rl.prompts import check_distinct_examples, select_prompts
     from rollout_lib.store import ObjectStore

@@ -57,7 +57,8 @@ def peak_rss_mib() -> float:
 def sft_setup(args, store_root: str, hardware: dict):
     """(inputs, batches, micro-batches table) of `--steps` SFT steps of configs/sft-smollm2.toml with the bench's sizes and `hardware`
     (`algorithm.sft.hardware.<key>` overrides), their micro-batches in a store at `store_root`."""
-    from rollout_lib.config import SftConfig, load_config
+    from rollout_lib.config import SftConfig
+    from rollout_lib.plan_checks import load_config
     from rollout_lib.data import load_examples
     from rollout_lib.model.loading import resolve_model
     from rollout_lib.sft.batches import plan_micro_batches

@@ -47,7 +47,8 @@ def overrides(steps: int, interval: int, store: str) -> list[str]:
 
 def measure_bare(steps: int, interval: int) -> dict:
     from bench.bench_rm import bare_loop
-    from rollout_lib.config import RmConfig, load_config
+    from rollout_lib.config import RmConfig
+    from rollout_lib.plan_checks import load_config
 
     with tempfile.TemporaryDirectory() as store:
         return {"seconds": bare_loop(load_config(RmConfig, CONFIG, overrides(steps, interval, store)), steps)}
@@ -55,7 +56,8 @@ def measure_bare(steps: int, interval: int) -> dict:
 
 def measure_library(steps: int, interval: int) -> dict:
     """The flow's training without Prefect: the same trainer, segments and snapshots, in a plain loop."""
-    from rollout_lib.config import RmConfig, load_config
+    from rollout_lib.config import RmConfig
+    from rollout_lib.plan_checks import load_config
     from rollout_lib.data import load_pairs
     from rollout_lib.model.loading import load_tokenizer, resolve_model
     from rollout_lib.rm.pairs import tokenize_pairs

@@ -45,7 +45,8 @@ def nudge(model, step: int) -> None:
 def bench_sampling(args) -> dict:
     import torch
 
-    from rollout_lib.config import RlConfig, load_config
+    from rollout_lib.config import RlConfig
+    from rollout_lib.plan_checks import load_config
     from rollout_lib.config.common import ModelRef
     from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
     from rollout_lib.rl.prompts import load_prompts

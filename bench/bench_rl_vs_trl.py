@@ -115,7 +115,8 @@ def overrides_of(args) -> list[str]:
 
 def export_job(config_path: str, overrides: list[str], directory: Path) -> None:
     """What TRL needs to do rollout's job, into `directory` (bench/trl_grpo_job.py's docstring lists it)."""
-    from rollout_lib.config import RlConfig, load_config
+    from rollout_lib.config import RlConfig
+    from rollout_lib.plan_checks import load_config
     from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
     from rollout_lib.rl.evaluate import load_eval_prompts
     from rollout_lib.rl.prompts import load_prompts, select_prompts

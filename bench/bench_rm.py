@@ -94,7 +94,8 @@ def flow_loop(config_path: str, overrides: list[str]) -> float:
 
 def measure(kind: str, config_path: str, steps: int, checkpoint_interval: int | None) -> float:
     """One measurement, in this process, in a store of its own (so nothing comes back from cache)."""
-    from rollout_lib.config import RmConfig, load_config
+    from rollout_lib.config import RmConfig
+    from rollout_lib.plan_checks import load_config
 
     with tempfile.TemporaryDirectory() as store:
         overrides = [f"algorithm.rm.budget.max_steps={steps}", f"run.store={store}", "run.name=bench-rm"]
@@ -126,7 +127,8 @@ def main() -> None:
     args = parser.parse_args()
     os.chdir(ROOT)
     if args.steps is None:
-        from rollout_lib.config import RmConfig, load_config
+        from rollout_lib.config import RmConfig
+        from rollout_lib.plan_checks import load_config
 
         args.steps = load_config(RmConfig, args.config).settings.budget.max_steps
     if args.measure:
@@ -134,7 +136,8 @@ def main() -> None:
         return
 
     from rollout_cli.local_server import use_prefect_api
-    from rollout_lib.config import RmConfig, load_config
+    from rollout_lib.config import RmConfig
+    from rollout_lib.plan_checks import load_config
 
     config = load_config(RmConfig, args.config, [f"algorithm.rm.budget.max_steps={args.steps}"])
     settings = config.settings

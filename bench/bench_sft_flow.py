@@ -124,7 +124,8 @@ def flow_loop(config_path: str, settings: dict) -> dict:
 
 def measure(kind: str, args) -> dict:
     """One measurement, in this process, in a store of its own (so nothing comes back from cache)."""
-    from rollout_lib.config import SftConfig, load_config
+    from rollout_lib.config import SftConfig
+    from rollout_lib.plan_checks import load_config
 
     with tempfile.TemporaryDirectory() as store:
         settings = overrides(args, store)

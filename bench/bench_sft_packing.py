@@ -30,7 +30,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-from rollout_lib.config import SftConfig, validate_config  # noqa: E402
+from rollout_lib.config import SftConfig  # noqa: E402
+from rollout_lib.plan_checks import validate_config  # noqa: E402
 from rollout_lib.data import load_examples  # noqa: E402
 from rollout_lib.model.loading import load_causal_lm, resolve_model  # noqa: E402
 from rollout_lib.model.packed_attention import use_packed_attention  # noqa: E402

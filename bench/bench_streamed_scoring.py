@@ -43,7 +43,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def bench_config(args, store: str, reward: str):
-    from rollout_lib.config import RlConfig, load_config
+    from rollout_lib.config import RlConfig
+    from rollout_lib.plan_checks import load_config
 
     sleep_s = args.sync_s if reward == "sync" else args.async_s
     function = "streamed_rewards:slow_target_length" if reward == "sync" else \

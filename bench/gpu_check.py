@@ -52,7 +52,8 @@ def check(name):
 
 
 def sft_setup(store_dir: str, overrides: dict):
-    from rollout_lib.config import SftConfig, load_config
+    from rollout_lib.config import SftConfig
+    from rollout_lib.plan_checks import load_config
     from rollout_lib.data import load_examples
     from rollout_lib.determinism import plan_batches
     from rollout_lib.identity.training import training_identity
@@ -113,7 +114,8 @@ def parity(tmp: str) -> dict:
 
 
 def rm_on_cuda(store_dir: str) -> dict:
-    from rollout_lib.config import RmConfig, load_config
+    from rollout_lib.config import RmConfig
+    from rollout_lib.plan_checks import load_config
     from rollout_lib.data import load_pairs
     from rollout_lib.identity.training import training_identity
     from rollout_lib.model.loading import load_tokenizer, resolve_model

@@ -26,8 +26,10 @@ from prefect.filesystems import RemoteFileSystem
 from flows import node_launch  # noqa: F401  (registers hardware.node_pool's launcher with the library)
 from flows.api_watch import watch_worker_flow_run
 from rollout_lib import step_events
-from rollout_lib.config.loading import apply_overrides, load_config, read_toml
-from rollout_lib.identity.training import claim_run_name, training_identity
+from rollout_lib.config.loading import apply_overrides, read_toml
+from rollout_lib.identity.claims import claim_run_name
+from rollout_lib.identity.training import training_identity
+from rollout_lib.plan_checks import load_config
 from rollout_lib.runlog.eval_tables import record_eval_tables
 from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.runlog.step_log import StepLog

@@ -20,8 +20,9 @@ from flows.common import artifact_key, flow_run_name, publish_result, tag_flow_r
 from flows.train_rl import train_rl
 from flows.train_rm import train_rm
 from flows.train_sft import train_sft
-from rollout_lib.config import RlhfConfig, load_config
+from rollout_lib.config import RlhfConfig
 from rollout_lib.identity.training import training_identity
+from rollout_lib.plan_checks import checked, load_config
 
 STAGE_FLOWS: dict[str, Flow] = {"sft": train_sft, "rm": train_rm, "rl": train_rl}
 
@@ -53,7 +54,7 @@ def run_stage(cfg: RlhfConfig, stage: str, **checkpoints: str) -> tuple[dict, di
     and the stage flow's own result."""
     logger = get_run_logger()
     overrides = cfg.stage_overrides(stage, **checkpoints)
-    stage_config = cfg.stage_config(stage, **checkpoints)
+    stage_config = checked(cfg.stage_config(stage, **checkpoints), cfg.stage(stage).config)
     name = cfg.stage_run_name(stage, training_identity(stage_config))
     overrides["run.name"] = name
     logger.info("%s: run %s on %s, from %s", stage, name, cfg.stage(stage).config,

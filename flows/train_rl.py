@@ -33,6 +33,7 @@ from flows.common import (
 )
 from flows.rl_steps import METRIC_COLUMNS, OPTIONAL_METRIC_COLUMNS, Resources, RlSteps
 from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import plan_warnings
 from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.rl.score import run_reward_loops
 from rollout_lib.serving.served import ServedModels
@@ -47,7 +48,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     shortcut for algorithm.rl.budget.max_steps."""
     logger = get_run_logger()
     cfg = start_run(RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
-    for locator, message in cfg.plan_warnings():
+    for locator, message in plan_warnings(cfg):
         logger.warning("%s: %s", locator, message)
     run_task = RunTasks(cfg)
     total = cfg.settings.budget.max_steps

@@ -45,7 +45,8 @@ def load_settings(entry_point: str | None, config_path: str, overrides: list[str
 
     The entry point defaults to the one the file is written for; a file written for another one is refused in one
     line naming the command it is for (else the user would read the other schema's errors about every table)."""
-    from rollout_lib.config import ConfigError, apply_overrides, validate_config
+    from rollout_lib.config import ConfigError, apply_overrides
+    from rollout_lib.plan_checks import validate_config
     from rollout_lib.config.loading import read_toml
     from rollout_lib.errors import FILE
     from rollout_lib.paths import config_base_dir

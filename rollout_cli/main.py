@@ -189,7 +189,7 @@ def _shortcut_overrides(entry_point: str, max_steps: int | None, run_name: str |
 
 
 def _claim_run_name(config) -> None:
-    from rollout_lib.identity.training import claim_run_name
+    from rollout_lib.identity.claims import claim_run_name
 
     claim_run_name(config)
 

@@ -14,6 +14,7 @@ from rollout_lib.data import read_examples, read_pairs
 from rollout_lib.model.chat import tool_template_problem, use_chat_template
 from rollout_lib.model.loading import load_tokenizer, locate_model, offline_problem
 from rollout_lib.errors import ConfigError
+from rollout_lib.plan_checks import checked, plan_warnings
 from rollout_lib.hardware import hardware_settings, resolve_hardware
 from rollout_lib.reward.judge_tokenizer import plan_problem as judge_tokenizer_problem
 from rollout_lib.serving.settings import ServedModel
@@ -149,22 +150,16 @@ def _rm_plan(config: RmConfig) -> dict:
     settings = config.settings
     train_rows = read_pairs(settings.dataset, "algorithm.rm.dataset").num_rows  # every row: a bad one fails here
     eval_rows = read_pairs(settings.eval_dataset, "algorithm.rm.eval_dataset").num_rows if settings.eval_dataset else 0
-    resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     steps = settings.budget.max_steps
     return {
-        "entry_point": "train-rm",
-        "run": config.run.name,
-        "store": config.run.store,
-        "model": {"reference": settings.base_model.uri, "resolved": resolved.source, "gguf_file": resolved.gguf_file},
+        **_plan_head(config, "train-rm"),
         "train_pairs": train_rows,
         "eval_pairs": eval_rows,
         "steps": steps,
         "pairs_per_step": settings.minibatch_size,
         "batches_per_epoch": math.ceil(train_rows / settings.minibatch_size),
         "epochs": round(steps * settings.minibatch_size / train_rows, 3),
-        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
-        "optimizer": settings.optimizer.model_dump(mode="json"),
-        "extending": _extending(settings),
+        **_plan_tail(settings),
     }
 
 
@@ -173,14 +168,10 @@ def _sft_plan(config: SftConfig) -> dict:
     train = read_examples(settings.dataset, "algorithm.sft.dataset")  # every row: a bad one fails here
     eval_rows = (read_examples(settings.eval_dataset, "algorithm.sft.eval_dataset").num_rows
                  if settings.eval_dataset else 0)
-    resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     steps = settings.budget.max_steps
     turns = sum(1 for messages in train["messages"].to_pylist() for m in messages if m["role"] == "assistant")
     return {
-        "entry_point": "train-sft",
-        "run": config.run.name,
-        "store": config.run.store,
-        "model": {"reference": settings.base_model.uri, "resolved": resolved.source, "gguf_file": resolved.gguf_file},
+        **_plan_head(config, "train-sft"),
         "train_examples": train.num_rows,
         "assistant_turns": turns,
         "eval_examples": eval_rows,
@@ -191,9 +182,7 @@ def _sft_plan(config: SftConfig) -> dict:
                                    else settings.gradient_accumulation),
         "max_seq_len": settings.packing.max_seq_len,
         "epochs": round(steps * settings.minibatch_size / train.num_rows, 3),
-        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
-        "optimizer": settings.optimizer.model_dump(mode="json"),
-        "extending": _extending(settings),
+        **_plan_tail(settings),
     }
 
 
@@ -204,14 +193,10 @@ def _rl_plan(config: RlConfig) -> dict:
     # parses or generates every prompt (a table's are built column-wise, data/prompts.py)
     prompts = {env.name: load_prompts(env, env_locator(index, "source")) for index, env in enumerate(settings.envs)}
     check_distinct_examples(prompts)
-    resolved = locate_model(settings.base_model)  # where it is; nothing loaded or converted
     frozen = _frozen_model_contents(config)
     steps = settings.budget.max_steps
     return {
-        "entry_point": "train-rl",
-        "run": config.run.name,
-        "store": config.run.store,
-        "model": {"reference": settings.base_model.uri, "resolved": resolved.source, "gguf_file": resolved.gguf_file},
+        **_plan_head(config, "train-rl"),
         "envs": [
             {"name": env.name, "source": env.source.type, "prompts": prompts[env.name].num_rows,
              "algo": env.algo.model_dump(mode="json"), "rewards": [_reward_name(r) for r in env.rewards],
@@ -227,10 +212,8 @@ def _rl_plan(config: RlConfig) -> dict:
         "policy_sampler": settings.policy_sampler.model_dump(mode="json"),
         "micro_batches": (f"packed: <= {config.packed_tokens} tokens each" if settings.packing
                           else f"{settings.sequences_per_micro_batch} sequences each"),
-        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
-        "optimizer": settings.optimizer.model_dump(mode="json"),
-        "extending": _extending(settings),
-        "warnings": [f"{locator}: {message}" for locator, message in config.plan_warnings()],
+        **_plan_tail(settings),
+        "warnings": [f"{locator}: {message}" for locator, message in plan_warnings(config)],
     }
 
 
@@ -243,7 +226,8 @@ def _rlhf_plan(config: RlhfConfig) -> dict:
     sft_checkpoint, rm_checkpoint = "<the sft stage's checkpoint>", "<the rm stage's checkpoint>"
     plans = {}
     for stage in STAGES:
-        stage_config = config.stage_config(stage)  # no checkpoint given: the stage config's own model and rewards
+        # No checkpoint given: the stage config's own model and rewards.
+        stage_config = checked(config.stage_config(stage), config.stage(stage).config)
         plan = describe_plan(stage_config)
         if stage == "sft" or (stage == "rm" and config.rm.start_from == "base_model"):
             plan["run"] = config.stage_run_name(stage, training_identity(stage_config))
@@ -306,6 +290,18 @@ def _reward_model_contents(config: RlConfig) -> dict[str, str]:
     if problems:
         raise ConfigError(problems)
     return dict(zip([where for where, _ in found], reward_model_contents(config)))
+
+
+def _plan_head(config, entry_point: str) -> dict:
+    resolved = locate_model(config.settings.base_model)  # where it is; nothing loaded or converted
+    return {"entry_point": entry_point, "run": config.run.name, "store": config.run.store,
+            "model": {"reference": config.settings.base_model.uri, "resolved": resolved.source,
+                      "gguf_file": resolved.gguf_file}}
+
+
+def _plan_tail(settings) -> dict:
+    return {"snapshots_at": _snapshot_steps(settings.checkpoint_interval, settings.budget.max_steps),
+            "optimizer": settings.optimizer.model_dump(mode="json"), "extending": _extending(settings)}
 
 
 def _extending(settings) -> str:

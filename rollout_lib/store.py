@@ -17,9 +17,8 @@ on a remote store its size is compared (one HEAD) and objects up to 16 MiB are r
 larger one with the right size is taken as intact, to keep a checkpoint put from downloading the checkpoint.
 
 A run name belongs to one training identity: ``refs/runs/<name>/identity`` points at a record of the identity
-that claimed the name and the settings it hashes (:meth:`ObjectStore.claim_run`), and a run of other settings under
-the same name is refused, naming the settings that differ, rather than allowed to move ``refs/runs/<name>/latest``
-to a checkpoint of something else.
+that claimed the name (rollout_lib/identity/claims.py), written with :meth:`ObjectStore.create_ref`, which never
+overwrites.
 
 Tensors are stored as safetensors and tables as Arrow IPC streams: nothing in the store is ever unpickled.
 """
@@ -65,7 +64,6 @@ RESULTS_DIR = "prefect-results"  # Prefect task results of runs on this store, b
 # refs/chains/... index checkpoints by training chain and step (trainer/segment.chain_ref), so that a run reuses
 # finished steps: a cache like prefect-results/, not a pointer anyone keeps; `rollout gc` treats it so.
 CHAIN_INDEX_REFS = "chains/"
-RUN_CLAIM_KIND = "rollout.run-claim/v1"
 
 
 class StoreError(Exception):
@@ -97,8 +95,8 @@ def content_id(data: bytes) -> str:
     return blake3.blake3(data, max_threads=threads).hexdigest()
 
 
-def _file_content_id(path: str) -> str:
-    """The id of a local file's bytes, hashed where they lie (mmap, all cores)."""
+def file_content_id(path: str) -> str:
+    """The id of a local file's bytes, hashed where they lie (mmap, all cores): also a large file's digest."""
     hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
     hasher.update_mmap(path)
     return hasher.hexdigest()
@@ -135,37 +133,6 @@ def _modified_seconds(info: dict) -> float | None:
         if isinstance(value, (int, float)):
             return float(value)
     return None
-
-
-_CLAIM_DIFFERENCES_SHOWN = 3
-
-
-def _claim_differences(held: dict, identity: str, settings: dict | None) -> str:
-    """What differs between a run name's claim and this run's settings: a few key paths with both values, or, for a
-    claim that recorded no settings, both identities."""
-    held_settings = held.get("settings")
-    if not isinstance(held_settings, dict) or settings is None:
-        return (f"training identity {held.get('identity')} (stored run) vs {identity} (this run); the stored claim "
-                "records no settings to compare")
-    differing = sorted(key for key in held_settings.keys() | settings.keys()
-                       if held_settings.get(key, _UNSET) != settings.get(key, _UNSET))
-    if not differing:
-        return (f"training identity {held.get('identity')} (stored run) vs {identity} (this run), from the same "
-                "recorded settings (another version of rollout hashed them)")
-    shown = [f"{key}: {_shown(held_settings.get(key, _UNSET))} (stored run) vs {_shown(settings.get(key, _UNSET))} "
-             "(this run)" for key in differing[:_CLAIM_DIFFERENCES_SHOWN]]
-    more = len(differing) - len(shown)
-    return ", ".join(shown) + (f", and {more} more" if more else "")
-
-
-_UNSET = object()
-
-
-def _shown(value: Any) -> str:
-    if value is _UNSET:
-        return "unset"
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -311,7 +278,7 @@ class ObjectStore:
             if self.fs.size(path) != size:
                 return False
             if self._local:
-                if _file_content_id(path) != object_id:
+                if file_content_id(path) != object_id:
                     return False
                 os.utime(path)  # a re-put object counts as new for `rollout gc`'s grace period
                 return True
@@ -485,7 +452,7 @@ class ObjectStore:
         if not self._local:
             with open(tmp, "rb") as f:
                 return self.put_bytes(f.read())
-        object_id = _file_content_id(tmp)
+        object_id = file_content_id(tmp)
         path = self._object_fspath(object_id)
         if not self._holds_intact(path, object_id, os.path.getsize(tmp)):
             self._commit_local(tmp, path)
@@ -535,33 +502,7 @@ class ObjectStore:
         except StoreError:
             raise StoreError(f"ref {name!r} in {self.root} holds {text!r}, not an object id") from None
 
-    def claim_run(self, name: str, identity: str, settings: dict[str, Any] | None = None) -> None:
-        """Claim run name ``name`` for the training identity ``identity`` (a hash of the settings that decide the
-        run's checkpoints), or check that it already belongs to it. A flow calls this before it trains, so that a
-        run of other settings never moves ``runs/<name>/latest``. ``settings``: what the identity hashes, flat
-        (``{"algorithm.rm.optimizer.lr": 1e-05, ...}``), recorded so that a refused claim names what differs. The
-        first claim of a name wins; on a local disk two simultaneous first claims cannot both win, on a remote
-        store (no exclusive create) they can."""
-        if not isinstance(identity, str) or not identity:
-            raise StoreError(f"invalid run identity {identity!r}: expected a non-empty string")
-        ref = f"runs/{_check_ref_name(name)}/identity"
-        record = {"kind": RUN_CLAIM_KIND, "run": name, "identity": identity}
-        claim = self.put_json({**record, "settings": settings} if settings is not None else record)
-        held = self.get_ref(ref)
-        if held is None:
-            if self._create_ref(ref, claim):
-                return
-            held = self.get_ref(ref)  # another run claimed the name first
-        if held == claim:
-            return
-        held_record = self._claim_record(held)
-        if held_record.get("identity") == identity:
-            return  # the same training, claimed with other (or no) recorded settings: an older claim
-        raise StoreError(f"run name {name!r} in {self.root} already holds a run of other settings: "
-                         f"{_claim_differences(held_record, identity, settings)}; rerun with --name <another name> "
-                         "(a deployment: the override run.name=<another name>)")
-
-    def _create_ref(self, name: str, object_id: str) -> bool:
+    def create_ref(self, name: str, object_id: str) -> bool:
         """Write a ref that must not exist yet; False when it does (exclusive on local disks only)."""
         path = f"{self._base}/refs/{name}"
         if not self._local:
@@ -583,13 +524,6 @@ class ObjectStore:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-
-    def _claim_record(self, claim_id: str) -> dict:
-        try:
-            record = self.get_json(claim_id)
-        except (StoreError, ValueError):
-            record = None
-        return record if isinstance(record, dict) else {"identity": f"unreadable, claim record {claim_id}"}
 
     # --- listing (for `rollout gc`) --------------------------------------------------------------------------
 

@@ -16,10 +16,9 @@ from typing import Any, Callable
 
 import blake3
 
-from rollout_lib.data.sources import is_table_source, source_identity
-from rollout_lib.digests import file_digest
 from rollout_lib.identity.code import code_version
 from rollout_lib.store import ObjectStore, canonical_json
+from rollout_lib.identity.sources import dataset_identity
 from rollout_lib.identity.training import training_identity
 
 # Task results are small JSON (ids and numbers): they persist, and come back `Cached` on a rerun.
@@ -55,25 +54,5 @@ def content_key(*, reads: Callable[[Any], Any] = training_identity, ignore: tupl
     return key_fn
 
 
-def dataset_setting(config, split: str):
-    """The dataset setting of a split ("train" or "eval") of an entry point with `dataset` and `eval_dataset`."""
-    return config.settings.dataset if split == "train" else config.settings.eval_dataset
-
-
-def dataset_locator(config, split: str) -> str:
-    return f"algorithm.{config.algorithm.kind}.{'dataset' if split == 'train' else 'eval_dataset'}"
-
-
-def dataset_path(config, split: str) -> str:
-    """Where a split's data is (a JSONL file, a table's file or folder): for messages, never for keys."""
-    return dataset_setting(config, split).path
-
-
-def dataset_key(parameters: dict) -> dict:
-    """What a load task's key reads of its split's data: a JSONL file's path and digest (as it always has), a
-    table's content digest, split and column mapping, never its path."""
-    config, split = parameters["config"], parameters["split"]
-    dataset = dataset_setting(config, split)
-    if is_table_source(dataset):
-        return {"source": source_identity(dataset, dataset_locator(config, split))}
-    return {"path": dataset.path, "file": file_digest(dataset.path)}
+# A data load task's key: what it reads of its split's data (identity.sources.dataset_identity), no setting.
+dataset_load_key = content_key(reads=lambda config: None, extra=lambda p: dataset_identity(p["config"], p["split"]))

@@ -11,40 +11,33 @@ from prefect import task
 
 from rollout_lib import wire
 from rollout_lib.config import RmConfig
+from rollout_lib.config.common import dataset_locator, dataset_setting
 from rollout_lib.data import read_pairs
-from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
+from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rm.evaluate import evaluate_pairs_with_rows
-from rollout_lib.rm.heads import DEFAULT_HEAD
 from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.data_parallel import data_parallel_segment
+from rollout_lib.identity.sources import rm_tokenizer_reads
 from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
-from tasks.common import TASK_OPTIONS, content_key, dataset_key, dataset_locator, dataset_setting, open_store
+from tasks.common import TASK_OPTIONS, content_key, dataset_load_key, open_store
 
 
 def _inputs(config: RmConfig, tokenized_id: str) -> TrainingInputs:
     return TrainingInputs(open_store(config), config, training_identity(config), {"tokenized": tokenized_id})
 
 
-def _reads_tokenizer(config: RmConfig) -> dict:
-    reads = {"tokenizer": model_content_digest(config.settings.base_model), "max_seq_len": config.settings.max_seq_len}
-    if config.settings.head != DEFAULT_HEAD:  # the head decides the inputs; absent at the default, as keys were
-        reads["head"] = config.settings.head
-    return reads
-
-
-@task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=dataset_key))
+@task(name="load-pairs", task_run_name="load-pairs-{split}", **TASK_OPTIONS, cache_key_fn=dataset_load_key)
 def load_pairs_task(config: RmConfig, split: str) -> dict:
     table = read_pairs(dataset_setting(config, split), dataset_locator(config, split))
     return {"pairs": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="tokenize-pairs", task_run_name="tokenize-pairs-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=_reads_tokenizer, ignore=("split",)))
+      cache_key_fn=content_key(reads=rm_tokenizer_reads, ignore=("split",)))
 def tokenize_pairs_task(config: RmConfig, pairs_id: str, split: str) -> dict:
     store = open_store(config)
     tokenizer = load_tokenizer(resolve_model(config.settings.base_model))

@@ -12,9 +12,11 @@ from prefect import task
 
 from rollout_lib import wire
 from rollout_lib.config import SftConfig
+from rollout_lib.config.common import dataset_locator, dataset_setting
+from rollout_lib.identity.sources import sft_packing_reads, sft_plan_reads, sft_tokenizer_reads
 from rollout_lib.identity.training import training_identity
 from rollout_lib.data import read_examples
-from rollout_lib.model.loading import model_content_digest, resolve_model
+from rollout_lib.model.loading import resolve_model
 from rollout_lib.sft.batches import micro_batches_of, padding_stats, plan_micro_batches
 from rollout_lib.sft.evaluate import evaluate_nll_with_rows
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
@@ -24,53 +26,34 @@ from rollout_lib.trainer.data_parallel import data_parallel_segment
 from rollout_lib.determinism import plan_batches
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment
-from tasks.common import (TASK_OPTIONS, content_key, dataset_key, dataset_locator, dataset_path, dataset_setting,
-                          open_store)
+from tasks.common import TASK_OPTIONS, content_key, dataset_load_key, open_store
 
 
 def _inputs(config: SftConfig, samples_id: str) -> TrainingInputs:
     return TrainingInputs(open_store(config), config, training_identity(config), {"samples": samples_id})
 
 
-def _reads_tokenizer(config: SftConfig) -> dict:
-    settings = config.settings
-    return {"tokenizer": model_content_digest(settings.base_model), "loss_on": settings.loss_on.kind,
-            "max_seq_len": settings.packing.max_seq_len}
-
-
-def _reads_plan(config: SftConfig) -> dict:
-    settings = config.settings
-    return {"minibatch_size": settings.minibatch_size, "max_steps": settings.budget.max_steps, "seed": config.run.seed}
-
-
-def _reads_packing(config: SftConfig) -> dict:
-    settings = config.settings
-    return {"packing": settings.packing.model_dump(), "gradient_accumulation": settings.gradient_accumulation,
-            "minibatch_size": settings.minibatch_size}
-
-
-@task(name="load-examples", task_run_name="load-examples-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=dataset_key))
+@task(name="load-examples", task_run_name="load-examples-{split}", **TASK_OPTIONS, cache_key_fn=dataset_load_key)
 def load_examples_task(config: SftConfig, split: str) -> dict:
     table = read_examples(dataset_setting(config, split), dataset_locator(config, split))
     return {"examples": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="tokenize-examples", task_run_name="tokenize-examples-{split}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=_reads_tokenizer,
-                               extra=lambda p: {"source": dataset_path(p["config"], p["split"])}))
+      cache_key_fn=content_key(reads=sft_tokenizer_reads,
+                               extra=lambda p: {"source": dataset_setting(p["config"], p["split"]).path}))
 def tokenize_examples_task(config: SftConfig, examples_id: str, split: str) -> dict:
     """Returns the samples id and a report: rows kept, rows truncated, lines left out with an empty mask."""
     store = open_store(config)
     settings = config.settings
     tokenized = tokenize_examples(
         store.get_table(examples_id, wire.EXAMPLES), sft_tokenizer(resolve_model(settings.base_model)),
-        loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len, source=dataset_path(config, split),
-    )
+        loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len,
+        source=dataset_setting(config, split).path)
     return {"samples": store.put_table(tokenized.samples), **tokenized.report()}
 
 
-@task(name="plan-batches", task_run_name="plan-batches", **TASK_OPTIONS, cache_key_fn=content_key(reads=_reads_plan))
+@task(name="plan-batches", task_run_name="plan-batches", **TASK_OPTIONS, cache_key_fn=content_key(reads=sft_plan_reads))
 def plan_batches_task(config: SftConfig, samples_id: str, rows: int) -> dict:
     settings = config.settings
     plan = plan_batches(rows, settings.minibatch_size, settings.budget.max_steps, config.run.seed)
@@ -78,7 +61,7 @@ def plan_batches_task(config: SftConfig, samples_id: str, rows: int) -> dict:
 
 
 @task(name="pack-micro-batches", task_run_name="pack-micro-batches", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=_reads_packing))
+      cache_key_fn=content_key(reads=sft_packing_reads))
 def pack_micro_batches_task(config: SftConfig, samples_id: str, plan_id: str) -> dict:
     """Every step's micro-batches (packed or padded), checked for alignment; returns ids and padding stats."""
     store = open_store(config)
@@ -120,7 +103,7 @@ def train_segment_task(config: SftConfig, samples_id: str, micro_batches_id: str
 
 
 @task(name="evaluate", task_run_name="evaluate-{label}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=_reads_packing, ignore=("label",)))
+      cache_key_fn=content_key(reads=sft_packing_reads, ignore=("label",)))
 def evaluate_task(config: SftConfig, checkpoint_id: str, samples_id: str, label: str,
                   resident: ResidentTrainer) -> dict:
     """Held-out loss per trained token of the checkpoint, over the eval samples micro-batched as in training, and

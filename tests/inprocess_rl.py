@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from rollout_lib.config import RlConfig, load_config
+from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.rl.advantages import training_samples
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step

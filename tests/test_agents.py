@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from rollout_lib import wire
-from rollout_lib.config import load_config
+from rollout_lib.plan_checks import load_config
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.determinism import derived_seed
 from rollout_lib.envs import build_interaction

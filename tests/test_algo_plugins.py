@@ -45,7 +45,8 @@ import json
 import pyarrow as pa
 
 from rollout_lib import wire
-from rollout_lib.config import RlConfig, validate_config
+from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.rl.advantages import training_samples
 from rollout_lib.identity.sources import algorithm_sources

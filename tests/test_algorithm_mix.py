@@ -15,7 +15,8 @@ import json
 import pytest
 import torch
 
-from rollout_lib.config import RlConfig, validate_config
+from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.rl.advantages import algorithm_resources, training_samples
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, train_policy_step

@@ -17,11 +17,27 @@ FORBIDDEN = {"rollout_lib": ("prefect",)}  # the library runs and tests without 
 # Lowest first; docs/architecture.md says what belongs where.
 FLOORS = {
     0: {"__init__", "wire", "store", "store_gc", "paths", "errors", "settings_base", "determinism", "hardware",
-        "checkpoint", "processes", "step_events", "digests", "adapters"},
+        "checkpoint", "processes", "step_events", "adapters"},
     1: {"model", "packing", "losses", "rl_losses", "data"},
     2: {"algo", "envs", "sampling", "reward", "serving"},
     3: {"config"},
-    4: {"identity", "trainer", "sft", "rm", "rl", "runlog", "plan"},
+    4: {"identity", "trainer", "sft", "rm", "rl", "runlog", "plan", "plan_checks"},
+}
+# Every ingredient of a cache key lives in identity/ (docs/architecture.md). A module elsewhere that computes a digest
+# says here why it never enters a key; any other one fails test_digests_are_computed_in_identity.
+DIGEST_LIBRARIES = ("blake3", "hashlib")
+DIGESTS_OUTSIDE_IDENTITY = {
+    "rollout_lib.store": "content ids: an object's name, which a key holds as the id of an input",
+    "rollout_lib.model.loading": "a model's content digest: model loading checks an adapter's base by it (the one "
+                                 "ingredient below identity/, docs/architecture.md)",
+    "rollout_lib.determinism": "seeds drawn from content",
+    "rollout_lib.trainer.segment": "the name of a chain-index ref, a lookup of finished steps, never a key",
+    "rollout_lib.rl.behaviour": "which behaviour-logprob chunk computed elsewhere is adopted",
+    "rollout_lib.reward.loops": "an in-process lookup of a run's reward loops",
+    "rollout_lib.runlog.trackers.build": "a tracker's run id",
+    "rollout_lib.serving.engine": "a directory name",
+    "flows.common": "the name of the result-storage block",
+    "tasks.common": "the cache key itself, composed from identity/'s ingredients",
 }
 FLOOR_OF = {room: floor for floor, rooms in FLOORS.items() for room in rooms}
 
@@ -140,6 +156,15 @@ def file_circle_in_a_room(root: Path) -> list[str]:
     return find_circle(graph)
 
 
+def digests_outside_identity(root: Path) -> list[str]:
+    """Modules outside rollout_lib/identity/ that import a digest library and are not in DIGESTS_OUTSIDE_IDENTITY."""
+    return [f"{places[0]}: {module} computes a digest ({target}) outside rollout_lib/identity/; move the key "
+            f"ingredient there, or say in DIGESTS_OUTSIDE_IDENTITY why it never enters a cache key"
+            for module, targets in module_imports(root).items()
+            if not module.startswith("rollout_lib.identity") and module not in DIGESTS_OUTSIDE_IDENTITY
+            for target, places in sorted(targets.items()) if target.split(".")[0] in DIGEST_LIBRARIES]
+
+
 def undocumented_modules(root: Path, doc: str) -> list[str]:
     """rollout_lib modules the doc does not name: a module is named by its path below rollout_lib/ (`rl/pack.py`,
     `rl/pack`, a sub-package's `trackers/build`), a package by `rl/`, a top-level module by `wire.py`, or any
@@ -199,6 +224,14 @@ def test_the_doc_names_every_module():
     assert not missing, "\n".join(missing)
 
 
+def test_digests_are_computed_in_identity():
+    found = digests_outside_identity(ROOT)
+    assert not found, "\n".join(found)
+    stale = sorted(set(DIGESTS_OUTSIDE_IDENTITY) - {module for module, targets in module_imports(ROOT).items()
+                                                    if any(t.split(".")[0] in DIGEST_LIBRARIES for t in targets)})
+    assert not stale, f"DIGESTS_OUTSIDE_IDENTITY names modules that compute no digest: {stale}"
+
+
 def test_the_check_sees_function_local_imports():
     """The control: a function-local import counts (circles hid behind them before)."""
     assert "rollout_lib/rl/score.py" in " ".join(room_imports()["rl"]["hardware"])
@@ -220,6 +253,8 @@ def test_the_checks_fail_on_a_broken_house(tmp_path):
         "rollout_lib/model/a.py": "from rollout_lib.model import b\n",
         "rollout_lib/model/b.py": "from .a import x\nfrom rollout_lib.wire import f\n",  # a <-> b; model <-> wire
         "rollout_lib/model/c.py": "import prefect_ray\n",
+        "rollout_lib/identity/__init__.py": "import blake3\n",  # in identity/: fine
+        "tasks/keys.py": "def key():\n    import blake3\n",  # a digest outside identity/, unexplained
         "tasks/__init__.py": "",
         "tasks/t.py": "from flows.f import g\n",
         "flows/__init__.py": "",
@@ -234,10 +269,12 @@ def test_the_checks_fail_on_a_broken_house(tmp_path):
                                                "wire -> model at rollout_lib/wire.py:2"]
     assert file_circle_in_a_room(root) == ["rollout_lib.model.a -> rollout_lib.model.b at rollout_lib/model/a.py:1",
                                            "rollout_lib.model.b -> rollout_lib.model.a at rollout_lib/model/b.py:1"]
+    assert [line.split(" outside")[0] for line in digests_outside_identity(root)] == [
+        "tasks/keys.py:2: tasks.keys computes a digest (blake3)"]
     assert [line.split(", but")[0] for line in layer_violations(root)] == [
         "rollout_lib/model/c.py:1: rollout_lib/ imports prefect_ray", "tasks/t.py:1: tasks/ imports flows.f",
         "flows/f.py:1: flows/ imports rollout_cli.m"]
-    doc = "```\n 1 basics   model/ a · the b module\n 0 ground   wire.py\n```\n"
+    doc = "```\n 4 machinery identity/ keys\n 1 basics   model/ a · the b module\n 0 ground   wire.py\n```\n"
     assert [line.split(":")[0] for line in undocumented_modules(root, doc)] == ["rollout_lib/model/c.py"]
     assert undocumented_modules(root, doc + "c.py") and not undocumented_modules(root, doc + "rollout_lib/model/c.py")
     missing = undocumented_modules(root, doc.replace("wire.py", "the wire") + "model/c.py")

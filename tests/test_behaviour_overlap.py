@@ -12,7 +12,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from rollout_lib.config import RlConfig, training_hash, validate_config
+from rollout_lib.config import RlConfig
+from rollout_lib.identity.training import training_hash
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.identity.training import training_identity
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
 from rollout_lib.rl.behaviour import CHUNK_ROWS

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from clirun import final_result, run_rollout, task_run_states, train_in_process
-from rollout_lib.config import RmConfig, load_config, training_hash
+from rollout_lib.config import RmConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.model.loading import model_content_digest
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.base import deterministic_metrics
@@ -107,7 +109,7 @@ def test_the_training_hash_holds_what_decides_the_weights_and_nothing_else():
 
 
 def test_a_claim_records_what_the_identity_hashes_keyed_as_users_write_it():
-    from rollout_lib.identity.training import claimed_settings
+    from rollout_lib.identity.claims import claimed_settings
 
     def differing(*overrides: str) -> set[str]:
         base, other = claimed_settings(rm_config()), claimed_settings(rm_config(*overrides))

@@ -35,8 +35,8 @@ def test_dry_run_parses_every_row_and_prints_the_plan(tmp_path):
 
 
 def test_the_plan_loads_no_model():
-    probe = ("import sys; from rollout_lib.config import RmConfig, load_config; from rollout_lib.plan import "
-             "describe_plan; describe_plan(load_config(RmConfig, 'configs/rm-default.toml')); "
+    probe = ("import sys; from rollout_lib.config import RmConfig; from rollout_lib.plan_checks import load_config; "
+             "from rollout_lib.plan import describe_plan; describe_plan(load_config(RmConfig, 'configs/rm-default.toml')); "
              "print(sorted(m for m in sys.modules if m.startswith('transformers.models.')))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, env=cli_env())
     assert done.returncode == 0, done.stderr[-2000:]

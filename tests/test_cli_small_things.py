@@ -17,7 +17,7 @@ import torch
 from clirun import ROOT, final_result, run_rollout
 from rollout_cli.config_cmd import config_class
 from rollout_cli.main import _shortcut_overrides, main
-from rollout_lib.config import load_config, validate_config
+from rollout_lib.plan_checks import load_config, validate_config
 from rollout_lib.store import ObjectStore
 from rollout_lib.checkpoint import export_hf_directory, save_checkpoint, save_model_files
 
@@ -87,7 +87,7 @@ def test_a_name_is_a_string_even_when_it_reads_as_a_number(capsys):
 
 
 def test_a_run_name_bound_to_other_settings_names_what_differs_and_suggests_name(capsys, tmp_path):
-    from rollout_lib.identity.training import claim_run_name
+    from rollout_lib.identity.claims import claim_run_name
 
     store = str(tmp_path / "store")
     claim_run_name(load_config(config_class("rm"), TINY_CONFIGS["rm"], [f"run.store={store}"]))  # a run before

@@ -48,7 +48,8 @@ def test_a_name_defined_in_a_package_init_brings_in_everything_that_init_imports
 
 
 def test_editing_a_user_reward_function_changes_the_score_key(tmp_path, monkeypatch):
-    from rollout_lib.config import RlConfig, load_config
+    from rollout_lib.config import RlConfig
+    from rollout_lib.plan_checks import load_config
     from rollout_lib.identity.sources import reward_sources
 
     (tmp_path / "my_rewards.py").write_text("def score(inp):\n    return 1.0\n")

@@ -10,7 +10,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.config.rl import CollapseSettings
 from rollout_lib.rl.collapse import CollapseGuard, RlCollapseError
 from rollout_lib.rl.sample import sampled_entropy
@@ -145,7 +148,7 @@ def test_collapse_settings_are_checked_and_never_part_of_the_training_identity()
                      "algorithm.rl.collapse.min_entropy=0.5", "algorithm.rl.collapse.zero_advantage_fraction=0.5")
     assert changed.settings.collapse.action == "fail"
     assert training_hash(changed) == training_hash(base)
-    assert "collapse" not in base.training_settings()
+    assert "collapse" not in training_settings(base)
     with pytest.raises(ConfigError, match=r"algorithm\.rl\.collapse\.actoin: unknown key"):
         config("algorithm.rl.collapse.actoin=fail")
     with pytest.raises(ConfigError, match=r"algorithm\.rl\.collapse\.action: "):

@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_lib.config import ConfigError, RmConfig, load_config, training_hash, validate_config
+from rollout_lib.config import ConfigError, RmConfig
+from rollout_lib.plan_checks import load_config, validate_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.config.common import OptimizerSettings
 from rollout_lib.config.loading import parse_override, read_toml
 from rollout_lib.trainer.optim import lr_at

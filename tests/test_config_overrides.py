@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from clirun import run_rollout
-from rollout_lib.config import ConfigError, RlConfig, RmConfig, apply_overrides, load_config
+from rollout_lib.config import ConfigError, RlConfig, RmConfig, apply_overrides
+from rollout_lib.plan_checks import load_config
 from rollout_lib.config.keys import closest_key, key_paths
 from rollout_lib.config.loading import parse_override
 

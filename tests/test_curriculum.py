@@ -12,7 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rollout_lib.config import ConfigError, RlConfig, training_hash, validate_config
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.identity.training import training_hash
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.config.rl import DifficultyPoolsSettings
 from rollout_lib.rl.curriculum import draw_weights, initial_state, pool_of, state_json, update_state, weighted_draw
@@ -255,9 +258,9 @@ def test_curriculum_settings_are_checked_with_locators():
 def test_no_curriculum_leaves_the_training_identity_as_it_was():
     plain = validate_config(RlConfig, raw_config())
     assert plain.settings.envs[0].curriculum is None
-    assert all("curriculum" not in env for env in plain.training_settings()["envs"])  # absent, not null
+    assert all("curriculum" not in env for env in training_settings(plain)["envs"])  # absent, not null
     with_curriculum = validate_config(RlConfig, raw_config(curriculum={"type": "difficulty_pools"}))
-    assert with_curriculum.training_settings()["envs"][0]["curriculum"]["easy_weight"] == 0.1
+    assert training_settings(with_curriculum)["envs"][0]["curriculum"]["easy_weight"] == 0.1
     assert training_hash(with_curriculum) != training_hash(plain)
 
 

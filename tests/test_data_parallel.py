@@ -19,8 +19,10 @@ import torch
 
 import tasks.rm
 import tasks.sft
+from rollout_lib.identity.training import training_settings
 from rollout_lib import wire
-from rollout_lib.config import RmConfig, SftConfig, load_config
+from rollout_lib.config import RmConfig, SftConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.data import load_examples, load_pairs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rm.pairs import tokenize_pairs
@@ -141,8 +143,8 @@ def test_share_is_round_robin_and_pads_ranks_with_empty_micro_batches(tmp_path):
 def test_nproc_enters_the_identity_only_above_one(tmp_path):
     store = str(tmp_path / "store")
     one, two = sft_config(store, 1, 2, 1), sft_config(store, 2, 2, 1)
-    assert "hardware" not in one.training_settings()  # nproc = 1: identities of existing runs unchanged
-    assert two.training_settings()["hardware"] == {"nproc": 2}
+    assert "hardware" not in training_settings(one)  # nproc = 1: identities of existing runs unchanged
+    assert training_settings(two)["hardware"] == {"nproc": 2}
     assert training_identity(one) != training_identity(two)
 
 

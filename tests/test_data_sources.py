@@ -16,14 +16,15 @@ import pytest
 
 from rollout_cli.main import main
 from rollout_lib.config import RlConfig, SftConfig
-from rollout_lib.config.loading import load_config, training_hash
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.data import (DataError, load_examples, load_jsonl_prompts, load_pairs, read_examples, read_pairs)
 from rollout_lib.data.prompts import table_prompts
-from rollout_lib.data.sources import content_digest
+from rollout_lib.identity.digests import content_digest
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
 from rollout_lib.model.loading import resolve_model
 from rollout_lib.settings_base import ModelRef
-from tasks.common import dataset_key
+from rollout_lib.identity.sources import dataset_identity
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -185,7 +186,7 @@ def test_identity_is_the_tables_content_not_its_path(tmp_path):
     def sft_key(path):
         config = load_config(SftConfig, ROOT / "configs/sft-tiny.toml",
                              [f'algorithm.sft.dataset={{ type = "parquet", path = "{path}" }}'])
-        return dataset_key({"config": config, "split": "train"})
+        return dataset_identity(config, "train")
 
     sft = _table(_rows("sft-tiny.jsonl"))
     (tmp_path / "c").mkdir()
@@ -279,7 +280,7 @@ import resource, sys, time
 import numpy as np, pyarrow as pa, pyarrow.compute as pc, pyarrow.parquet as pq
 from types import SimpleNamespace
 from rollout_lib.data.prompts import table_prompts
-from rollout_lib.data.sources import content_digest
+from rollout_lib.identity.digests import content_digest
 from rollout_lib.rl.prompts import check_distinct_examples, select_prompts
 from rollout_lib.reward.tables import prompt_messages
 

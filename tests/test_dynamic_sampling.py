@@ -9,7 +9,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rollout_lib.config import ConfigError, RlConfig, training_hash, validate_config
+from rollout_lib.plan_checks import plan_problems
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.identity.training import training_hash
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.reward.loop import RewardResult
 from rollout_lib.rl.dynamic_sampling import Round, replacement_prompts, resampled, uniform_groups
@@ -116,11 +120,11 @@ def test_settings_are_checked_and_absent_leaves_the_identity_as_it_was():
     assert "algorithm.rl.envs[0].dynamic_sampling.rounds: unknown key" in error_of(
         raw_config(dynamic_sampling={"rounds": 2}))
     plain = validate_config(RlConfig, raw_config())
-    assert all("dynamic_sampling" not in env for env in plain.training_settings()["envs"])
+    assert all("dynamic_sampling" not in env for env in training_settings(plain)["envs"])
     on = validate_config(RlConfig, raw_config(dynamic_sampling={}))
     assert on.settings.envs[0].dynamic_sampling.max_rounds == 3
     assert training_hash(on) != training_hash(plain)
-    assert on.plan_problems() == []
+    assert plan_problems(on) == []
     staged = raw_config(dynamic_sampling={})
     staged["algorithm"]["rl"]["reward_loop"] = {"streamed": False}
     assert "algorithm.rl.envs[0].dynamic_sampling: needs streamed scoring" in error_of(staged)

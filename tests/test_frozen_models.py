@@ -12,7 +12,8 @@ import pyarrow as pa
 import pytest
 
 from rollout_lib import wire
-from rollout_lib.config import ConfigError, RlConfig, validate_config
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rl.prompts import load_prompts

@@ -12,7 +12,8 @@ import torch
 from clirun import ROOT
 from rollout_cli.config_cmd import config_class
 from rollout_cli.main import main
-from rollout_lib.config import load_config, training_hash
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.hardware import replica_gpus
 from rollout_lib.rl import policy_group
 from rollout_lib.serving import engine

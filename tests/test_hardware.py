@@ -10,8 +10,11 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rollout_lib.identity.training import training_settings
 from rollout_lib import wire
-from rollout_lib.config import ConfigError, RmConfig, SftConfig, load_config, training_hash
+from rollout_lib.config import ConfigError, RmConfig, SftConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.hardware import HardwareSettings, hardware_settings
 from rollout_lib.data import load_examples, load_pairs
 from rollout_lib.model.loading import ResolvedModel, load_tokenizer
@@ -116,12 +119,12 @@ def test_the_dry_run_plan_shows_the_resolved_device():
 @pytest.mark.skipif(CUDA, reason="auto resolves to CUDA on this machine")
 def test_cpu_fp32_leaves_the_identity_as_it_was_and_checkpointing_never_enters_it():
     default = sft_config()
-    assert "hardware" not in default.training_settings()
+    assert "hardware" not in training_settings(default)
     assert "hardware" not in default.settings.model_dump(exclude={"hardware"})  # sanity: the block is a field
     same = [sft_config("hardware.device=cpu"), sft_config("hardware.gradient_checkpointing=true")]
     assert {training_hash(config) for config in same} == {training_hash(default)}
     bf16 = sft_config(*ALLOW_CPU_BF16)
-    assert bf16.training_settings()["hardware"] == {"device": "cpu", "precision": "bf16"}
+    assert training_settings(bf16)["hardware"] == {"device": "cpu", "precision": "bf16"}
     assert training_hash(bf16) != training_hash(default)
 
 
@@ -285,7 +288,7 @@ def test_sft_evaluation_runs_where_the_model_is(tiny_model_dir):
 def test_gpu_sft_steps_and_the_checkpoint_loads_and_evaluates_on_cpu(tiny_model_dir, precision):
     run = sft_run(tiny_model_dir, "hardware.device=cuda", f"hardware.precision={precision}",
                   "hardware.gradient_checkpointing=true")
-    assert run.config.training_settings()["hardware"] == {"device": "cuda", "precision": precision}
+    assert training_settings(run.config)["hardware"] == {"device": "cuda", "precision": precision}
     trainer = sft_trainer(run)
     assert next(trainer.model.parameters()).device.type == "cuda"
     checkpoint, metrics = train(trainer)

@@ -13,8 +13,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from rollout_lib.identity.training import training_settings
 from rollout_lib import wire
-from rollout_lib.config import ConfigError, RlConfig, validate_config
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.reward.functions import RewardInput
 from rollout_lib.reward.judge import parse_score, render
@@ -53,7 +55,7 @@ def test_judge_settings_are_checked():
     judge = {"base_url": ["http://127.0.0.1:9/v1"], "name": "judge"}
     config = rl_config([{"judge": judge, "weight": 0.5}])
     assert config.judges() == [("algorithm.rl.envs[0].rewards[0].judge", config.settings.envs[0].rewards[0].judge)]
-    assert config.training_settings()["envs"][0]["rewards"][0]["judge"] == {"served_name": "judge"}  # no address
+    assert training_settings(config)["envs"][0]["rewards"][0]["judge"] == {"served_name": "judge"}  # no address
     for bad, message in [({"judge": judge, "pattern": "(unclosed"}, "pattern is not a regular expression"),
                          ({"judge": judge, "template": "no placeholder"}, "template has no {response}"),
                          ({"judge": judge, "score_range": [1, 1]}, "score_range must be [low, high]")]:
@@ -119,7 +121,7 @@ def test_a_user_reward_function_gets_the_judge_client(vllm_tiny, tmp_path, monke
     rewards = scored.column("reward").to_pylist()
     assert metrics["missing_rewards"] == 0 and all(1.0 < r <= 2.0 for r in rewards), rewards
     assert sync_workers and os.getpid() not in sync_workers
-    assert json.dumps(sync.training_settings())  # the judge's identity is plain JSON
+    assert json.dumps(training_settings(sync))  # the judge's identity is plain JSON
 
 
 def score_while_a_replica_dies(vllm_tiny, loop, pool, inputs) -> tuple[list, float]:

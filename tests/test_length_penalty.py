@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from rollout_lib.identity.training import training_settings
 from rollout_lib.algo.base import (
     GroupRelativeLengthPenalty,
     OverlongPenalty,
@@ -20,7 +21,9 @@ from rollout_lib.algo import Group
 from rollout_lib.algo.grpo import Grpo, GrpoSettings
 from rollout_lib.algo.max_rl import MaxRl, MaxRlSettings
 from rollout_lib.algo.stamping import assign_advantages
-from rollout_lib.config import ConfigError, RlConfig, training_hash, validate_config
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.identity.training import training_hash
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.config.loading import read_toml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +120,7 @@ def error_of(raw) -> str:
 
 def test_config_and_training_identity():
     plain = validate_config(RlConfig, raw_config())
-    assert "length_penalty" not in plain.training_settings()["envs"][0]["algo"]  # absent, not null
+    assert "length_penalty" not in training_settings(plain)["envs"][0]["algo"]  # absent, not null
     penalised = validate_config(RlConfig, raw_config(algo={"type": "max_rl", "length_penalty": OVERLONG}))
     assert penalised.settings.envs[0].algo.length_penalty == OverlongPenalty(max_len=10, buffer=4, coef=1.0)
     assert training_hash(penalised) != training_hash(validate_config(RlConfig, raw_config(algo={"type": "max_rl"})))

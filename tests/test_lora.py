@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from clirun import final_result, run_rollout
+from rollout_lib.identity.training import training_settings
 from rollout_lib.adapters import LoraSettings, adapter_weights, is_adapted, target_problem, with_adapter
 from rollout_lib.checkpoint import ADAPTER_KEY, load_model_weights, model_weights, read_manifest
-from rollout_lib.config import RlConfig, RmConfig, SftConfig, load_config
+from rollout_lib.config import RlConfig, RmConfig, SftConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.errors import ConfigError
 from rollout_lib.model.loading import load_causal_lm, load_tokenizer, model_content_digest, resolve_model
 from rollout_lib.serving.policy_server import lora_server_args
@@ -33,9 +35,9 @@ def tiny_lora(seed: int = 0, r: int = 4):
 
 def test_the_adapter_is_a_setting_that_enters_the_identity_only_when_set():
     plain = load_config(SftConfig, "configs/sft-tiny.toml")
-    assert "adapter" not in plain.training_settings()  # identities of full fine-tuning runs stay what they were
+    assert "adapter" not in training_settings(plain)  # identities of full fine-tuning runs stay what they were
     lora = load_config(SftConfig, "configs/sft-tiny.toml", ["algorithm.sft.adapter.r=8"])
-    assert lora.training_settings()["adapter"] == {"type": "lora", "r": 8, "alpha": 32.0, "dropout": 0.0,
+    assert training_settings(lora)["adapter"] == {"type": "lora", "r": 8, "alpha": 32.0, "dropout": 0.0,
                                                    "target_modules": "all-linear"}
     rl = load_config(RlConfig, "configs/rl-tiny.toml", ["algorithm.rl.adapter.target_modules=[\"q_proj\"]"])
     assert rl.settings.adapter.target_modules == ["q_proj"]

@@ -11,7 +11,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.losses import component_loss, count_component_tokens, count_rl_sequences, rl_loss_terms
 from rollout_lib.rl_losses import RL_LOSSES, build_rl_loss
 from rollout_lib.rl_losses.cispo import CispoSettings
@@ -221,7 +224,7 @@ def test_the_default_loss_keeps_every_identity_and_each_choice_enters_it():
             warnings.simplefilter("ignore")
             assert training_hash(load_config(RlConfig, ROOT / "configs" / name, [])) == expected, name
     base = training_hash(rl_config())
-    assert set(rl_config().training_settings()["loss"]) == {"eps_low", "eps_high", "kl_coef", "ref_kl_eps_low",
+    assert set(training_settings(rl_config())["loss"]) == {"eps_low", "eps_high", "kl_coef", "ref_kl_eps_low",
                                                             "ref_kl_kl_coef"}
     # Spelling the default, or changing what only decides whether a run stops, is the same training.
     for same in ("algorithm.rl.loss.type=default", "algorithm.rl.loss.max_nonfinite_steps=7"):

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.losses import component_loss, count_component_tokens
 from rollout_lib.rl_losses.correction import CorrectionSettings, MismatchCorrection, build_correction
 
@@ -112,7 +115,7 @@ def rl_config(*overrides: str) -> RlConfig:
 def test_none_keeps_the_identity_and_each_correction_enters_it():
     base = training_hash(rl_config())
     assert training_hash(rl_config('algorithm.rl.loss.correction={ type = "none" }')) == base
-    assert "correction" not in rl_config().training_settings()["loss"]
+    assert "correction" not in training_settings(rl_config())["loss"]
     assert "correction" not in rl_config().settings.loss_kwargs()
     kinds = ("tis", "seq_tis", "mis", "icepop")
     hashes = {training_hash(rl_config(f'algorithm.rl.loss.correction={{ type = "{kind}" }}')) for kind in kinds}

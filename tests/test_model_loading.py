@@ -108,7 +108,8 @@ def test_encoder_reward_uses_the_pooled_logits():
 
 
 def test_a_checkpoint_reference_is_looked_up_in_its_store(tmp_path):
-    from rollout_lib.config import RlConfig, load_config
+    from rollout_lib.config import RlConfig
+    from rollout_lib.plan_checks import load_config
     from rollout_lib.config.common import ModelRef
     from rollout_lib.checkpoint import checkpoint_named
     from rollout_lib.model.loading import checkpoint_named_by, model_content_digest

@@ -273,7 +273,8 @@ def test_an_interaction_must_reply_with_an_env_reply():
 
 
 def test_an_interaction_that_fails_names_the_env_the_example_and_its_line(tmp_path, monkeypatch):
-    from rollout_lib.config import RlConfig, validate_config
+    from rollout_lib.config import RlConfig
+    from rollout_lib.plan_checks import validate_config
     from rollout_lib.config.loading import read_toml
     from rollout_lib.envs.episodes import EpisodeError
     from rollout_lib.rl.prompts import load_prompts

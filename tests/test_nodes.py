@@ -10,7 +10,9 @@ import subprocess
 
 import pytest
 
-from rollout_lib.config import RlConfig, SftConfig, load_config
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import RlConfig, SftConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.errors import ConfigError
 from rollout_lib.rl.policy import policy_inputs
 from rollout_lib.rl.policy_group import PolicyGroup
@@ -43,7 +45,7 @@ def test_nodes_are_hardware_settings_checked_before_anything_runs():
         load_config(RlConfig, "configs/rl-tiny.toml", {"algorithm.rl.hardware.nnodes": 2})
     # The ranks' count decides the additions, not how they spread over nodes: one identity.
     two_nodes = sft("/tmp/s", 1, 2, "127.0.0.1:29400")
-    assert two_nodes.training_settings()["hardware"] == sft("/tmp/s", 2).training_settings()["hardware"] == {"nproc": 2}
+    assert training_settings(two_nodes)["hardware"] == training_settings(sft("/tmp/s", 2))["hardware"] == {"nproc": 2}
 
 
 def first_in_rank_order(command: list[str]) -> list[str]:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rollout_lib.config import ConfigError, RlConfig, load_config, validate_config
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config, validate_config
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
 from rollout_lib.rl.policy import FrozenPolicy, initial_policy, policy_at, policy_inputs, sampling_policy
 from rollout_lib.rl.prompts import load_prompts
@@ -50,7 +52,7 @@ def test_k_and_the_resolved_behaviour_logprobs_enter_the_identity_the_spelling_d
         rl_tiny(tmp_path, 'algorithm.rl.behaviour_logprobs="engine"')
     # On the engine at k = 0 the training forward's own logprobs are the behaviour's: that path is recorded.
     assert engine.settings.behaviour_logprobs_source == "training_forward"
-    assert engine.training_settings()["behaviour_logprobs"] == "training_forward"
+    assert training_settings(engine)["behaviour_logprobs"] == "training_forward"
     recomputing = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm" }',
                           'algorithm.rl.behaviour_logprobs="trainer"')
     assert training_identity(recomputing) != training_identity(engine)

@@ -24,7 +24,8 @@ import pytest
 pytest.importorskip("openenv.core.env_server", reason="openenv-core is not installed (scripts/setup.sh --test)")
 
 from rollout_lib import wire  # noqa: E402
-from rollout_lib.config import ConfigError, RlConfig, load_config  # noqa: E402
+from rollout_lib.config import ConfigError, RlConfig  # noqa: E402
+from rollout_lib.plan_checks import load_config  # noqa: E402
 from rollout_lib.determinism import derived_seed  # noqa: E402
 from rollout_lib.envs import build_interaction  # noqa: E402
 from rollout_lib.envs.openenv_env import OpenEnvSettings, env_reward  # noqa: E402

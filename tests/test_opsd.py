@@ -18,7 +18,9 @@ from clirun import ROOT, final_result, metrics_table, run_rollout
 from rollout_lib import wire
 from rollout_lib.algo import AlgorithmResources
 from rollout_lib.algo.opsd import OnPolicySelfDistillation, OpsdSettings, completion_logprobs
-from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash, validate_config
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config, validate_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.config.loading import read_toml
 from rollout_lib.model.chat import encode_prompt
 from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model

@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rollout_lib import wire
-from rollout_lib.config import ConfigError, RlConfig, load_config
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.config.common import ModelRef
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.calculator import CalculatorSettings

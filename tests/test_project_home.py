@@ -10,7 +10,9 @@ import shutil
 import subprocess
 
 from clirun import ROOT, run_cli
-from rollout_lib.config import RlConfig, load_config, training_hash
+from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.paths import config_base_dir, default_home, project_root
 
 

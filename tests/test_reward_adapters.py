@@ -11,7 +11,8 @@ import pyarrow as pa
 import pytest
 
 from rollout_lib import wire
-from rollout_lib.config import RlConfig, validate_config
+from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.errors import ConfigError
 from rollout_lib.reward.functions import RewardInput, check_reward_function, resolve_reward_function
 from rollout_lib.reward.loop import RewardLoop, RewardResult, is_async_callable

@@ -11,9 +11,11 @@ import pyarrow as pa
 import pytest
 
 from clirun import ROOT, final_result, run_rollout
+from rollout_lib.identity.training import training_settings
 from rollout_lib import wire
 from rollout_lib.config import ConfigError, RlConfig
-from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
+from rollout_lib.config.loading import apply_overrides, read_toml
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.reward.settings import RewardModelSettings
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.model.reward import ResponseTooLongError, encode_for_reward_model, encode_prompt_response
@@ -116,7 +118,7 @@ def test_a_reward_names_a_function_or_a_reward_model(tmp_path):
                                          '{ reward_model = "runs/rm/latest", store = "/elsewhere" }]')
     rewards = config.settings.envs[0].rewards
     assert [r.reward_model.store for r in rewards] == [str(tmp_path / "run"), "/elsewhere"]
-    assert "store" not in json.dumps(config.training_settings())  # a locator: the checkpoint id is the identity
+    assert "store" not in json.dumps(training_settings(config))  # a locator: the checkpoint id is the identity
 
 
 def test_a_model_without_a_trained_score_head_is_refused_at_plan_time_and_at_load_time(tmp_path):

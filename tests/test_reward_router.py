@@ -17,7 +17,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from rollout_lib.config import ConfigError, RlConfig, validate_config
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.reward.functions import RewardInput, check_reward_function
 from rollout_lib.reward.loop import raise_if_too_many_missing

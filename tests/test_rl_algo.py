@@ -126,7 +126,8 @@ def test_a_custom_function_of_the_wrong_shape_fails_in_one_line_naming_its_place
 
 
 def test_custom_settings_find_the_function_without_importing_it():
-    from rollout_lib.config import ConfigError, RlConfig, validate_config
+    from rollout_lib.config import ConfigError, RlConfig
+    from rollout_lib.plan_checks import validate_config
     from rollout_lib.config.loading import read_toml
     from test_rl_config import ROOT
 

@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from rollout_lib.plan_checks import plan_warnings
+from rollout_lib.identity.training import training_settings
 from rollout_lib.algo.grpo import GrpoSettings
 from rollout_lib.algo.max_rl import MaxRlSettings
-from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash, validate_config
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config, validate_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.config.loading import read_toml
 from rollout_lib.plan import describe_plan
 
@@ -151,7 +155,7 @@ def test_env_names_are_unique():
 def test_group_relative_advantage_with_group_size_one_warns():
     with pytest.warns(UserWarning, match=r"envs\[0\].sampling.group_size: grpo is group-relative"):
         config = validate_config(RlConfig, raw_config(sampling={"group_size": 1, "max_tokens": 16}))
-    assert [loc for loc, _ in config.plan_warnings()] == ["algorithm.rl.envs[0].sampling.group_size"]
+    assert [loc for loc, _ in plan_warnings(config)] == ["algorithm.rl.envs[0].sampling.group_size"]
 
 
 def test_hashes_change_with_the_algorithm_but_not_the_store(tmp_path):
@@ -255,7 +259,7 @@ def test_a_custom_rl_loss_is_named_by_import_path_checked_at_plan_time_and_keyed
     assert "for type = \"custom\"" in error_of(with_loss({"import_path": "example_losses:clipped_importance_pg"}))
 
     default = validate_config(RlConfig, raw_config())
-    assert set(default.training_settings()["loss"]) == {"eps_low", "eps_high", "kl_coef", "ref_kl_eps_low",
+    assert set(training_settings(default)["loss"]) == {"eps_low", "eps_high", "kl_coef", "ref_kl_eps_low",
                                                         "ref_kl_kl_coef"}  # identities from before stay
 
     module = tmp_path / "my_rl_loss.py"
@@ -264,7 +268,7 @@ def test_a_custom_rl_loss_is_named_by_import_path_checked_at_plan_time_and_keyed
     monkeypatch.syspath_prepend(str(tmp_path))
     custom = validate_config(RlConfig, with_loss({"type": "custom", "import_path": "my_rl_loss:loss",
                                                   "kwargs": {"scale": 2.0}}))
-    dumped = custom.training_settings()["loss"]
+    dumped = training_settings(custom)["loss"]
     assert dumped["import_path"] == "my_rl_loss:loss" and dumped["kwargs"] == {"scale": 2.0} and dumped["source"]
     before = training_hash(custom)
     module.write_text(module.read_text().replace("* scale", "* scale * 0.5"))

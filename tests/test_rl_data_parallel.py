@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_lib.config import RlConfig, load_config
+from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.rl.advantages import training_samples
 from rollout_lib.rl.pack import pack
 from rollout_lib.rl.policy import initial_policy, policy_at, policy_inputs, snapshot_policy, train_policy_step

@@ -12,8 +12,10 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rollout_lib.identity.training import training_settings
 from rollout_lib import wire
-from rollout_lib.config import RlConfig, validate_config
+from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.reward.results import AllRewardsFailedError
 from rollout_lib.rl.advantages import training_samples
 from rollout_lib.rl.pack import pack
@@ -215,12 +217,12 @@ def test_a_filtered_step_trains_on_what_is_left_and_a_step_left_with_nothing_tra
     """`zero_advantage_filter = true` (absent from the identity when off): the pack stage drops the samples without
     credit and counts them; a step whose every advantage is 0 keeps a zero-weight placeholder and takes no
     optimizer step (weights unchanged)."""
-    from rollout_lib.config import training_hash
+    from rollout_lib.identity.training import training_hash
     from rollout_lib.rl.filters import drop_zero_advantage_samples
 
     off = config(tmp_path, tiny_model_dir, only_words=True)
     cfg = config(tmp_path, tiny_model_dir, only_words=True, zero_advantage_filter=True)
-    assert "zero_advantage_filter" not in off.training_settings() and training_hash(cfg) != training_hash(off)
+    assert "zero_advantage_filter" not in training_settings(off) and training_hash(cfg) != training_hash(off)
     run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-filter"))
     state = initial_policy(run, resident)
     policy = policy_at(run, state, resident)
@@ -262,12 +264,12 @@ def test_each_groups_prompt_is_packed_once_and_the_setting_is_in_the_identity(tm
     """`share_prompt_prefix` (on by default; absent from the identity when off, so older identities stay): the
     pack stage stores each group's prompt once, and what it leaves out is exactly the other samples' prompts
     (tests/test_packing.py shows the logprobs and gradients are the unshared packing's)."""
-    from rollout_lib.config import training_hash
+    from rollout_lib.identity.training import training_hash
 
     cfg = config(tmp_path, tiny_model_dir, only_words=True)
     off = config(tmp_path, tiny_model_dir, only_words=True, share_prompt_prefix=False)
-    assert cfg.training_settings()["share_prompt_prefix"] is True
-    assert "share_prompt_prefix" not in off.training_settings()
+    assert training_settings(cfg)["share_prompt_prefix"] is True
+    assert "share_prompt_prefix" not in training_settings(off)
     assert training_hash(cfg) != training_hash(off)
     run, prompts = run_for(cfg, ObjectStore("memory://rl-pipeline-shared-prefix"))
     policy = policy_at(run, initial_policy(run, resident), resident)

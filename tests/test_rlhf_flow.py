@@ -12,8 +12,10 @@ import re
 import pytest
 
 from clirun import ROOT, final_result, metrics_table, run_rollout, run_until_then_kill, task_run_states
-from rollout_lib.config import ConfigError, RlConfig, RlhfConfig, load_config
-from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
+from rollout_lib.config import ConfigError, RlConfig, RlhfConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.config.loading import apply_overrides, read_toml
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.store import ObjectStore
 from rollout_lib.checkpoint import read_manifest
 from rollout_lib.identity.training import training_identity

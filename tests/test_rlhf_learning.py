@@ -13,7 +13,8 @@ import pytest
 
 from clirun import ROOT, final_result, metrics_table, run_rollout
 from rollout_lib.config import ConfigError, RlConfig
-from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
+from rollout_lib.config.loading import apply_overrides, read_toml
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.identity.training import training_identity
 
 EVAL = ('{ source = { type = "jsonl_path", path = "data/rlhf-heldout-prompts.jsonl" }, every = 5 }')

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rollout_lib import wire
-from rollout_lib.config import ConfigError, RmConfig, load_config, validate_config
+from rollout_lib.config import ConfigError, RmConfig
+from rollout_lib.plan_checks import load_config, validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.data import load_pairs
 from rollout_lib.determinism import plan_batches

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rollout_lib import wire
-from rollout_lib.config import RmConfig, load_config
+from rollout_lib.config import RmConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.data import load_pairs
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rm.pairs import tokenize_pairs

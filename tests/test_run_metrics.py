@@ -14,7 +14,10 @@ from click.testing import CliRunner
 
 from clirun import ROOT, cli_env, final_result, run_rollout, run_until_then_kill
 from rollout_cli.runs import runs_group
-from rollout_lib.config import RmConfig, load_config, training_hash
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import RmConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.runlog import read_metrics
 from rollout_lib.runlog.metrics_file import METRICS_FILE, MetricsFile, decode_record
 from rollout_lib.runlog.recorder import RunRecorder
@@ -384,7 +387,7 @@ def test_tensorboard_does_not_change_the_training_identity():
     on = load_config(RmConfig, ROOT / "configs/rm-tiny.toml", ["run.tensorboard=true"])
     assert on.run.tensorboard and not base.run.tensorboard
     assert training_hash(on) == training_hash(base)
-    assert on.training_settings() == base.training_settings()
+    assert training_settings(on) == training_settings(base)
 
 
 # --- end to end: the CLI on a real Prefect server -------------------------------------------------------------

@@ -22,8 +22,10 @@ import pytest
 
 from clirun import ROOT, final_result, on_other_node, run_rollout
 from in_flight import unread_requests
+from rollout_lib.identity.training import training_settings
 from rollout_lib.config import ConfigError
-from rollout_lib.config.loading import apply_overrides, read_toml, validate_config
+from rollout_lib.config.loading import apply_overrides, read_toml
+from rollout_lib.plan_checks import validate_config
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.reward.settings import RewardModelSettings
 from rollout_lib.reward.functions import RewardInput
@@ -203,9 +205,9 @@ def test_served_reward_model_settings(tmp_path):
     two = config('[{ reward_model = "runs/rm/latest", engine = "vllm", replicas = 2 }]')
     assert served.served_reward_models() and not embedded.served_reward_models()
     # The engine decides the scores' last bits: part of the identity; the replica count is a resource.
-    assert served.training_settings() != embedded.training_settings()
-    assert served.training_settings() == two.training_settings()
-    assert "engine" not in json.dumps(embedded.training_settings()["envs"][0]["rewards"])
+    assert training_settings(served) != training_settings(embedded)
+    assert training_settings(served) == training_settings(two)
+    assert "engine" not in json.dumps(training_settings(embedded)["envs"][0]["rewards"])
 
     # A server you run, given by URL: the same engine's scores as rollout's own, so the same training; where it runs
     # and the name it serves under are resources (moving it never re-runs a finished step).
@@ -214,7 +216,7 @@ def test_served_reward_model_settings(tmp_path):
                    'served_name = "rm" }]')
     assert at_url.settings.envs[0].rewards[0].engine == "vllm" and at_url.served_reward_models()
     assert at_url.settings.envs[0].rewards[0].base_url == ["http://node2:8000/v1"]  # one URL or a list
-    assert at_url.training_settings() == moved.training_settings() == served.training_settings()
+    assert training_settings(at_url) == training_settings(moved) == training_settings(served)
 
     def held_out_key(reward: str) -> dict:  # what an evaluation's cache key reads, scored by the RM at `reward`
         from rollout_lib.identity.sources import eval_sources

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from rollout_cli.main import main
-from rollout_lib.config import ConfigError, SftConfig, load_config, validate_config
+from rollout_lib.config import ConfigError, SftConfig
+from rollout_lib.plan_checks import load_config, validate_config
 from rollout_lib.config.loading import read_toml
 
 ROOT = Path(__file__).resolve().parent.parent

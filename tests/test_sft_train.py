@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_lib import wire
-from rollout_lib.config import SftConfig, load_config
+from rollout_lib.config import SftConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.data import load_examples
 from rollout_lib.model import packed_attention
 from rollout_lib.model.loading import ResolvedModel, load_tokenizer

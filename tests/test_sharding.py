@@ -14,8 +14,10 @@ from __future__ import annotations
 import pytest
 
 from clirun import final_result, run_rollout, train_in_process
+from rollout_lib.identity.training import training_settings
 from rollout_lib.checkpoint import read_manifest
-from rollout_lib.config import RmConfig, SftConfig, load_config
+from rollout_lib.config import RmConfig, SftConfig
+from rollout_lib.plan_checks import load_config
 from rollout_lib.errors import ConfigError
 from rollout_lib.identity.training import training_identity
 from rollout_lib.rm.trainer import RewardModelTrainer
@@ -47,7 +49,7 @@ def test_sharding_is_a_hardware_setting_checked_before_anything_runs():
     with pytest.raises(ConfigError, match="sharding"):
         load_config(SftConfig, "configs/sft-tiny.toml", ["algorithm.sft.hardware.sharding=zero3"])
     sharded = sft("/tmp/s", 2, "fsdp")
-    assert sharded.training_settings()["hardware"] == {"nproc": 2, "sharding": "fsdp"}
+    assert training_settings(sharded)["hardware"] == {"nproc": 2, "sharding": "fsdp"}
     offloaded = load_config(SftConfig, "configs/sft-tiny.toml", {
         "algorithm.sft.hardware.nproc": 2, "algorithm.sft.hardware.sharding": "fsdp",
         "algorithm.sft.hardware.cpu_offload": True, **ADAMW, "run.store": "/tmp/s", "algorithm.sft.minibatch_size": 3,

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rollout_lib.identity.claims import claim_run
 from rollout_lib.store import (
     CorruptObjectError,
     ObjectNotFoundError,
@@ -255,38 +256,38 @@ def test_refs(store):
 
 
 def test_a_run_name_belongs_to_the_identity_that_claimed_it(store):
-    store.claim_run("rm-default", "identity-a")
-    store.claim_run("rm-default", "identity-a")  # the same run again (a rerun, an extension): fine
+    claim_run(store, "rm-default", "identity-a")
+    claim_run(store, "rm-default", "identity-a")  # the same run again (a rerun, an extension): fine
     checkpoint = store.put_bytes(b"checkpoint of a")
     store.set_ref("runs/rm-default/latest", checkpoint)
     with pytest.raises(StoreError) as err:
-        store.claim_run("rm-default", "identity-b")
+        claim_run(store, "rm-default", "identity-b")
     assert str(err.value) == (  # a claim without recorded settings (as claims were before they had any)
         f"run name 'rm-default' in {store.root} already holds a run of other settings: training identity "
         "identity-a (stored run) vs identity-b (this run); the stored claim records no settings to compare; rerun "
         "with --name <another name> (a deployment: the override run.name=<another name>)")
     assert store.get_ref("runs/rm-default/latest") == checkpoint  # untouched, and still a checkpoint id
-    store.claim_run("rm-other", "identity-b")  # another name is free
+    claim_run(store, "rm-other", "identity-b")  # another name is free
     assert {stored.name for stored in ObjectStore(store.root, store.storage_options).list_refs()} == {
         "refs/runs/rm-default/identity", "refs/runs/rm-default/latest", "refs/runs/rm-other/identity"}
     for bad_name, bad_identity in [("../x", "i"), ("a b", "i"), ("ok", ""), ("ok", None)]:
         with pytest.raises(StoreError):
-            store.claim_run(bad_name, bad_identity)
+            claim_run(store, bad_name, bad_identity)
 
 
 def test_a_refused_claim_names_the_settings_that_differ(store):
     settings = {"algorithm.rm.optimizer.lr": 1e-05, "run.seed": 1, "algorithm.rm.max_seq_len": 64,
                 "algorithm.rm.head": "bradley_terry", "algorithm.rm.base_model (files)": "a" * 64}
-    store.claim_run("rm-x", "identity-a", settings)
+    claim_run(store, "rm-x", "identity-a", settings)
     claim = store.get_ref("runs/rm-x/identity")
-    store.claim_run("rm-x", "identity-a", dict(reversed(settings.items())))  # the same settings: the same claim
-    store.claim_run("rm-x", "identity-a")  # the same identity without settings (an older caller): fine
+    claim_run(store, "rm-x", "identity-a", dict(reversed(settings.items())))  # the same settings: the same claim
+    claim_run(store, "rm-x", "identity-a")  # the same identity without settings (an older caller): fine
     assert store.get_ref("runs/rm-x/identity") == claim
     other = {**settings, "algorithm.rm.optimizer.lr": 0.0001, "run.seed": 2, "algorithm.rm.max_seq_len": 128,
              "algorithm.rm.base_model (files)": "b" * 64}
     del other["algorithm.rm.head"]
     with pytest.raises(StoreError) as err:
-        store.claim_run("rm-x", "identity-b", other)
+        claim_run(store, "rm-x", "identity-b", other)
     assert str(err.value) == (
         f"run name 'rm-x' in {store.root} already holds a run of other settings: "
         f"algorithm.rm.base_model (files): \"{'a' * 36}... (stored run) vs \"{'b' * 36}... (this run), "
@@ -295,7 +296,7 @@ def test_a_refused_claim_names_the_settings_that_differ(store):
         "rerun with --name <another name> (a deployment: the override run.name=<another name>)")
     with pytest.raises(StoreError, match=r"other settings: algorithm.rm.optimizer.lr: 1e-05 \(stored run\) vs "
                                          r"0.0001 \(this run\); rerun with --name"):
-        store.claim_run("rm-x", "identity-c", {**settings, "algorithm.rm.optimizer.lr": 0.0001})
+        claim_run(store, "rm-x", "identity-c", {**settings, "algorithm.rm.optimizer.lr": 0.0001})
 
 
 def test_local_first_claims_race_to_one_winner(tmp_path):
@@ -303,7 +304,7 @@ def test_local_first_claims_race_to_one_winner(tmp_path):
 
     def claim(i):
         try:
-            store.claim_run("raced", f"identity-{i % 2}")
+            claim_run(store, "raced", f"identity-{i % 2}")
             return i % 2
         except StoreError:
             return None

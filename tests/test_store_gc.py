@@ -15,6 +15,7 @@ import torch
 
 from clirun import final_result, run_rollout, task_run_states
 from rollout_cli.main import main as rollout_main
+from rollout_lib.identity.claims import claim_run
 from rollout_lib.rl.policy import STEP_STATE_KIND
 from rollout_lib.store import ObjectNotFoundError, ObjectStore, StoreError
 from rollout_lib.store_gc import _looks_like_json, collect_garbage, plan_gc
@@ -77,7 +78,7 @@ class Run:
                                        "parent": self.step1, "training_identity": "0" * 64})
         self.latest = checkpoint(store, 3, self.pending, model_files, data)
         store.set_ref("runs/a/latest", self.latest)
-        store.claim_run("a", "identity-a")
+        claim_run(store, "a", "identity-a")
         self.pairs = store.put_table(table([9, 9, 9]))  # a task output no manifest names
 
         # An abandoned run: it shares the model files (kept through run a) but no ref reaches it.

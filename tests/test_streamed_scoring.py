@@ -16,7 +16,9 @@ import pytest
 
 import streamed_rewards
 from rollout_lib import wire
-from rollout_lib.config import RlConfig, load_config, training_hash
+from rollout_lib.config import RlConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.calculator import CalculatorSettings
 from rollout_lib.envs.episodes import run_episodes

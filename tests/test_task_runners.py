@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from clirun import final_result, run_rollout, task_run_states, train_in_process
-from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash
+from rollout_lib.identity.training import training_settings
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.config.common import TaskRunnerSettings
 from rollout_lib.store import ObjectStore
 from rollout_lib.identity.training import training_identity
@@ -56,7 +59,7 @@ def test_the_task_runner_is_in_no_identity():
     dask = rl_tiny(**{"run.task_runner.type": "dask", "run.task_runner.n_workers": 2, "run.task_runner.chunks": 3})
     assert training_hash(dask) == training_hash(default)
     assert training_identity(dask) == training_identity(default)
-    assert "task_runner" not in str(dask.training_settings())
+    assert "task_runner" not in str(training_settings(dask))
 
 
 def test_chunked_scoring_merges_to_the_single_score_tasks_table_and_metrics(tmp_path):

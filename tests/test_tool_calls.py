@@ -15,7 +15,9 @@ import pyarrow as pa
 import pytest
 
 from rollout_lib import wire
-from rollout_lib.config import ConfigError, RlConfig, load_config, training_hash, validate_config
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.plan_checks import load_config, validate_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.config.loading import read_toml
 from rollout_lib.envs import EnvReply, build_interaction
 from rollout_lib.envs.tool_calls import ToolCallsSettings

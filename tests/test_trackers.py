@@ -25,7 +25,8 @@ from conftest import ROOT
 from rollout_cli.local_server import free_port
 from rollout_cli.processes import stop_process_group
 from rollout_lib.config import ConfigError
-from rollout_lib.config.loading import load_config, training_hash
+from rollout_lib.plan_checks import load_config
+from rollout_lib.identity.training import training_hash
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.identity.training import training_identity
 from rollout_lib.runlog.metrics_file import read_metrics

@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("verifiers", reason="the verifiers extra is not installed (pip install 'rollout[verifiers]')")
 
-from rollout_lib.config import ConfigError, load_config  # noqa: E402
+from rollout_lib.config import ConfigError  # noqa: E402
+from rollout_lib.plan_checks import load_config  # noqa: E402
 from rollout_lib.config.rl import EnvSettings, RlConfig  # noqa: E402
 from rollout_lib.data import DataError  # noqa: E402
 from rollout_lib.envs import build_interaction  # noqa: E402

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rollout_lib.paths import default_store
-from rollout_lib.hardware import (HardwareSettings, hardware_settings,  # noqa: F401  (composed here)
-                                  placement_problems, resolve_hardware)
+from rollout_lib.hardware import HardwareSettings  # noqa: F401  (composed here)
 from rollout_lib.settings_base import ModelRef, StrictModel, tagged_union
 
 __all__ = ["ModelRef", "StrictModel"]  # defined in settings_base (importable without this package), used here
@@ -265,6 +264,15 @@ class TableDataset(StrictModel):
 DatasetSource = tagged_union((JsonlDataset, TableDataset), "dataset", default="jsonl_path")
 
 
+def dataset_setting(config, split: str):
+    """The dataset setting of a split ("train" or "eval") of an entry point with `dataset` and `eval_dataset`."""
+    return config.settings.dataset if split == "train" else config.settings.eval_dataset
+
+
+def dataset_locator(config, split: str) -> str:
+    return f"algorithm.{config.algorithm.kind}.{'dataset' if split == 'train' else 'eval_dataset'}"
+
+
 class EntryPointConfig(StrictModel):
     """The settings of one entry point: `[run]` and `[algorithm.<kind>]`. A subclass declares `algorithm` (a model
     with `kind` and a field of that name holding the entry point's settings)."""
@@ -287,60 +295,7 @@ class EntryPointConfig(StrictModel):
         """The entry point's own settings block (`algorithm.rm`, `algorithm.sft`, `algorithm.rl`)."""
         return getattr(self.algorithm, self.algorithm.kind)
 
-    def plan_problems(self) -> list[tuple[str, str]]:
-        """The seed's validate_plan: (dotted locator, problem) pairs found at plan time, before any model loads."""
-        return self.adapter_problems() + self.placement_problems()
-
-    def served_gpus(self) -> list[tuple[str, list[int] | None]]:
-        """(locator, gpus) of each model this entry point serves on this node beside its trainer (RL's policy)."""
-        return []
-
-    def placement_problems(self) -> list[tuple[str, str]]:
-        """GPUs the trainer and the served models cannot take as set (hardware.placement_problems)."""
-        return placement_problems(self.hardware_locator, hardware_settings(self.settings), self.served_gpus())
-
-    def adapter_problems(self) -> list[tuple[str, str]]:
-        """An adapter whose target modules match nothing in the base model, found from the base's config.json
-        alone (a skeleton on the meta device) where it is at hand; else the trainer's build reports it."""
-        settings = self.settings
-        adapter = getattr(settings, "adapter", None)
-        if adapter is None:
-            return []
-        from rollout_lib.adapters import target_problem
-        from rollout_lib.model.loading import model_skeleton
-
-        skeleton = model_skeleton(settings.base_model, reward_model=self.algorithm.kind == "rm")
-        problem = target_problem(skeleton, adapter) if skeleton is not None else None
-        return [] if problem is None else [(f"algorithm.{self.algorithm.kind}.adapter.target_modules", problem)]
-
-    # Settings of the entry point that never decide the trained weights: where and how often to snapshot, what to
-    # evaluate on, the budget (the schedule's horizon enters on its own), and the dataset's location (its content
-    # enters cache keys as a content id).
-    NOT_TRAINING: ClassVar[frozenset[str]] = frozenset(
-        {"checkpoint_interval", "budget", "eval_dataset", "eval_batch_size", "dataset"})
-
-    def training_settings(self) -> dict:
-        """The settings that decide the trained weights, as JSON: everything of the entry point's block but
-        NOT_TRAINING, the learning-rate schedule's horizon, the seed and the thread count. `run.name`, `run.store`
-        and `run.storage_options` (credentials) never enter it."""
-        settings = self.settings
-        # `hardware` enters resolved (`hardware_identity`), never as spelt: "auto" and the device it resolves to
-        # are one training, and gradient checkpointing is none at all.
-        block = settings.model_dump(
-            mode="json", exclude=(set(self.NOT_TRAINING) | {"hardware"}) & set(type(settings).model_fields))
-        trained = {**block, "schedule_horizon": settings.optimizer.schedule_horizon(settings.budget.max_steps),
-                   "seed": self.run.seed, "torch_threads": self.run.torch_threads}
-        hardware = self.hardware_identity()
-        if hardware is not None:  # absent for fp32 on CPU: identities of CPU runs are what they always were
-            trained["hardware"] = hardware
-        return trained
-
     @property
     def hardware_locator(self) -> str:
         """Where the entry point's hardware settings are written (`algorithm.<kind>.hardware`)."""
         return f"algorithm.{self.algorithm.kind}.hardware"
-
-    def hardware_identity(self) -> dict | None:
-        """The hardware settings as they decide the weights, "auto" resolved on this machine (hardware.py)."""
-        resolved = resolve_hardware(hardware_settings(self.settings), self.hardware_locator)
-        return hardware_settings(self.settings).identity_settings(resolved.device.type)

@@ -1,4 +1,5 @@
-"""Load settings from TOML with `--set key.path=value` overrides; hash them stably for cache keys."""
+"""Load settings from TOML with `--set key.path=value` overrides, validated against their schema. (Checked against
+the plan as well: rollout_lib/plan_checks; hashed for cache keys: rollout_lib/identity.)"""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
-import blake3
 from pydantic import BaseModel, ValidationError
 
 from rollout_lib.config.common import BASE_DIR
 from rollout_lib.config.keys import closest_key, key_paths
 from rollout_lib.errors import FILE, ConfigError, from_validation_error, locator
 from rollout_lib.paths import config_base_dir
-from rollout_lib.store import canonical_json
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -100,28 +99,18 @@ def read_toml(path: str | Path) -> dict:
         raise ConfigError([(FILE, f"not valid TOML: {exc}")], source=str(path)) from None
 
 
-def validate_config(cls: type[ConfigT], raw: dict, source: str | None = None,
-                    base_dir: str | Path | None = None) -> ConfigT:
+def validate_settings(cls: type[ConfigT], raw: dict, source: str | None = None,
+                      base_dir: str | Path | None = None) -> ConfigT:
     """Validate settings; relative paths in them resolve from `base_dir` (default: the working directory)."""
     try:
-        config = cls.model_validate(raw, context={BASE_DIR: str(base_dir)} if base_dir is not None else None)
+        return cls.model_validate(raw, context={BASE_DIR: str(base_dir)} if base_dir is not None else None)
     except ValidationError as exc:
         raise from_validation_error(exc, source, suggest=lambda unknown: closest_key(unknown, key_paths(cls))) from None
-    problems = config.plan_problems() if hasattr(config, "plan_problems") else []
-    if problems:
-        raise ConfigError(problems, source)
-    return config
 
 
-def load_config(cls: type[ConfigT], path: str | Path, overrides: list[str] | dict | None = None) -> ConfigT:
+def load_settings(cls: type[ConfigT], path: str | Path, overrides: list[str] | dict | None = None) -> ConfigT:
     """A config file's settings with `overrides` applied; relative paths in both resolve from the file's project
     root (paths.config_base_dir), whatever the working directory."""
-    return validate_config(cls, apply_overrides(read_toml(path), overrides), source=str(path),
-                           base_dir=config_base_dir(path))
+    return validate_settings(cls, apply_overrides(read_toml(path), overrides), source=str(path),
+                             base_dir=config_base_dir(path))
 
-
-def training_hash(config) -> str:
-    """Hash of the settings that decide the trained weights (`training_settings()`): not where they are stored,
-    not how often they are snapshotted or evaluated, no credentials. (identity.training adds the base model's
-    content.)"""
-    return blake3.blake3(canonical_json(config.training_settings())).hexdigest()

@@ -34,15 +34,11 @@ from __future__ import annotations
 
 import functools
 import json
-import warnings
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rollout_lib.algo import ALGORITHMS, algo_settings_types
-from rollout_lib.algo.base import trains_env_tokens
-from rollout_lib.data.sources import is_table_source, source_identity
-from rollout_lib.digests import file_digest
 from rollout_lib.envs import interaction_settings_types
 from rollout_lib.envs.tools import ToolSettings
 from rollout_lib.envs.verifiers_env import VerifiersSource
@@ -63,9 +59,8 @@ from rollout_lib.losses import RL_LOSS_WHAT
 from rollout_lib.rl_losses.correction import build_correction
 from rollout_lib.rl_losses import build_rl_loss, rl_loss_settings_types
 from rollout_lib.rl_losses.default import DefaultLossSettings
-from rollout_lib.reward.locate import check_reference, import_reference, module_source_digest
+from rollout_lib.reward.locate import check_reference, import_reference
 from rollout_lib.reward.settings import (
-    RewardFunctionSettings,
     RewardLoopSettings,
     RewardModelSettings,
     RewardSettings,
@@ -73,7 +68,7 @@ from rollout_lib.reward.settings import (
 )
 from rollout_lib.sampling import SamplingParams, sampler_settings_types
 from rollout_lib.settings_base import tagged_union
-from rollout_lib.store import canonical_json, is_process_local
+from rollout_lib.store import canonical_json
 
 
 def env_locator(index: int, path: str = "") -> str:
@@ -279,7 +274,7 @@ RlLossSettings = tagged_union((*rl_loss_settings_types(), CustomLossSettings), "
 class CollapseSettings(StrictModel):
     """The collapse guard (rollout_lib/rl/collapse.py, docs/runs.md "When RL collapses"): a symptom held for
     `patience` consecutive steps is a collapse, said in one warning line ("warn"), or failing the run ("fail").
-    It watches the steps, never changes one: not part of the training identity (RlConfig.NOT_TRAINING), so changing
+    It watches the steps, never changes one: not part of the training identity (identity/training.py), so changing
     it reuses every finished step."""
 
     action: Literal["warn", "fail", "off"] = "warn"
@@ -416,9 +411,6 @@ class RlAlgorithm(StrictModel):
 class RlConfig(EntryPointConfig):
     algorithm: RlAlgorithm
 
-    # The collapse guard watches the steps and may stop the run; it never decides what a step trains.
-    NOT_TRAINING: ClassVar[frozenset[str]] = EntryPointConfig.NOT_TRAINING | {"collapse"}
-
     @property
     def packed_tokens(self) -> int:
         return self.settings.micro_batch_tokens or self.settings.max_seq_len
@@ -447,12 +439,6 @@ class RlConfig(EntryPointConfig):
         `base_url`."""
         return [(where, reward) for where, reward in self.reward_models() if reward.engine == "vllm"]
 
-    @model_validator(mode="after")
-    def _warn(self) -> "RlConfig":
-        for locator, message in self.plan_warnings():
-            warnings.warn(f"{locator}: {message}", UserWarning, stacklevel=2)
-        return self
-
     def frozen_models(self) -> list[tuple[str, FrozenModel]]:
         """(locator, settings) of every frozen model the run talks to, in config order: an env's sampling source
         and any frozen model its algorithm's settings name (a teacher)."""
@@ -461,7 +447,7 @@ class RlConfig(EntryPointConfig):
             where = env_locator(index)
             if env.sampler.frozen is not None:
                 found.append((f"{where}.sampler.source", env.sampler.frozen))
-            found.extend((f"{where}.algo.{name}", value) for name, value in _frozen_fields(env.algo))
+            found.extend((f"{where}.algo.{name}", value) for name, value in frozen_fields(env.algo))
         return found + self.judges()
 
     def judges(self) -> list[tuple[str, FrozenModel]]:
@@ -470,149 +456,6 @@ class RlConfig(EntryPointConfig):
         return [(env_locator(index, f"rewards[{r_index}].judge"), reward.judge)
                 for index, env in enumerate(self.settings.envs) for r_index, reward in enumerate(env.rewards)
                 if getattr(reward, "judge", None) is not None]
-
-    def training_settings(self) -> dict:
-        """As every entry point's, but a frozen model enters as what identifies its content (the served name, or
-        for a model rollout serves, nothing here: identity.training adds its content digest), never as its
-        addresses, timeouts or replica count."""
-        settings = super().training_settings()
-        # The circuit breaker decides whether a step fails, never what a step that runs trains.
-        settings["reward_loop"].pop("max_missing_fraction")
-        # Scoring each rollout as it is sampled or after the last changes when a reward is computed, never its value.
-        settings["reward_loop"].pop("streamed")
-        settings["policy_sampler"] = self.settings.policy_sampler.identity_settings()
-        # What the logprobs are, not how it was spelt: "auto" and the value it resolves to are one training. At
-        # their defaults (k = 0, the sampler's logprobs) both are left out: the synchronous loop's identity is as
-        # it was before they existed.
-        settings.pop("behaviour_logprobs")
-        # Computing the behaviour logprobs while sampling or after changes when they are computed, never their bits.
-        settings.pop("overlap_behaviour_logprobs")
-        if self.settings.behaviour_logprobs_source != "sampler":
-            settings["behaviour_logprobs"] = self.settings.behaviour_logprobs_source
-        if not settings["max_off_policy_steps"]:
-            settings.pop("max_off_policy_steps")
-        # Whether a run stops after non-finite steps, never what a step that runs trains (a skipped step is skipped
-        # whatever the limit).
-        settings["loss"].pop("max_nonfinite_steps")
-        if self.settings.loss.type == "custom":  # the function's source decides the weights as much as its name
-            settings["loss"]["source"] = module_source_digest(self.settings.loss.user_modules()[0])
-        if self.settings.chat_template is not None:  # the template's content, not where this checkout keeps it
-            settings["chat_template"] = file_digest(self.settings.chat_template)
-        for dumped in settings["envs"]:
-            dumped.pop("eval")  # evaluation watches the policy, it never changes it
-        for index, (env, dumped) in enumerate(zip(self.settings.envs, settings["envs"])):
-            if env.source.type == "jsonl_path":  # the prompts' content, not where this checkout keeps the file
-                dumped["source"] = {"type": env.source.type, "file": file_digest(env.source.path)}
-            elif is_table_source(env.source):  # likewise: the table's content digest, split and column mapping
-                dumped["source"] = source_identity(env.source, env_locator(index, "source"))
-            if env.sampler.frozen is not None:
-                dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()
-            for name, value in _frozen_fields(env.algo):
-                dumped["algo"][name] = value.identity_settings()
-            for reward, dumped_reward in zip(env.rewards, dumped["rewards"]):
-                if getattr(reward, "judge", None) is not None:
-                    dumped_reward["judge"] = reward.judge.identity_settings()
-                if isinstance(reward, RewardModelSettings):
-                    for resource in reward.RESOURCES:  # served by rollout or at a URL: the same engine's scores
-                        dumped_reward.pop(resource)
-                    if reward.engine == "embedded":  # absent, so identities from before the setting stay
-                        dumped_reward.pop("engine")
-        return settings
-
-    def plan_warnings(self) -> list[tuple[str, str]]:
-        """Settings that run but are probably not what was meant."""
-        found = []
-        for index, env in enumerate(self.settings.envs):
-            where = env_locator(index)
-            if type(env.algo).group_relative and env.sampling.group_size == 1:
-                found.append((f"{where}.sampling.group_size",
-                              f"{env.algo.type} is group-relative: with group_size = 1 every advantage is 0 and "
-                              "the env never trains"))
-            if env.sampler.frozen is not None and ALGORITHMS[env.algo.type].action_loss == "rl":
-                found.append((f"{where}.sampler.source",
-                              f"{env.algo.type} trains the rl component on rollouts of a frozen model: importance "
-                              "ratios are against that model's logprobs, so every step is off-policy"))
-            if trains_env_tokens(ALGORITHMS[env.algo.type]) and env.interaction is None:
-                found.append((f"{where}.algo",
-                              f"{env.algo.type} trains on tokens the environment writes, and this env has no "
-                              "interaction (single-turn): it trains exactly as grpo"))
-            if env.sampling.top_p != 1.0:
-                # Temperature is matched (the trainer scales each token's logits by it); the nucleus is not.
-                found.append((f"{where}.sampling.top_p",
-                              "top_p != 1: sampling logprobs are those of the truncated distribution, the "
-                              "trainer's are not, so importance ratios are off-policy by construction"))
-        return found
-
-    def served_gpus(self) -> list[tuple[str, list[int] | None]]:
-        return [("algorithm.rl.policy_sampler.gpus", getattr(self.settings.policy_sampler, "gpus", None))]
-
-    def plan_problems(self) -> list[tuple[str, str]]:
-        """Problems found at plan time, before any model loads: names and kwargs that cannot resolve."""
-        from rollout_lib.reward.functions import check_reward_function
-
-        settings = self.settings
-        problems = self.adapter_problems() + self.placement_problems()
-        judges = {where for where, _ in self.judges()}
-        problems += [(f"{where}.runner", "'pooling' serves a reward model: only a reward function's judge may name one")
-                     for where, frozen in self.frozen_models()
-                     if getattr(frozen, "runner", "generate") != "generate" and where not in judges]
-        names = [env.name for env in settings.envs]
-        for index, env in enumerate(settings.envs):
-            where = env_locator(index)
-            if names.count(env.name) > 1:
-                problems.append((f"{where}.name", f"env name {env.name!r} is used more than once"))
-            for r_index, reward in enumerate(env.rewards):
-                if not isinstance(reward, RewardFunctionSettings):
-                    continue  # a reward model resolves against the store (identity/training.py); a judge connects
-                try:
-                    check_reward_function(reward.function, reward.kwargs,
-                                          filled=("judge",) if reward.judge is not None else ())
-                except ValueError as exc:
-                    problems.append((f"{where}.rewards[{r_index}].function", str(exc)))
-            if isinstance(env.source, ReasoningGymSource):
-                known = _reasoning_gym_datasets()
-                if env.source.dataset not in known:
-                    examples = ", ".join(d for d in ("basic_arithmetic", "chain_sum", "gsm_symbolic") if d in known)
-                    problems.append((f"{where}.source.dataset",
-                                     f"no reasoning-gym dataset {env.source.dataset!r} (e.g. {examples})"))
-            if getattr(type(env.algo), "samples_from_frozen_model", False) and env.sampler.frozen is None:
-                problems.append((f"{where}.sampler.source",
-                                 f"{env.algo.type} distils a frozen model's samples: set sampler.source to a frozen "
-                                 "model ({ model = \"<ref>\" } or { base_url = [...], name = \"...\" }); ce on the "
-                                 "policy's own samples is a different algorithm"))
-            if settings.loss.correction.active and env.sampler.frozen is not None \
-                    and ALGORITHMS[env.algo.type].action_loss == "rl":
-                problems.append((f"{where}.sampler.source",
-                                 f"loss.correction {settings.loss.correction.type!r} compares the policy's sampler "
-                                 "with its trainer; a frozen model's logprobs are another policy's, never the "
-                                 "trainer's: sample this env from the policy or set correction type = \"none\""))
-            if env.dynamic_sampling is not None:
-                problems += _dynamic_sampling_problems(self, env, where)
-            if env.sampling.max_tokens >= settings.max_seq_len:
-                problems.append((f"{where}.sampling.max_tokens", f"must be < algorithm.rl.max_seq_len "
-                                 f"({settings.max_seq_len}) to leave room for the prompt"))
-        if getattr(settings.policy_sampler, "base_url", None) and is_process_local(self.run.store):
-            problems.append(("algorithm.rl.policy_sampler.base_url",
-                             "policy servers at a URL read each state's weights from the run's store themselves, and "
-                             f"run.store = {self.run.store!r} is this process's memory, which no server reaches: set "
-                             "run.store to a directory or bucket those servers read too (a shared filesystem, "
-                             "s3://...), or leave base_url out to serve the policy on this machine"))
-        if settings.micro_batch_tokens is not None and settings.micro_batch_tokens < settings.max_seq_len:
-            problems.append(("algorithm.rl.micro_batch_tokens", f"must be >= max_seq_len ({settings.max_seq_len})"))
-        return problems
-
-
-def _dynamic_sampling_problems(config: "RlConfig", env: EnvSettings, where: str) -> list[tuple[str, str]]:
-    """Dynamic sampling scores each round inside the streamed sample stage (rl/dynamic_sampling.py): the staged
-    path (and a dask or ray fan-out, which is staged) is not built for it."""
-    problems = []
-    if not config.settings.reward_loop.streamed or config.run.task_runner.type != "thread":
-        problems.append((f"{where}.dynamic_sampling", "needs streamed scoring (algorithm.rl.reward_loop.streamed = "
-                         "true, run.task_runner.type = \"thread\"): the staged path does not resample"))
-    if env.sampling.group_size == 1:
-        problems.append((f"{where}.dynamic_sampling", "with sampling.group_size = 1 every group is uniform and "
-                         "would be replaced"))
-    return problems
 
 
 @functools.lru_cache(maxsize=8)
@@ -623,13 +466,7 @@ def _custom_rl_loss(import_path: str, kwargs_json: bytes):
     return functools.partial(function, **json.loads(kwargs_json))
 
 
-def _frozen_fields(settings) -> list[tuple[str, FrozenModel]]:
+def frozen_fields(settings) -> list[tuple[str, FrozenModel]]:
     """(field name, value) of the frozen models among a settings block's fields."""
     return [(name, getattr(settings, name)) for name in type(settings).model_fields
             if isinstance(getattr(settings, name), FROZEN_MODEL_TYPES)]
-
-
-def _reasoning_gym_datasets() -> set[str]:
-    from reasoning_gym.factory import DATASETS
-
-    return set(DATASETS)

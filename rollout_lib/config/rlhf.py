@@ -16,22 +16,18 @@ error names the override.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from rollout_lib.config.common import EntryPointConfig, RunSettings, StrictModel, resolve_path
-from rollout_lib.errors import FILE, ConfigError
-from rollout_lib.config.loading import apply_overrides, load_config, parse_override, read_toml
+from rollout_lib.config.loading import apply_overrides, load_settings, parse_override, read_toml
 from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 
 STAGES = ("sft", "rm", "rl")
 STAGE_CONFIGS: dict[str, type[EntryPointConfig]] = {"sft": SftConfig, "rm": RmConfig, "rl": RlConfig}
-# Stands in for a checkpoint an earlier stage has not trained yet, where a stage's settings are only validated
-# (a checkpoint id is never looked up at validation).
-_NOT_TRAINED_YET = "0" * 64
 _IDENTITY_CHARS = 8
 
 
@@ -116,19 +112,11 @@ class RlhfConfig(StrictModel):
     rm: RmStageSettings
     rl: RlStageSettings
 
-    # Settings of every stage the pipeline sets; a stage override may not touch them (run.seed and
-    # run.torch_threads stay the stage's own).
-    PIPELINE_SETS: ClassVar[dict[str, str]] = {
-        "run.name": "each stage runs under <run.name>-<stage>-<its training identity>",
-        "run.store": "every stage trains in the pipeline's [run] store",
-        "run.storage_options": "every stage trains in the pipeline's [run] store",
-    }
-
     def stage(self, stage: str) -> StageSettings:
         return getattr(self, stage)
 
     def stage_run_name(self, stage: str, identity: str) -> str:
-        """A stage's run name. A run name holds one training (store.claim_run), and a stage's training changes with
+        """A stage's run name. A run name holds one training (identity/claims.py), and a stage's training changes with
         any of its settings or with an earlier stage's checkpoint: naming it by its training identity gives every
         training of the stage its own name, and the same training always the same name (and cache)."""
         return f"{self.run.name}-{stage}-{identity[:_IDENTITY_CHARS]}"
@@ -154,7 +142,7 @@ class RlhfConfig(StrictModel):
     def stage_config(self, stage: str, *, sft_checkpoint: str | None = None, rm_checkpoint: str | None = None):
         """The stage's validated settings (its run name not yet chosen: it follows from them)."""
         overrides = self.stage_overrides(stage, sft_checkpoint=sft_checkpoint, rm_checkpoint=rm_checkpoint)
-        return load_config(STAGE_CONFIGS[stage], self.stage(stage).config, overrides)
+        return load_settings(STAGE_CONFIGS[stage], self.stage(stage).config, overrides)
 
     def rewarded_envs(self) -> list[tuple[int, RmRewardSettings]]:
         """(index in the RL config's envs, how the RM rewards it) for every env the RM stage rewards."""
@@ -175,65 +163,3 @@ class RlhfConfig(StrictModel):
     def _rl_env_names(self) -> list[str]:
         envs = self._rl_raw().get("algorithm", {}).get("rl", {}).get("envs", [])
         return [env.get("name") for env in envs if isinstance(env, dict)] if isinstance(envs, list) else []
-
-    def _reserved(self, stage: str) -> dict[str, str]:
-        """Setting -> why the pipeline sets it, for the stage's overrides."""
-        reserved = dict(self.PIPELINE_SETS)
-        if stage == "rm" and self.rm.start_from == "sft":
-            reserved["algorithm.rm.base_model"] = "the RM starts from the SFT stage's checkpoint (rm.start_from)"
-        if stage == "rl":
-            reserved["algorithm.rl.base_model"] = "the policy starts from the SFT stage's checkpoint"
-        return reserved
-
-    def plan_problems(self) -> list[tuple[str, str]]:
-        """Every stage's settings, validated before the first stage trains: overrides that fight the pipeline,
-        rewarded envs the RL config lacks, and each stage config's own errors."""
-        problems = []
-        for stage in STAGES:
-            for index, (key, _) in enumerate(self.stage(stage).override_pairs()):
-                why = next((why for setting, why in self._reserved(stage).items() if _touches(key, setting)), None)
-                if why is not None:
-                    problems.append((f"{stage}.overrides[{index}]", f"sets {key}, which the pipeline sets: {why}"))
-        if problems:
-            return problems
-        try:
-            names = self._rl_env_names()
-        except ConfigError as exc:
-            return _stage_problems("rl", exc)
-        rewarded = self.rl.rm_rewards or []
-        for index, target in enumerate(rewarded):
-            if target.env not in names:
-                known = ", ".join(map(str, names)) or "none"
-                problems.append((f"rl.rm_rewards[{index}].env",
-                                 f"no env {target.env!r} in {self.rl.config} (its envs: {known})"))
-        if problems:
-            return problems
-        for index, target in self.rewarded_envs():
-            if target.keep_rewards:
-                continue
-            why = f"the RM checkpoint replaces the rewards of env {target.env!r} (rl.rm_rewards: keep_rewards = false)"
-            for o_index, (key, _) in enumerate(self.rl.override_pairs()):
-                if _touches(key, env_locator(index, "rewards")):
-                    problems.append((f"rl.overrides[{o_index}]", f"sets {key}, but {why}"))
-        if problems:
-            return problems
-        for stage in STAGES:
-            try:
-                self.stage_config(stage, sft_checkpoint=_NOT_TRAINED_YET, rm_checkpoint=_NOT_TRAINED_YET)
-            except ConfigError as exc:
-                problems.extend(_stage_problems(stage, exc))
-        return problems
-
-
-def _stage_problems(stage: str, exc: ConfigError) -> list[tuple[str, str]]:
-    """A stage config's errors under the stage's name: a file that cannot be read as `<stage>.config`, a setting as
-    `<stage>: <its file>: <its locator>`."""
-    source = f"{exc.source}: " if exc.source else ""
-    return [(f"{stage}.config", f"{source}{message}") if where == FILE else
-            (stage, f"{source}{where}: {message}") for where, message in exc.problems]
-
-
-def _touches(key: str, setting: str) -> bool:
-    """Whether an override of `key` writes `setting` or part of it (or a table holding it)."""
-    return any(longer == shorter or longer.startswith((f"{shorter}.", f"{shorter}["))
-               for longer, shorter in ((key, setting), (setting, key)))

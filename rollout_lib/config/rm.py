@@ -53,11 +53,3 @@ class RmAlgorithm(StrictModel):
 
 class RmConfig(EntryPointConfig):
     algorithm: RmAlgorithm
-
-    def plan_problems(self) -> list[tuple[str, str]]:
-        """The seed's validate_plan: problems found at plan time, before any model loads."""
-        problems = self.adapter_problems() + self.placement_problems()
-        if self.settings.head == "pairwise_logistic" and self.settings.center_rewards_coefficient:
-            problems.append(("algorithm.rm.center_rewards_coefficient", "centres bradley_terry's rewards; "
-                             "pairwise_logistic scores a pair, not a response: leave it 0"))
-        return problems

@@ -80,21 +80,3 @@ class SftAlgorithm(StrictModel):
 
 class SftConfig(EntryPointConfig):
     algorithm: SftAlgorithm
-
-    def plan_problems(self) -> list[tuple[str, str]]:
-        """The seed's validate_plan: problems found at plan time, before any model loads."""
-        settings = self.settings
-        problems = self.adapter_problems() + self.placement_problems()
-        if settings.packed and settings.gradient_accumulation != 1:
-            problems.append((
-                "algorithm.sft.gradient_accumulation",
-                "must be 1 with packing on: the packer forms the micro-batches (at most packing.max_seq_len tokens "
-                f"each) from the step's {settings.minibatch_size} examples",
-            ))
-        elif settings.minibatch_size % settings.gradient_accumulation:
-            problems.append((
-                "algorithm.sft.gradient_accumulation",
-                f"must divide minibatch_size ({settings.minibatch_size}) so that every micro-batch holds as many "
-                f"examples (got {settings.gradient_accumulation})",
-            ))
-        return problems

@@ -1,5 +1,5 @@
 """Data sources beside JSONL: parquet files, Arrow files and `save_to_disk` folders (config.common.TableDataset),
-read offline into Arrow, and the content digest that stands for them in cache keys and identities.
+read offline into Arrow (their content digest, which stands for them in cache keys and identities: identity/digests.py).
 
 Nothing here turns rows into Python objects: parquet is decoded column by column into Arrow buffers (only the
 columns rollout reads), Arrow files and `save_to_disk` folders are memory-mapped. What a loader does with the table
@@ -12,13 +12,10 @@ what to do: a dataset has no line numbers.
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import re
 from pathlib import Path
 
-import blake3
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -202,58 +199,3 @@ def _hf_table(source, where: str) -> pa.Table:
     # The memory-mapped table itself; a dataset saved after select() has no indices mapping (save_to_disk
     # flattens it), so its rows are the table's rows.
     return dataset.with_format("arrow")[:] if dataset._indices is not None else dataset.data.table
-
-
-# --- identity ---------------------------------------------------------------------------------------------------
-
-
-def source_identity(source, where: str = "dataset") -> dict:
-    """What a table source contributes to a cache key or identity: its type, split, column mapping and content
-    digest; never its path, so the same table moved or copied is the same data."""
-    return {"type": source.type, "content": content_digest(source, where), "split": source.split,
-            "columns": dict(sorted(source.columns.items()))}
-
-
-def content_digest(source, where: str = "dataset") -> str:
-    """blake3 over the digests of the files holding the split, in row order."""
-    digest = blake3.blake3()
-    for path in data_files(source, where):
-        digest.update(_file_digest(path).encode() + b"\0")
-    return digest.hexdigest()
-
-
-def _file_digest(path: Path) -> str:
-    """A file's blake3, kept in rollout's cache by (path, size, mtime) so a large set is hashed once, not at every
-    plan: a rewritten file has a new mtime and is hashed again."""
-    stat = path.stat()
-    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    known = _digest_cache()
-    if key not in known:
-        digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        digest.update_mmap(str(path))
-        known[key] = digest.hexdigest()
-        _save_digest_cache(known)
-    return known[key]
-
-
-_DIGEST_CACHE_FILE = "data-file-digests.json"
-
-
-@functools.cache
-def _digest_cache() -> dict[str, str]:
-    try:
-        return json.loads((rollout_cache_dir() / _DIGEST_CACHE_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_digest_cache(known: dict[str, str]) -> None:
-    # Written whole and renamed: a concurrent writer loses at most an entry (hashed again), never the file.
-    target = rollout_cache_dir() / _DIGEST_CACHE_FILE
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps(known))
-        staging.replace(target)
-    except OSError:
-        pass  # a read-only cache dir costs a rehash next time, nothing else

@@ -1,5 +1,6 @@
-"""What a task's result depends on besides its settings and the content ids it reads: the digest of a data file,
-and the source of user code it runs (reward functions, algorithm plugins and custom advantage functions,
+"""What a task's result depends on besides the training identity and the content ids it reads: the settings and data
+a data task reads (SFT's and RM's load, tokenize, plan and pack tasks), the digest of a data file, and the source of
+user code it runs (reward functions, algorithm plugins and custom advantage functions,
 environments). User code is outside the project's code version (identity/code.py), so each task's key names the
 source file of every outside module it calls: editing a reward function re-scores on the next run instead of
 returning old scores from cache. Only that file: helpers it imports from elsewhere are not followed.
@@ -11,12 +12,13 @@ itself then reports it, naming the place).
 from __future__ import annotations
 
 from rollout_lib.algo import ALGORITHMS
-from rollout_lib.data.sources import is_table_source, source_identity
-from rollout_lib.digests import file_digest
+from rollout_lib.config.common import dataset_locator, dataset_setting
+from rollout_lib.data.sources import is_table_source
 from rollout_lib.identity.code import PROJECT_PACKAGES
+from rollout_lib.identity.digests import file_digest, module_source_digest, prompt_source_identity, source_identity
 from rollout_lib.identity.training import reward_model_contents
 from rollout_lib.model.loading import model_content_digest
-from rollout_lib.reward.locate import module_source_digest
+from rollout_lib.rm.heads import DEFAULT_HEAD
 
 
 def _env(config, name: str):
@@ -26,17 +28,14 @@ def _env(config, name: str):
 def prompt_sources(config, env_name: str) -> dict:
     """What an env's prompts are made of: its source settings (and the file's digest) and how many a step draws."""
     env = _env(config, env_name)
-    if env.source.type == "jsonl_path":  # the file's content, not where this checkout keeps it
-        return {"source": {"type": env.source.type, "file": file_digest(env.source.path)},
-                "prompts_per_step": env.prompts_per_step}
-    if is_table_source(env.source):  # likewise: the table's content digest, never its path
-        return {"source": source_identity(env.source), "prompts_per_step": env.prompts_per_step}
     if env.source.type == "verifiers":  # the environment's dataset: made by its module, with its arguments
         return {"source": {**env.source.model_dump(mode="json"), "env_args": env.interaction.env_args,
                            "env_source": {module: module_source_digest(module)
                                           for module in env.interaction.user_modules()}},
                 "prompts_per_step": env.prompts_per_step}
-    return {"source": env.source.model_dump(mode="json"), "prompts_per_step": env.prompts_per_step}
+    # The data's content, not where this checkout keeps it.
+    source = prompt_source_identity(env.source) or env.source.model_dump(mode="json")
+    return {"source": source, "prompts_per_step": env.prompts_per_step}
 
 
 def reward_sources(config) -> dict:
@@ -82,10 +81,7 @@ def eval_sources(config, env_name: str) -> dict:
     reward functions and the content of reward models it scores with."""
     evaluation = _env(config, env_name).eval
     sources = {"eval": evaluation.model_dump(mode="json")}
-    if evaluation.source.type == "jsonl_path":  # the file's content, not where this checkout keeps it
-        sources["eval"]["source"] = {"type": evaluation.source.type, "file": file_digest(evaluation.source.path)}
-    elif is_table_source(evaluation.source):
-        sources["eval"]["source"] = source_identity(evaluation.source)
+    sources["eval"]["source"] = prompt_source_identity(evaluation.source) or sources["eval"]["source"]
     for reward, dumped in zip(evaluation.rewards or (), sources["eval"]["rewards"] or ()):
         if hasattr(reward, "function") and ":" in reward.function:
             sources[reward.function] = module_source_digest(reward.function.partition(":")[0])
@@ -96,3 +92,36 @@ def eval_sources(config, env_name: str) -> dict:
             dumped.pop("base_url")
             dumped.pop("served_name")
     return sources
+
+
+def dataset_identity(config, split: str) -> dict:
+    """What a load task reads of its split's data: a JSONL file's path and digest (as it always has), a table's
+    content digest, split and column mapping, never its path."""
+    dataset = dataset_setting(config, split)
+    if is_table_source(dataset):
+        return {"source": source_identity(dataset, dataset_locator(config, split))}
+    return {"path": dataset.path, "file": file_digest(dataset.path)}
+
+
+def sft_tokenizer_reads(config) -> dict:
+    settings = config.settings
+    return {"tokenizer": model_content_digest(settings.base_model), "loss_on": settings.loss_on.kind,
+            "max_seq_len": settings.packing.max_seq_len}
+
+
+def sft_plan_reads(config) -> dict:
+    settings = config.settings
+    return {"minibatch_size": settings.minibatch_size, "max_steps": settings.budget.max_steps, "seed": config.run.seed}
+
+
+def sft_packing_reads(config) -> dict:
+    settings = config.settings
+    return {"packing": settings.packing.model_dump(), "gradient_accumulation": settings.gradient_accumulation,
+            "minibatch_size": settings.minibatch_size}
+
+
+def rm_tokenizer_reads(config) -> dict:
+    reads = {"tokenizer": model_content_digest(config.settings.base_model), "max_seq_len": config.settings.max_seq_len}
+    if config.settings.head != DEFAULT_HEAD:  # the head decides the inputs; absent at the default, as keys were
+        reads["head"] = config.settings.head
+    return reads

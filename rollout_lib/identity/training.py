@@ -4,6 +4,10 @@ Checkpoint manifests carry it and every training task's cache key is built from 
 the same weights share checkpoints and cache entries (extending a run, adding an eval set, changing the snapshot
 interval or the store's credentials reuses every finished step), and anything that would change the weights
 (a setting, the seed, the thread count, the base model's files) starts a new chain.
+
+The settings part is projected out of a config here (`training_settings`): every entry point's block but for what
+never decides the weights (NOT_TRAINING); RL's further keeps a frozen model as what identifies its content, a file
+as its content digest, and drops what only decides how fast, or whether, a run goes on.
 """
 
 from __future__ import annotations
@@ -14,11 +18,94 @@ from pathlib import Path
 import blake3
 
 from rollout_lib.checkpoint import checkpoint_named
-from rollout_lib.config.loading import training_hash
 from rollout_lib.errors import ConfigError
+from rollout_lib.config.rl import env_locator, frozen_fields
+from rollout_lib.hardware import hardware_settings, resolve_hardware
+from rollout_lib.identity.digests import file_digest, module_source_digest, prompt_source_identity
+from rollout_lib.reward.settings import RewardModelSettings
 from rollout_lib.model.loading import ModelLoadError, model_content_digest
 from rollout_lib.serving.settings import ExternalModel
 from rollout_lib.store import ObjectStore, StoreError, canonical_json
+
+
+# Settings of the entry point that never decide the trained weights: where and how often to snapshot, what to
+# evaluate on, the budget (the schedule's horizon enters on its own), and the dataset's location (its content
+# enters cache keys as a content id).
+NOT_TRAINING = frozenset({"checkpoint_interval", "budget", "eval_dataset", "eval_batch_size", "dataset"})
+# RL's collapse guard watches the steps and may stop the run; it never decides what a step trains.
+NOT_TRAINING_BY_KIND = {"rl": NOT_TRAINING | {"collapse"}}
+
+
+def training_hash(config) -> str:
+    """Hash of the settings that decide the trained weights (`training_settings`): not where they are stored, not
+    how often they are snapshotted or evaluated, no credentials. (identity.training adds the base model's
+    content.)"""
+    return blake3.blake3(canonical_json(training_settings(config))).hexdigest()
+
+
+def training_settings(config) -> dict:
+    """The settings that decide the trained weights, as JSON: everything of the entry point's block but
+    NOT_TRAINING, the learning-rate schedule's horizon, the seed and the thread count. `run.name`, `run.store` and
+    `run.storage_options` (credentials) never enter it."""
+    settings = config.settings
+    # `hardware` enters resolved, never as spelt: "auto" and the device it resolves to are one training, and
+    # gradient checkpointing is none at all.
+    not_training = NOT_TRAINING_BY_KIND.get(config.algorithm.kind, NOT_TRAINING)
+    block = settings.model_dump(mode="json",
+                                exclude=(set(not_training) | {"hardware"}) & set(type(settings).model_fields))
+    trained = {**block, "schedule_horizon": settings.optimizer.schedule_horizon(settings.budget.max_steps),
+               "seed": config.run.seed, "torch_threads": config.run.torch_threads}
+    resolved = resolve_hardware(hardware_settings(settings), config.hardware_locator)
+    hardware = hardware_settings(settings).identity_settings(resolved.device.type)
+    if hardware is not None:  # absent for fp32 on CPU: identities of CPU runs are what they always were
+        trained["hardware"] = hardware
+    return _rl_training_settings(config, trained) if config.algorithm.kind == "rl" else trained
+
+
+def _rl_training_settings(config, settings: dict) -> dict:
+    """RL's: a frozen model enters as what identifies its content (the served name, or for a model rollout serves,
+    nothing here: identity.training adds its content digest), never as its addresses, timeouts or replica count."""
+    rl = config.settings
+    # The circuit breaker decides whether a step fails, never what a step that runs trains.
+    settings["reward_loop"].pop("max_missing_fraction")
+    # Scoring each rollout as it is sampled or after the last changes when a reward is computed, never its value.
+    settings["reward_loop"].pop("streamed")
+    settings["policy_sampler"] = rl.policy_sampler.identity_settings()
+    # What the logprobs are, not how it was spelt: "auto" and the value it resolves to are one training. At their
+    # defaults (k = 0, the sampler's logprobs) both are left out: the synchronous loop's identity is as it was
+    # before they existed.
+    settings.pop("behaviour_logprobs")
+    # Computing the behaviour logprobs while sampling or after changes when they are computed, never their bits.
+    settings.pop("overlap_behaviour_logprobs")
+    if rl.behaviour_logprobs_source != "sampler":
+        settings["behaviour_logprobs"] = rl.behaviour_logprobs_source
+    if not settings["max_off_policy_steps"]:
+        settings.pop("max_off_policy_steps")
+    # Whether a run stops after non-finite steps, never what a step that runs trains (a skipped step is skipped
+    # whatever the limit).
+    settings["loss"].pop("max_nonfinite_steps")
+    if rl.loss.type == "custom":  # the function's source decides the weights as much as its name
+        settings["loss"]["source"] = module_source_digest(rl.loss.user_modules()[0])
+    if rl.chat_template is not None:  # the template's content, not where this checkout keeps it
+        settings["chat_template"] = file_digest(rl.chat_template)
+    for dumped in settings["envs"]:
+        dumped.pop("eval")  # evaluation watches the policy, it never changes it
+    for index, (env, dumped) in enumerate(zip(rl.envs, settings["envs"])):
+        # The prompts' content, not where this checkout keeps them.
+        dumped["source"] = prompt_source_identity(env.source, env_locator(index, "source")) or dumped["source"]
+        if env.sampler.frozen is not None:
+            dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()
+        for name, value in frozen_fields(env.algo):
+            dumped["algo"][name] = value.identity_settings()
+        for reward, dumped_reward in zip(env.rewards, dumped["rewards"]):
+            if getattr(reward, "judge", None) is not None:
+                dumped_reward["judge"] = reward.judge.identity_settings()
+            if isinstance(reward, RewardModelSettings):
+                for resource in reward.RESOURCES:  # served by rollout or at a URL: the same engine's scores
+                    dumped_reward.pop(resource)
+                if reward.engine == "embedded":  # absent, so identities from before the setting stay
+                    dumped_reward.pop("engine")
+    return settings
 
 
 def training_identity(config) -> str:
@@ -28,46 +115,6 @@ def training_identity(config) -> str:
     every reward)."""
     return _identity(training_hash(config), config.settings.base_model, tuple(served_model_contents(config).values()),
                      reward_model_contents(config))
-
-
-def claim_run_name(config, identity: str | None = None) -> str:
-    """Claim `run.name` in the run's store for this training (store.claim_run), recording what the identity hashes
-    (`claimed_settings`) so that a refused claim names the settings that differ; returns the identity."""
-    identity = identity or training_identity(config)
-    _store(config).claim_run(config.run.name, identity, claimed_settings(config))
-    return identity
-
-
-def claimed_settings(config) -> dict:
-    """What `training_identity` hashes, flat and keyed as a user writes it (`algorithm.rm.optimizer.lr`,
-    `run.seed`), with each model's content as `<its locator> (files)`: one JSON value per key, so two claims
-    compare key by key."""
-    block = f"algorithm.{config.algorithm.kind}"
-    trained = config.training_settings()
-    flat = {f"run.{key}": trained.pop(key) for key in ("seed", "torch_threads")}
-    horizon = trained.pop("schedule_horizon")
-    if horizon is not None and not config.settings.optimizer.decay_steps:  # the horizon is max_steps itself
-        flat[f"{block}.budget.max_steps"] = horizon
-    _flatten(trained, block, flat)
-    flat[f"{block}.base_model (files)"] = model_content_digest(config.settings.base_model)
-    flat.update((f"{where}.model (files)", content) for where, content in served_model_contents(config).items())
-    reward_models = getattr(config, "reward_models", list)()
-    flat.update((f"{where} (files)", content)
-                for (where, _), content in zip(reward_models, reward_model_contents(config)))
-    return flat
-
-
-def _flatten(value, key: str, into: dict) -> dict:
-    """`{"a": {"b": [1]}}` under `x` -> `{"x.a.b[0]": 1}` (an empty dict or list stays one value)."""
-    if isinstance(value, dict) and value:
-        for name, item in value.items():
-            _flatten(item, f"{key}.{name}", into)
-    elif isinstance(value, list) and value:
-        for index, item in enumerate(value):
-            _flatten(item, f"{key}[{index}]", into)
-    else:
-        into[key] = value
-    return into
 
 
 def content_identity(ref, store: ObjectStore | None) -> str:
@@ -83,7 +130,7 @@ def frozen_identity(config, frozen) -> str:
     digest>` for one rollout serves."""
     if isinstance(frozen, ExternalModel):
         return f"frozen:served:{frozen.name}"
-    return f"frozen:{content_identity(frozen.model, _store(config))}"
+    return f"frozen:{content_identity(frozen.model, run_store(config))}"
 
 
 def reward_model_contents(config) -> tuple[str, ...]:
@@ -106,7 +153,7 @@ def served_model_contents(config) -> dict[str, str]:
               if hasattr(settings, "model")]
     if not served:
         return {}
-    store = _store(config)
+    store = run_store(config)
     identities = {}
     for where, settings in served:
         try:
@@ -123,7 +170,7 @@ def served_model_contents(config) -> dict[str, str]:
     return identities
 
 
-def _store(config) -> ObjectStore:
+def run_store(config) -> ObjectStore:
     return ObjectStore(config.run.store, config.run.storage_options or None)
 
 

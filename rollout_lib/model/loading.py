@@ -33,7 +33,7 @@ from rollout_lib.checkpoint import (ADAPTER_KEY, checkpoint_named, export_hf_dir
                                     model_weights, read_manifest, write_model_directory)
 from rollout_lib.paths import rollout_cache_dir  # noqa: F401  (re-exported: callers import it from here)
 from rollout_lib.settings_base import ModelRef
-from rollout_lib.store import ObjectStore, StoreError, is_content_id
+from rollout_lib.store import ObjectStore, StoreError, file_content_id, is_content_id
 
 
 class ModelLoadError(RuntimeError):
@@ -117,9 +117,7 @@ def _converted_gguf(resolved: ResolvedModel) -> ResolvedModel:
 @functools.cache
 def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     """blake3 of a file, once per process and file version (size and mtime are part of the key)."""
-    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    digest.update_mmap(path)
-    return digest.hexdigest()
+    return file_content_id(path)
 
 
 def model_content_digest(ref: ModelRef | str) -> str:

@@ -71,17 +71,6 @@ def import_reference(spec: str, *, what: str = "reward function") -> Any:
     return target
 
 
-def module_source_digest(module: str) -> str:
-    """blake3 of a module's source file, found without running it or its parent packages; "missing" when it cannot
-    be found (whatever imports it later reports the unimportable module)."""
-    # Imported here: the reward functions' processes (and bench/trl_grpo_job.py's venv, without blake3) import this
-    # module and never take a digest.
-    from rollout_lib.digests import file_digest
-
-    spec = find_module_spec(module)
-    return file_digest(spec.origin) if spec is not None and spec.origin else "missing"
-
-
 def find_module_spec(name: str) -> importlib.machinery.ModuleSpec | None:
     """Where `name` would be imported from, found without importing it or its parent packages (unlike
     importlib.util.find_spec, which imports the parents and so runs their __init__)."""
