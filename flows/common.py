@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import blake3
-from prefect import Task
+from prefect import Task, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 from prefect.artifacts import (
@@ -32,7 +32,7 @@ from rollout_lib.runlog.recorder import RunRecorder
 from rollout_lib.runlog.step_log import StepLog
 from rollout_lib.errors import ConfigError
 from rollout_lib.store import RESULTS_DIR
-from rollout_lib.trainer.segment import Segment, plan_segments
+from rollout_lib.trainer.segment import Segment, SnapshotSchedule
 from tasks.common import open_store
 
 # rollout_lib logs through the standard library (it never imports Prefect); PREFECT_LOGGING_EXTRA_LOGGERS=rollout_lib
@@ -61,6 +61,19 @@ def start_run(config_cls, config_path: str, overrides: list[str] | dict[str, Any
     create_table_artifact(settings_rows(cfg, identity), key=artifact_key(cfg.run.name, "settings"),
                           description=f"{cfg.run.name}: resolved settings")
     return cfg
+
+
+def finish_run(cfg, flow_name: str, checkpoint: str, history: list[dict], columns: tuple[str, ...],
+               curves: "CurvesArtifact", summary: str, result: dict) -> dict:
+    """What every training flow does last, after its resources are closed: the run's `latest` ref, the metrics
+    table, the final curves, the summary artifact and line, and the flow's result (`checkpoint` and `steps`, then
+    `result`), published."""
+    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
+    metrics_table(cfg, flow_name, history, columns)
+    curves.update(final=True)
+    create_markdown_artifact(summary, key=artifact_key(cfg.run.name, "summary"), description=f"{flow_name} summary")
+    get_run_logger().info("final checkpoint %s", checkpoint)
+    return publish_result(cfg.run.name, {"checkpoint": checkpoint, "steps": cfg.settings.budget.max_steps, **result})
 
 
 def publish_result(run_name: str, result: dict) -> dict:
@@ -357,7 +370,7 @@ def train_in_segments(segment_task: Task, cfg, data_ids: tuple[str, ...], checkp
     returns (the final checkpoint id, every step's metrics). A segment that trained published its steps as they
     completed; one that did not (cached, or trained by an earlier run) gives them to `recorder` here."""
     history: list[dict] = []
-    for segment in plan_segments(total, checkpoint_interval):
+    for segment in SnapshotSchedule(checkpoint_interval, total).segments():
         result = segment_task(cfg, *data_ids, checkpoint, segment.first, segment.last, resident)
         checkpoint = result["checkpoint"]
         history.extend(result["metrics"])

@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 
 from flows.common import (
     CurvesArtifact,
@@ -21,10 +20,9 @@ from flows.common import (
     RunTasks,
     artifact_key,
     flow_run_name,
+    finish_run,
     flow_run_page,
     held_out_evaluation,
-    metrics_table,
-    publish_result,
     recorded_run,
     start_run,
     train_in_segments,
@@ -33,7 +31,6 @@ from rollout_lib.config import RmConfig
 from rollout_lib.runlog.recorder import eval_metrics
 from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.trainer.resident import ResidentTrainer
-from tasks.common import open_store
 from tasks.rm import (
     evaluate_task,
     init_model_task,
@@ -93,16 +90,10 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
             logger.info("held-out after training: accuracy %.3f over %d pairs", after["accuracy"], after["pairs"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
         recorder.finish(checkpoint, flow_run_page())  # the trackers' summary
-    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
-
-    metrics_table(cfg, "train-rm", history, METRIC_COLUMNS)
-    curves.update(final=True)
-    create_markdown_artifact(_summary(cfg, checkpoint, before, after), key=artifact_key(cfg.run.name, "summary"),
-                             description="train-rm summary")
-    logger.info("final checkpoint %s", checkpoint)
-    return publish_result(cfg.run.name, {
-        "checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
-        "last_metrics": history[-1], "train_seconds": train_seconds})
+    return finish_run(cfg, "train-rm", checkpoint, history, METRIC_COLUMNS, curves,
+                      _summary(cfg, checkpoint, before, after), {
+                          "eval_before": before, "eval_after": after, "last_metrics": history[-1],
+                          "train_seconds": train_seconds})
 
 
 def _summary(cfg: RmConfig, checkpoint: str, before: dict | None, after: dict | None) -> str:

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 
 from flows.common import (
     CurvesArtifact,
@@ -22,10 +21,9 @@ from flows.common import (
     RunTasks,
     artifact_key,
     flow_run_name,
+    finish_run,
     flow_run_page,
     held_out_evaluation,
-    metrics_table,
-    publish_result,
     recorded_run,
     start_run,
     train_in_segments,
@@ -34,7 +32,6 @@ from rollout_lib.config import SftConfig
 from rollout_lib.runlog.recorder import eval_metrics
 from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.trainer.resident import ResidentTrainer
-from tasks.common import open_store
 from tasks.sft import (
     evaluate_task,
     init_model_task,
@@ -106,17 +103,10 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
             logger.info("held-out after training: loss %.4f over %d tokens", after["loss"], after["tokens"])
         recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
         recorder.finish(checkpoint, flow_run_page())  # the trackers' summary
-    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
-
-    metrics_table(cfg, "train-sft", history, METRIC_COLUMNS)
-    curves.update(final=True)
-    create_markdown_artifact(_summary(cfg, checkpoint, tokenized, packed, before, after),
-                             key=artifact_key(cfg.run.name, "summary"), description="train-sft summary")
-    logger.info("final checkpoint %s", checkpoint)
-    return publish_result(cfg.run.name, {
-        "checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
-        "last_metrics": history[-1], "data": {"tokenized": tokenized, "packed": packed},
-        "train_seconds": train_seconds})
+    return finish_run(cfg, "train-sft", checkpoint, history, METRIC_COLUMNS, curves,
+                      _summary(cfg, checkpoint, tokenized, packed, before, after), {
+                          "eval_before": before, "eval_after": after, "last_metrics": history[-1],
+                          "data": {"tokenized": tokenized, "packed": packed}, "train_seconds": train_seconds})
 
 
 def _report_tokenized(logger, cfg: SftConfig, tokenized: dict, split: str) -> None:

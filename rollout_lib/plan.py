@@ -20,6 +20,7 @@ from rollout_lib.serving.settings import ServedModel
 from rollout_lib.serving.tokenizers import local_tokenizer_mismatch
 from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import StoreError
+from rollout_lib.trainer.segment import SnapshotSchedule
 
 
 def describe_plan(config) -> dict:
@@ -144,7 +145,7 @@ def _rm_plan(config: RmConfig) -> dict:
         "pairs_per_step": settings.minibatch_size,
         "batches_per_epoch": math.ceil(train_rows / settings.minibatch_size),
         "epochs": round(steps * settings.minibatch_size / train_rows, 3),
-        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
+        "snapshots_at": SnapshotSchedule(settings.checkpoint_interval, steps).steps(),
         "optimizer": settings.optimizer.model_dump(mode="json"),
         "extending": _extending(settings),
     }
@@ -173,7 +174,7 @@ def _sft_plan(config: SftConfig) -> dict:
                                    else settings.gradient_accumulation),
         "max_seq_len": settings.packing.max_seq_len,
         "epochs": round(steps * settings.minibatch_size / train.num_rows, 3),
-        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
+        "snapshots_at": SnapshotSchedule(settings.checkpoint_interval, steps).steps(),
         "optimizer": settings.optimizer.model_dump(mode="json"),
         "extending": _extending(settings),
     }
@@ -209,7 +210,7 @@ def _rl_plan(config: RlConfig) -> dict:
         "policy_sampler": settings.policy_sampler.model_dump(mode="json"),
         "micro_batches": (f"packed: <= {config.packed_tokens} tokens each" if settings.packing
                           else f"{settings.sequences_per_micro_batch} sequences each"),
-        "snapshots_at": _snapshot_steps(settings.checkpoint_interval, steps),
+        "snapshots_at": SnapshotSchedule(settings.checkpoint_interval, steps).steps(),
         "optimizer": settings.optimizer.model_dump(mode="json"),
         "extending": _extending(settings),
         "warnings": [f"{locator}: {message}" for locator, message in config.plan_warnings()],
@@ -302,5 +303,3 @@ def _extending(settings) -> str:
             "to be able to extend")
 
 
-def _snapshot_steps(interval: int, steps: int) -> list[int]:
-    return sorted({*range(interval, steps + 1, interval), steps})

@@ -1,7 +1,7 @@
 """The live policy on a vLLM engine: a deployment started from the base model in vLLM's dev mode, whose weights
 are reloaded in place to the policy state a sample stage samples from, and checked before anything samples.
 
-    server = served_models.policy_server(base_model, replicas=1)  # started (or an orphan adopted), run-owned
+    server = served_models.policy_server(spec)  # a PolicyServerSpec: started (or an orphan adopted), run-owned
     server.hold(state_id, model, tokenizer)  # every replica holds `model`'s weights, verified; no-op if it does
     await server.pool.generate(...)          # an EndpointPool over the replicas
     server.recover()                         # replicas died mid-step: restart them (they hold nothing until `hold`)
@@ -58,6 +58,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -90,6 +91,32 @@ def lora_server_args(rank: int) -> list[str]:
     if slot is None:
         raise ValueError(f"a LoRA rank of {rank} is above the largest vLLM serves ({VLLM_LORA_RANKS[-1]})")
     return ["--enable-lora", "--max-lora-rank", str(slot), "--max-loras", "1"]
+
+
+@dataclass(frozen=True)
+class PolicyServerSpec:
+    """What the run's policy server is (ServedModels.policy_server), built in one place from the sampler's settings
+    (sampling/vllm.py, VllmSamplerSettings.server_spec). `extra_args`: server flags (engine.start_deployment), e.g.
+    the engine's dtype; an orphan is adopted only if started with the same. `adapter_rank`: the policy is a LoRA
+    adapter of that rank on `base_model`. `remote_urls`: policy servers on other nodes (`rollout serve start BASE
+    --live-policy`), reached by URL and shipped each state through the run's store; none is started here. `gpus`:
+    this node's GPUs the replicas take, split evenly."""
+
+    base_model: Any  # config.common.ModelRef: what the server starts from (then reloaded per state)
+    replicas: int = 1
+    max_model_len: int | None = None
+    timeout_s: float | None = 120.0
+    max_attempts: int = 3
+    tolerance: float = DEFAULT_TOLERANCE
+    extra_args: tuple[str, ...] = ()
+    probe_dtype: torch.dtype = torch.float32
+    adapter_rank: int | None = None
+    remote_urls: tuple[str, ...] = ()
+    served_name: str | None = None
+    gpus: tuple[int, ...] = ()
+
+    def server_args(self) -> list[str]:
+        return [*self.extra_args, *(lora_server_args(self.adapter_rank) if self.adapter_rank is not None else [])]
 
 
 class PolicyServerError(RuntimeError):
