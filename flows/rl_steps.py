@@ -26,12 +26,13 @@ crosses steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Callable, Iterator
 
-from prefect import get_run_logger
+from prefect import Task, get_run_logger
 
-from flows.common import CurvesArtifact, Progress, RunTasks, artifact_key, publish_step_samples
+from flows.common import TrainingRun, publish_step_samples
 from rollout_lib import step_events
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.collapse import CollapseGuard
@@ -75,54 +76,44 @@ OPTIONAL_METRIC_COLUMNS = (
 )
 
 
-class StagedScoring:
-    """sample-step-k, then score-step-k scores every rollout after the last is sampled."""
-
-    @property
-    def sampling(self):  # a property: a Prefect task read from a class would bind to the instance
-        return sample_task
-
-    def score(self, steps: "RlSteps", sampled: dict, step: int) -> dict:
-        return steps.run_task(score_task)(steps.cfg, steps.prompts, sampled["rollouts"], step,
-                                          steps.res.reward_loops)
-
-
-class StreamedScoring:
-    """sample-and-score-step-k scores each rollout as soon as it is sampled (rl/streamed.py); score-merge-step-k
-    puts those rewards into the table: the ids the staged pair gives."""
-
-    @property
-    def sampling(self):  # a property: a Prefect task read from a class would bind to the instance
-        return sample_and_score_task
-
-    def score(self, steps: "RlSteps", sampled: dict, step: int) -> dict:
-        return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, [sampled["rewards"]])
-
-
 @dataclass(frozen=True)
-class ChunkedScoring(StagedScoring):
-    """On the run's task runner (`run.task_runner`, type dask or ray): the step's rollouts in `score_chunks`
-    score-chunk tasks submitted together, then merged in row order (score-merge-step-k): the result score_task
-    gives, table id and metrics alike. Staged: a chunk is a task on another worker, which a sampling stage cannot
-    feed as it goes."""
+class Scoring:
+    """How a step's rollouts get their rewards, picked once per run (`pick_scoring`): `sampling`, the step's sample
+    task; `score(steps, sampled, step)`, the task runs that give the scored table (the same ids every way)."""
 
-    runner: Any  # a Dask or Ray task runner
-
-    def score(self, steps: "RlSteps", sampled: dict, step: int) -> dict:
-        chunks = steps.cfg.run.task_runner.score_chunks
-        score_chunk = steps.run_task(score_chunk_task)
-        futures = [self.runner.submit(score_chunk, {"config": steps.cfg, "prompts_ids": steps.prompts,
-                                                    "rollouts_id": sampled["rollouts"], "step": step, "chunk": chunk,
-                                                    "chunks": chunks})
-                   for chunk in range(chunks)]
-        chunk_ids = [future.result() for future in futures]  # a failed chunk raises its own error here
-        return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, chunk_ids)
+    sampling: Task
+    score: Callable[["RlSteps", dict, int], dict]
 
 
-def pick_scoring(cfg: RlConfig, runner) -> StagedScoring | StreamedScoring:
+def _staged(steps: "RlSteps", sampled: dict, step: int) -> dict:  # score-step-k, after the last rollout is sampled
+    return steps.run_task(score_task)(steps.cfg, steps.prompts, sampled["rollouts"], step, steps.res.reward_loops)
+
+
+def _merged(steps: "RlSteps", sampled: dict, step: int) -> dict:  # score-merge-step-k: the rewards streamed in
+    return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, [sampled["rewards"]])
+
+
+def _chunked(runner, steps: "RlSteps", sampled: dict, step: int) -> dict:
+    """On the run's task runner (dask or ray): `score_chunks` score-step-k-chunk-i tasks submitted together, then
+    score-merge-step-k, in row order: the table id and metrics score_task gives."""
+    chunks = steps.cfg.run.task_runner.score_chunks
+    score_chunk = steps.run_task(score_chunk_task)
+    futures = [runner.submit(score_chunk, {"config": steps.cfg, "prompts_ids": steps.prompts, "chunks": chunks,
+                                           "rollouts_id": sampled["rollouts"], "step": step, "chunk": chunk})
+               for chunk in range(chunks)]
+    chunk_ids = [future.result() for future in futures]  # a failed chunk raises its own error here
+    return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, chunk_ids)
+
+
+def pick_scoring(cfg: RlConfig, runner) -> Scoring:
+    """Chunked on a dask or ray runner (a chunk is a task on another worker, which a sampling stage cannot feed as
+    it goes), else streamed (`reward_loop.streamed`: sample-and-score-step-k scores each rollout as it comes back,
+    rl/streamed.py) or staged."""
     if runner is not None:
-        return ChunkedScoring(runner)
-    return StreamedScoring() if cfg.settings.reward_loop.streamed else StagedScoring()
+        return Scoring(sample_task, functools.partial(_chunked, runner))
+    if cfg.settings.reward_loop.streamed:
+        return Scoring(sample_and_score_task, _merged)
+    return Scoring(sample_task, _staged)
 
 
 @dataclass
@@ -138,10 +129,11 @@ class PendingEvaluation:
 
 
 class RlSteps:
-    def __init__(self, cfg: RlConfig, run_task: RunTasks, schedule: OffPolicySchedule, prompts: dict[str, str],
-                 initial: str, resources: RunResources, runner=None):
-        self.cfg, self.run_task, self.schedule, self.prompts, self.res = cfg, run_task, schedule, prompts, resources
-        settings = cfg.settings
+    def __init__(self, run: TrainingRun, schedule: OffPolicySchedule, prompts: dict[str, str], initial: str,
+                 resources: RunResources, runner=None):
+        self.cfg, self.run_task, self.progress, self.curves = run.cfg, run.tasks, run.progress, run.curves
+        self.schedule, self.prompts, self.res = schedule, prompts, resources
+        cfg, settings = run.cfg, run.cfg.settings
         self.total = settings.budget.max_steps
         self.snapshots = SnapshotSchedule(settings.checkpoint_interval, self.total)
         self.scoring = pick_scoring(cfg, runner)
@@ -151,7 +143,7 @@ class RlSteps:
         # step -> the difficulty pools after it (envs with `curriculum`; rl/curriculum.py), fed back like states
         self.pools = {0: open_store(cfg).put_json(initial_state())} if any(env.curriculum for env in settings.envs) \
             else None
-        self.evaluations = {env.name: run_task(load_eval_prompts_task)(cfg, env.name)["prompts"]
+        self.evaluations = {env.name: run.tasks(load_eval_prompts_task)(cfg, env.name)["prompts"]
                             for env in settings.envs if env.eval is not None}
         self.overlap_evaluation = schedule.synchronous and settings.policy_sampler.type != "hf"
         self.in_flight: dict = {}  # off-policy runs: step -> its sample task's future
@@ -160,9 +152,6 @@ class RlSteps:
         self.collapse_guard = CollapseGuard(settings.collapse)
         self.collapses: list[str] = []  # the lines the guard said (action "warn"), for the run's summary
         self.segment_first = 1  # the first step after the last snapshot: its log line quotes the segment's means
-        self.progress = Progress(artifact_key(cfg.run.name, "progress"), self.total,
-                                 f"train-rl {cfg.run.name}: steps done")
-        self.curves = CurvesArtifact(cfg, "train-rl")
         for ahead in schedule.first_submissions(self.total):
             self._submit_sampling(ahead)
 

@@ -20,10 +20,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows.common import (
-    RunTasks,
     fan_out_runner,
     flow_run_name,
-    finish_run,
     flow_run_page,
     recorded_run,
     start_run,
@@ -42,10 +40,10 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     """On-policy RL of a causal LM. `overrides`: ["key.path=value", ...] or {"key.path": value}; `max_steps` is a
     shortcut for algorithm.rl.budget.max_steps."""
     logger = get_run_logger()
-    cfg = start_run(RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
+    run = start_run("train-rl", RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
+    cfg, run_task = run.cfg, run.tasks
     for locator, message in cfg.plan_warnings():
         logger.warning("%s: %s", locator, message)
-    run_task = RunTasks(cfg)
     total = cfg.settings.budget.max_steps
     schedule = OffPolicySchedule(cfg.settings.max_off_policy_steps)
     with ResidentTrainer(frozen_capacity=schedule.frozen_capacity) as resident, \
@@ -57,8 +55,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                 logger.info("frozen model %s", connected)
         prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in cfg.settings.envs}
         initial = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
-        steps = RlSteps(cfg, run_task, schedule, prompts, initial, RunResources(resident, served_models, reward_loops),
-                        runner)
+        steps = RlSteps(run, schedule, prompts, initial, RunResources(resident, served_models, reward_loops), runner)
         eval_before = steps.evaluate(0)
         _log_held_out(logger, "before", eval_before)
         recorder.annotate(0, eval_before)  # step 0 of the metrics file: the evaluation alone
@@ -76,7 +73,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                               if name.startswith(("eval/", "reward/", "curriculum/")) and not name.endswith("eval_s")}))
     eval_curves = {name: [[0, value]] + [[m["step"], m[name]] for m in history if name in m]
                    for name, value in eval_before.items() if name.endswith(("/reward_mean", "/pass_rate"))}
-    return finish_run(cfg, "train-rl", checkpoint, history, METRIC_COLUMNS + optional, steps.curves,
+    return run.finish(checkpoint, history, METRIC_COLUMNS + optional,
                       _summary(cfg, checkpoint, history, eval_before, steps.collapses), {
                           "reward_curve": [m["reward_mean"] for m in history], "eval_curves": eval_curves,
                           "last_metrics": history[-1], "train_seconds": train_seconds})

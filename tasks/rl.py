@@ -54,7 +54,7 @@ from rollout_lib.rl.policy import (
     train_policy_step,
 )
 from rollout_lib.rl.prompts import load_prompts
-from rollout_lib.rl.sample import build_samplers, policy_sampler, reload_metrics, sample_rollouts, sync_weights
+from rollout_lib.rl.sample import build_samplers, policy_sampler, reload_metrics, sample_rollouts
 from rollout_lib.rl.streamed import sample_and_score
 from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.rl.score import (
@@ -83,25 +83,16 @@ def _env(config: RlConfig, name: str):
     return next(env for env in config.settings.envs if env.name == name)
 
 
-# What a task's key reads besides its settings and input ids (rollout_lib/identity/sources.py), from its parameters.
-def _prompt_sources(parameters: dict) -> dict:
-    return sources.prompt_sources(parameters["config"], parameters["env"])
+def _sources(*reads, env: bool = False):
+    """A key's `extra`: what the task reads besides its settings and input ids (rollout_lib/identity/sources.py),
+    each of `reads` called with the task's config (and, with `env`, its env's name)."""
+    def extra(parameters: dict) -> dict:
+        arguments = (parameters["config"], parameters["env"]) if env else (parameters["config"],)
+        return {name: value for read in reads for name, value in read(*arguments).items()}
+    return extra
 
 
-def _eval_sources(parameters: dict) -> dict:
-    return sources.eval_sources(parameters["config"], parameters["env"])
-
-
-def _interaction_sources(parameters: dict) -> dict:
-    return sources.interaction_sources(parameters["config"])
-
-
-def _reward_sources(parameters: dict) -> dict:
-    return sources.reward_sources(parameters["config"])
-
-
-def _algorithm_sources(parameters: dict) -> dict:
-    return sources.algorithm_sources(parameters["config"])
+_REWARD_SOURCES = _sources(sources.reward_sources)
 
 
 def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
@@ -118,21 +109,21 @@ def _stored_prompts(store: str, storage_options: str, prompts_id: str) -> pa.Tab
 
 
 @task(name="load-prompts", task_run_name="load-prompts-{env}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=_prompt_sources))
+      cache_key_fn=content_key(reads=lambda config: None, extra=_sources(sources.prompt_sources, env=True)))
 def load_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="load-eval-prompts", task_run_name="load-eval-prompts-{env}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=_eval_sources))
+      cache_key_fn=content_key(reads=lambda config: None, extra=_sources(sources.eval_sources, env=True)))
 def load_eval_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_eval_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="evaluate", task_run_name="evaluate-{env}-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_eval_sources))
+      cache_key_fn=content_key(extra=_sources(sources.eval_sources, env=True)))
 def evaluate_task(config: RlConfig, *, prompts_ids: dict[str, str], eval_prompts_id: str, env: str,
                   policy_state: str, step: int, resources: RunResources) -> dict:
     """The policy at `policy_state` on the env's held-out prompts (rollout_lib/rl/evaluate.py): its metrics, and
@@ -142,7 +133,7 @@ def evaluate_task(config: RlConfig, *, prompts_ids: dict[str, str], eval_prompts
     policy = policy_at(policy_inputs(store, config, prompts_ids), policy_state, resources.resident)
     # The policy, on its own backend (embedded, or the run's policy server), whatever an env's rollouts come from.
     sampler = policy_sampler(config, policy.model, policy.tokenizer, resources.served_models, policy_state)
-    sync_weights([sampler])
+    sampler.sync()
     held_out = evaluate_env(config, _env(config, env), store.get_table(eval_prompts_id, wire.PROMPTS), sampler,
                             resources.reward_loops)
     return {"metrics": {**held_out.metrics, f"eval/{env}/eval_s": time.perf_counter() - started}, "env": env,
@@ -174,7 +165,7 @@ def connect_frozen_models_task(config: RlConfig, served_models: ServedModels,
 
 
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_interaction_sources))
+      cache_key_fn=content_key(extra=_sources(sources.interaction_sources)))
 def sample_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, step: int,
                 resources: RunResources, curriculum: str | None = None) -> dict:
     """`curriculum`: the id of the difficulty pools to draw prompts with (envs with `curriculum`), or None."""
@@ -190,21 +181,17 @@ def sample_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: 
 def _synced_samplers(config: RlConfig, store, prompts_ids: dict[str, str], policy_state: str,
                      resources: RunResources) -> tuple:
     """A sample stage's policy and samplers (by env), after its weight sync: the trainer's weights at
-    `policy_state` published to the policy server, which reloads and probes them (rl/sample.py, sync_weights),
-    before anything samples."""
+    `policy_state` published to the policy server, which reloads and probes them, before anything samples."""
     policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resources.resident)
     samplers = build_samplers(config, policy.model, policy.tokenizer, resources.served_models,
                               policy_state=policy_state)
-    sync_weights(samplers.values())
+    for sampler in set(samplers.values()):  # envs on the live policy share one sampler
+        sampler.sync()
     return policy, samplers
 
 
-def _sample_and_score_sources(parameters: dict) -> dict:
-    return {**_interaction_sources(parameters), **_reward_sources(parameters)}
-
-
 @task(name="sample-and-score", task_run_name="sample-and-score-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_sample_and_score_sources))
+      cache_key_fn=content_key(extra=_sources(sources.interaction_sources, sources.reward_sources)))
 def sample_and_score_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, step: int,
                           resources: RunResources, curriculum: str | None = None) -> dict:
     """A streamed step's sample stage (`algorithm.rl.reward_loop.streamed`): sample_task's rollouts and metrics,
@@ -230,7 +217,7 @@ def sample_and_score_task(config: RlConfig, *, prompts_ids: dict[str, str], poli
                         "score_tail_s": streamed.scored_at - streamed.sampled_at}}
 
 
-@task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_reward_sources))
+@task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_REWARD_SOURCES))
 def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int,
                reward_loops: RewardLoops) -> dict:
     started = time.perf_counter()
@@ -246,7 +233,7 @@ def chunk_rows(num_rows: int, chunk: int, chunks: int) -> tuple[int, int]:
 
 
 @task(name="score-chunk", task_run_name="score-step-{step}-chunk-{chunk}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_reward_sources))
+      cache_key_fn=content_key(extra=_REWARD_SOURCES))
 def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int, chunk: int,
                      chunks: int) -> str:
     """The rewards of one chunk of a step's rollouts (chunk_rows), scored where the run's task runner put this
@@ -263,7 +250,7 @@ def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id:
 
 
 @task(name="score-merge", task_run_name="score-merge-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_reward_sources))
+      cache_key_fn=content_key(extra=_REWARD_SOURCES))
 def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: list[str]) -> dict:
     """The step's scored rollouts from its chunks' results, concatenated in row order (a streamed step's: one
     chunk, scored as it was sampled): the table (and its id) and metrics score_task gives."""
@@ -283,7 +270,7 @@ def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: l
 # `behaviour`, the behaviour logprobs the sample stage computed, is not in the key: they are the bits the advantages
 # stage would compute itself (rl/behaviour_stream.py), so the training samples are the same with or without them.
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_algorithm_sources, ignore=("behaviour",)))
+      cache_key_fn=content_key(extra=_sources(sources.algorithm_sources), ignore=("behaviour",)))
 def advantages_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, scored_id: str,
                     step: int, resources: RunResources, curriculum: str | None = None,
                     behaviour: str | None = None) -> dict:

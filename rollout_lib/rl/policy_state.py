@@ -81,7 +81,7 @@ def pending_steps(store: ObjectStore, state_id: str, checkpoint_interval: int) -
         record = store.get_json(state_id)
         if record.get("kind") != STEP_STATE_KIND:
             return state_id, batches
-        if SnapshotSchedule(checkpoint_interval).on_interval(record["step"]):
+        if SnapshotSchedule(checkpoint_interval).takes(record["step"]):
             checkpoint = snapshot_of_state(store, state_id, checkpoint_interval)
             if checkpoint is not None:
                 return checkpoint, batches

@@ -177,14 +177,6 @@ def sampled_entropy(rollouts: pa.Table, policy_envs: set[str]) -> float | None:
     return float(-np.mean(logprobs.to_numpy())) if len(logprobs) else None
 
 
-def sync_weights(samplers) -> None:
-    """A stage's weight sync, before anything samples: each distinct sampler brought to the stage's policy state
-    (the policy server reloads the trainer's weights and probes them: sampling/vllm.py; embedded and frozen
-    samplers have nothing to do)."""
-    for sampler in {id(sampler): sampler for sampler in samplers}.values():
-        sampler.sync()
-
-
 def reload_metrics(samplers) -> dict:
     """The policy server's work for a stage (engine backend only): seconds spent reloading and checking weights,
     and the largest probe difference a reload left (serving/policy_server.py)."""

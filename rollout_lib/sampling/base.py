@@ -98,8 +98,8 @@ class Sampler(ABC):
             SAMPLERS[cls.type_name] = cls
 
     def sync(self) -> None:
-        """Bring the backend to the stage's policy state before it samples (the stage calls it: rl/sample.py,
-        sync_weights). Embedded backends sample from the model itself, which is at that state: nothing to do."""
+        """Bring the backend to the stage's policy state; the stage calls it before it samples (tasks/rl.py). An
+        embedded backend samples from the model itself, which is at that state: nothing to do."""
 
     @abstractmethod
     def generate(self, sequences: list[list[int]], params: SamplingParams,

@@ -43,7 +43,7 @@ class FrozenSampler:
         self.sampled_from = sampled_from
 
     def sync(self) -> None:
-        """A frozen model's weights never move: nothing to sync (rl/sample.py, sync_weights)."""
+        """A frozen model's weights never move: nothing to sync."""
 
     def sample(self, prompts: pa.Table, params: SamplingParams, seed: int, interaction=None,
                context_limit: int | None = None, on_rollout: OnRollout | None = None) -> pa.Table:

@@ -171,7 +171,7 @@ class VllmSampler(Sampler):
 
         if self.held_state != self.context.policy_state:
             raise RuntimeError("VllmSampler.generate before sync(): the stage syncs the policy server's weights first "
-                               "(rl/sample.py, sync_policy_weights)")
+                               "(tasks/rl.py)")
         stops = stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         seeds = [derived_seed("policy-engine", seed, index) for index in range(len(sequences))]
         results: list[tuple[list[int], list[float]] | None] = [None] * len(sequences)

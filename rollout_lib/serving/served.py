@@ -150,17 +150,13 @@ class ServedModels:
         checks it."""
         args = spec.server_args()
         placed = replica_gpus(list(spec.gpus), spec.replicas)  # replica j's GPUs (hardware.replica_gpus)
-        key = canonical_json(["policy", spec.base_model.uri, spec.replicas, spec.max_model_len, args,
-                              list(spec.remote_urls), placed])
+        key = canonical_json(["policy", spec.base_model.uri, spec.replicas, args, list(spec.remote_urls), placed])
         with self._lock:
             server = self._policy_servers.get(key)
             if server is None:
                 deployment = remote_deployment(list(spec.remote_urls), spec.served_name) if spec.remote_urls \
                     else self._policy_deployment(spec, args, placed)
-                server = PolicyServer(deployment, timeout_s=spec.timeout_s, max_attempts=spec.max_attempts,
-                                      tolerance=spec.tolerance, probe_dtype=spec.probe_dtype,
-                                      adapter_base=spec.base_model.uri if spec.adapter_rank is not None else None,
-                                      ship_through=ObjectStore(self.store_url) if spec.remote_urls else None)
+                server = PolicyServer(deployment, spec, ObjectStore(self.store_url) if spec.remote_urls else None)
                 self._policy_servers[key] = server
             return server
 
@@ -182,9 +178,8 @@ class ServedModels:
         if deployment is None:
             name = f"policy-{default_name(spec.base_model)[:60]}-{os.getpid()}"
             deployment = engine.start_deployment(spec.base_model, name=name, replicas=spec.replicas,
-                                                 store_url=store_url, max_model_len=spec.max_model_len,
-                                                 owner_pid=os.getpid(), live_policy=True, extra_args=args,
-                                                 gpus=list(spec.gpus))
+                                                 store_url=store_url, owner_pid=os.getpid(), live_policy=True,
+                                                 extra_args=args, gpus=list(spec.gpus))
         self._started.append(deployment.name)
         return deployment
 

@@ -49,11 +49,8 @@ class SnapshotSchedule:
     interval: int
     total: int | None = None
 
-    def on_interval(self, step: int) -> bool:
-        return step % self.interval == 0
-
     def takes(self, step: int) -> bool:
-        return self.on_interval(step) or step == self.total
+        return step % self.interval == 0 or step == self.total
 
     def steps(self) -> list[int]:
         return [*range(self.interval, self.total, self.interval), self.total]
