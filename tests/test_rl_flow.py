@@ -18,7 +18,7 @@ from rollout_lib.checkpoint import read_manifest
 pytestmark = pytest.mark.slow
 
 CONFIG = ["train", "rl", "--config", "configs/rl-tiny.toml"]
-STAGES = ("sample", "score", "advantages", "pack", "train")
+STAGES = ("sample-and-score", "score-merge", "advantages", "pack", "train")  # streamed scoring
 
 
 @pytest.mark.learning

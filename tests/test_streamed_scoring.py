@@ -271,7 +271,8 @@ def test_streamed_and_staged_runs_end_on_the_same_checkpoint(prefect_server, tmp
                                               "algorithm.rl.reward_loop.streamed=false"])
     assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
     states = task_run_states(str(run.state_details.flow_run_id))
-    assert {f"{stage}-step-{k}" for stage in ("sample", "score", "train") for k in (1, 2)} <= set(states)
+    assert {f"{stage}-step-{k}" for stage in ("sample-and-score", "score-merge", "train")
+            for k in (1, 2)} <= set(states)
 
 
 @pytest.mark.slow

@@ -1,10 +1,10 @@
 """The live policy sampled on a vLLM engine: the run's policy server (serving/policy_server.py), owned by the run's
 ServedModels and reached through the stage's SamplingContext.
 
-Before a stage samples, the server is brought to the policy state the stage samples from
-(`SamplingContext.policy_state`): reloaded in place from the trainer's in-memory weights and verified with the
-probe (`probe_tolerance`, default 1e-3: serving/policy_server.py says why); a server that already holds that state (same
-state id, same replica processes) is not reloaded. A probe beyond the tolerance fails the stage, naming the
+Before a stage samples, it calls `sync` (tasks/rl.py): the server is brought to the policy state the stage samples
+from (`SamplingContext.policy_state`), reloaded in place from the trainer's in-memory weights and verified with the
+probe (`probe_tolerance`, default 1e-3: serving/policy_server.py says why); a server that already holds that state
+(same state id, same replica processes) is not reloaded. A probe beyond the tolerance fails the stage, naming the
 replica's URL and the difference: nothing samples from unknown weights.
 
 Sampling then goes through the replica pool as the frozen sampler's does: prompts sent as token ids (the policy's
