@@ -38,7 +38,13 @@ from rollout_lib.sampling.vllm import VllmSampler, VllmSamplerSettings
 from rollout_lib.serving import engine, weight_sync
 from rollout_lib.serving.client import EndpointClient
 from rollout_lib.serving.served import ServedModels
-from rollout_lib.serving.policy_server import HoldReport, PolicyReplicaLost, PolicyServerError, trainer_logprobs
+from rollout_lib.serving.policy_server import (
+    HoldReport,
+    PolicyReplicaLost,
+    PolicyServerError,
+    PolicyServerSpec,
+    trainer_logprobs,
+)
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.identity.training import training_identity
 
@@ -193,7 +199,7 @@ def served(tiny_model_dir):
     tokenizer = load_tokenizer(resolve_model(str(tiny_model_dir)))
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with ServedModels() as frozen:
-        server = frozen.policy_server(BASE)
+        server = frozen.policy_server(PolicyServerSpec(BASE))
         yield frozen, server, base, tokenizer
     assert engine.find_deployment(server.name) is None  # stopped by close()
     assert not any(directory.exists() for directory in engine.weights_dirs(server.name))  # its weights file freed
