@@ -65,7 +65,7 @@ def measure_library(steps: int, interval: int) -> dict:
     from rollout_lib.store import ObjectStore
     from rollout_lib.trainer.base import TrainingInputs
     from rollout_lib.identity.training import training_identity
-    from rollout_lib.trainer.segment import plan_segments, train_segment
+    from rollout_lib.trainer.segment import SnapshotSchedule, train_segment
 
     with tempfile.TemporaryDirectory() as store_root:
         config = load_config(RmConfig, CONFIG, overrides(steps, interval, store_root))
@@ -76,7 +76,7 @@ def measure_library(steps: int, interval: int) -> dict:
         inputs = TrainingInputs(store, config, training_identity(config), {"tokenized": store.put_table(tokenized)})
         trainer = RewardModelTrainer.initial(inputs)
         started = time.perf_counter()
-        for segment in plan_segments(steps, interval):
+        for segment in SnapshotSchedule(interval, steps).segments():
             train_segment(trainer, segment)
         return {"seconds": time.perf_counter() - started}
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -65,9 +66,7 @@ def bench_sampling(args) -> dict:
     with ServedModels(store) as served:
         started = time.perf_counter()
         engine_settings = SAMPLERS["vllm"].settings_class(dtype=args.engine_dtype, compile=args.compile)
-        served.policy_server(base, timeout_s=600, extra_args=engine_settings.server_args(),
-                             tolerance=engine_settings.tolerance,
-                             probe_dtype=torch.bfloat16 if args.engine_dtype == "bfloat16" else torch.float32)
+        served.policy_server(dataclasses.replace(engine_settings.server_spec(base, model), timeout_s=600))
         start_s = time.perf_counter() - started
         print(f"policy server started in {start_s:.1f} s (not counted below)", flush=True)
         # Step 0 warms both up (the engine's first requests compile its kernels, ~60 s on this CPU) and is not
@@ -82,6 +81,7 @@ def bench_sampling(args) -> dict:
                 context = SamplingContext(policy_state=f"bench-step-{step}", served_models=served, base_model=base)
                 sampler = SAMPLERS[kind](settings, model, tokenizer, context)
                 began = time.perf_counter()
+                sampler.sync()  # the stage's weight sync (the engine's reload + probe), timed with its sampling
                 rollouts = sampler.sample(prompts, params, seed=step)
                 seconds = time.perf_counter() - began
                 tokens = sum(len(ids) for ids in rollouts.column("completion_ids").to_pylist())

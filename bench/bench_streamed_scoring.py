@@ -73,6 +73,7 @@ def run_paired(cfg, steps: int, resident, served, loops) -> list[dict]:
     from rollout_lib.rl.prompts import load_prompts
     from tasks.common import open_store
     from tasks.rl import (
+        RunResources,
         advantages_task,
         init_policy_task,
         pack_task,
@@ -84,11 +85,13 @@ def run_paired(cfg, steps: int, resident, served, loops) -> list[dict]:
     )
 
     def staged(step: int) -> dict:
-        sampled = sample_task.fn(cfg, prompts, state, step, resident, served)
+        sampled = sample_task.fn(cfg, prompts_ids=prompts, policy_state=state, step=step,
+                                 resources=RunResources(resident, served, loops))
         return {"sampled": sampled, "scored": score_task.fn(cfg, prompts, sampled["rollouts"], step, loops)}
 
     def streamed(step: int) -> dict:
-        sampled = sample_and_score_task.fn(cfg, prompts, state, step, resident, served, loops)
+        sampled = sample_and_score_task.fn(cfg, prompts_ids=prompts, policy_state=state, step=step,
+                                           resources=RunResources(resident, served, loops))
         return {"sampled": sampled, "scored": score_merge_task.fn(cfg, sampled["rollouts"], step, [sampled["rewards"]])}
 
     store = open_store(cfg)
@@ -109,9 +112,12 @@ def run_paired(cfg, steps: int, resident, served, loops) -> list[dict]:
             record["hold_s"] = max(record.get("hold_s", 0.0), reload_s)
         began = time.perf_counter()
         scored = record["staged"]["scored"]["rollouts"]
-        samples = advantages_task.fn(cfg, prompts, state, scored, step, resident, served)
+        resources = RunResources(resident, served, loops)
+        samples = advantages_task.fn(cfg, prompts_ids=prompts, policy_state=state, scored_id=scored, step=step,
+                                     resources=resources)
         packed = pack_task.fn(cfg, samples["samples"], step)
-        state = train_step_task.fn(cfg, prompts, state, packed["micro_batches"], step, resident)["state"]
+        state = train_step_task.fn(cfg, prompts_ids=prompts, policy_state=state, step=step, resources=resources,
+                                   micro_batches_id=packed["micro_batches"])["state"]
         rest = time.perf_counter() - began + record["hold_s"]
         records.append({
             "staged_step_s": record["staged"]["seconds"] + rest, "streamed_step_s": record["streamed"]["seconds"] + rest,

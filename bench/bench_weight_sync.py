@@ -61,6 +61,7 @@ def main() -> None:
 
     from rollout_lib.adapters import LoraSettings, with_adapter
     from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
+    from rollout_lib.serving.policy_server import PolicyServerSpec
     from rollout_lib.serving.served import ServedModels
     from rollout_lib.settings_base import ModelRef
 
@@ -77,8 +78,8 @@ def main() -> None:
         trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
         steady, reload_and_probe = [], []
         with ServedModels(None) as served:
-            server = served.policy_server(base, timeout_s=600,
-                                          adapter_rank=args.rank if mode == "lora" else None)
+            server = served.policy_server(PolicyServerSpec(base, timeout_s=600,
+                                                           adapter_rank=args.rank if mode == "lora" else None))
             for hold in range(args.holds):
                 generator = torch.Generator().manual_seed(hold)
                 with torch.no_grad():

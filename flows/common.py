@@ -8,11 +8,12 @@ import logging
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import blake3
-from prefect import Task
+from prefect import Task, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 from prefect.artifacts import (
@@ -31,11 +32,11 @@ from rollout_lib.identity.claims import claim_run_name
 from rollout_lib.identity.training import training_identity
 from rollout_lib.plan_checks import load_config
 from rollout_lib.runlog.eval_tables import record_eval_tables
-from rollout_lib.runlog.recorder import RunRecorder
+from rollout_lib.runlog.recorder import RunRecorder, eval_metrics
 from rollout_lib.runlog.step_log import StepLog
 from rollout_lib.errors import ConfigError
 from rollout_lib.store import RESULTS_DIR
-from rollout_lib.trainer.segment import Segment, plan_segments
+from rollout_lib.trainer.segment import Segment, SnapshotSchedule
 from tasks.common import open_store
 
 # rollout_lib logs through the standard library (it never imports Prefect); PREFECT_LOGGING_EXTRA_LOGGERS=rollout_lib
@@ -53,8 +54,32 @@ def load_run_config(config_cls, config_path: str, overrides: list[str] | dict[st
     return load_config(config_cls, config_path, overrides)
 
 
-def start_run(config_cls, config_path: str, overrides: list[str] | dict[str, Any] | None, max_steps: int | None,
-              max_steps_key: str):
+@dataclass
+class TrainingRun:
+    """A training flow's run as `start_run` opened it: its settings, its tasks (results in the run's store) and the
+    progress and curves artifacts its steps update. `finish` is what every training flow does last."""
+
+    flow_name: str
+    cfg: Any
+    tasks: "RunTasks"
+    progress: "Progress"
+    curves: "CurvesArtifact"
+
+    def finish(self, checkpoint: str, history: list[dict], columns: tuple[str, ...], summary: str,
+               result: dict) -> dict:
+        """After the run's resources are closed: its `latest` ref, the metrics table, the final curves, the summary
+        artifact and line, and the flow's result (`checkpoint` and `steps`, then `result`), published."""
+        cfg, name = self.cfg, self.cfg.run.name
+        open_store(cfg).set_ref(f"runs/{name}/latest", checkpoint)
+        metrics_table(cfg, self.flow_name, history, columns)
+        self.curves.update(final=True)
+        create_markdown_artifact(summary, key=artifact_key(name, "summary"), description=f"{self.flow_name} summary")
+        get_run_logger().info("final checkpoint %s", checkpoint)
+        return publish_result(name, {"checkpoint": checkpoint, "steps": cfg.settings.budget.max_steps, **result})
+
+
+def start_run(flow_name: str, config_cls, config_path: str, overrides: list[str] | dict[str, Any] | None,
+              max_steps: int | None, max_steps_key: str) -> TrainingRun:
     """What every training flow does first: load its settings, claim the run name for their training identity (a
     run name holds one training, never two), and label the flow run so the UI finds it: tags for the run name,
     the flow and a short identity, and the resolved settings as the `<run>-settings` table artifact."""
@@ -64,7 +89,9 @@ def start_run(config_cls, config_path: str, overrides: list[str] | dict[str, Any
     tag_flow_run(cfg.run.name, identity)
     create_table_artifact(settings_rows(cfg, identity), key=artifact_key(cfg.run.name, "settings"),
                           description=f"{cfg.run.name}: resolved settings")
-    return cfg
+    return TrainingRun(flow_name, cfg, RunTasks(cfg), Progress(artifact_key(cfg.run.name, "progress"),
+                       cfg.settings.budget.max_steps, f"{flow_name} {cfg.run.name}: steps done"),
+                       CurvesArtifact(cfg, flow_name))
 
 
 def publish_result(run_name: str, result: dict) -> dict:
@@ -152,17 +179,6 @@ class RunTasks:
         if task.name not in self._bound:  # with_options copies the task: once per task, not once per call
             self._bound[task.name] = task.with_options(result_storage=self.result_storage)
         return self._bound[task.name]
-
-
-def held_out_evaluation(run_task: RunTasks, evaluate_task: Task, cfg, step: int, checkpoint: str, held_out: str,
-                        data_id: str, resident) -> dict:
-    """The evaluate task at ``step`` (label ``step-<step>``) with its per-example rows recorded where `rollout runs
-    samples --eval` reads them (runlog/eval_tables.py; ``data_id``: the eval data as loaded, for their text). A
-    result without rows (none since evaluations keep them: the task's key holds its code version) records null.
-    Returns the metrics alone, as the metrics file and the run's result have them."""
-    result = run_task(evaluate_task)(cfg, checkpoint, held_out, f"step-{step}", resident)
-    record_eval_tables(open_store(cfg), cfg.run.name, step, cfg.algorithm.kind, result.get("rows"), data_id)
-    return {name: value for name, value in result.items() if name != "rows"}
 
 
 def task_result_storage(store: str, storage_options: dict[str, Any]) -> Path | RemoteFileSystem:
@@ -351,24 +367,45 @@ def flow_run_page() -> str | None:
         return None
 
 
-def train_in_segments(segment_task: Task, cfg, data_ids: tuple[str, ...], checkpoint: str, *, total: int,
-                      checkpoint_interval: int, progress: Progress, resident,
-                      on_segment: Callable[[Segment, str, list[dict]], None],
-                      recorder: RunRecorder | None = None,
-                      curves: CurvesArtifact | None = None) -> tuple[str, list[dict]]:
-    """Steps 1..total as one task per segment (`segment_task(cfg, *data_ids, checkpoint, first, last, resident)`,
-    from one snapshot to the next). Calls `on_segment(segment, its checkpoint, its step metrics)` after each;
-    returns (the final checkpoint id, every step's metrics). A segment that trained published its steps as they
-    completed; one that did not (cached, or trained by an earlier run) gives them to `recorder` here."""
-    history: list[dict] = []
-    for segment in plan_segments(total, checkpoint_interval):
-        result = segment_task(cfg, *data_ids, checkpoint, segment.first, segment.last, resident)
+def train_in_segments(run: TrainingRun, evaluate_task: Task, segment_task: Task, data_ids: tuple[str, ...],
+                      initial: str, *, resident, recorder: RunRecorder, held_out: tuple[str, str] | None,
+                      describe: Callable[[dict], str], on_segment: Callable[[Segment, str, list[dict]], None]):
+    """SFT's and RM's training: the held-out evaluation of `initial` (step 0 of the metrics file), steps
+    1..max_steps as one task per segment (`segment_task(cfg, *data_ids, checkpoint, first, last, resident)`, from
+    one snapshot to the next; `on_segment(segment, its checkpoint, its step metrics)` after each), then the
+    evaluation of the last checkpoint (on the last step's line). `held_out`: (the held-out set's tokenized id, its
+    loaded id) or None; `describe(metrics)`: an evaluation in its log line. A segment that trained published its
+    steps as they completed; one that did not (cached, or trained by an earlier run) gives them to `recorder` here.
+    Returns (the final checkpoint, every step's metrics, the evaluations before and after, the training seconds)."""
+    settings = run.cfg.settings
+
+    def evaluate(step: int, checkpoint: str, when: str) -> dict | None:
+        """The evaluate task at `step` (label `step-<step>`), its per-example rows recorded where `rollout runs
+        samples --eval` reads them (runlog/eval_tables.py; with the held-out data as loaded, for their text; a
+        result without rows records null): its metrics alone, as the metrics file and the run's result have them."""
+        if held_out is None:
+            return None
+        result = run.tasks(evaluate_task)(run.cfg, checkpoint, held_out[0], f"step-{step}", resident)
+        record_eval_tables(open_store(run.cfg), run.cfg.run.name, step, run.cfg.algorithm.kind, result.get("rows"),
+                           held_out[1])
+        metrics = {name: value for name, value in result.items() if name != "rows"}
+        get_run_logger().info("held-out %s training: %s", when, describe(metrics))
+        return metrics
+
+    before = evaluate(0, initial, "before")
+    if before:
+        recorder.annotate(0, eval_metrics(before))  # step 0 of the metrics file: the evaluation alone
+    started, history, checkpoint = time.perf_counter(), [], initial
+    for segment in SnapshotSchedule(settings.checkpoint_interval, settings.budget.max_steps).segments():
+        result = run.tasks(segment_task)(run.cfg, *data_ids, checkpoint, segment.first, segment.last, resident)
         checkpoint = result["checkpoint"]
         history.extend(result["metrics"])
-        if recorder is not None:
-            recorder.backfill(result["metrics"])
-        progress.update(segment.last)
+        recorder.backfill(result["metrics"])
+        run.progress.update(segment.last)
         on_segment(segment, checkpoint, result["metrics"])
-        if curves is not None:
-            curves.update()
-    return checkpoint, history
+        run.curves.update()
+    train_seconds = time.perf_counter() - started
+    after = evaluate(settings.budget.max_steps, checkpoint, "after")
+    recorder.annotate(settings.budget.max_steps, eval_metrics(after))  # held-out results on the last step's line
+    recorder.finish(checkpoint, flow_run_page())  # the trackers' summary
+    return checkpoint, history, before, after, train_seconds

@@ -2,6 +2,11 @@
 held-out evaluations between them. flows/train_rl.py owns the run; this is its loop body and the bookkeeping that
 crosses steps.
 
+- Weight sync: a sample stage (and an evaluation) starts by bringing its sampler to the state it samples from:
+  train-step-k's weights published to the policy server, which reloads and probes them (tasks/rl.py,
+  `_synced_samplers`), then it samples. It is part of the sample task, not a task of its own: a rerun that finds the
+  sample cached needs no weights, and one that reruns it needs them loaded whatever ran before.
+
 - Which state step n samples from: the OffPolicySchedule (rl/schedule.py). With k > 0 the sampling of step n+k
   is a concurrent task run, submitted before step n trains; sample runs are chained one at a time, since the
   policy server holds one state (docs/serving.md, "Off-policy steps").
@@ -9,11 +14,11 @@ crosses steps.
   stages: the policy server holds state n for both (one reload), and the engine batches both requests. It is waited
   for before step n+1 trains (it reads the trainer at state n); step n's record waits for it. Elsewhere an
   evaluation runs in line (after the samplings in flight: the server then reloads to the newest state).
-- Streamed (`reward_loop.streamed`, the default): sample-step-k scores each rollout as soon as it is sampled and
-  score-step-k puts those rewards into the table; staged: score-step-k scores them all after the last is sampled.
-  Off-policy and streamed, sample-step-k also computes the behaviour logprobs as rollouts come in, and
-  advantages-step-k adopts them (rl/behaviour_stream.py).
-- With `run.task_runner` of type dask or ray, a step's scoring fans out to that cluster in chunks (staged).
+- Scoring, one strategy picked once (`pick_scoring`): streamed (`reward_loop.streamed`, the default),
+  sample-and-score-step-k scores each rollout as soon as it is sampled and score-merge-step-k puts those rewards
+  into the table (off-policy, it also computes the behaviour logprobs as rollouts come in, and advantages-step-k
+  adopts them: rl/behaviour_stream.py); staged, score-step-k scores them all after the last is sampled; chunked
+  (`run.task_runner` of type dask or ray), score-step-k-chunk-i tasks on that cluster, then score-merge-step-k.
 - Each recorded step feeds the collapse guard (rl/collapse.py): a collapse is one warning line of the flow run, or
   with `algorithm.rl.collapse.action = "fail"` the run's error.
 """
@@ -21,12 +26,13 @@ crosses steps.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterator
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
-from prefect import get_run_logger
+from prefect import Task, get_run_logger
 
-from flows.common import CurvesArtifact, Progress, RunTasks, artifact_key, publish_step_samples
+from flows.common import TrainingRun, publish_step_samples
 from rollout_lib import step_events
 from rollout_lib.config import RlConfig
 from rollout_lib.rl.collapse import CollapseGuard
@@ -36,7 +42,9 @@ from rollout_lib.runlog.eval_tables import record_rl_eval_tables
 from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.runlog.step_tables import record_step_tables
 from tasks.common import open_store
+from rollout_lib.trainer.segment import SnapshotSchedule
 from tasks.rl import (
+    RunResources,
     advantages_task,
     evaluate_task,
     load_eval_prompts_task,
@@ -69,94 +77,126 @@ OPTIONAL_METRIC_COLUMNS = (
 
 
 @dataclass(frozen=True)
-class Resources:
-    """What the run opened for its tasks (they change how fast a task runs, never its result)."""
+class Scoring:
+    """How a step's rollouts get their rewards, picked once per run (`pick_scoring`): `sampling`, the step's sample
+    task; `score(steps, sampled, step)`, the task runs that give the scored table (the same ids every way)."""
 
-    resident: Any  # ResidentTrainer
-    served_models: Any  # ServedModels
-    reward_loops: Any  # RewardLoops
-    runner: Any  # a Dask or Ray task runner for the scoring fan-out, or None
+    sampling: Task
+    score: Callable[["RlSteps", dict, int], dict]
+
+
+def _staged(steps: "RlSteps", sampled: dict, step: int) -> dict:  # score-step-k, after the last rollout is sampled
+    return steps.run_task(score_task)(steps.cfg, steps.prompts, sampled["rollouts"], step, steps.res.reward_loops)
+
+
+def _merged(steps: "RlSteps", sampled: dict, step: int) -> dict:  # score-merge-step-k: the rewards streamed in
+    return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, [sampled["rewards"]])
+
+
+def _chunked(runner, steps: "RlSteps", sampled: dict, step: int) -> dict:
+    """On the run's task runner (dask or ray): `score_chunks` score-step-k-chunk-i tasks submitted together, then
+    score-merge-step-k, in row order: the table id and metrics score_task gives."""
+    chunks = steps.cfg.run.task_runner.score_chunks
+    score_chunk = steps.run_task(score_chunk_task)
+    futures = [runner.submit(score_chunk, {"config": steps.cfg, "prompts_ids": steps.prompts, "chunks": chunks,
+                                           "rollouts_id": sampled["rollouts"], "step": step, "chunk": chunk})
+               for chunk in range(chunks)]
+    chunk_ids = [future.result() for future in futures]  # a failed chunk raises its own error here
+    return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, chunk_ids)
+
+
+def pick_scoring(cfg: RlConfig, runner) -> Scoring:
+    """Chunked on a dask or ray runner (a chunk is a task on another worker, which a sampling stage cannot feed as
+    it goes), else streamed (`reward_loop.streamed`: sample-and-score-step-k scores each rollout as it comes back,
+    rl/streamed.py) or staged."""
+    if runner is not None:
+        return Scoring(sample_task, functools.partial(_chunked, runner))
+    if cfg.settings.reward_loop.streamed:
+        return Scoring(sample_and_score_task, _merged)
+    return Scoring(sample_task, _staged)
+
+
+@dataclass
+class PendingEvaluation:
+    """Step `step`, trained and snapshotted, whose held-out evaluation runs beside the next step (on an engine at
+    k = 0: the policy server holds state `step` for both). It is recorded (`RlSteps._finish`) once `evaluating` is
+    done, before the next step trains, or when the steps stop, if it finished."""
+
+    step: int
+    metrics: dict
+    checkpoint: str | None
+    evaluating: list = field(default_factory=list)  # evaluate_task futures
 
 
 class RlSteps:
-    def __init__(self, cfg: RlConfig, run_task: RunTasks, schedule: OffPolicySchedule, prompts: dict[str, str],
-                 initial: str, resources: Resources):
-        self.cfg, self.run_task, self.schedule, self.prompts, self.res = cfg, run_task, schedule, prompts, resources
-        settings = cfg.settings
+    def __init__(self, run: TrainingRun, schedule: OffPolicySchedule, prompts: dict[str, str], initial: str,
+                 resources: RunResources, runner=None):
+        self.cfg, self.run_task, self.progress, self.curves = run.cfg, run.tasks, run.progress, run.curves
+        self.schedule, self.prompts, self.res = schedule, prompts, resources
+        cfg, settings = run.cfg, run.cfg.settings
         self.total = settings.budget.max_steps
+        self.snapshots = SnapshotSchedule(settings.checkpoint_interval, self.total)
+        self.scoring = pick_scoring(cfg, runner)
         self.logger = get_run_logger()
         self.state = self.checkpoint = initial
         self.states = {0: initial}  # step -> the policy state after it
         # step -> the difficulty pools after it (envs with `curriculum`; rl/curriculum.py), fed back like states
         self.pools = {0: open_store(cfg).put_json(initial_state())} if any(env.curriculum for env in settings.envs) \
             else None
-        self.evaluations = {env.name: run_task(load_eval_prompts_task)(cfg, env.name)["prompts"]
+        self.evaluations = {env.name: run.tasks(load_eval_prompts_task)(cfg, env.name)["prompts"]
                             for env in settings.envs if env.eval is not None}
         self.overlap_evaluation = schedule.synchronous and settings.policy_sampler.type != "hf"
-        # Each rollout scored as soon as it is sampled (rl/streamed.py), unless scoring fans out to a dask or ray
-        # cluster: its chunks are tasks on other workers, which a sampling stage cannot feed as it goes.
-        self.streamed = settings.reward_loop.streamed and resources.runner is None
         self.in_flight: dict = {}  # off-policy runs: step -> its sample task's future
-        self.unfinished: tuple | None = None  # (finish's arguments) of the step whose evaluation runs beside this one
+        self.pending: PendingEvaluation | None = None
         self.history: list[dict] = []
         self.collapse_guard = CollapseGuard(settings.collapse)
         self.collapses: list[str] = []  # the lines the guard said (action "warn"), for the run's summary
         self.segment_first = 1  # the first step after the last snapshot: its log line quotes the segment's means
-        self.progress = Progress(artifact_key(cfg.run.name, "progress"), self.total,
-                                 f"train-rl {cfg.run.name}: steps done")
-        self.curves = CurvesArtifact(cfg, "train-rl")
         for ahead in schedule.first_submissions(self.total):
             self._submit_sampling(ahead)
 
     # --- one step -----------------------------------------------------------------------------------------------
 
     def run(self, step: int) -> None:
-        cfg, prompts, res, task = self.cfg, self.prompts, self.res, self.run_task
+        cfg, task, sampled_from = self.cfg, self.run_task, self.states[self.schedule.sampled_after(step)]
+        inputs = {"prompts_ids": self.prompts, "step": step, "resources": self.res}  # every stage's named inputs
         if self.schedule.synchronous:
-            sample, arguments = self._sampling(step)
-            sampled = sample(*arguments)
+            sampling, arguments = self._sampling(step)
+            sampled = sampling(cfg, **arguments)
         else:
             ahead = self.schedule.submitted_while_training(step, self.total)
             if ahead is not None:
                 self._submit_sampling(ahead)  # from states[step - 1]: sampled while this step trains
             sampled = self.in_flight.pop(step).result()
-        if self.streamed:  # the rewards are in: score-step-k puts them into the table
-            scored = task(score_merge_task)(cfg, sampled["rollouts"], step, [sampled["rewards"]])
-        elif res.runner is None:
-            scored = task(score_task)(cfg, prompts, sampled["rollouts"], step, res.reward_loops)
-        else:
-            scored = self._score_in_chunks(sampled["rollouts"], step)
-        samples = task(advantages_task)(cfg, prompts, self.states[self.schedule.sampled_after(step)],
-                                        scored["rollouts"], step, res.resident, res.served_models,
-                                        None if self.pools is None else self.pools[step - 1],
-                                        sampled.get("behaviour"))
+        scored = self.scoring.score(self, sampled, step)
+        samples = task(advantages_task)(cfg, **inputs, policy_state=sampled_from, scored_id=scored["rollouts"],
+                                        curriculum=None if self.pools is None else self.pools[step - 1],
+                                        behaviour=sampled.get("behaviour"))
         if self.pools is not None:
             self.pools[step] = samples["curriculum"]
         packed = task(pack_task)(cfg, samples["samples"], step)
         step_metrics = {**sampled["metrics"], **scored["metrics"], **samples["metrics"], **packed["metrics"]}
-        if self.unfinished is not None:
-            self._finish(*self.unfinished)
-            self.unfinished = None
-        trained = task(train_step_task)(cfg, prompts, self.state, packed["micro_batches"], step, res.resident)
+        if self.pending is not None:  # the evaluation beside this step is waited for: it reads the state before
+            self._finish_pending()
+        trained = task(train_step_task)(cfg, **inputs, policy_state=self.state,
+                                        micro_batches_id=packed["micro_batches"])
         # Where this step's tables are, for `rollout runs samples` (runlog/step_tables.py): before the state moves.
         record_step_tables(open_store(cfg), cfg.run.name, step, {
-            "prompts": prompts, "rollouts": sampled["rollouts"], "scored": scored["rollouts"],
-            "rewards": sampled.get("rewards") if self.streamed else None, "samples": samples["samples"],
-            "micro_batches": packed["micro_batches"],
-            "sampled_from_state": self.states[self.schedule.sampled_after(step)], "state": trained["state"]})
+            "prompts": self.prompts, "rollouts": sampled["rollouts"], "scored": scored["rollouts"],
+            "rewards": sampled.get("rewards"), "samples": samples["samples"],
+            "micro_batches": packed["micro_batches"], "sampled_from_state": sampled_from, "state": trained["state"]})
         publish_step_samples(cfg, step)
         self.state = self.states[step] = trained["state"]
-        snapshot = step % cfg.settings.checkpoint_interval == 0 or step == self.total
-        if snapshot:
-            self.checkpoint = task(snapshot_task)(cfg, prompts, self.state, step,
-                                                  {**step_metrics, **trained["metrics"]}, res.resident)
+        checkpoint = None
+        if self.snapshots.takes(step):
+            checkpoint = self.checkpoint = task(snapshot_task)(
+                cfg, **inputs, policy_state=self.state, step_metrics={**step_metrics, **trained["metrics"]})
         # Policy versions between the state that sampled the step's tokens and the state trained (0 on-policy).
         metrics = {**step_metrics, **trained["metrics"], "step": step, "staleness_mean": self.schedule.lag(step)}
         if not self.schedule.synchronous:  # optimizer steps between the weights that sampled and those trained
             metrics["off_policy_lag"] = self.schedule.lag(step)
-        checkpoint = self.checkpoint if snapshot else None
         if self.overlap_evaluation and step < self.total and self._due(step):
-            self.unfinished = (step, metrics, checkpoint, self._submit_evaluations(step))
+            self.pending = PendingEvaluation(step, metrics, checkpoint, self._submit_evaluations(step))
         else:
             self._finish(step, {**metrics, **self.evaluate(step)}, checkpoint)
 
@@ -167,12 +207,11 @@ class RlSteps:
         try:
             yield
         finally:
-            evaluating = self.unfinished[3] if self.unfinished else ()
+            evaluating = self.pending.evaluating if self.pending else ()
             for future in [*self.in_flight.values(), *evaluating]:
                 future.wait()
-            if self.unfinished is not None and all(future.state.is_completed() for future in evaluating):
-                self._finish(*self.unfinished)
-                self.unfinished = None
+            if self.pending is not None and all(future.state.is_completed() for future in evaluating):
+                self._finish_pending()
 
     # --- evaluation ---------------------------------------------------------------------------------------------
 
@@ -182,9 +221,7 @@ class RlSteps:
         for env in self._due(step):
             for future in self.in_flight.values():
                 future.wait()  # a policy server holds one state at a time: the evaluation's, next
-            results.append(self.run_task(evaluate_task)(self.cfg, self.prompts, self.evaluations[env], env,
-                                                        self.state, step, self.res.resident,
-                                                        self.res.served_models, self.res.reward_loops))
+            results.append(self.run_task(evaluate_task)(self.cfg, **self._evaluation(env, step)))
         return self._held_out(step, results)
 
     def _held_out(self, step: int, results: list[dict]) -> dict:
@@ -200,19 +237,23 @@ class RlSteps:
         return [env.name for env in self.cfg.settings.envs if env.name in self.evaluations
                 and (step % env.eval.every == 0 or step in (0, self.total))]
 
+    def _evaluation(self, env: str, step: int) -> dict:
+        return {"prompts_ids": self.prompts, "eval_prompts_id": self.evaluations[env], "env": env,
+                "policy_state": self.state, "step": step, "resources": self.res}
+
     def _submit_evaluations(self, step: int) -> list:
-        return [self.run_task(evaluate_task).submit(self.cfg, self.prompts, self.evaluations[env], env, self.state,
-                                                    step, self.res.resident, self.res.served_models,
-                                                    self.res.reward_loops)
-                for env in self._due(step)]
+        return [self.run_task(evaluate_task).submit(self.cfg, **self._evaluation(env, step)) for env in self._due(step)]
 
     # --- bookkeeping --------------------------------------------------------------------------------------------
 
-    def _finish(self, step: int, metrics: dict, checkpoint: str | None, evaluating: list = ()) -> None:
-        """Record step `step`: its held-out metrics (from `evaluating`, when they ran beside the next step), the
-        metrics file and UI table, the log line, the progress and, at a snapshot, the segment's line and the
-        curves."""
-        metrics.update(self._held_out(step, [future.result() for future in evaluating]))
+    def _finish_pending(self) -> None:
+        pending, self.pending = self.pending, None
+        self._finish(pending.step, {**pending.metrics, **self._held_out(
+            pending.step, [future.result() for future in pending.evaluating])}, pending.checkpoint)
+
+    def _finish(self, step: int, metrics: dict, checkpoint: str | None) -> None:
+        """Record step `step` with its held-out metrics: the metrics file and UI table, the log line, the progress
+        and, at a snapshot, the segment's line and the curves."""
         self.history.append(metrics)
         step_events.publish(step, metrics)
         # A step the finite-gradient guard skipped has no finite loss (trainer/nonfinite.py).
@@ -236,34 +277,14 @@ class RlSteps:
             self.logger.warning("%s", collapse)
             self.collapses.append(collapse)
 
-    def _pools_for(self, step: int) -> str | None:
-        return None if self.pools is None else self.pools[self.schedule.sampled_after(step)]
-
     def _sampling(self, step: int) -> tuple:
-        """Step `step`'s sample task and its arguments: streamed, each rollout scored as it is sampled
-        (sample-and-score), or staged, scored by the score task after the last (sample)."""
-        res = self.res
-        arguments = (self.cfg, self.prompts, self.states[self.schedule.sampled_after(step)], step, res.resident,
-                     res.served_models)
-        if self.streamed:
-            return self.run_task(sample_and_score_task), (*arguments, res.reward_loops, self._pools_for(step))
-        return self.run_task(sample_task), (*arguments, self._pools_for(step))
+        """Step `step`'s sample task (the scoring's: sample, or sample-and-score) and its named inputs."""
+        return self.run_task(self.scoring.sampling), {
+            "prompts_ids": self.prompts, "policy_state": self.states[self.schedule.sampled_after(step)],
+            "step": step, "resources": self.res,
+            "curriculum": None if self.pools is None else self.pools[self.schedule.sampled_after(step)]}
 
     def _submit_sampling(self, step: int) -> None:
         before = [self.in_flight[step - 1]] if step - 1 in self.in_flight else None
-        sample, arguments = self._sampling(step)
-        self.in_flight[step] = sample.submit(*arguments, wait_for=before)
-
-    def _score_in_chunks(self, rollouts_id: str, step: int) -> dict:
-        """A step's scoring on the run's task runner (`run.task_runner`, type dask or ray): its rollouts in
-        `chunks` score-chunk tasks submitted together, then merged in row order here (score_merge_task): the
-        result score_task gives, table id and metrics alike."""
-        chunks = self.cfg.run.task_runner.score_chunks
-        score_chunk = self.run_task(score_chunk_task)
-        futures = [self.res.runner.submit(score_chunk, {"config": self.cfg, "prompts_ids": self.prompts,
-                                                        "rollouts_id": rollouts_id, "step": step, "chunk": chunk,
-                                                        "chunks": chunks})
-                   for chunk in range(chunks)]
-        chunk_ids = [future.result() for future in futures]  # a failed chunk raises its own error here
-        return self.run_task(score_merge_task)(self.cfg, rollouts_id, step, chunk_ids)
-
+        sampling, arguments = self._sampling(step)
+        self.in_flight[step] = sampling.submit(self.cfg, **arguments, wait_for=before)

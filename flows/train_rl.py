@@ -18,28 +18,22 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 
 from flows.common import (
-    RunTasks,
-    artifact_key,
     fan_out_runner,
     flow_run_name,
-    metrics_table,
     flow_run_page,
-    publish_result,
     recorded_run,
     start_run,
 )
-from flows.rl_steps import METRIC_COLUMNS, OPTIONAL_METRIC_COLUMNS, Resources, RlSteps
+from flows.rl_steps import METRIC_COLUMNS, OPTIONAL_METRIC_COLUMNS, RlSteps
 from rollout_lib.config import RlConfig
 from rollout_lib.plan_checks import plan_warnings
 from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.rl.score import run_reward_loops
 from rollout_lib.serving.served import ServedModels
 from rollout_lib.trainer.resident import ResidentTrainer
-from tasks.common import open_store
-from tasks.rl import connect_frozen_models_task, init_policy_task, load_prompts_task
+from tasks.rl import RunResources, connect_frozen_models_task, init_policy_task, load_prompts_task
 
 @flow(name="train-rl", flow_run_name=flow_run_name, log_prints=True)
 def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[str, Any] | None = None,
@@ -47,10 +41,10 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
     """On-policy RL of a causal LM. `overrides`: ["key.path=value", ...] or {"key.path": value}; `max_steps` is a
     shortcut for algorithm.rl.budget.max_steps."""
     logger = get_run_logger()
-    cfg = start_run(RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
+    run = start_run("train-rl", RlConfig, config, overrides, max_steps, "algorithm.rl.budget.max_steps")
+    cfg, run_task = run.cfg, run.tasks
     for locator, message in plan_warnings(cfg):
         logger.warning("%s: %s", locator, message)
-    run_task = RunTasks(cfg)
     total = cfg.settings.budget.max_steps
     schedule = OffPolicySchedule(cfg.settings.max_off_policy_steps)
     with ResidentTrainer(frozen_capacity=schedule.frozen_capacity) as resident, \
@@ -62,8 +56,7 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
                 logger.info("frozen model %s", connected)
         prompts = {env.name: run_task(load_prompts_task)(cfg, env.name)["prompts"] for env in cfg.settings.envs}
         initial = run_task(init_policy_task)(cfg, prompts, resident)["checkpoint"]
-        steps = RlSteps(cfg, run_task, schedule, prompts, initial,
-                        Resources(resident, served_models, reward_loops, runner))
+        steps = RlSteps(run, schedule, prompts, initial, RunResources(resident, served_models, reward_loops), runner)
         eval_before = steps.evaluate(0)
         _log_held_out(logger, "before", eval_before)
         recorder.annotate(0, eval_before)  # step 0 of the metrics file: the evaluation alone
@@ -76,21 +69,15 @@ def train_rl(config: str = "configs/rl-tiny.toml", overrides: list[str] | dict[s
         recorder.finish(steps.checkpoint, flow_run_page())  # the trackers' summary
 
     checkpoint, history = steps.checkpoint, steps.history
-    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
     optional = tuple(name for name in OPTIONAL_METRIC_COLUMNS if any(name in m for m in history))
     optional += tuple(sorted({name for m in history for name in m
                               if name.startswith(("eval/", "reward/", "curriculum/")) and not name.endswith("eval_s")}))
-    metrics_table(cfg, "train-rl", history, METRIC_COLUMNS + optional)
-    steps.curves.update(final=True)
-    create_markdown_artifact(_summary(cfg, checkpoint, history, eval_before, steps.collapses),
-                             key=artifact_key(cfg.run.name, "summary"), description="train-rl summary")
-    logger.info("final checkpoint %s", checkpoint)
-    rewards = [m["reward_mean"] for m in history]
     eval_curves = {name: [[0, value]] + [[m["step"], m[name]] for m in history if name in m]
                    for name, value in eval_before.items() if name.endswith(("/reward_mean", "/pass_rate"))}
-    return publish_result(cfg.run.name, {
-        "checkpoint": checkpoint, "steps": total, "reward_curve": rewards, "eval_curves": eval_curves,
-        "last_metrics": history[-1], "train_seconds": train_seconds})
+    return run.finish(checkpoint, history, METRIC_COLUMNS + optional,
+                      _summary(cfg, checkpoint, history, eval_before, steps.collapses), {
+                          "reward_curve": [m["reward_mean"] for m in history], "eval_curves": eval_curves,
+                          "last_metrics": history[-1], "train_seconds": train_seconds})
 
 
 def _log_held_out(logger, when: str, metrics: dict) -> None:

@@ -9,31 +9,19 @@ one orchestration round trip per segment.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 
 from flows.common import (
-    CurvesArtifact,
-    Progress,
-    RunTasks,
-    artifact_key,
     flow_run_name,
-    flow_run_page,
-    held_out_evaluation,
-    metrics_table,
-    publish_result,
     recorded_run,
     start_run,
     train_in_segments,
 )
 from rollout_lib.config import RmConfig
-from rollout_lib.runlog.recorder import eval_metrics
 from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.trainer.resident import ResidentTrainer
-from tasks.common import open_store
 from tasks.rm import (
     evaluate_task,
     init_model_task,
@@ -52,9 +40,8 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
     """Train a reward model. `overrides`: ["key.path=value", ...] or {"key.path": value}; `max_steps` is a
     shortcut for algorithm.rm.budget.max_steps."""
     logger = get_run_logger()
-    cfg = start_run(RmConfig, config, overrides, max_steps, "algorithm.rm.budget.max_steps")
-    settings = cfg.settings
-    run_task = RunTasks(cfg)
+    run = start_run("train-rm", RmConfig, config, overrides, max_steps, "algorithm.rm.budget.max_steps")
+    cfg, settings, run_task = run.cfg, run.cfg.settings, run.tasks
     with ResidentTrainer() as resident, recorded_run(cfg, settings.budget.max_steps) as recorder:
         train = run_task(load_pairs_task)(cfg, "train")
         tokenized = run_task(tokenize_pairs_task)(cfg, train["pairs"], "train")["tokenized"]
@@ -63,46 +50,19 @@ def train_rm(config: str = "configs/rm-default.toml", overrides: list[str] | dic
             eval_pairs = run_task(load_pairs_task)(cfg, "eval")["pairs"]
             held_out = run_task(tokenize_pairs_task)(cfg, eval_pairs, "eval")["tokenized"]
 
-        def evaluate(step: int, checkpoint: str) -> dict:
-            return held_out_evaluation(run_task, evaluate_task, cfg, step, checkpoint, held_out, eval_pairs, resident)
-
         initial = run_task(init_model_task)(cfg, tokenized, resident)["checkpoint"]
-        before = evaluate(0, initial) if held_out else None
-        if before:
-            logger.info("held-out before training: accuracy %.3f over %d pairs", before["accuracy"],
-                        before["pairs"])
-            recorder.annotate(0, eval_metrics(before))  # step 0 of the metrics file: the evaluation alone
-
-        total = settings.budget.max_steps
-        progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-rm {cfg.run.name}: steps done")
 
         def report(segment, checkpoint, metrics):
             means = segment_means(metrics, ("loss", "accuracy"))
             logger.info("steps %d-%d: mean loss %.4f, mean accuracy %.3f -> checkpoint %s", segment.first,
                         segment.last, means["loss"], means["accuracy"], checkpoint[:12])
 
-        train_started = time.perf_counter()
-        curves = CurvesArtifact(cfg, "train-rm")
-        checkpoint, history = train_in_segments(
-            run_task(train_segment_task), cfg, (tokenized,), initial, total=total,
-            checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
-            on_segment=report, recorder=recorder, curves=curves)
-        train_seconds = time.perf_counter() - train_started
-        after = evaluate(total, checkpoint) if held_out else None
-        if after:
-            logger.info("held-out after training: accuracy %.3f over %d pairs", after["accuracy"], after["pairs"])
-        recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
-        recorder.finish(checkpoint, flow_run_page())  # the trackers' summary
-    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
-
-    metrics_table(cfg, "train-rm", history, METRIC_COLUMNS)
-    curves.update(final=True)
-    create_markdown_artifact(_summary(cfg, checkpoint, before, after), key=artifact_key(cfg.run.name, "summary"),
-                             description="train-rm summary")
-    logger.info("final checkpoint %s", checkpoint)
-    return publish_result(cfg.run.name, {
-        "checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
-        "last_metrics": history[-1], "train_seconds": train_seconds})
+        checkpoint, history, before, after, train_seconds = train_in_segments(
+            run, evaluate_task, train_segment_task, (tokenized,), initial, resident=resident, recorder=recorder,
+            held_out=None if held_out is None else (held_out, eval_pairs), on_segment=report,
+            describe=lambda metrics: f"accuracy {metrics['accuracy']:.3f} over {metrics['pairs']} pairs")
+    return run.finish(checkpoint, history, METRIC_COLUMNS, _summary(cfg, checkpoint, before, after), {
+        "eval_before": before, "eval_after": after, "last_metrics": history[-1], "train_seconds": train_seconds})
 
 
 def _summary(cfg: RmConfig, checkpoint: str, before: dict | None, after: dict | None) -> str:

@@ -10,31 +10,19 @@ one orchestration round trip per segment.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 
 from flows.common import (
-    CurvesArtifact,
-    Progress,
-    RunTasks,
-    artifact_key,
     flow_run_name,
-    flow_run_page,
-    held_out_evaluation,
-    metrics_table,
-    publish_result,
     recorded_run,
     start_run,
     train_in_segments,
 )
 from rollout_lib.config import SftConfig
-from rollout_lib.runlog.recorder import eval_metrics
 from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.trainer.resident import ResidentTrainer
-from tasks.common import open_store
 from tasks.sft import (
     evaluate_task,
     init_model_task,
@@ -55,9 +43,8 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
     """Fine-tune a causal LM on conversations. `overrides`: ["key.path=value", ...] or {"key.path": value};
     `max_steps` is a shortcut for algorithm.sft.budget.max_steps."""
     logger = get_run_logger()
-    cfg = start_run(SftConfig, config, overrides, max_steps, "algorithm.sft.budget.max_steps")
-    settings = cfg.settings
-    run_task = RunTasks(cfg)
+    run = start_run("train-sft", SftConfig, config, overrides, max_steps, "algorithm.sft.budget.max_steps")
+    cfg, settings, run_task = run.cfg, run.cfg.settings, run.tasks
     with ResidentTrainer() as resident, recorded_run(cfg, settings.budget.max_steps) as recorder:
         train = run_task(load_examples_task)(cfg, "train")
         tokenized = run_task(tokenize_examples_task)(cfg, train["examples"], "train")
@@ -75,48 +62,21 @@ def train_sft(config: str = "configs/sft-tiny.toml", overrides: list[str] | dict
             _report_tokenized(logger, cfg, eval_tokenized, "eval")
             held_out = eval_tokenized["samples"]
 
-        def evaluate(step: int, checkpoint: str) -> dict:
-            return held_out_evaluation(run_task, evaluate_task, cfg, step, checkpoint, held_out, eval_examples,
-                                       resident)
-
         data = (tokenized["samples"], packed["micro_batches"], packed["plan"])
         initial = run_task(init_model_task)(cfg, *data, resident)["checkpoint"]
-        before = evaluate(0, initial) if held_out else None
-        if before:
-            logger.info("held-out before training: loss %.4f over %d tokens", before["loss"], before["tokens"])
-            recorder.annotate(0, eval_metrics(before))  # step 0 of the metrics file: the evaluation alone
-
-        total = settings.budget.max_steps
-        progress = Progress(artifact_key(cfg.run.name, "progress"), total, f"train-sft {cfg.run.name}: steps done")
 
         def report(segment, checkpoint, metrics):
             logger.info("steps %d-%d: mean loss %.4f over %d tokens -> checkpoint %s", segment.first, segment.last,
                         segment_means(metrics, ("loss",))["loss"], sum(m["tokens/ce"] for m in metrics),
                         checkpoint[:12])
 
-        curves = CurvesArtifact(cfg, "train-sft")
-        train_started = time.perf_counter()
-        checkpoint, history = train_in_segments(
-            run_task(train_segment_task), cfg, data, initial, total=total,
-            checkpoint_interval=settings.checkpoint_interval, progress=progress, resident=resident,
-            on_segment=report, recorder=recorder, curves=curves)
-        train_seconds = time.perf_counter() - train_started
-        after = evaluate(total, checkpoint) if held_out else None
-        if after:
-            logger.info("held-out after training: loss %.4f over %d tokens", after["loss"], after["tokens"])
-        recorder.annotate(total, eval_metrics(after))  # held-out results on the last step's line
-        recorder.finish(checkpoint, flow_run_page())  # the trackers' summary
-    open_store(cfg).set_ref(f"runs/{cfg.run.name}/latest", checkpoint)
-
-    metrics_table(cfg, "train-sft", history, METRIC_COLUMNS)
-    curves.update(final=True)
-    create_markdown_artifact(_summary(cfg, checkpoint, tokenized, packed, before, after),
-                             key=artifact_key(cfg.run.name, "summary"), description="train-sft summary")
-    logger.info("final checkpoint %s", checkpoint)
-    return publish_result(cfg.run.name, {
-        "checkpoint": checkpoint, "steps": total, "eval_before": before, "eval_after": after,
-        "last_metrics": history[-1], "data": {"tokenized": tokenized, "packed": packed},
-        "train_seconds": train_seconds})
+        checkpoint, history, before, after, train_seconds = train_in_segments(
+            run, evaluate_task, train_segment_task, data, initial, resident=resident, recorder=recorder,
+            held_out=None if held_out is None else (held_out, eval_examples), on_segment=report,
+            describe=lambda metrics: f"loss {metrics['loss']:.4f} over {metrics['tokens']} tokens")
+    return run.finish(checkpoint, history, METRIC_COLUMNS, _summary(cfg, checkpoint, tokenized, packed, before, after),
+                      {"eval_before": before, "eval_after": after, "last_metrics": history[-1],
+                       "data": {"tokenized": tokenized, "packed": packed}, "train_seconds": train_seconds})
 
 
 def _report_tokenized(logger, cfg: SftConfig, tokenized: dict, split: str) -> None:

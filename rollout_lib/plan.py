@@ -21,6 +21,7 @@ from rollout_lib.serving.settings import ServedModel
 from rollout_lib.serving.tokenizers import local_tokenizer_mismatch
 from rollout_lib.settings_base import ModelRef
 from rollout_lib.store import StoreError
+from rollout_lib.trainer.segment import SnapshotSchedule
 
 
 def describe_plan(config) -> dict:
@@ -300,7 +301,7 @@ def _plan_head(config, entry_point: str) -> dict:
 
 
 def _plan_tail(settings) -> dict:
-    return {"snapshots_at": _snapshot_steps(settings.checkpoint_interval, settings.budget.max_steps),
+    return {"snapshots_at": SnapshotSchedule(settings.checkpoint_interval, settings.budget.max_steps).steps(),
             "optimizer": settings.optimizer.model_dump(mode="json"), "extending": _extending(settings)}
 
 
@@ -318,5 +319,3 @@ def _extending(settings) -> str:
             "to be able to extend")
 
 
-def _snapshot_steps(interval: int, steps: int) -> list[int]:
-    return sorted({*range(interval, steps + 1, interval), steps})

@@ -25,7 +25,7 @@ from rollout_lib.identity.training import training_identity
 TASK_OPTIONS = dict(persist_result=True, result_serializer="json", retries=0)
 
 # Objects a flow creates, hands to its tasks and closes: they change how fast a task runs, never its result.
-RESOURCE_PARAMETERS = frozenset({"resident", "reward_loops", "served_models"})
+RESOURCE_PARAMETERS = frozenset({"resident", "reward_loops", "served_models", "resources"})
 
 
 def open_store(config) -> ObjectStore:

@@ -3,12 +3,13 @@ rollout_lib.rl, write the result and return its id (plus JSON metrics).
 
     connect-frozen-models                             (serve / reach each frozen model, check its tokenizer)
     sample-step-k      policy state k-1, prompts      -> rollouts           (the resident policy or a frozen
-                                                                            model, seeded)
+                                                                            model, seeded; first the stage's
+                                                                            weight sync: rl/sample.py)
     score-step-k       rollouts                       -> scored rollouts    (the reward loop; with a dask or ray
                                                                             task runner, score-step-k-chunk-i
                                                                             tasks on its workers, then a merge)
-    (streamed, `reward_loop.streamed`: sample-step-k scores each rollout as it is sampled, and score-step-k
-    merges those rewards into the table: the same ids as the staged pair)
+    (streamed, `reward_loop.streamed`: sample-and-score-step-k scores each rollout as it is sampled, and
+    score-merge-step-k merges those rewards into the table: the same ids as the staged pair)
     advantages-step-k  scored rollouts                -> training samples   (per-env algorithms, stamping)
     pack-step-k        training samples               -> micro-batches
     train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step)
@@ -17,7 +18,8 @@ rollout_lib.rl, write the result and return its id (plus JSON metrics).
     evaluate-env-step-k  policy state k, held-out prompts -> eval metrics  (envs with `eval`: before step 1,
                                                                             every `eval.every` steps, at the end)
 
-Cache keys come from those content ids and the training identity (every setting that decides the policy, not the
+The flow hands its open resources in one RunResources (never in a key: tasks.common.RESOURCE_PARAMETERS); the
+tasks of many inputs take them by name. Cache keys come from those content ids and the training identity (every setting that decides the policy, not the
 run's length or snapshot interval), never from the run id, so a rerun returns every completed stage from cache
 and resumes where the last run stopped, and a finished run extended by raising max_steps continues from its end.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from dataclasses import dataclass
 
 import pyarrow as pa
 from prefect import task
@@ -67,29 +70,29 @@ from rollout_lib.trainer.resident import ResidentTrainer
 from tasks.common import TASK_OPTIONS, content_key, open_store
 
 
+@dataclass(frozen=True)
+class RunResources:
+    """What the flow opened for the run and hands its tasks: they change how fast a task runs, never its result."""
+
+    resident: ResidentTrainer
+    served_models: ServedModels | None = None
+    reward_loops: RewardLoops | None = None
+
+
 def _env(config: RlConfig, name: str):
     return next(env for env in config.settings.envs if env.name == name)
 
 
-# What a task's key reads besides its settings and input ids (rollout_lib/identity/sources.py), from its parameters.
-def _prompt_sources(parameters: dict) -> dict:
-    return sources.prompt_sources(parameters["config"], parameters["env"])
+def _sources(*reads, env: bool = False):
+    """A key's `extra`: what the task reads besides its settings and input ids (rollout_lib/identity/sources.py),
+    each of `reads` called with the task's config (and, with `env`, its env's name)."""
+    def extra(parameters: dict) -> dict:
+        arguments = (parameters["config"], parameters["env"]) if env else (parameters["config"],)
+        return {name: value for read in reads for name, value in read(*arguments).items()}
+    return extra
 
 
-def _eval_sources(parameters: dict) -> dict:
-    return sources.eval_sources(parameters["config"], parameters["env"])
-
-
-def _interaction_sources(parameters: dict) -> dict:
-    return sources.interaction_sources(parameters["config"])
-
-
-def _reward_sources(parameters: dict) -> dict:
-    return sources.reward_sources(parameters["config"])
-
-
-def _algorithm_sources(parameters: dict) -> dict:
-    return sources.algorithm_sources(parameters["config"])
+_REWARD_SOURCES = _sources(sources.reward_sources)
 
 
 def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
@@ -106,33 +109,33 @@ def _stored_prompts(store: str, storage_options: str, prompts_id: str) -> pa.Tab
 
 
 @task(name="load-prompts", task_run_name="load-prompts-{env}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=_prompt_sources))
+      cache_key_fn=content_key(reads=lambda config: None, extra=_sources(sources.prompt_sources, env=True)))
 def load_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="load-eval-prompts", task_run_name="load-eval-prompts-{env}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=_eval_sources))
+      cache_key_fn=content_key(reads=lambda config: None, extra=_sources(sources.eval_sources, env=True)))
 def load_eval_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_eval_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="evaluate", task_run_name="evaluate-{env}-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_eval_sources))
-def evaluate_task(config: RlConfig, prompts_ids: dict[str, str], eval_prompts_id: str, env: str,
-                  policy_state: str, step: int, resident: ResidentTrainer, served_models: ServedModels,
-                  reward_loops: RewardLoops) -> dict:
+      cache_key_fn=content_key(extra=_sources(sources.eval_sources, env=True)))
+def evaluate_task(config: RlConfig, *, prompts_ids: dict[str, str], eval_prompts_id: str, env: str,
+                  policy_state: str, step: int, resources: RunResources) -> dict:
     """The policy at `policy_state` on the env's held-out prompts (rollout_lib/rl/evaluate.py): its metrics, and
     the ids of its scored rollouts and reward results (`rollout runs samples --eval` reads them)."""
     started = time.perf_counter()
     store = open_store(config)
-    policy = policy_at(policy_inputs(store, config, prompts_ids), policy_state, resident)
+    policy = policy_at(policy_inputs(store, config, prompts_ids), policy_state, resources.resident)
     # The policy, on its own backend (embedded, or the run's policy server), whatever an env's rollouts come from.
-    sampler = policy_sampler(config, policy.model, policy.tokenizer, served_models, policy_state)
+    sampler = policy_sampler(config, policy.model, policy.tokenizer, resources.served_models, policy_state)
+    sampler.sync()
     held_out = evaluate_env(config, _env(config, env), store.get_table(eval_prompts_id, wire.PROMPTS), sampler,
-                            reward_loops)
+                            resources.reward_loops)
     return {"metrics": {**held_out.metrics, f"eval/{env}/eval_s": time.perf_counter() - started}, "env": env,
             "scored": store.put_table(held_out.scored), "rewards": store.put_json(rewards_json(held_out.results, {}))}
 
@@ -162,43 +165,48 @@ def connect_frozen_models_task(config: RlConfig, served_models: ServedModels,
 
 
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_interaction_sources))
-def sample_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
-                resident: ResidentTrainer, served_models: ServedModels, curriculum: str | None = None) -> dict:
+      cache_key_fn=content_key(extra=_sources(sources.interaction_sources)))
+def sample_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, step: int,
+                resources: RunResources, curriculum: str | None = None) -> dict:
     """`curriculum`: the id of the difficulty pools to draw prompts with (envs with `curriculum`), or None."""
     started = time.perf_counter()
     store = open_store(config)
-    policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident)
-    samplers = build_samplers(config, policy.model, policy.tokenizer, served_models, policy_state=policy_state)
+    _, samplers = _synced_samplers(config, store, prompts_ids, policy_state, resources)
     rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step,
                                         curriculum_state=None if curriculum is None else store.get_json(curriculum))
     return {"rollouts": open_store(config).put_table(rollouts),
             "metrics": {**metrics, **reload_metrics(samplers.values()), "sample_s": time.perf_counter() - started}}
 
 
-def _sample_and_score_sources(parameters: dict) -> dict:
-    return {**_interaction_sources(parameters), **_reward_sources(parameters)}
+def _synced_samplers(config: RlConfig, store, prompts_ids: dict[str, str], policy_state: str,
+                     resources: RunResources) -> tuple:
+    """A sample stage's policy and samplers (by env), after its weight sync: the trainer's weights at
+    `policy_state` published to the policy server, which reloads and probes them, before anything samples."""
+    policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resources.resident)
+    samplers = build_samplers(config, policy.model, policy.tokenizer, resources.served_models,
+                              policy_state=policy_state)
+    for sampler in set(samplers.values()):  # envs on the live policy share one sampler
+        sampler.sync()
+    return policy, samplers
 
 
-@task(name="sample-and-score", task_run_name="sample-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_sample_and_score_sources))
-def sample_and_score_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int,
-                          resident: ResidentTrainer, served_models: ServedModels, reward_loops: RewardLoops,
-                          curriculum: str | None = None) -> dict:
+@task(name="sample-and-score", task_run_name="sample-and-score-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=_sources(sources.interaction_sources, sources.reward_sources)))
+def sample_and_score_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, step: int,
+                          resources: RunResources, curriculum: str | None = None) -> dict:
     """A streamed step's sample stage (`algorithm.rl.reward_loop.streamed`): sample_task's rollouts and metrics,
     each rollout scored the moment it is sampled (rl/streamed.py). `rewards`: the id of their results in row order,
-    which score_merge_task (score-step-k) puts into the table: the table, id and metrics score_task gives.
+    which score_merge_task (score-merge-step-k) puts into the table: the table, id and metrics score_task gives.
     `score_tail_s`: how long the stage waited for rewards after its last rollout. `behaviour`: off-policy, the id of
     the behaviour logprobs computed while sampling (rl/behaviour_stream.py), which advantages_task adopts; else
     None."""
     started = time.perf_counter()
     store = open_store(config)
-    policy = sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident)
-    samplers = build_samplers(config, policy.model, policy.tokenizer, served_models, policy_state=policy_state)
+    policy, samplers = _synced_samplers(config, store, prompts_ids, policy_state, resources)
     # Envs with `dynamic_sampling` replace their uniform groups by fresh ones (rl/dynamic_sampling.py).
     sample = sample_and_score_resampled if any(env.dynamic_sampling for env in config.settings.envs) \
         else sample_and_score
-    streamed = sample(config, samplers, _prompt_tables(config, prompts_ids), step, reward_loops,
+    streamed = sample(config, samplers, _prompt_tables(config, prompts_ids), step, resources.reward_loops,
                       curriculum_state=None if curriculum is None else store.get_json(curriculum),
                       policy_model=policy.model, policy_state=policy_state)
     return {"rollouts": store.put_table(streamed.rollouts),
@@ -209,7 +217,7 @@ def sample_and_score_task(config: RlConfig, prompts_ids: dict[str, str], policy_
                         "score_tail_s": streamed.scored_at - streamed.sampled_at}}
 
 
-@task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_reward_sources))
+@task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_REWARD_SOURCES))
 def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int,
                reward_loops: RewardLoops) -> dict:
     started = time.perf_counter()
@@ -225,7 +233,7 @@ def chunk_rows(num_rows: int, chunk: int, chunks: int) -> tuple[int, int]:
 
 
 @task(name="score-chunk", task_run_name="score-step-{step}-chunk-{chunk}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_reward_sources))
+      cache_key_fn=content_key(extra=_REWARD_SOURCES))
 def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int, chunk: int,
                      chunks: int) -> str:
     """The rewards of one chunk of a step's rollouts (chunk_rows), scored where the run's task runner put this
@@ -241,8 +249,8 @@ def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id:
     return store.put_json(rewards_json(results, reward_model_metrics))
 
 
-@task(name="score-merge", task_run_name="score-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_reward_sources))
+@task(name="score-merge", task_run_name="score-merge-step-{step}", **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=_REWARD_SOURCES))
 def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: list[str]) -> dict:
     """The step's scored rollouts from its chunks' results, concatenated in row order (a streamed step's: one
     chunk, scored as it was sampled): the table (and its id) and metrics score_task gives."""
@@ -262,24 +270,24 @@ def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: l
 # `behaviour`, the behaviour logprobs the sample stage computed, is not in the key: they are the bits the advantages
 # stage would compute itself (rl/behaviour_stream.py), so the training samples are the same with or without them.
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_algorithm_sources, ignore=("behaviour",)))
-def advantages_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, scored_id: str, step: int,
-                    resident: ResidentTrainer, served_models: ServedModels | None = None,
-                    curriculum: str | None = None, behaviour: str | None = None) -> dict:
-    """`served_models`: the run's, for algorithms that score samples with a frozen model at ship time; the prompts
-    and the policy at `policy_state` (the weights the step sampled from), for those whose reference is the
+      cache_key_fn=content_key(extra=_sources(sources.algorithm_sources), ignore=("behaviour",)))
+def advantages_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, scored_id: str,
+                    step: int, resources: RunResources, curriculum: str | None = None,
+                    behaviour: str | None = None) -> dict:
+    """`resources.served_models`: the run's, for algorithms that score samples with a frozen model at ship time; the
+    prompts and the policy at `policy_state` (the weights the step sampled from), for those whose reference is the
     policy itself (and for the behaviour logprobs the trainer recomputes, less those in `behaviour`, the id of
     the ones its sample stage computed, or None). `curriculum`: the id of the difficulty pools after the step
     before; the result's `curriculum` is the id of the pools after this step's groups."""
     started = time.perf_counter()
     store = open_store(config)
     policy = PolicyReference(
-        lambda: sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resident),
+        lambda: sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resources.resident),
         config.settings.base_model, state_id=policy_state)
-    resources = algorithm_resources(config, served_models, _prompt_tables(config, prompts_ids), policy)
+    algorithm = algorithm_resources(config, resources.served_models, _prompt_tables(config, prompts_ids), policy)
     scored = store.get_table(scored_id, wire.ROLLOUTS)
     precomputed = None if behaviour is None else store.get_table(behaviour, wire.BEHAVIOUR_LOGPROBS)
-    samples, metrics = training_samples(config, scored, resources, precomputed)
+    samples, metrics = training_samples(config, scored, algorithm, precomputed)
     result = {"samples": store.put_table(samples)}
     if curriculum is not None:
         pools, pool_metrics = next_difficulty_pools(config, store.get_json(curriculum), scored,
@@ -298,20 +306,20 @@ def pack_task(config: RlConfig, samples_id: str, step: int) -> dict:
 
 
 @task(name="train-step", task_run_name="train-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key())
-def train_step_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, micro_batches_id: str,
-                    step: int, resident: ResidentTrainer) -> dict:
+def train_step_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, micro_batches_id: str,
+                    step: int, resources: RunResources) -> dict:
     """One optimizer step: the new policy state (a step record: its id never depends on when the run snapshots)."""
     started = time.perf_counter()
     inputs = policy_inputs(open_store(config), config, prompts_ids)
-    state, metrics = train_policy_step(inputs, policy_state, step, micro_batches_id, resident)
+    state, metrics = train_policy_step(inputs, policy_state, step, micro_batches_id, resources.resident)
     return {"state": state, "metrics": {**metrics, "train_s": time.perf_counter() - started}}
 
 
 @task(name="snapshot", task_run_name="snapshot-step-{step}", cache_policy=NO_CACHE, retries=0)
-def snapshot_task(config: RlConfig, prompts_ids: dict[str, str], policy_state: str, step: int, step_metrics: dict,
-                  resident: ResidentTrainer) -> str:
+def snapshot_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, step: int,
+                  step_metrics: dict, resources: RunResources) -> str:
     """The checkpoint of `policy_state` for the run's interval: found in the store's index (a rerun: the trainer
     in hand, if any, adopts it as its last snapshot), else written and indexed (rl/policy_state.py); its manifest
     keeps `step_metrics`. Not cached: the index is its cache, and a lookup also tells the resident trainer."""
     inputs = policy_inputs(open_store(config), config, prompts_ids)
-    return snapshot_policy(inputs, policy_state, resident, step_metrics)
+    return snapshot_policy(inputs, policy_state, resources.resident, step_metrics)

@@ -58,7 +58,7 @@ def test_a_collapsed_run_fails_in_one_line_and_its_rerun_with_warn_trains_on_say
     assert error_lines[0].startswith(f"rollout: error: flow run failed: {COLLAPSED}; stopped by "
                                      "algorithm.rl.collapse.action = \"fail\": the trained steps are kept, a rerun "
                                      "with action \"warn\" trains on")
-    assert "sample-step-3" not in failed.stdout + failed.stderr
+    assert "sample-and-score-step-3" not in failed.stdout + failed.stderr
     assert [record["step"] for record in read_metrics(ObjectStore(str(store)), "rl-tiny")] == [1, 2]
 
     # The rerun with the guard's other setting: the same training (its name's claim holds), steps 1-2 from cache. A

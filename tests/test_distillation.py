@@ -25,7 +25,7 @@ from clirun import (
 pytestmark = pytest.mark.slow
 
 TEACHER_TEXT = "the sea is calm and the sky is blue and the sun"  # 12 words: target_length(12) scores it 1.0
-STAGES = ("sample", "score", "advantages", "pack", "train")
+STAGES = ("sample-and-score", "score-merge", "advantages", "pack", "train")  # streamed scoring
 
 
 @pytest.fixture(scope="module")

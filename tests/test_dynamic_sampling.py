@@ -180,12 +180,12 @@ def test_a_tiny_run_trains_on_groups_with_signal_and_reruns_to_the_same_checkpoi
     again = train_in_process(*args)
     assert again["checkpoint"] == first["checkpoint"]
     states = task_run_states(again["flow_run_id"])
-    assert {states[f"{stage}-{step}"] for stage in ("sample-step", "train-step") for step in (1, 2)} == {"Cached"}
+    assert {states[f"{stage}-step-{step}"] for stage in ("sample-and-score", "train") for step in (1, 2)} == {"Cached"}
 
     # Killed once step 2's sampling (its rounds included) is done: the rerun resumes to the same checkpoint.
     killed = [*DYNAMIC_RUN, "--store", str(tmp_path / "killed")]
     env = cli_env(PYTHONPATH=str(ROOT / "tests"))  # where example_rewards lives, outside the library
-    run_until_then_kill(killed, "sample-step-2' - Finished", tmp_path / "killed.log", env=env)
+    run_until_then_kill(killed, "sample-and-score-step-2' - Finished", tmp_path / "killed.log", env=env)
     resumed = run_rollout(*killed, PYTHONPATH=str(ROOT / "tests"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert final_result(resumed)["checkpoint"] == first["checkpoint"]

@@ -235,7 +235,7 @@ def test_a_run_sampling_from_a_served_model_resumes_without_requerying_finished_
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resumed = final_result(rerun)
     states = task_run_states(resumed["flow_run_id"])
-    assert [states[f"sample-step-{k}"] for k in (1, 2, 3, 4)] == ["Cached", "Cached", "Cached", "Completed"]
+    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3, 4)] == ["Cached"] * 3 + ["Completed"]
     assert resumed["checkpoint"] == expected
     assert resumed["reward_curve"] == final_result(reference)["reward_curve"]  # step 4 sampled the same tokens
     assert ObjectStore(str(tmp_path / "interrupted")).get_ref("runs/rl-tiny/latest") == expected
@@ -259,7 +259,7 @@ def test_an_unreachable_or_misnamed_frozen_model_fails_the_run_in_one_line_befor
         assert failed.returncode == 1, failed.stdout[-2000:]
         errors = [line for line in failed.stderr.splitlines() if line.startswith("rollout: error:")]
         assert len(errors) == 1 and expected in errors[0], failed.stderr[-2000:]
-        assert "sample-step-1" not in failed.stdout + failed.stderr  # failed at connection, before step 1
+        assert "sample-and-score-step-1" not in failed.stdout + failed.stderr  # failed at connection, before step 1
 
 
 @pytest.mark.slow

@@ -181,7 +181,7 @@ def test_a_lora_trainer_reopened_from_its_checkpoint_continues_to_the_uninterrup
 
 @pytest.mark.slow
 def test_the_policy_server_loads_each_steps_adapter_in_place_and_the_probe_checks_it(tiny_model_dir):
-    from rollout_lib.serving.policy_server import PolicyServerError, trainer_logprobs
+    from rollout_lib.serving.policy_server import PolicyServerError, PolicyServerSpec, trainer_logprobs
     from rollout_lib.serving.served import ServedModels
 
     tokenizer = load_tokenizer(resolve_model(str(tiny_model_dir)))
@@ -191,7 +191,7 @@ def test_the_policy_server_loads_each_steps_adapter_in_place_and_the_probe_check
             if "lora_B" in name:
                 parameter.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
     with ServedModels() as served:
-        server = served.policy_server(ModelRef(uri=str(tiny_model_dir)), adapter_rank=8)
+        server = served.policy_server(PolicyServerSpec(ModelRef(uri=str(tiny_model_dir)), adapter_rank=8))
         first = server.hold("state-a", model, tokenizer)
         assert first.max_probe_diff < 1e-4 and server.served_name.endswith("-adapter")
         assert not (server.weights.directory.parent / "model.safetensors").exists()  # no full weights written

@@ -39,7 +39,13 @@ from rollout_lib.sampling.vllm import VllmSampler, VllmSamplerSettings
 from rollout_lib.serving import engine, weight_sync
 from rollout_lib.serving.client import EndpointClient
 from rollout_lib.serving.served import ServedModels
-from rollout_lib.serving.policy_server import HoldReport, PolicyReplicaLost, PolicyServerError, trainer_logprobs
+from rollout_lib.serving.policy_server import (
+    HoldReport,
+    PolicyReplicaLost,
+    PolicyServerError,
+    PolicyServerSpec,
+    trainer_logprobs,
+)
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.identity.training import training_identity
 
@@ -67,13 +73,18 @@ def test_the_engine_is_a_policy_sampler_type_and_only_the_type_enters_the_traini
         rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", replicas = 0 }')
 
 
+def server_flags(config) -> list[str]:
+    """The policy server's flags beyond engine.SERVER_FLAGS (which start it in float32, eager)."""
+    return config.settings.policy_sampler.server_spec(BASE, torch.nn.Linear(1, 1)).server_args()
+
+
 def test_the_engines_precision_and_compilation_are_server_flags_and_enter_the_identity(tmp_path):
     fp32 = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "float32", compile = false }')
-    assert fp32.settings.policy_sampler.server_args() == []  # engine.SERVER_FLAGS: float32, eager
+    assert server_flags(fp32) == []  # engine.SERVER_FLAGS: float32, eager
     bf16 = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "bfloat16" }')
     compiled = rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "bfloat16", compile = true }')
-    assert bf16.settings.policy_sampler.server_args() == ["--dtype", "bfloat16"]  # after SERVER_FLAGS: last wins
-    assert compiled.settings.policy_sampler.server_args() == ["--dtype", "bfloat16", "--no-enforce-eager"]
+    assert server_flags(bf16) == ["--dtype", "bfloat16"]  # after SERVER_FLAGS: last wins
+    assert server_flags(compiled) == ["--dtype", "bfloat16", "--no-enforce-eager"]
     assert bf16.settings.policy_sampler.tolerance == 2.0  # bfloat16 rounding: serving/policy_server.py
     assert rl_tiny(tmp_path, 'algorithm.rl.policy_sampler={ type = "vllm", dtype = "bfloat16", '
                              'probe_tolerance = 0.5 }').settings.policy_sampler.tolerance == 0.5
@@ -139,10 +150,10 @@ def test_a_replica_lost_inside_the_hold_is_restarted_and_held_again_within_the_s
     if fails:
         with pytest.raises(PolicyReplicaLost, match=r"^policy server http://127\.0\.0\.1:9 \('policy-fake'\): weight "
                                                     r"reload failed: POST /collective_rpc: ReadError$"):
-            sampler._hold()
+            sampler.sync()
         assert sampler.held_state is None
     else:
-        sampler._hold()
+        sampler.sync()
         assert sampler.held_state == "state-a" and len(sampler.hold_reports) == 1
     assert (server.holds, server.recovers, sampler.recoveries) == (holds, recovers, recovers if restarts else 0)
 
@@ -171,6 +182,12 @@ def perturbed(model, seed: int, scale: float = 0.05):
     return changed
 
 
+def synced(sampler: VllmSampler) -> VllmSampler:
+    """A sampler after its stage's weight sync (tasks/rl.py does it before a stage samples)."""
+    sampler.sync()
+    return sampler
+
+
 def prompts(n: int = 2) -> pa.Table:
     rows = [{"example_id": f"e/{i}", "env": "e", "messages": [{"role": "user", "content": f"Say {i} things."}],
              "answer": str(i), "info": None, "source_line": i + 1} for i in range(n)]
@@ -183,7 +200,7 @@ def served(tiny_model_dir):
     tokenizer = load_tokenizer(resolve_model(str(tiny_model_dir)))
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with ServedModels() as frozen:
-        server = frozen.policy_server(BASE)
+        server = frozen.policy_server(PolicyServerSpec(BASE))
         yield frozen, server, base, tokenizer
     assert engine.find_deployment(server.name) is None  # stopped by close()
     assert not any(directory.exists() for directory in engine.weights_dirs(server.name))  # its weights file freed
@@ -266,6 +283,7 @@ class TestPolicyServer:
         assert SAMPLERS["vllm"] is VllmSampler
         sampler = VllmSampler(VllmSamplerSettings(), model, tokenizer, context)
         assert sampler.server is server  # the run's one server
+        sampler.sync()  # the stage's weight sync, before it samples
         params = SamplingParams(group_size=3, max_tokens=8)
         table = sampler.sample(prompts(), params, seed=11)
         assert table.schema == wire.ROLLOUTS and table.num_rows == 6
@@ -278,15 +296,15 @@ class TestPolicyServer:
             full = row["prompt_ids"] + row["completion_ids"]
             expected = trainer_logprobs(model, full)[len(row["prompt_ids"]) - 1:]
             assert max(abs(a - b) for a, b in zip(row["sampling_logprobs"], expected)) < 1e-3
-        again = VllmSampler(VllmSamplerSettings(concurrency=1), model, tokenizer, context).sample(prompts(), params,
-                                                                                                  seed=11)
+        again = synced(VllmSampler(VllmSamplerSettings(concurrency=1), model, tokenizer, context)).sample(
+            prompts(), params, seed=11)
         assert again.column("completion_ids").to_pylist() == table.column("completion_ids").to_pylist()
         assert len({tuple(ids) for ids in table.column("completion_ids").to_pylist()}) > 1
 
     def test_multi_turn_episodes_play_on_the_engine_reproducibly(self, served):
         frozen, _, base, tokenizer = served
         context = SamplingContext(policy_state="state-e", served_models=frozen, base_model=BASE)
-        sampler = VllmSampler(VllmSamplerSettings(), perturbed(base, seed=5), tokenizer, context)
+        sampler = synced(VllmSampler(VllmSamplerSettings(), perturbed(base, seed=5), tokenizer, context))
         params = SamplingParams(group_size=3, max_tokens=6)
         interaction = build_interaction(CalculatorSettings())
         first = sampler.sample(prompts(), params, 7, interaction=interaction, context_limit=128)
@@ -304,9 +322,10 @@ class TestPolicyServer:
         model = perturbed(base, seed=4)
         context = SamplingContext(policy_state="state-d", served_models=frozen, base_model=BASE)
         params = SamplingParams(group_size=4, max_tokens=8)
-        expected = VllmSampler(VllmSamplerSettings(), model, tokenizer, context).sample(prompts(), params, seed=5)
+        expected = synced(VllmSampler(VllmSamplerSettings(), model, tokenizer, context)).sample(prompts(), params,
+                                                                                                seed=5)
 
-        sampler = VllmSampler(VllmSamplerSettings(concurrency=2), model, tokenizer, context)
+        sampler = synced(VllmSampler(VllmSamplerSettings(concurrency=2), model, tokenizer, context))
         pool, calls, killed = server.pool, [], []
         original = pool.generate
 
@@ -440,7 +459,7 @@ def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphane
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resumed = final_result(rerun)
     states = task_run_states(resumed["flow_run_id"])
-    assert [states[f"sample-step-{k}"] for k in (1, 2, 3)] == ["Cached", "Cached", "Completed"]
+    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3)] == ["Cached", "Cached", "Completed"]
     assert "adopting policy server " + orphans[0].name in rerun.stdout + rerun.stderr
     assert resumed["checkpoint"] == expected["checkpoint"]
     assert resumed["reward_curve"] == expected["reward_curve"]
@@ -527,5 +546,6 @@ def test_a_policy_server_killed_inside_its_reload_then_its_probe_is_restarted_an
         assert kill["restarted"] == [kill["url"]] and kill["new_pid"] != kill["pid"]
     assert result["checkpoint"] == expected["checkpoint"] and result["reward_curve"] == expected["reward_curve"]
     states = task_run_states(result["flow_run_id"])
-    assert [states[f"sample-step-{k}"] for k in (1, 2, 3)] == ["Completed"] * 3  # one run, nothing from a rerun
+    # One run, nothing from a rerun.
+    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3)] == ["Completed"] * 3
     assert not [d for d in engine.running_deployments() if d.live_policy]  # the run stopped the restarted server

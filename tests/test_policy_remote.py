@@ -146,13 +146,15 @@ def test_a_policy_server_that_cannot_read_the_store_fails_naming_its_url_and_the
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_lib.serving.policy_server import PolicyServer, PolicyServerError, remote_deployment
+    from rollout_lib.serving.policy_server import PolicyServer, PolicyServerError, PolicyServerSpec, remote_deployment
+    from rollout_lib.settings_base import ModelRef
     from rollout_lib.store import ObjectStore
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     # A store only this process reaches (fsspec's in-memory filesystem): the other node finds nothing there.
-    server = PolicyServer(remote_deployment([f"{remote_policy}/v1"]), ship_through=ObjectStore("memory://unshared"))
+    spec = PolicyServerSpec(ModelRef(uri=str(tiny_model_dir)))
+    server = PolicyServer(remote_deployment([f"{remote_policy}/v1"]), spec, ObjectStore("memory://unshared"))
     try:
         with pytest.raises(PolicyServerError) as raised:
             server.hold("state-a", model, tokenizer)

@@ -253,7 +253,7 @@ def test_sigkill_of_one_rank_fails_the_run_clearly_and_the_rerun_ends_on_the_sam
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resumed = final_result(rerun)
     states = task_run_states(resumed["flow_run_id"])
-    assert states["train-step-2"] == "Cached" and states["sample-step-3"] == "Cached", states
+    assert states["train-step-2"] == "Cached" and states["sample-and-score-step-3"] == "Cached", states
     assert states["train-step-3"] == "Completed" and states["train-step-4"] == "Completed", states
     assert resumed["checkpoint"] == expected["checkpoint"]
     assert resumed["reward_curve"] == expected["reward_curve"]

@@ -18,7 +18,7 @@ from rollout_lib.checkpoint import read_manifest
 pytestmark = pytest.mark.slow
 
 CONFIG = ["train", "rl", "--config", "configs/rl-tiny.toml"]
-STAGES = ("sample", "score", "advantages", "pack", "train")
+STAGES = ("sample-and-score", "score-merge", "advantages", "pack", "train")  # streamed scoring
 
 
 @pytest.mark.learning
@@ -61,7 +61,7 @@ def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(pre
     for name in ["load-prompts-words", "init-policy",
                  *[f"{stage}-step-{k}" for stage in STAGES for k in range(1, 9)]]:
         assert states[name] == "Cached", (name, states[name])
-    assert states["sample-step-9"] == "Completed"
+    assert states["sample-and-score-step-9"] == "Completed"
     # The policy state since the last snapshot (steps 6..8) was replayed in-process to sample step 9.
     assert "replaying steps 6..8 from checkpoint" in rerun.stdout + rerun.stderr
 
@@ -93,7 +93,7 @@ def test_a_step_where_every_reward_fails_fails_the_run_with_one_line(prefect_ser
     assert failed.returncode == 1, failed.stdout[-2000:]
     error_lines = [line for line in failed.stderr.splitlines() if line.startswith("rollout: error:")]
     assert len(error_lines) == 1 and "all 32 rewards failed" in error_lines[0], failed.stderr[-2000:]
-    assert "score-step-1" in failed.stdout + failed.stderr and "train-step-1" not in failed.stdout + failed.stderr
+    assert "score-merge-step-1" in failed.stdout + failed.stderr and "train-step-1" not in failed.stdout + failed.stderr
 
 
 def test_a_custom_advantage_function_of_the_wrong_shape_fails_the_run_with_one_line(prefect_server, tmp_path):

@@ -22,7 +22,7 @@ from rollout_lib.identity.training import training_identity
 
 CONFIG = ["train", "rlhf", "--config", "configs/rlhf-tiny.toml"]
 RL_STEPS = 20  # configs/rl-tiny.toml
-RL_STAGES = ("sample", "score", "advantages", "pack", "train")
+RL_STAGES = ("sample-and-score", "score-merge", "advantages", "pack", "train")  # streamed scoring
 
 
 def rlhf(store, *extra: str):

@@ -20,7 +20,7 @@ from rollout_lib.trainer.base import NonFiniteLossError, TrainingInputs
 from rollout_lib.checkpoint import export_hf_directory, read_manifest
 from rollout_lib.determinism import plan_batches
 from rollout_lib.identity.training import training_identity
-from rollout_lib.trainer.segment import Segment, TrainStepError, plan_segments, train_segment
+from rollout_lib.trainer.segment import Segment, TrainStepError, SnapshotSchedule, train_segment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,10 +72,10 @@ def test_resume_from_snapshot_replays_to_identical_weights(tiny_model_dir):
 
 
 def test_segments_end_at_every_snapshot_and_at_the_last_step():
-    assert plan_segments(7, 3) == [Segment(1, 3), Segment(4, 6), Segment(7, 7)]
-    assert plan_segments(6, 3) == [Segment(1, 3), Segment(4, 6)]
-    assert plan_segments(2, 10) == [Segment(1, 2)]
-    assert [list(s.steps) for s in plan_segments(4, 1)] == [[1], [2], [3], [4]]
+    assert SnapshotSchedule(3, 7).segments() == [Segment(1, 3), Segment(4, 6), Segment(7, 7)]
+    assert SnapshotSchedule(3, 6).segments() == [Segment(1, 3), Segment(4, 6)]
+    assert SnapshotSchedule(10, 2).segments() == [Segment(1, 2)]
+    assert [list(s.steps) for s in SnapshotSchedule(1, 4).segments()] == [[1], [2], [3], [4]]
 
 
 def test_a_segment_rerun_from_its_start_checkpoint_reaches_the_same_checkpoint(tiny_model_dir):

@@ -266,7 +266,7 @@ def test_rl_rewarded_by_the_served_reward_model(served_rm, rm_on_another_node, t
     assert (f"algorithm.rl.envs[0].rewards[1].base_url: {nowhere.removesuffix('/v1')}: GET /v1/models: unreachable"
             in errors[0]), errors[0]
     assert "start the reward model's pooling server there" in errors[0], errors[0]
-    assert "sample-step-1" not in failed.stdout + failed.stderr  # refused at connection, before step 1
+    assert "sample-and-score-step-1" not in failed.stdout + failed.stderr  # refused at connection, before step 1
     assert ObjectStore(str(store)).get_ref("runs/rl-served-rm/latest") is None
 
     done = train(rm_on_another_node)

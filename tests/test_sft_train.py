@@ -31,7 +31,7 @@ from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches, train_on
 from rollout_lib.checkpoint import export_hf_directory, read_manifest
 from rollout_lib.determinism import plan_batches
 from rollout_lib.identity.training import training_identity
-from rollout_lib.trainer.segment import plan_segments, train_segment
+from rollout_lib.trainer.segment import SnapshotSchedule, train_segment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -359,7 +359,7 @@ def run_segments(run, checkpoint, steps, interval, *, lose_process_after_segment
     """Segments of `interval` steps from `checkpoint`; the trainer is kept between segments unless the process
     is 'lost' after segment number `lose_process_after_segment` (then the next segment reopens its checkpoint)."""
     trainer = open_trainer(run, checkpoint)
-    for number, segment in enumerate(plan_segments(steps, interval), start=1):
+    for number, segment in enumerate(SnapshotSchedule(interval, steps).segments(), start=1):
         checkpoint, _ = train_segment(trainer, segment)
         if number == lose_process_after_segment:
             trainer = open_trainer(run, checkpoint)

@@ -219,16 +219,25 @@ def test_an_episode_is_handed_over_when_the_turn_it_ended_in_is_done():
 
 def test_the_streamed_tasks_return_the_staged_tasks_ids(tmp_path):
     """sample-and-score then score-merge (streamed) give the ids sample then score (staged) give."""
-    from tasks.rl import init_policy_task, sample_and_score_task, sample_task, score_merge_task, score_task
+    from tasks.rl import (
+        RunResources,
+        init_policy_task,
+        sample_and_score_task,
+        sample_task,
+        score_merge_task,
+        score_task,
+    )
 
     cfg = config(f"run.store={tmp_path / 'store'}", calculator=True)
     store = ObjectStore(cfg.run.store)
     prompts = {env.name: store.put_table(load_prompts(env)) for env in cfg.settings.envs}
     with ResidentTrainer() as resident, run_reward_loops(cfg) as loops:
         state = init_policy_task.fn(cfg, prompts, resident)["checkpoint"]
-        sampled = sample_task.fn(cfg, prompts, state, 1, resident, None)
+        inputs = {"prompts_ids": prompts, "policy_state": state, "step": 1,
+                  "resources": RunResources(resident, None, loops)}
+        sampled = sample_task.fn(cfg, **inputs)
         scored = score_task.fn(cfg, prompts, sampled["rollouts"], 1, loops)
-        streamed = sample_and_score_task.fn(cfg, prompts, state, 1, resident, None, loops)
+        streamed = sample_and_score_task.fn(cfg, **inputs)
         merged = score_merge_task.fn(cfg, streamed["rollouts"], 1, [streamed["rewards"]])
 
     def untimed(metrics: dict) -> dict:
@@ -264,7 +273,8 @@ def test_streamed_and_staged_runs_end_on_the_same_checkpoint(prefect_server, tmp
                                               "algorithm.rl.reward_loop.streamed=false"])
     assert streamed["checkpoint"] == staged["checkpoint"] and streamed["reward_curve"] == staged["reward_curve"]
     states = task_run_states(str(run.state_details.flow_run_id))
-    assert {f"{stage}-step-{k}" for stage in ("sample", "score", "train") for k in (1, 2)} <= set(states)
+    assert {f"{stage}-step-{k}" for stage in ("sample-and-score", "score-merge", "train")
+            for k in (1, 2)} <= set(states)
 
 
 @pytest.mark.slow
@@ -303,5 +313,5 @@ def test_a_streamed_run_killed_inside_a_sample_and_score_stage_reruns_to_its_che
     resumed = final_result(rerun)
     assert resumed["checkpoint"] == expected["checkpoint"] and resumed["reward_curve"] == expected["reward_curve"]
     states = task_run_states(resumed["flow_run_id"])
-    assert states["sample-step-1"] == states["score-step-1"] == states["train-step-1"] == "Cached"
-    assert states["sample-step-2"] == "Completed"  # killed inside it: run again, not from cache
+    assert states["sample-and-score-step-1"] == states["score-merge-step-1"] == states["train-step-1"] == "Cached"
+    assert states["sample-and-score-step-2"] == "Completed"  # killed inside it: run again, not from cache

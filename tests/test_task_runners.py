@@ -109,7 +109,7 @@ def thread_run(prefect_server, tmp_path_factory) -> tuple[dict, Path]:
 
 
 def chunk_states(states: dict) -> dict:
-    return {name: state for name, state in states.items() if name.startswith("score-step-")}
+    return {name: state for name, state in states.items() if name.startswith(("score-step-", "score-merge-step-"))}
 
 
 def run_on_a_cluster(store: Path, runner: list[str], started: str, expected: dict, **env: str) -> dict:
@@ -123,8 +123,8 @@ def run_on_a_cluster(store: Path, runner: list[str], started: str, expected: dic
     assert result["reward_curve"] == expected["reward_curve"]
     assert started in done.stdout + done.stderr
     states = task_run_states(result["flow_run_id"])
-    assert chunk_states(states) == {f"score-step-{step}{chunk}": "Completed" for step in (1, 2)
-                                    for chunk in ("", "-chunk-0", "-chunk-1")}
+    assert chunk_states(states) == {name: "Completed" for step in (1, 2) for name in (
+        f"score-step-{step}-chunk-0", f"score-step-{step}-chunk-1", f"score-merge-step-{step}")}
     return result
 
 

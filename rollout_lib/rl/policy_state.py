@@ -31,6 +31,7 @@ from rollout_lib.config.rl import RlConfig
 from rollout_lib.store import CHAIN_INDEX_REFS, ObjectStore
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, RecordedBatches
+from rollout_lib.trainer.segment import SnapshotSchedule
 from rollout_lib.identity.training import training_identity
 
 STEP_STATE_KIND = "rollout.rl.step_state/v1"
@@ -80,7 +81,7 @@ def pending_steps(store: ObjectStore, state_id: str, checkpoint_interval: int) -
         record = store.get_json(state_id)
         if record.get("kind") != STEP_STATE_KIND:
             return state_id, batches
-        if record["step"] % checkpoint_interval == 0:
+        if SnapshotSchedule(checkpoint_interval).takes(record["step"]):
             checkpoint = snapshot_of_state(store, state_id, checkpoint_interval)
             if checkpoint is not None:
                 return checkpoint, batches

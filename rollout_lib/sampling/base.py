@@ -97,6 +97,10 @@ class Sampler(ABC):
                 raise TypeError(f"{cls.settings_class.__name__} must declare type = {cls.type_name!r}")
             SAMPLERS[cls.type_name] = cls
 
+    def sync(self) -> None:
+        """Bring the backend to the stage's policy state; the stage calls it before it samples (tasks/rl.py). An
+        embedded backend samples from the model itself, which is at that state: nothing to do."""
+
     @abstractmethod
     def generate(self, sequences: list[list[int]], params: SamplingParams,
                  seed: int) -> list[tuple[list[int], list[float]]]:

@@ -42,6 +42,9 @@ class FrozenSampler:
         self.concurrency = concurrency
         self.sampled_from = sampled_from
 
+    def sync(self) -> None:
+        """A frozen model's weights never move: nothing to sync."""
+
     def sample(self, prompts: pa.Table, params: SamplingParams, seed: int, interaction=None,
                context_limit: int | None = None, on_rollout: OnRollout | None = None) -> pa.Table:
         """As every sampler's (base.Sampler.sample): `on_rollout` is told of each row as its request returns."""

@@ -1,10 +1,10 @@
 """The live policy sampled on a vLLM engine: the run's policy server (serving/policy_server.py), owned by the run's
 ServedModels and reached through the stage's SamplingContext.
 
-Before a stage samples, the server is brought to the policy state the stage samples from
-(`SamplingContext.policy_state`): reloaded in place from the trainer's in-memory weights and verified with the
-probe (`probe_tolerance`, default 1e-3: serving/policy_server.py says why); a server that already holds that state (same
-state id, same replica processes) is not reloaded. A probe beyond the tolerance fails the stage, naming the
+Before a stage samples, it calls `sync` (tasks/rl.py): the server is brought to the policy state the stage samples
+from (`SamplingContext.policy_state`), reloaded in place from the trainer's in-memory weights and verified with the
+probe (`probe_tolerance`, default 1e-3: serving/policy_server.py says why); a server that already holds that state
+(same state id, same replica processes) is not reloaded. A probe beyond the tolerance fails the stage, naming the
 replica's URL and the difference: nothing samples from unknown weights.
 
 Sampling then goes through the replica pool as the frozen sampler's does: prompts sent as token ids (the policy's
@@ -32,7 +32,12 @@ from pydantic import Field, model_validator
 
 from rollout_lib.adapters import is_adapted
 from rollout_lib.sampling.base import Sampler, SamplerSettings, SamplingParams, stop_token_ids
-from rollout_lib.serving.policy_server import BF16_PROBE_TOLERANCE, DEFAULT_TOLERANCE, PolicyReplicaLost
+from rollout_lib.serving.policy_server import (
+    BF16_PROBE_TOLERANCE,
+    DEFAULT_TOLERANCE,
+    PolicyReplicaLost,
+    PolicyServerSpec,
+)
 from rollout_lib.determinism import derived_seed
 
 log = logging.getLogger(__name__)
@@ -96,10 +101,18 @@ class VllmSamplerSettings(SamplerSettings):
             chosen["adapter_serving"] = self.adapter_serving
         return {"type": self.type, **chosen, **({"compile": True} if self.compile else {})}
 
-    def server_args(self) -> list[str]:
-        """The policy server's flags beyond engine.SERVER_FLAGS (which start it in float32, eager)."""
-        return [*(["--dtype", self.dtype] if self.dtype != "float32" else []),
-                *(["--no-enforce-eager"] if self.compile else [])]
+    def server_spec(self, base_model, model) -> PolicyServerSpec:
+        """The run's policy server for these settings and the policy `model` (a LoRA one served as an adapter
+        under `adapter_serving = "lora"`): the one place a PolicyServerSpec is built. Beyond engine.SERVER_FLAGS
+        (float32, eager), the engine's dtype and kernels."""
+        lora = is_adapted(model) and self.adapter_serving == "lora"
+        return PolicyServerSpec(
+            base_model, replicas=self.replicas, timeout_s=self.timeout_s, max_attempts=self.max_attempts,
+            tolerance=self.tolerance, probe_dtype=torch.bfloat16 if self.dtype == "bfloat16" else torch.float32,
+            extra_args=(*(["--dtype", self.dtype] if self.dtype != "float32" else []),
+                        *(["--no-enforce-eager"] if self.compile else [])),
+            adapter_rank=model.peft_config["default"].r if lora else None, remote_urls=tuple(self.base_url or ()),
+            served_name=self.served_name, gpus=tuple(self.gpus or ()))
 
     @property
     def tolerance(self) -> float:
@@ -121,20 +134,15 @@ class VllmSampler(Sampler):
         if self.context.policy_state is None:
             raise ValueError('algorithm.rl.policy_sampler: type = "vllm" needs the policy state id it samples from '
                              "(SamplingContext.policy_state): the server is loaded and checked per state")
-        self.server = self.context.served_models.policy_server(
-            self.context.base_model, replicas=settings.replicas, timeout_s=settings.timeout_s,
-            max_attempts=settings.max_attempts, tolerance=settings.tolerance, extra_args=settings.server_args(),
-            probe_dtype=torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32,
-            adapter_rank=(model.peft_config["default"].r if is_adapted(model) and settings.adapter_serving == "lora"
-                          else None),
-            remote_urls=settings.base_url or (), served_name=settings.served_name, gpus=settings.gpus or ())
+        self.server = self.context.served_models.policy_server(settings.server_spec(self.context.base_model, model))
         self.hold_reports: list = []  # serving.policy_server.HoldReport of every hold this sampler made (metrics, tests)
         self.held_state: str | None = None  # the state this sampler's last hold brought the server to
         self.recoveries = 0  # restarts of dead replicas so far in this stage (a sampler lives for one stage)
 
-    def _hold(self) -> None:
-        """Bring the server to the stage's state; a replica lost during the hold is restarted and the hold done
-        again (`_restart_dead_replicas`)."""
+    def sync(self) -> None:
+        """The stage's weight sync: the server brought to the stage's state (written from the trainer, reloaded,
+        probed; nothing to do where it holds it already); a replica lost during the hold is restarted and the hold
+        done again (`_restart_dead_replicas`)."""
         while True:
             try:
                 self.hold_reports.append(self.server.hold(self.context.policy_state, self.model, self.tokenizer))
@@ -156,27 +164,14 @@ class VllmSampler(Sampler):
         log.warning("policy server %s: %s (%s); restarted %s, reloading state %s", self.server.name, what, error,
                     ", ".join(restarted), self.context.policy_state)
 
-    def _held_remotely(self) -> bool:
-        """Whether servers on another node were brought to this stage's state by this sampler already. They never
-        say they hold a state (their restarts are unseen: PolicyServer.holds), so without this every `generate` after
-        `sample`'s hold, every env after the first and every episode turn reloaded (and shipped through the store)
-        the same state again: 2 loads a step, not 1, in tests/test_policy_remote.py. A sampler lives for one stage."""
-        return self.server.remote and self.held_state == self.context.policy_state
-
-    def sample(self, prompts, params: SamplingParams, seed: int, interaction=None, context_limit: int | None = None,
-               on_rollout=None):
-        if not self._held_remotely():
-            self._hold()
-        return super().sample(prompts, params, seed, interaction=interaction, context_limit=context_limit,
-                              on_rollout=on_rollout)
-
     def generate(self, sequences: list[list[int]], params: SamplingParams, seed: int,
                  on_done=None) -> list[tuple[list[int], list[float]]]:
         from rollout_lib.serving.client import ReplicaUnavailable
         from rollout_lib.serving.pool import PoolUnavailable
 
-        if not (self.server.holds(self.context.policy_state) or self._held_remotely()):  # a caller of generate alone
-            self._hold()
+        if self.held_state != self.context.policy_state:
+            raise RuntimeError("VllmSampler.generate before sync(): the stage syncs the policy server's weights first "
+                               "(tasks/rl.py)")
         stops = stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         seeds = [derived_seed("policy-engine", seed, index) for index in range(len(sequences))]
         results: list[tuple[list[int], list[float]] | None] = [None] * len(sequences)
@@ -195,7 +190,7 @@ class VllmSampler(Sampler):
                 return results  # type: ignore[return-value]
             self._restart_dead_replicas(failed[0][1], f"{len(failed)} of {len(sequences)} requests failed, sent again "
                                                       "after the reload")
-            self._hold()
+            self.sync()
             pending = [index for index, _ in failed]
 
     async def _generate_some(self, indices: list[int], sequences: list[list[int]], params: SamplingParams,

@@ -1,7 +1,7 @@
 """The live policy on a vLLM engine: a deployment started from the base model in vLLM's dev mode, whose weights
 are reloaded in place to the policy state a sample stage samples from, and checked before anything samples.
 
-    server = served_models.policy_server(base_model, replicas=1)  # started (or an orphan adopted), run-owned
+    server = served_models.policy_server(spec)  # a PolicyServerSpec: started (or an orphan adopted), run-owned
     server.hold(state_id, model, tokenizer)  # every replica holds `model`'s weights, verified; no-op if it does
     await server.pool.generate(...)          # an EndpointPool over the replicas
     server.recover()                         # replicas died mid-step: restart them (they hold nothing until `hold`)
@@ -58,6 +58,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -90,6 +91,29 @@ def lora_server_args(rank: int) -> list[str]:
     if slot is None:
         raise ValueError(f"a LoRA rank of {rank} is above the largest vLLM serves ({VLLM_LORA_RANKS[-1]})")
     return ["--enable-lora", "--max-lora-rank", str(slot), "--max-loras", "1"]
+
+
+@dataclass(frozen=True)
+class PolicyServerSpec:
+    """The run's policy server (ServedModels.policy_server), built in one place: VllmSamplerSettings.server_spec.
+    `extra_args`: server flags (engine.start_deployment); an orphan is adopted only if started with the same.
+    `adapter_rank`: the policy is a LoRA adapter of that rank. `remote_urls`: policy servers on other nodes (`rollout
+    serve start BASE --live-policy`), shipped each state through the run's store; none is started here."""
+
+    base_model: Any  # config.common.ModelRef: what the server starts from (then reloaded per state)
+    replicas: int = 1
+    timeout_s: float | None = 120.0
+    max_attempts: int = 3
+    tolerance: float = DEFAULT_TOLERANCE
+    extra_args: tuple[str, ...] = ()
+    probe_dtype: torch.dtype = torch.float32
+    adapter_rank: int | None = None
+    remote_urls: tuple[str, ...] = ()
+    served_name: str | None = None
+    gpus: tuple[int, ...] = ()  # this node's GPUs the replicas take, split evenly
+
+    def server_args(self) -> list[str]:
+        return [*self.extra_args, *(lora_server_args(self.adapter_rank) if self.adapter_rank is not None else [])]
 
 
 class PolicyServerError(RuntimeError):
@@ -141,24 +165,18 @@ def trainer_logprobs(model, token_ids: list[int]) -> list[float]:
 class PolicyServer:
     """A live-policy deployment (engine.py, `live_policy=True`) and the state each replica holds."""
 
-    def __init__(self, deployment: engine.Deployment, *, timeout_s: float | None = 120.0, max_attempts: int = 3,
-                 tolerance: float = DEFAULT_TOLERANCE, probe_dtype: torch.dtype = torch.float32,
-                 adapter_base: str | None = None, ship_through: ObjectStore | None = None):
-        self.deployment = deployment
+    def __init__(self, deployment: engine.Deployment, spec: PolicyServerSpec, ship_through: ObjectStore | None = None):
+        self.deployment, self.spec = deployment, spec  # the probe is computed in the engine's dtype, spec.probe_dtype
         # Replicas on another node (`remote_deployment`): each state goes through the run's store, which they read
         # themselves (store_fetch.py); rollout neither restarts them nor knows their processes, so every hold
         # reloads and checks them.
         self.store = ship_through
-        self.timeout_s = timeout_s
-        self.max_attempts = max_attempts
-        self.tolerance = tolerance
-        self.probe_dtype = probe_dtype  # the engine's dtype: the trainer's side of the probe is computed in it
         # The weights the replicas reload from (serving/weight_sync.py): a file in shared memory, rewritten in place;
-        # a LoRA policy (`adapter_base`: its base model's reference): its adapter directory, which every replica
-        # loads in place under one adapter name, `served_name`, the model its requests name.
+        # a LoRA policy (`spec.adapter_rank`): its adapter directory, which every replica loads in place under one
+        # adapter name, `served_name`, the model its requests name.
         dirs = engine.weights_dirs(deployment.name)
-        self.adapter = adapter_base is not None
-        self.weights = AdapterDirectory(dirs, adapter_base) if self.adapter else SharedWeightsFile(dirs)
+        self.adapter = spec.adapter_rank is not None
+        self.weights = AdapterDirectory(dirs, spec.base_model.uri) if self.adapter else SharedWeightsFile(dirs)
         self._holds: dict[str, tuple[int, str]] = {}  # base URL -> (pid, state id) it was loaded and checked with
         self.reload_paths: dict[str, str] = {}  # base URL -> how its last reload ran (engine_reload.py)
         self._lock = threading.Lock()
@@ -178,8 +196,8 @@ class PolicyServer:
         return ", ".join(self.deployment.base_urls)
 
     def _new_pool(self) -> EndpointPool:
-        return EndpointPool(self.deployment.base_urls, self.served_name, timeout_s=self.timeout_s,
-                            max_attempts=self.max_attempts)
+        return EndpointPool(self.deployment.base_urls, self.served_name, timeout_s=self.spec.timeout_s,
+                            max_attempts=self.spec.max_attempts)
 
     @property
     def remote(self) -> bool:
@@ -262,20 +280,20 @@ class PolicyServer:
             report.engine_reload_seconds = timings.get("reload", 0.0)
             report.probe_seconds = timings.get("trainer", 0.0) + timings.get("score", 0.0)
         for url, diff in zip(urls, diffs):
-            if diff > self.tolerance:
+            if diff > self.spec.tolerance:
                 raise PolicyServerError(
                     f"policy server {url} ({self.name!r}) does not hold policy state {state_id}"
                     f"{' after reloading it' if reload else ''}: its logprobs of the {len(probe)}-token probe differ "
-                    f"from the trainer's by up to {diff:.3g} (tolerance {self.tolerance:g}); refusing to sample from "
-                    "unknown weights")
+                    f"from the trainer's by up to {diff:.3g} (tolerance {self.spec.tolerance:g}); refusing to sample "
+                    "from unknown weights")
         return max(diffs)
 
     def _expected(self, model, probe: list[int]) -> list[float]:
         """The trainer's logprobs of the probe, in the engine's dtype."""
-        if self.probe_dtype == torch.float32:
+        if self.spec.probe_dtype == torch.float32:
             return trainer_logprobs(model, probe)
         # the weights rounded as the engine rounds them (a copy: the trainer's model stays fp32)
-        return trainer_logprobs(copy.deepcopy(model).to(self.probe_dtype), probe)
+        return trainer_logprobs(copy.deepcopy(model).to(self.spec.probe_dtype), probe)
 
     @property
     def _shipped(self) -> str:

@@ -39,7 +39,7 @@ from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import replica_gpus
 from rollout_lib.serving.settings import ExternalModel, ServedModel
 from rollout_lib.serving import engine
-from rollout_lib.serving.policy_server import DEFAULT_TOLERANCE, PolicyServer, lora_server_args, remote_deployment
+from rollout_lib.serving.policy_server import PolicyServer, PolicyServerSpec, remote_deployment
 from rollout_lib.serving.client import ServingError
 from rollout_lib.serving.pool import EndpointPool
 from rollout_lib.serving.pooling_servers import connect_pooling_servers
@@ -143,58 +143,45 @@ class ServedModels:
                 self._routable_too(pool, where)
             return pool
 
-    def policy_server(self, base_model, *, replicas: int = 1, max_model_len: int | None = None,
-                      timeout_s: float | None = 120.0, max_attempts: int = 3,
-                      tolerance: float = DEFAULT_TOLERANCE, extra_args: Sequence[str] = (),
-                      probe_dtype=None, adapter_rank: int | None = None, remote_urls: Sequence[str] = (),
-                      served_name: str | None = None, gpus: Sequence[int] = ()) -> PolicyServer:
-        """The run's policy server for `base_model` (a ModelRef), started on first use: a live-policy deployment
-        named `policy-<model>-<this pid>`, or an orphaned one of the same model (its run was killed) adopted.
-        What it holds is unknown until `PolicyServer.hold` reloads and checks it. `extra_args`: server flags
-        (engine.start_deployment), e.g. the engine's dtype; an orphan is adopted only if started with the same.
-        `adapter_rank`: the policy is a LoRA adapter of that rank on `base_model` (policy_server.py).
-        `remote_urls`: policy servers on other nodes, started there (`rollout serve start BASE --live-policy`),
-        reached by URL, shipped each state through the run's store; none is started here. `gpus`: this node's GPUs
-        the replicas take, split evenly (engine.start_deployment)."""
-        if adapter_rank is not None:
-            extra_args = [*extra_args, *lora_server_args(adapter_rank)]
-        placed = replica_gpus(list(gpus), replicas)  # replica j's GPUs (hardware.replica_gpus)
-        key = canonical_json(["policy", base_model.uri, replicas, max_model_len, list(extra_args), list(remote_urls),
-                              placed])
+    def policy_server(self, spec: PolicyServerSpec) -> PolicyServer:
+        """The run's policy server for `spec` (serving/policy_server.py), started on first use: a live-policy
+        deployment named `policy-<model>-<this pid>`, an orphaned one of the same model and flags adopted (its run
+        was killed), or `spec.remote_urls` reached. What it holds is unknown until `PolicyServer.hold` reloads and
+        checks it."""
+        args = spec.server_args()
+        placed = replica_gpus(list(spec.gpus), spec.replicas)  # replica j's GPUs (hardware.replica_gpus)
+        key = canonical_json(["policy", spec.base_model.uri, spec.replicas, args, list(spec.remote_urls), placed])
         with self._lock:
             server = self._policy_servers.get(key)
-            if server is None and remote_urls:
-                server = PolicyServer(remote_deployment(list(remote_urls), served_name), timeout_s=timeout_s,
-                                      max_attempts=max_attempts, tolerance=tolerance,
-                                      adapter_base=base_model.uri if adapter_rank is not None else None,
-                                      ship_through=ObjectStore(self.store_url),
-                                      **({"probe_dtype": probe_dtype} if probe_dtype is not None else {}))
-                self._policy_servers[key] = server
             if server is None:
-                store_url = base_model.store or self.store_url
-                model_dir = served_model_directory(base_model, store_url)
-                deployment = None
-                for running in engine.running_deployments():
-                    if (running.live_policy and running.orphaned and running.model_dir == str(model_dir)
-                            and len(running.replicas) == replicas and running.extra_args == list(extra_args)
-                            and running.gpus == placed):
-                        deployment = engine.claim_orphan(running.name, os.getpid())
-                        if deployment is not None:
-                            log.info("adopting policy server %s left by a killed run", running.name)
-                            deployment = engine.restart_dead_replicas(deployment)
-                            break
-                if deployment is None:
-                    name = f"policy-{default_name(base_model)[:60]}-{os.getpid()}"
-                    deployment = engine.start_deployment(base_model, name=name, replicas=replicas,
-                                                         store_url=store_url, max_model_len=max_model_len,
-                                                         owner_pid=os.getpid(), live_policy=True,
-                                                         extra_args=extra_args, gpus=gpus)
-                self._started.append(deployment.name)
-                server = PolicyServer(deployment, timeout_s=timeout_s, max_attempts=max_attempts, tolerance=tolerance,
-                                      adapter_base=base_model.uri if adapter_rank is not None else None,
-                                      **({"probe_dtype": probe_dtype} if probe_dtype is not None else {}))
+                deployment = remote_deployment(list(spec.remote_urls), spec.served_name) if spec.remote_urls \
+                    else self._policy_deployment(spec, args, placed)
+                server = PolicyServer(deployment, spec, ObjectStore(self.store_url) if spec.remote_urls else None)
                 self._policy_servers[key] = server
             return server
+
+    def _policy_deployment(self, spec: PolicyServerSpec, args: list[str], placed) -> engine.Deployment:
+        """This run's own policy deployment: a killed run's orphan of the same model, flags and GPUs adopted, else
+        one started; stopped at close()."""
+        store_url = spec.base_model.store or self.store_url
+        model_dir = served_model_directory(spec.base_model, store_url)
+        deployment = None
+        for running in engine.running_deployments():
+            if (running.live_policy and running.orphaned and running.model_dir == str(model_dir)
+                    and len(running.replicas) == spec.replicas and running.extra_args == args
+                    and running.gpus == placed):
+                deployment = engine.claim_orphan(running.name, os.getpid())
+                if deployment is not None:
+                    log.info("adopting policy server %s left by a killed run", running.name)
+                    deployment = engine.restart_dead_replicas(deployment)
+                    break
+        if deployment is None:
+            name = f"policy-{default_name(spec.base_model)[:60]}-{os.getpid()}"
+            deployment = engine.start_deployment(spec.base_model, name=name, replicas=spec.replicas,
+                                                 store_url=store_url, owner_pid=os.getpid(), live_policy=True,
+                                                 extra_args=args, gpus=list(spec.gpus))
+        self._started.append(deployment.name)
+        return deployment
 
     def _connect(self, frozen: ExternalModel | ServedModel) -> tuple[EndpointPool, str]:
         recover = None  # a server given by URL is the user's: failover and a clear error, no restart

@@ -40,10 +40,25 @@ class Segment:
         return range(self.first, self.last + 1)
 
 
-def plan_segments(total_steps: int, checkpoint_interval: int) -> list[Segment]:
-    """Segments ending at every multiple of `checkpoint_interval` and at the last step."""
-    ends = [*range(checkpoint_interval, total_steps, checkpoint_interval), total_steps]
-    return [Segment(first, last) for first, last in zip([1, *(end + 1 for end in ends[:-1])], ends)]
+@dataclass(frozen=True)
+class SnapshotSchedule:
+    """When a run writes a checkpoint: after every `interval`-th step and after its last (`total`; None for a chain
+    read back, whose last step is not known). The one statement of it: the segments of SFT and RM, the RL steps,
+    the plan's `snapshots_at` and a rebuild's search for the newest snapshot (rl/policy_state.py) read it here."""
+
+    interval: int
+    total: int | None = None
+
+    def takes(self, step: int) -> bool:
+        return step % self.interval == 0 or step == self.total
+
+    def steps(self) -> list[int]:
+        return [*range(self.interval, self.total, self.interval), self.total]
+
+    def segments(self) -> list[Segment]:
+        """The steps cut at the snapshots: a segment ends at each."""
+        ends = self.steps()
+        return [Segment(first, last) for first, last in zip([1, *(end + 1 for end in ends[:-1])], ends)]
 
 
 def train_segment(trainer, segment: Segment) -> tuple[str, list[dict]]:
