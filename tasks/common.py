@@ -18,7 +18,7 @@ import blake3
 
 from rollout_lib.identity.code import code_version
 from rollout_lib.store import ObjectStore, canonical_json
-from rollout_lib.identity.sources import dataset_identity
+from rollout_lib.identity.data_keys import dataset_identity
 from rollout_lib.identity.training import training_identity
 
 # Task results are small JSON (ids and numbers): they persist, and come back `Cached` on a rerun.

@@ -19,7 +19,7 @@ from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.data_parallel import data_parallel_segment
-from rollout_lib.identity.sources import rm_tokenizer_reads
+from rollout_lib.identity.data_keys import rm_tokenizer_reads
 from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment

@@ -13,7 +13,7 @@ from prefect import task
 from rollout_lib import wire
 from rollout_lib.config import SftConfig
 from rollout_lib.config.common import dataset_locator, dataset_setting
-from rollout_lib.identity.sources import sft_packing_reads, sft_plan_reads, sft_tokenizer_reads
+from rollout_lib.identity.data_keys import sft_packing_reads, sft_plan_reads, sft_tokenizer_reads
 from rollout_lib.identity.training import training_identity
 from rollout_lib.data import read_examples
 from rollout_lib.model.loading import resolve_model

@@ -24,7 +24,7 @@ from rollout_lib.identity.digests import content_digest
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
 from rollout_lib.model.loading import resolve_model
 from rollout_lib.settings_base import ModelRef
-from rollout_lib.identity.sources import dataset_identity
+from rollout_lib.identity.data_keys import dataset_identity
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"

@@ -31,7 +31,7 @@ from rollout_lib.config.common import ModelRef
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.calculator import CalculatorSettings
 from rollout_lib.model.loading import load_tokenizer, model_content_digest, resolve_model
-from rollout_lib.identity.training import frozen_identity
+from rollout_lib.identity.rl_training import frozen_identity
 from rollout_lib.rl.sample import build_samplers
 from rollout_lib.sampling import SAMPLERS, SamplingContext, SamplingParams
 from rollout_lib.sampling.base import encode_prompt

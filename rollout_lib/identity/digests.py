@@ -1,7 +1,7 @@
 """What stands for a file's content in a cache key or an identity, never its path: a file's digest (a chat template, a
 JSONL file), a table source's (its type, split, column mapping and its files' digests, kept in rollout's cache by
-file version), a user module's source (a reward function, a custom loss or advantage function, an environment, a
-tool: code outside the project's code version)."""
+file version). A user module's source (code outside the project's code version) is identity/sources.py's
+`module_source_digest`."""
 
 from __future__ import annotations
 
@@ -14,15 +14,7 @@ import blake3
 
 from rollout_lib.data.sources import data_files, is_table_source
 from rollout_lib.paths import rollout_cache_dir
-from rollout_lib.reward.locate import find_module_spec
 from rollout_lib.store import file_content_id
-
-
-def module_source_digest(module: str) -> str:
-    """blake3 of a module's source file, found without running it or its parent packages; "missing" when it cannot
-    be found (whatever imports it later reports the unimportable module)."""
-    spec = find_module_spec(module)
-    return file_digest(spec.origin) if spec is not None and spec.origin else "missing"
 
 
 def prompt_source_identity(source, where: str = "dataset") -> dict | None:

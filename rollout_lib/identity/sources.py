@@ -1,6 +1,5 @@
-"""What a task's result depends on besides the training identity and the content ids it reads: the settings and data
-a data task reads (SFT's and RM's load, tokenize, plan and pack tasks), the digest of a data file, and the source of
-user code it runs (reward functions, algorithm plugins and custom advantage functions,
+"""What an RL task's result depends on besides the training identity and the content ids it reads (SFT's and RM's
+data tasks: identity/data_keys.py): the prompts' data, and the source of user code it runs (reward functions, algorithm plugins and custom advantage functions,
 environments). User code is outside the project's code version (identity/code.py), so each task's key names the
 source file of every outside module it calls: editing a reward function re-scores on the next run instead of
 returning old scores from cache. Only that file: helpers it imports from elsewhere are not followed.
@@ -12,13 +11,18 @@ itself then reports it, naming the place).
 from __future__ import annotations
 
 from rollout_lib.algo import ALGORITHMS
-from rollout_lib.config.common import dataset_locator, dataset_setting
-from rollout_lib.data.sources import is_table_source
 from rollout_lib.identity.code import PROJECT_PACKAGES
-from rollout_lib.identity.digests import file_digest, module_source_digest, prompt_source_identity, source_identity
+from rollout_lib.identity.digests import file_digest, prompt_source_identity
 from rollout_lib.identity.training import reward_model_contents
 from rollout_lib.model.loading import model_content_digest
-from rollout_lib.rm.heads import DEFAULT_HEAD
+from rollout_lib.reward.locate import find_module_spec
+
+
+def module_source_digest(module: str) -> str:
+    """blake3 of a module's source file, found without running it or its parent packages; "missing" when it cannot
+    be found (whatever imports it later reports the unimportable module)."""
+    spec = find_module_spec(module)
+    return file_digest(spec.origin) if spec is not None and spec.origin else "missing"
 
 
 def _env(config, name: str):
@@ -92,36 +96,3 @@ def eval_sources(config, env_name: str) -> dict:
             dumped.pop("base_url")
             dumped.pop("served_name")
     return sources
-
-
-def dataset_identity(config, split: str) -> dict:
-    """What a load task reads of its split's data: a JSONL file's path and digest (as it always has), a table's
-    content digest, split and column mapping, never its path."""
-    dataset = dataset_setting(config, split)
-    if is_table_source(dataset):
-        return {"source": source_identity(dataset, dataset_locator(config, split))}
-    return {"path": dataset.path, "file": file_digest(dataset.path)}
-
-
-def sft_tokenizer_reads(config) -> dict:
-    settings = config.settings
-    return {"tokenizer": model_content_digest(settings.base_model), "loss_on": settings.loss_on.kind,
-            "max_seq_len": settings.packing.max_seq_len}
-
-
-def sft_plan_reads(config) -> dict:
-    settings = config.settings
-    return {"minibatch_size": settings.minibatch_size, "max_steps": settings.budget.max_steps, "seed": config.run.seed}
-
-
-def sft_packing_reads(config) -> dict:
-    settings = config.settings
-    return {"packing": settings.packing.model_dump(), "gradient_accumulation": settings.gradient_accumulation,
-            "minibatch_size": settings.minibatch_size}
-
-
-def rm_tokenizer_reads(config) -> dict:
-    reads = {"tokenizer": model_content_digest(config.settings.base_model), "max_seq_len": config.settings.max_seq_len}
-    if config.settings.head != DEFAULT_HEAD:  # the head decides the inputs; absent at the default, as keys were
-        reads["head"] = config.settings.head
-    return reads

@@ -7,24 +7,21 @@ interval or the store's credentials reuses every finished step), and anything th
 
 The settings part is projected out of a config here (`training_settings`): every entry point's block but for what
 never decides the weights (NOT_TRAINING); RL's further keeps a frozen model as what identifies its content, a file
-as its content digest, and drops what only decides how fast, or whether, a run goes on.
+as its content digest, and drops what only decides how fast, or whether, a run goes on (identity/rl_training.py).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from pathlib import Path
 
 import blake3
 
 from rollout_lib.checkpoint import checkpoint_named
 from rollout_lib.errors import ConfigError
-from rollout_lib.config.rl import env_locator, frozen_fields
 from rollout_lib.hardware import hardware_settings, resolve_hardware
-from rollout_lib.identity.digests import file_digest, module_source_digest, prompt_source_identity
-from rollout_lib.reward.settings import RewardModelSettings
 from rollout_lib.model.loading import ModelLoadError, model_content_digest
-from rollout_lib.serving.settings import ExternalModel
 from rollout_lib.store import ObjectStore, StoreError, canonical_json
 
 
@@ -34,6 +31,9 @@ from rollout_lib.store import ObjectStore, StoreError, canonical_json
 NOT_TRAINING = frozenset({"checkpoint_interval", "budget", "eval_dataset", "eval_batch_size", "dataset"})
 # RL's collapse guard watches the steps and may stop the run; it never decides what a step trains.
 NOT_TRAINING_BY_KIND = {"rl": NOT_TRAINING | {"collapse"}}
+# A kind's own projection of its settings, named rather than imported: an SFT or RM task's code version (its static
+# import closure, identity/code.py) then holds no RL module, and editing RL code never invalidates their results.
+KIND_PROJECTIONS = {"rl": "rollout_lib.identity.rl_training:rl_training_settings"}
 
 
 def training_hash(config) -> str:
@@ -59,53 +59,11 @@ def training_settings(config) -> dict:
     hardware = hardware_settings(settings).identity_settings(resolved.device.type)
     if hardware is not None:  # absent for fp32 on CPU: identities of CPU runs are what they always were
         trained["hardware"] = hardware
-    return _rl_training_settings(config, trained) if config.algorithm.kind == "rl" else trained
-
-
-def _rl_training_settings(config, settings: dict) -> dict:
-    """RL's: a frozen model enters as what identifies its content (the served name, or for a model rollout serves,
-    nothing here: identity.training adds its content digest), never as its addresses, timeouts or replica count."""
-    rl = config.settings
-    # The circuit breaker decides whether a step fails, never what a step that runs trains.
-    settings["reward_loop"].pop("max_missing_fraction")
-    # Scoring each rollout as it is sampled or after the last changes when a reward is computed, never its value.
-    settings["reward_loop"].pop("streamed")
-    settings["policy_sampler"] = rl.policy_sampler.identity_settings()
-    # What the logprobs are, not how it was spelt: "auto" and the value it resolves to are one training. At their
-    # defaults (k = 0, the sampler's logprobs) both are left out: the synchronous loop's identity is as it was
-    # before they existed.
-    settings.pop("behaviour_logprobs")
-    # Computing the behaviour logprobs while sampling or after changes when they are computed, never their bits.
-    settings.pop("overlap_behaviour_logprobs")
-    if rl.behaviour_logprobs_source != "sampler":
-        settings["behaviour_logprobs"] = rl.behaviour_logprobs_source
-    if not settings["max_off_policy_steps"]:
-        settings.pop("max_off_policy_steps")
-    # Whether a run stops after non-finite steps, never what a step that runs trains (a skipped step is skipped
-    # whatever the limit).
-    settings["loss"].pop("max_nonfinite_steps")
-    if rl.loss.type == "custom":  # the function's source decides the weights as much as its name
-        settings["loss"]["source"] = module_source_digest(rl.loss.user_modules()[0])
-    if rl.chat_template is not None:  # the template's content, not where this checkout keeps it
-        settings["chat_template"] = file_digest(rl.chat_template)
-    for dumped in settings["envs"]:
-        dumped.pop("eval")  # evaluation watches the policy, it never changes it
-    for index, (env, dumped) in enumerate(zip(rl.envs, settings["envs"])):
-        # The prompts' content, not where this checkout keeps them.
-        dumped["source"] = prompt_source_identity(env.source, env_locator(index, "source")) or dumped["source"]
-        if env.sampler.frozen is not None:
-            dumped["sampler"]["source"] = env.sampler.frozen.identity_settings()
-        for name, value in frozen_fields(env.algo):
-            dumped["algo"][name] = value.identity_settings()
-        for reward, dumped_reward in zip(env.rewards, dumped["rewards"]):
-            if getattr(reward, "judge", None) is not None:
-                dumped_reward["judge"] = reward.judge.identity_settings()
-            if isinstance(reward, RewardModelSettings):
-                for resource in reward.RESOURCES:  # served by rollout or at a URL: the same engine's scores
-                    dumped_reward.pop(resource)
-                if reward.engine == "embedded":  # absent, so identities from before the setting stay
-                    dumped_reward.pop("engine")
-    return settings
+    projection = KIND_PROJECTIONS.get(config.algorithm.kind)
+    if projection is None:
+        return trained
+    module, _, function = projection.partition(":")
+    return getattr(importlib.import_module(module), function)(config, trained)
 
 
 def training_identity(config) -> str:
@@ -122,15 +80,6 @@ def content_identity(ref, store: ObjectStore | None) -> str:
     content digest (a local directory of a ref's spelling is that directory, as everywhere)."""
     checkpoint_id = None if Path(ref.uri).expanduser().is_dir() else checkpoint_named(store, ref.uri)
     return f"checkpoint:{checkpoint_id}" if checkpoint_id else model_content_digest(ref)
-
-
-def frozen_identity(config, frozen) -> str:
-    """`sampled_from` of a frozen model's rollouts: what identifies its weights (as in the training identity), never
-    where it runs: `frozen:served:<name>` for a server you run, `frozen:checkpoint:<id>` or `frozen:<content
-    digest>` for one rollout serves."""
-    if isinstance(frozen, ExternalModel):
-        return f"frozen:served:{frozen.name}"
-    return f"frozen:{content_identity(frozen.model, run_store(config))}"
 
 
 def reward_model_contents(config) -> tuple[str, ...]:

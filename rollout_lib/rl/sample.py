@@ -22,7 +22,7 @@ from rollout_lib.sampling import SAMPLERS, SamplingContext
 from rollout_lib.sampling.base import OnRollout
 from rollout_lib.sampling.frozen import FrozenSampler
 from rollout_lib.determinism import derived_seed
-from rollout_lib.identity.training import frozen_identity
+from rollout_lib.identity.rl_training import frozen_identity
 
 
 def build_samplers(config: RlConfig, model, tokenizer, served_models=None, policy_state: str | None = None) -> dict:
