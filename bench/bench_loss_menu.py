@@ -11,8 +11,9 @@ greedy held-out set, evaluated before step 1 and every 5 steps) at steps 0/5/...
     variant     grpo (std off, tokens normaliser: the default), 2 seeds to show the seed-to-seed spread
                 gspo, cispo            `algorithm.rl.loss.type`, their default knobs
                 dr_grpo                grpo + `algorithm.rl.loss.normalizer = { constant = 24 }` (the max_tokens)
+                dapo                   grpo + `envs[0].dynamic_sampling = { max_rounds = 3 }` (streamed scoring)
 
-    .venv/bin/python bench/bench_loss_menu.py [--seeds 42,43] [--steps 25] [--variants grpo,gspo,cispo,dr_grpo]
+    .venv/bin/python bench/bench_loss_menu.py [--seeds 42,43] [--steps 25] [--variants grpo,gspo,cispo,dr_grpo,dapo]
                                               [--out bench-loss-menu.md]
 """
 
@@ -35,6 +36,9 @@ VARIANTS = {
     "gspo": ["algorithm.rl.loss.type=gspo"],
     "cispo": ["algorithm.rl.loss.type=cispo"],
     "dr_grpo": ["algorithm.rl.loss.normalizer={ constant = 24 }"],
+    # DAPO's dynamic sampling: a group whose rewards are all equal is replaced by a fresh prompt's (3 rounds at
+    # most); it resamples inside the streamed sample stage, so scoring is streamed.
+    "dapo": ["algorithm.rl.reward_loop.streamed=true", "algorithm.rl.envs[0].dynamic_sampling={ max_rounds = 3 }"],
 }
 
 
