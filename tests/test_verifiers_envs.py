@@ -34,19 +34,11 @@ from rollout_lib.reward.tables import reward_inputs  # noqa: E402
 from rollout_lib.rl.score import env_rubric, function_means  # noqa: E402
 from rollout_lib.sampling import SamplingParams  # noqa: E402
 from rollout_lib.sampling.base import sample_episodes  # noqa: E402
+from test_agents import char_ids, tokenizer  # noqa: E402,F401 - the tiny tokenizer fixture, shared
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TOOLS_TEMPLATE = ROOT / "configs/templates/chatml-tools.jinja"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model("tiny:qwen2"))
-
-
-def char_ids(tokenizer, text: str) -> list[int]:
-    return [token for char in text for token in tokenizer(char, add_special_tokens=False)["input_ids"]]
 
 
 class ScriptedPolicy:
