@@ -33,6 +33,7 @@ from rollout_lib.identity.training import training_identity
 from rollout_lib.plan_checks import load_config
 from rollout_lib.runlog.eval_tables import record_eval_tables
 from rollout_lib.runlog.recorder import RunRecorder, eval_metrics
+from rollout_lib.runlog.run_settings import record_run_settings
 from rollout_lib.runlog.step_log import StepLog
 from rollout_lib.errors import ConfigError
 from rollout_lib.store import RESULTS_DIR
@@ -82,10 +83,12 @@ def start_run(flow_name: str, config_cls, config_path: str, overrides: list[str]
               max_steps: int | None, max_steps_key: str) -> TrainingRun:
     """What every training flow does first: load its settings, claim the run name for their training identity (a
     run name holds one training, never two), and label the flow run so the UI finds it: tags for the run name,
-    the flow and a short identity, and the resolved settings as the `<run>-settings` table artifact."""
+    the flow and a short identity, and the resolved settings as the `<run>-settings` table artifact and in the store
+    (runlog/run_settings.py)."""
     cfg = load_run_config(config_cls, config_path, overrides, max_steps, max_steps_key)
     node_launch.check_agents(cfg)  # hardware.node_pool: every other node has its agent
     identity = claim_run_name(cfg)
+    record_run_settings(open_store(cfg), cfg.run.name, flow_name, identity, cfg.model_dump(mode="json"))
     tag_flow_run(cfg.run.name, identity)
     create_table_artifact(settings_rows(cfg, identity), key=artifact_key(cfg.run.name, "settings"),
                           description=f"{cfg.run.name}: resolved settings")

@@ -131,10 +131,15 @@ def runs_plot(ctx: click.Context, name: str, store_url: str | None, out_path: st
 @click.option("--best", type=click.IntRange(min=1), metavar="K", help="the K samples of highest reward")
 @click.option("--failed", is_flag=True, help="the samples whose reward is missing, with why")
 @click.option("--tokens", is_flag=True, help="with --json: each completion token's ids and logprobs")
+@click.option("--trainer-logprobs", is_flag=True,
+              help="compute the trainer's logprob of every sampled token at the state that sampled it (the policy "
+                   "rebuilt from the store: slow on a large model) and show each sample's largest |sampler - "
+                   "trainer| gap; with --json --tokens, each token's trainer_logprob")
 @click.option("--json", "as_json", is_flag=True, help="one JSON document: {run, step, steps, samples, selection, rows}")
 @click.pass_context
 def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int | None, held_out: bool,
-                 worst: int | None, best: int | None, failed: bool, tokens: bool, as_json: bool) -> None:
+                 worst: int | None, best: int | None, failed: bool, tokens: bool, trainer_logprobs: bool,
+                 as_json: bool) -> None:
     """Print one step of RL run NAME sample by sample: prompt, completion, rewards, advantage, tokens. With --eval,
     the held-out evaluation: an RL run's samples, an SFT or reward-model run's examples with their loss (SFT) or
     scores (RM), worst first."""
@@ -146,11 +151,17 @@ def runs_samples(ctx: click.Context, name: str, store_url: str | None, step: int
         raise UsageLine("runs samples: --worst, --best and --failed pick one selection; give one of them")
     if tokens and not as_json:
         raise UsageLine("runs samples: --tokens goes with --json")
+    if trainer_logprobs and held_out:
+        raise UsageLine("runs samples: --trainer-logprobs is for a training step's samples, not --eval's")
     store = _open_store(store_url or (ctx.obj or {}).get("store"))
     if held_out:
         _held_out_samples(store, name, step, worst, best, failed, tokens, as_json)
         return
-    found = samples.read_samples(store, name, step, tokens=tokens)
+    found = samples.read_samples(store, name, step, tokens=tokens or trainer_logprobs)
+    if trainer_logprobs:
+        from rollout_lib.rl.trainer_logprobs import trainer_logprobs as compute
+
+        samples.with_trainer_logprobs(found.rows, compute(store, name, found.step), keep_tokens=tokens)
     selection = {"worst": worst} if worst else {"best": best} if best else {"failed": True} if failed else {}
     shown = samples.select(found.rows, **selection)
     what = f"the {worst} worst" if worst else f"the {best} best" if best else "the failed" if failed else "every sample"

@@ -37,6 +37,9 @@ def _title(row: dict, low: float, high: float) -> Text:
     title.append(f"  adv {advantage}  tokens {row['prompt_tokens']}+{row['completion_tokens']}")
     if row["turns"] is not None:
         title.append(f"  {row['model_turns']} turns, {row['tool_calls']} tool replies, ended: {row['end']}")
+    if "logprob_gap" in row:  # --trainer-logprobs
+        gap = "-" if row["logprob_gap"] is None else f"{row['logprob_gap']:.2g}"
+        title.append(f"  |sampler - trainer| logprob <= {gap}")
     return title
 
 

@@ -127,6 +127,60 @@ def test_a_chosen_step_with_its_tokens(capsys, sampled_run):
 
 
 @pytest.mark.slow
+def test_the_trainers_logprobs_on_demand_at_a_replayed_state_match_the_samplers(capsys, sampled_run):
+    """Step 2 was sampled from the state after step 1, which has no snapshot (rl-tiny snapshots every 5 steps):
+    --trainer-logprobs rebuilds it from the store (the initial checkpoint, step 1 replayed) with the settings the
+    run recorded. The tiny run samples in process (the HF sampler), so the trainer's logprob of every sampled token
+    is the sampler's up to batch shape; the initial checkpoint's are not (its step moved the weights)."""
+    from rollout_lib.checkpoint import read_manifest
+    from rollout_lib.rl.behaviour import ForwardInputs, chunk_logprobs
+    from rollout_lib.rl.policy_state import policy_inputs
+    from rollout_lib.rl.trainer_logprobs import _recorded_config, trainer_logprobs
+    from rollout_lib.runlog.metrics_file import run_dir
+    from rollout_lib.trainer.causal import CausalLmTrainer
+
+    document = samples_json(capsys, sampled_run, "--step", "2", "--tokens", "--trainer-logprobs")
+    record, scored, samples = stored(sampled_run, 2)
+    assert sampled_run.get_json(record["sampled_from_state"])["step"] == 1  # a step record, not a checkpoint
+    gaps = []
+    for row, rollout_row in zip(document["rows"], scored):
+        trainer = [token["trainer_logprob"] for token in row["tokens"]]
+        assert all(value is not None for value in trainer) and len(trainer) == len(rollout_row["completion_ids"])
+        row_gaps = [abs(token["sampler_logprob"] - token["trainer_logprob"]) for token in row["tokens"]]
+        assert row["logprob_gap"] == pytest.approx(max(row_gaps)) if row_gaps else row["logprob_gap"] is None
+        gaps.extend(row_gaps)
+    assert gaps and max(gaps) < 1e-4, max(gaps)
+
+    # The same tokens under the initial checkpoint (what a wrong state would give) are far from the sampler's.
+    initial_checkpoint = sampled_run.get_json(record["sampled_from_state"])["parent"]  # the state after step 0
+    assert read_manifest(sampled_run, initial_checkpoint)["step"] == 0
+    initial = CausalLmTrainer.from_checkpoint(
+        policy_inputs(sampled_run, _recorded_config(sampled_run, RUN), record["prompts"]), initial_checkpoint)
+    first = samples[:8]
+    stale = chunk_logprobs(initial.model.eval(), [ForwardInputs.of(s["input_ids"], s["loss_mask"], s["temperatures"])
+                                                 for s in first])
+    far = max(abs(v - s["inference_logprobs"][i]) for sample_values, s in zip(stale, first)
+              for i, v in enumerate(sample_values) if s["loss_mask"][i])
+    assert far > 10 * max(gaps), (far, max(gaps))
+    assert trainer_logprobs(sampled_run, RUN, 2).keys() == {row["sample_id"] for row in document["rows"]}
+
+    # The terminal view shows each sample's gap; a run without recorded settings says what to do, in one line.
+    code, out, err = rollout(capsys, "runs", "samples", RUN, "--store", sampled_run.root, "--step", "2", "--best",
+                             "1", "--trainer-logprobs")
+    assert code == 0 and "|sampler - trainer| logprob <= " in out, err
+    settings = f"{run_dir(sampled_run, RUN)}/settings.json"
+    os.rename(settings, settings + ".away")
+    try:
+        code, out, err = rollout(capsys, "runs", "samples", RUN, "--store", sampled_run.root, "--trainer-logprobs")
+    finally:
+        os.rename(settings + ".away", settings)
+    assert (code, out) == (2, "") and err == (
+        f"rollout: error: run '{RUN}' in {sampled_run.root} has no recorded settings (it ran before rollout kept "
+        "them): rerun its command, whose finished steps come back from cache, to record them\n")
+    print(f"sampler vs trainer at the sampling state: <= {max(gaps):.2g}; vs the initial checkpoint: {far:.2g}")
+
+
+@pytest.mark.slow
 def test_worst_and_best_sort_by_total_reward(capsys, sampled_run):
     rewards = sorted(row["reward"] for row in samples_json(capsys, sampled_run)["rows"] if row["reward"] is not None)
     worst = [row["reward"] for row in samples_json(capsys, sampled_run, "--worst", "3")["rows"]]

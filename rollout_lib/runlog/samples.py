@@ -21,7 +21,9 @@ One row per rollout of a step, in the rollouts table's order (prompt by prompt, 
 `behaviour_logprob` is the logprob the trainer's ratio divides by (training samples' `inference_logprobs`): the
 trainer's recompute at the sampling state, or the sampler's own (`behaviour_logprobs = "sampler"`), or None where
 the step took it from its own training forward (`"training_forward"`, stored as NaN). The training forward's
-logprobs themselves are not stored, so they are not here.
+logprobs themselves are not stored; `with_trainer_logprobs` adds the trainer's, computed on demand
+(rl/trainer_logprobs.py), as each token's `trainer_logprob` and each row's `logprob_gap` (the largest
+|sampler - trainer| over its sampled tokens; None where nothing was computed).
 """
 
 from __future__ import annotations
@@ -209,6 +211,24 @@ def _rows(store: ObjectStore, record: dict, tokens: bool) -> list[dict]:
         if tokens:
             row["tokens"] = _tokens(rollout, sample)
         rows.append(row)
+    return rows
+
+
+def with_trainer_logprobs(rows: list[dict], trainer: dict[str, list[float | None]], *,
+                          keep_tokens: bool) -> list[dict]:
+    """``rows`` (read with tokens) with the trainer's logprobs (sample_id -> per completion token,
+    rl/trainer_logprobs.py): each token's ``trainer_logprob``, each row's ``logprob_gap``; the tokens dropped
+    after unless ``keep_tokens``."""
+    for row in rows:
+        values = trainer.get(row["sample_id"]) or [None] * len(row["tokens"])
+        gaps = []
+        for token, value in zip(row["tokens"], values):
+            token["trainer_logprob"] = value
+            if value is not None and token["sampled"] and token["sampler_logprob"] is not None:
+                gaps.append(abs(token["sampler_logprob"] - value))
+        row["logprob_gap"] = max(gaps) if gaps else None
+        if not keep_tokens:
+            del row["tokens"]
     return rows
 
 
