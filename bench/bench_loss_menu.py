@@ -1,8 +1,8 @@
 """The rl loss menu on a real model: held-out accuracy of rl-smollm2 under grpo and each loss variant.
 
-NOT RUN YET: each run is 25 steps of SmolLM2-135M on a vLLM policy server (~15-25 minutes on a 2-core CPU), so the
-whole table is hours of CPU; run it on a machine to spare (or a GPU) and paste its table into docs/algorithms.md
-("The rl loss menu"). Until then no number about the variants' learning is claimed anywhere.
+Each run is 25 steps of SmolLM2-135M on a vLLM policy server (~15-25 minutes on a 2-core CPU), so the whole table
+is hours of CPU; what has been run (which variants, which seeds, on which machine) is in docs/algorithms.md ("The
+rl loss menu"), and nothing else about the variants' learning is claimed.
 
 Runs `rollout train rl --config configs/rl-smollm2.toml` once per (variant, seed), each in a store of its own, and
 prints (and writes, `--out`) a markdown table of the held-out reward (`eval/<env>/reward_mean`, the config's
