@@ -214,7 +214,7 @@ def test_a_run_sampling_from_a_served_model_resumes_without_requerying_finished_
     1..3 from cache (never asking the server again), re-samples step 4 with the same seeds, and ends on the
     uninterrupted run's checkpoint. One request at a time (concurrency 1): the engine's logprob bits depend on
     batch composition, and grpo trains on them."""
-    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
+    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
 
     from rollout_lib.store import ObjectStore
 
@@ -224,20 +224,20 @@ def test_a_run_sampling_from_a_served_model_resumes_without_requerying_finished_
     common = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=4",
               "--set", "algorithm.rl.checkpoint_interval=2", "--set", f"algorithm.rl.envs[0].sampler.source={source}"]
 
-    reference = run_rollout(*common, "--set", f"run.store={tmp_path / 'uninterrupted'}")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = final_result(reference)["checkpoint"]
-    assert "frozen model algorithm.rl.envs[0].sampler.source: model 'test-tiny'" in reference.stdout + reference.stderr
+    # The uninterrupted reference in this process (the CLI is the killed run's and the rerun's).
+    reference = train_in_process(*common, "--set", f"run.store={tmp_path / 'uninterrupted'}")
+    expected = reference["checkpoint"]
 
     args = [*common, "--set", f"run.store={tmp_path / 'interrupted'}"]
     run_until_then_kill(args, "train-step-3' - Finished", tmp_path / "killed.log")
     rerun = run_rollout(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "frozen model algorithm.rl.envs[0].sampler.source: model 'test-tiny'" in rerun.stdout + rerun.stderr
     resumed = final_result(rerun)
     states = task_run_states(resumed["flow_run_id"])
     assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3, 4)] == ["Cached"] * 3 + ["Completed"]
     assert resumed["checkpoint"] == expected
-    assert resumed["reward_curve"] == final_result(reference)["reward_curve"]  # step 4 sampled the same tokens
+    assert resumed["reward_curve"] == reference["reward_curve"]  # step 4 sampled the same tokens
     assert ObjectStore(str(tmp_path / "interrupted")).get_ref("runs/rl-tiny/latest") == expected
 
 

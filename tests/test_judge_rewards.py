@@ -154,24 +154,38 @@ def score_while_a_replica_dies(vllm_tiny, loop, pool, inputs) -> tuple[list, flo
 
 
 @pytest.mark.slow
-def test_a_judge_replica_killed_mid_step_fails_over_without_stalling(vllm_tiny):
-    """32 verdicts in flight on the two replicas; one replica is SIGKILLed: every rollout still gets the judge's
-    answer (here a verdict that does not parse, so the error carries the judge's text), none a 'no replica' error,
-    and the step ends in about the time the survivor needs, not a timeout."""
-    from rollout_lib.reward.tables import reward_inputs
+def test_a_judge_replica_killed_mid_step_fails_over_for_the_judge_reward_and_through_the_router(vllm_tiny):
+    """One step's rewards, two per rollout, both on the session's judge (one pool): the built-in judge reward, and
+    the seed's compute_score_gsm8k (its copy asking for 16-token verdicts, which the session's judge admits) asking
+    through the router. 64 calls in flight on the two replicas; one replica is SIGKILLed (one kill for both: a
+    replica restart fewer for the suite than a kill for each). Every call is still answered: the judge reward's each
+    a verdict that does not parse (a missing reward carrying the judge's text), none a 'no replica' error; the
+    router's each a score, never a missing reward; and the step ends in about the time the survivor needs, not a
+    timeout."""
     from rollout_lib.serving.settings import ExternalModel
 
     vllm_tiny.ensure_running()
-    judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name, "timeout_s": 60.0}
-    config = rl_config([{"judge": judge, "max_tokens": 64}])
+    judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name, "timeout_s": 60.0,
+             "tokenizer": str(vllm_tiny.model_dir)}
+    routed = "example_genrm_rewards:compute_score_gsm8k_short_verdict"
+    config = rl_config([{"judge": judge, "max_tokens": 64}, {"function": routed, "judge": judge}])
+    inputs = [RewardInput(prompt=[{"role": "user", "content": "What is 6 * 7?"}], completion_text=f"It is {i}.",
+                          answer="42", info={"question": "What is 6 * 7?"}) for i in range(32)]
     with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
         loop = env_reward_loop(loops, config, config.settings.envs[0])
         pool = served_models.pool(ExternalModel(**judge), where="test")
-        results, seconds = score_while_a_replica_dies(vllm_tiny, loop, pool,
-                                                      reward_inputs(rollouts_table(32), prompts_table()))
-    assert len(results) == 32 and all(r.reward is None for r in results)
+        assert served_models.router(ExternalModel(**judge), where="test").pool is pool  # the router sends through it
+        results, seconds = score_while_a_replica_dies(vllm_tiny, loop, pool, inputs)
+    assert len(results) == 32
+    judged, by_router = list(results[0].per_function)
+    assert by_router.startswith("compute_score_gsm8k_short_verdict"), results[0].per_function
+    assert all(r.reward is None and r.per_function[judged] is None for r in results)
     assert all("judge verdict does not parse" in r.error for r in results), {r.error for r in results}
-    assert pool.failures[pool.urls[0]] >= 1 and seconds < 60
+    assert all(r.per_function[by_router] is not None for r in results), {r.error for r in results}
+    assert all(by_router not in r.error for r in results), {r.error for r in results}  # the router's: no error
+    assert pool.failures[pool.urls[0]] >= 1 and set(pool.outstanding.values()) == {0}
+    assert seconds < 60
+    print(f"64 judge calls, 32 of them through the router, one replica SIGKILLed: {seconds:.1f} s")
 
 
 def vllm_requests_answered(base_urls: list[str]) -> float:
@@ -261,26 +275,3 @@ judge = {{ base_url = [{base_urls}], name = "{judge.name}", tokenizer = "{judge.
             (0.0, 0.0, 0, []), step
     # 2 steps x 2 prompts x 4 samples: every verdict asked through the router and answered by the judge, once
     assert vllm_requests_answered(judge.base_urls) == 16
-
-
-@pytest.mark.slow
-def test_a_replica_killed_mid_step_costs_no_request_through_the_router(vllm_tiny):
-    """The seed's compute_score_gsm8k (its copy asking for 16-token verdicts, which the session's judge admits) asks
-    through the router: 32 verdicts in flight on the two replicas, one replica is SIGKILLed, and every call is still
-    answered (a score, never a missing reward)."""
-    from rollout_lib.serving.settings import ExternalModel
-
-    vllm_tiny.ensure_running()
-    judge = {"base_url": vllm_tiny.base_urls, "name": vllm_tiny.name, "timeout_s": 60.0,
-             "tokenizer": str(vllm_tiny.model_dir)}
-    config = rl_config([{"function": "example_genrm_rewards:compute_score_gsm8k_short_verdict", "judge": judge}])
-    inputs = [RewardInput(prompt=[{"role": "user", "content": "What is 6 * 7?"}], completion_text=f"It is {i}.",
-                          answer="42", info={"question": "What is 6 * 7?"}) for i in range(32)]
-    with ServedModels() as served_models, run_reward_loops(config, served_models) as loops:
-        loop = env_reward_loop(loops, config, config.settings.envs[0])
-        pool = served_models.pool(ExternalModel(**judge), where="test")
-        assert served_models.router(ExternalModel(**judge), where="test").pool is pool  # the router sends through it
-        results, seconds = score_while_a_replica_dies(vllm_tiny, loop, pool, inputs)
-    assert len(results) == 32 and [r.error for r in results] == [None] * 32, {r.error for r in results}
-    assert pool.failures[pool.urls[0]] >= 1 and set(pool.outstanding.values()) == {0}
-    print(f"32 verdicts through the router, one replica SIGKILLed: {seconds:.1f} s")

@@ -324,14 +324,12 @@ def test_a_non_finite_gradient_is_named_by_its_parameter(tiny_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["gspo", "cispo"])
 def test_rl_tiny_trains_two_steps_with_each_menu_loss(prefect_server, tmp_path, loss_type):
-    from clirun import final_result, run_rollout
+    from clirun import train_in_process  # the flow in this process: the loss is what is tested, not the CLI
 
-    done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps", "2",
-                       "--set", f"algorithm.rl.loss.type={loss_type}",
-                       "--set", "algorithm.rl.loss.normalizer={ constant = 16 }",
-                       "--set", f"run.store={tmp_path / 'store'}", "--set", f"run.name=menu-{loss_type}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = final_result(done)
+    result = train_in_process("train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps", "2",
+                              "--set", f"algorithm.rl.loss.type={loss_type}",
+                              "--set", "algorithm.rl.loss.normalizer={ constant = 16 }",
+                              "--set", f"run.store={tmp_path / 'store'}", "--set", f"run.name=menu-{loss_type}")
     assert len(result["reward_curve"]) == 2 and result["checkpoint"]
 
 

@@ -1,11 +1,12 @@
 """The live policy on a vLLM engine (sampling/vllm.py, serving/policy_server.py): its settings and what enters the
 training identity, every rollout recording what sampled it, weight reload in place verified by a probe (tied
 embeddings included), the probe failing loudly on other weights, seeded sampling through the pool, a policy server
-killed mid-stage or inside its hold (the reload, the probe), and `train rl` runs on the engine.
+killed mid-stage or inside its hold (the reload, the probe), and `train rl` runs on the engine, one of them killed and
+rerun.
 
 One policy server (tiny:qwen2, dev mode) serves the class below and is stopped after it; the `train rl` tests after
 it start their runs' own. Never the session's `vllm_tiny`: reloading other weights into it would break other tests.
-The interrupted runs share one uninterrupted run (a module fixture), the checkpoint each must end on."""
+The interrupted run's rerun must end on an uninterrupted run's checkpoint (a module fixture)."""
 
 from __future__ import annotations
 
@@ -434,14 +435,26 @@ def uninterrupted_engine_run(prefect_server, tmp_path_factory) -> tuple[Path, di
 
 
 @pytest.mark.slow
-def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphaned_policy_server(
-        uninterrupted_engine_run, tmp_path):
-    """SIGKILL after step 2 trained: the killed run's policy server is left as an orphan; the rerun adopts it (no
-    second server), returns steps 1..2 from cache, re-samples step 3 with the same seeds after reloading the server,
-    and ends on the uninterrupted run's checkpoint."""
-    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states
+def test_a_run_killed_mid_way_adopts_its_orphan_whose_kills_inside_its_reload_then_its_probe_end_on_the_same_checkpoint(
+        uninterrupted_engine_run, tmp_path, monkeypatch, caplog):
+    """Two faults, one rerun (a run fewer for the suite than a test for each). The run is SIGKILLed after step 2
+    trained: its policy server is left as an orphan. The rerun adopts it (no second server), returns steps 1..2
+    from cache and, to sample step 3, brings the server to the state after step 2 (issue 46): the server is
+    SIGKILLed inside that reload (POST /collective_rpc, the weights written), then, restarted, inside its probe (its
+    scoring, the reload done), each with that request in flight. As for a server lost while sampling, the sampler
+    restarts it, writes, reloads and probes again (two restarts: the stage's max_recoveries), samples step 3 with
+    the same seeds, and the rerun ends on the uninterrupted run's checkpoint, with no further rerun. The kill lands
+    inside the phase on a loaded machine and cuts the request under way, as the issue's was (ReadError):
+    in_flight.py. The rerun runs in this process (the hooks below watch it); the killed run is the CLI's. Prints the
+    seconds from each kill to its restart, from the last kill to the hold done again and to the run's end."""
+    import logging
+
+    from clirun import run_until_then_kill, task_run_states, train_in_process
+    from in_flight import kill_with_the_request_in_flight
 
     from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.serving.policy_server import PolicyServer
+    from rollout_lib.serving.weight_sync import SharedWeightsFile
     from rollout_lib.store import ObjectStore
 
     store, expected = uninterrupted_engine_run
@@ -455,38 +468,12 @@ def test_a_run_killed_mid_way_reruns_to_the_same_checkpoint_adopting_its_orphane
     run_until_then_kill(args, "train-step-2' - Finished", tmp_path / "killed.log")
     orphans = [d for d in engine.running_deployments() if d.live_policy]
     assert len(orphans) == 1 and orphans[0].orphaned
-    rerun = run_rollout(*args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    resumed = final_result(rerun)
-    states = task_run_states(resumed["flow_run_id"])
-    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3)] == ["Cached", "Cached", "Completed"]
-    assert "adopting policy server " + orphans[0].name in rerun.stdout + rerun.stderr
-    assert resumed["checkpoint"] == expected["checkpoint"]
-    assert resumed["reward_curve"] == expected["reward_curve"]
-    assert not [d for d in engine.running_deployments() if d.live_policy]  # the adopter stopped it
-
-
-@pytest.mark.slow
-def test_a_policy_server_killed_inside_its_reload_then_its_probe_is_restarted_and_ends_on_the_uninterrupted_checkpoint(
-        uninterrupted_engine_run, tmp_path, monkeypatch):
-    """Issue 46. The run's policy server is SIGKILLed inside step 2's reload (POST /collective_rpc, the weights
-    written), then, restarted, inside step 3's probe (its scoring, the reload done), each with that request in
-    flight. As for a server lost while sampling, the sampler restarts it, writes, reloads and probes again, samples,
-    and the run ends on the uninterrupted run's checkpoint, with no rerun. One run holds both kills (a run fewer
-    for the suite). The kill lands inside the phase on a loaded machine and cuts the request under way, as the
-    issue's was (ReadError): in_flight.py. Prints the seconds from each kill to the hold done again, and from the
-    last kill to the run's end."""
-    from clirun import task_run_states, train_in_process
-    from in_flight import kill_with_the_request_in_flight
-
-    from rollout_lib.serving.policy_server import PolicyServer
-    from rollout_lib.serving.weight_sync import SharedWeightsFile
 
     events: list[str] = []  # write, reload, probe, kill, restart: in the order they happened
     kills: dict[str, dict] = {}  # phase -> when, the replica, the error, the restart
-    # step 1's hold is reload 1 and probe 1; step 2's reload is the 2nd; after its restart step 2 holds again (reload
-    # 3, probe 2), and step 3's probe is the 3rd.
-    kill_at = {"reload": 2, "probe": 3}
+    # The rerun's first hold (step 3's state on the adopted server) is reload 1: killed; after the restart it holds
+    # again (reload 2, probe 1): the probe killed.
+    kill_at = {"reload": 1, "probe": 1}
     originals = {name: getattr(PolicyServer, name) for name in ("_reload", "_score", "recover")}
     original_write = SharedWeightsFile.write
 
@@ -519,33 +506,37 @@ def test_a_policy_server_killed_inside_its_reload_then_its_probe_is_restarted_an
         events.append("restart")
         last = kills[next(reversed(kills))]
         last["restarted"], last["new_pid"] = restarted, server.deployment.replicas[0].pid
+        last["restarted_at"] = time.monotonic()
         return restarted
 
     monkeypatch.setattr(SharedWeightsFile, "write", write)
     monkeypatch.setattr(PolicyServer, "_reload", hooked("_reload", "reload"))
     monkeypatch.setattr(PolicyServer, "_score", hooked("_score", "probe"))
     monkeypatch.setattr(PolicyServer, "recover", recover)
+    caplog.set_level(logging.INFO, logger="rollout_lib.serving.served")
 
-    _, expected = uninterrupted_engine_run
-    result = train_in_process(*ENGINE_RUN, "--set", f"run.store={tmp_path / 'store'}")
+    resumed = train_in_process(*args)
     ended = time.monotonic()
     for phase, kill in kills.items():
-        print(f"policy server SIGKILLed inside its {phase}: held again {kill['held_again'] - kill['at']:.1f} s after "
+        print(f"policy server SIGKILLed inside its {phase}: restarted {kill['restarted_at'] - kill['at']:.1f} s after "
               f"the kill ({kill['error']})")
-    print(f"the run ended {ended - kills['probe']['at']:.1f} s after the probe's kill")
+    print(f"held again {kills['probe']['held_again'] - kills['probe']['at']:.1f} s after the probe's kill; the run "
+          f"ended {ended - kills['probe']['at']:.1f} s after it")
 
+    assert f"adopting policy server {orphans[0].name} left by a killed run" in caplog.text
     hold = ["write", "reload", "probe"]
-    assert events == [*hold,  # step 1
-                      "write", "reload", "kill", "restart", *hold,  # step 2: killed in its reload, held again
-                      *hold, "kill", "restart", *hold]  # step 3: killed in its probe, held again
+    assert events == ["write", "reload", "kill", "restart",  # step 3's hold: killed in its reload
+                      "write", "reload", "probe", "kill", "restart",  # held again: killed in its probe
+                      *hold]  # held again, then sampled
     for phase, what in [("reload", "weight reload failed: POST /collective_rpc"),
                         ("probe", "scoring the probe failed: POST /v1/completions")]:
         kill = kills[phase]
         assert kill["error"].startswith(f"policy server {kill['url']} ") and what in kill["error"], kill
         assert "unreachable" not in kill["error"]  # cut under way, not refused before it was sent
         assert kill["restarted"] == [kill["url"]] and kill["new_pid"] != kill["pid"]
-    assert result["checkpoint"] == expected["checkpoint"] and result["reward_curve"] == expected["reward_curve"]
-    states = task_run_states(result["flow_run_id"])
-    # One run, nothing from a rerun.
-    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3)] == ["Completed"] * 3
-    assert not [d for d in engine.running_deployments() if d.live_policy]  # the run stopped the restarted server
+    assert kills["reload"]["pid"] == orphans[0].pids[0]  # the first kill hit the adopted orphan, not a new server
+    states = task_run_states(resumed["flow_run_id"])
+    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3)] == ["Cached", "Cached", "Completed"]
+    assert resumed["checkpoint"] == expected["checkpoint"]
+    assert resumed["reward_curve"] == expected["reward_curve"]
+    assert not [d for d in engine.running_deployments() if d.live_policy]  # the adopter stopped the restarted server

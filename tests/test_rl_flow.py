@@ -17,25 +17,32 @@ from rollout_lib.checkpoint import read_manifest
 
 pytestmark = pytest.mark.slow
 
-CONFIG = ["train", "rl", "--config", "configs/rl-tiny.toml"]
+# 12 of the config's 20 steps: the curve has risen by then (measured below), and every run of the test is shorter
+# for it (24 steps trained in all instead of 40).
+STEPS = 12
+CONFIG = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", f"algorithm.rl.budget.max_steps={STEPS}"]
 STAGES = ("sample-and-score", "score-merge", "advantages", "pack", "train")  # streamed scoring
 
 
 @pytest.mark.learning
 def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(prefect_server, tmp_path):
-    # The uninterrupted run: 20 steps of grpo on the toy env.
+    # The uninterrupted run: 12 steps of grpo on the toy env.
     result = train_in_process(*CONFIG, "--set", f"run.store={tmp_path / 'uninterrupted'}")
     expected = result["checkpoint"]
     assert ObjectStore(str(tmp_path / "uninterrupted")).get_ref("runs/rl-tiny/latest") == expected
 
-    # Learning is shown, not assumed: the mean reward rises clearly (measured: ~0.40 -> ~0.88).
+    # Learning is shown, not assumed: the mean reward rises clearly. Measured at the config's seed (2026-11-27, 20
+    # steps, in process), mean of steps 1-3 -> mean of steps 10-12: 0.41 -> 0.85 (gain 0.44; at steps 18-20: 0.88)
+    # on AVX-512 kernels and on AVX2 kernels (scripts/avx2.sh), whose curves agree to the 4th decimal at every step
+    # (0.42 0.39 0.42 0.45 0.45 0.49 0.63 0.68 0.74 0.82 0.85 0.90 ...); a policy that does not learn gains ~0.
     curve = result["reward_curve"]
-    assert len(curve) == 20
+    print("grpo on rl-tiny, reward per step:", [round(v, 3) for v in curve])
+    assert len(curve) == STEPS
     first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
     assert first < 0.5 and last > first + 0.25, curve
 
     states = task_run_states(result["flow_run_id"])
-    expected_names = {"load-prompts-words", "init-policy", *[f"{s}-step-{k}" for s in STAGES for k in (1, 20)]}
+    expected_names = {"load-prompts-words", "init-policy", *[f"{s}-step-{k}" for s in STAGES for k in (1, STEPS)]}
     assert expected_names <= set(states) and set(states.values()) == {"Completed"}
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
@@ -72,10 +79,10 @@ def test_tiny_policy_learns_then_a_killed_run_resumes_to_the_same_checkpoint(pre
     assert every_3.returncode == 0, every_3.stderr[-3000:]
     moved = final_result(every_3)
     states = task_run_states(moved["flow_run_id"])
-    for name in [f"{stage}-step-{k}" for stage in STAGES for k in range(1, 21)]:
+    for name in [f"{stage}-step-{k}" for stage in STAGES for k in range(1, STEPS + 1)]:
         assert states[name] == "Cached", (name, states[name])
     assert sorted(name for name in states if name.startswith("snapshot-")) == sorted(
-        f"snapshot-step-{k}" for k in (3, 6, 9, 12, 15, 18, 20))
+        f"snapshot-step-{k}" for k in (3, 6, 9, 12))
     assert moved["reward_curve"] == curve
     store_ = ObjectStore(str(store))
     assert moved["checkpoint"] != expected

@@ -1,4 +1,4 @@
-"""A reward model served by vLLM's pooling runner (`engine = "vllm"`): the RM trained by `rollout train rm` inside the
+"""A reward model served by vLLM's pooling runner (`engine = "vllm"`): the RM trained by the train-rm flow inside the
 test, served by rollout itself, scores what the in-process scorer scores (same encoding, same read-out, within
 float noise) and keeps counting what inputs lost. The same RM served on another node (`rollout serve start --runner
 pooling` from another directory with a home of its own, reading the checkpoint from the run's store) and given by
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from clirun import ROOT, final_result, on_other_node, run_rollout
+from clirun import ROOT, final_result, on_other_node, run_rollout, train_in_process
 from in_flight import unread_requests
 from rollout_lib.identity.training import training_settings
 from rollout_lib.config import ConfigError
@@ -55,15 +55,15 @@ async def score_all(scorer, items):
 
 @pytest.fixture(scope="module")
 def served_rm(prefect_server, tmp_path_factory):
-    """(store, checkpoint id, ServedModels, served scorer) of configs/rm-tiny.toml trained through the CLI and
+    """(store, checkpoint id, ServedModels, served scorer) of configs/rm-tiny.toml trained by the train-rm flow and
     served by rollout on one pooling replica; the deployment is stopped at the module's end."""
     store = tmp_path_factory.mktemp("served-rm") / "store"
-    done = run_rollout("train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={store}")
-    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = train_in_process("train", "rm", "--config", "configs/rm-tiny.toml", "--set",
+                                  f"run.store={store}")["checkpoint"]  # in this process: the CLI is not tested here
     served_models = ServedModels(str(store))
     try:
         scorer = load_scorer(settings(store, engine="vllm", batch_size=4), served_models, "test")
-        yield store, final_result(done)["checkpoint"], served_models, scorer
+        yield store, checkpoint, served_models, scorer
     finally:
         served_models.close()  # it started the deployment: stops it
 
