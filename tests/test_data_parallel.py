@@ -40,8 +40,8 @@ from rollout_lib.trainer.data_parallel import (
     failure_message,
     first_failure,
     root_cause_rank,
-    run_segment_in_processes,
 )
+from rollout_lib.trainer.segment_group import run_segment_in_processes
 from rollout_lib.determinism import plan_batches
 from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
@@ -158,9 +158,10 @@ def test_sft_two_processes_train_what_one_trains(tmp_path):
     two, _ = sft_inputs(sft_config(str(tmp_path / "store"), 2, 3, 3))  # one store: the same tables, two chains
     _, micro_batches_id, plan_id = batches.ids
 
-    def segment_task(start):  # the train-sft flow's task, as the flow calls it
-        return tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id, plan_id, start,
-                                               1, STEPS, ResidentTrainer())
+    def segment_task(start):  # the train-sft flow's task, as the flow calls it (its group closed with the run)
+        with ResidentTrainer() as resident:
+            return tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id, plan_id,
+                                                   start, 1, STEPS, resident)
 
     single_history, single_weights, history, dp_weights, initial = one_and_two_processes(
         CausalLmTrainer, one, two, segment_task, batches=batches)
@@ -173,9 +174,9 @@ def test_sft_two_processes_train_what_one_trains(tmp_path):
 def test_rm_two_processes_train_what_one_trains(tmp_path):
     # 3 pairs a step: rank 0 trains two, rank 1 one.
     one, two = rm_inputs(rm_config(str(tmp_path / "store"), 1)), rm_inputs(rm_config(str(tmp_path / "store"), 2))
-    def segment_task(start):  # the train-rm flow's task, as the flow calls it
-        return tasks.rm.train_segment_task.fn(two.config, two.data_ids["tokenized"], start, 1, STEPS,
-                                              ResidentTrainer())
+    def segment_task(start):  # the train-rm flow's task, as the flow calls it (its group closed with the run)
+        with ResidentTrainer() as resident:
+            return tasks.rm.train_segment_task.fn(two.config, two.data_ids["tokenized"], start, 1, STEPS, resident)
 
     single_history, single_weights, history, dp_weights, initial = one_and_two_processes(
         RewardModelTrainer, one, two, segment_task)
@@ -184,6 +185,39 @@ def test_rm_two_processes_train_what_one_trains(tmp_path):
     for single, dp in zip(single_history, history):
         assert dp["accuracy"] == pytest.approx(single["accuracy"])
         assert dp["mean_margin"] == pytest.approx(single["mean_margin"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_run_of_three_segments_starts_torchrun_once_and_ends_where_a_torchrun_per_segment_ended(tmp_path):
+    """Issue 44: the flow's tasks keep one group for the run (in its resident); its ranks keep the trainer between
+    segments. The checkpoints are those of a torchrun per segment (each rank opening the start from the store),
+    and a segment from a checkpoint the ranks no longer hold is opened from the store in the same group."""
+    from rollout_lib import step_events
+    from rollout_lib.trainer.segment_group import RESOURCE
+
+    two, batches = sft_inputs(sft_config(str(tmp_path / "store"), 2, 2, 1))
+    _, micro_batches_id, plan_id = batches.ids
+    start = CausalLmTrainer.initial(two, batches=batches).checkpoint_id
+    ends, published = [], []
+    with ResidentTrainer() as resident, step_events.subscribed(lambda step, metrics: published.append(step)):
+        checkpoint = start
+        for step in range(1, STEPS + 1):  # the flow's segments, one step each
+            checkpoint = tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id,
+                                                         plan_id, checkpoint, step, step, resident)["checkpoint"]
+            ends.append(checkpoint)
+        group = resident.resource(RESOURCE, lambda: None)
+        again, _ = group.train(ends[0], 2, 2)  # the ranks hold step 3: step 1 opened from the store
+        assert group.starts == 1  # one torchrun for every segment
+        ranks = group.ranks._process
+    assert ranks.returncode == 0  # stopped with the run
+    assert published == [1, 2, 3, 2]  # each step as it finished
+    assert again == ends[1]
+
+    # before the group: a torchrun per segment, each from the store (a group of one segment, three times)
+    checkpoint = start
+    for step in range(1, STEPS + 1):
+        checkpoint, _ = run_segment_in_processes(CausalLmTrainer, two, checkpoint, step, step, 2, batches=batches)
+    assert checkpoint == ends[-1]
 
 
 def finished_within(seconds: float, what: str, work):
