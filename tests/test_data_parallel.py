@@ -280,6 +280,29 @@ def test_the_failure_named_is_the_rank_that_died_not_the_one_torchrun_stopped(tm
     assert first_failure(["no summary here"]) is None
 
 
+def test_a_rank_that_aborts_is_named_with_what_it_printed_last():
+    """A rank killed by a signal it raised itself (SIGABRT: a C++ `terminate called ...`) says why only in its own
+    output, above torchrun's summary (which alone fills the last 20 lines): the message quotes those lines. The
+    output is torchrun's, as it printed it for a rank that wrote this and called os.abort()."""
+    agent = "E1127 21:26:11.133000 11183 torch/distributed/elastic/multiprocessing/api.py:1002]"
+    tail = ["ROLLOUT step 3 starting", "terminate called after throwing an instance of 'c10::Error'",
+            "  what():  something broke in C++",
+            f"{agent} failed (exitcode: -6) local_rank: 0 (pid: 11200) of binary: /venv/bin/python",
+            "Traceback (most recent call last):", '  File "torch/distributed/run.py", line 1032, in <module>',
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 54,
+            "rollout_lib.trainer.segment_worker FAILED", "-" * 54, "Failures:", "  <NO_OTHER_FAILURES>", "-" * 54,
+            "Root Cause (first observed failure):", "[0]:", "  time      : 2026-11-27_21:26:11",
+            "  host      : localhost", "  rank      : 0 (local_rank: 0)", "  exitcode  : -6 (pid: 11200)  (SIGABRT)",
+            "  error_file: <N/A>", "  traceback : Signal 6 (SIGABRT) received by PID 11200", "=" * 54]
+    message = failure_message("train steps 3-3", 1, tail, "rerun").splitlines()[0]
+    assert message == ("train steps 3-3: rank 0 exited with code -6 (Signal 6 (SIGABRT) received by PID 11200; its "
+                       "last output: ROLLOUT step 3 starting | terminate called after throwing an instance of "
+                       "'c10::Error' | what():  something broke in C++); rerun."), message
+    # a SIGKILL says nothing of its own: the message stays torchrun's
+    killed = [line.replace("-6", "-9").replace("6 (SIGABRT)", "9 (SIGKILL)") for line in tail]
+    assert "last output" not in failure_message("train steps 3-3", 1, killed, "rerun").splitlines()[0]
+
+
 # --- through the flow: `rollout train sft --nproc 2`, a rank SIGKILLed, the rerun ---------------------------------
 
 
