@@ -182,9 +182,13 @@ class RankGroup:
         env = {**rank_environment(self.inputs), SECRET_ENV: self._secret}
         run_id = f"rollout-{os.path.basename(self.workdir)}-{next(self._starts)}"
         self._tail.clear()
-        self._process = subprocess.Popen(
-            torchrun_command(self.nproc, spec_path, module=self.kind.module, nodes=self.nodes, run_id=run_id),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env)
+        try:
+            self._process = subprocess.Popen(
+                torchrun_command(self.nproc, spec_path, module=self.kind.module, nodes=self.nodes, run_id=run_id),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env)
+        except BaseException:
+            listener.close()
+            raise
         self.starts += 1
         threading.Thread(target=self._keep_output, args=(self._process,), daemon=True).start()
         if self.launcher is not None:  # a rendezvous per start (once per run): the other nodes join it
