@@ -190,8 +190,8 @@ def test_rm_two_processes_train_what_one_trains(tmp_path):
 @pytest.mark.slow
 def test_a_run_of_three_segments_starts_torchrun_once_and_ends_where_a_torchrun_per_segment_ended(tmp_path):
     """Issue 44: the flow's tasks keep one group for the run (in its resident); its ranks keep the trainer between
-    segments. The checkpoints are those of a torchrun per segment (each rank opening the start from the store),
-    and a segment from a checkpoint the ranks no longer hold is opened from the store in the same group."""
+    segments. A torchrun per segment opened each segment's start from the store: asked for checkpoints they do not
+    hold, the same ranks open them so too (the code a torchrun per segment ran), and write the same ids again."""
     from rollout_lib import step_events
     from rollout_lib.trainer.segment_group import RESOURCE
 
@@ -201,23 +201,18 @@ def test_a_run_of_three_segments_starts_torchrun_once_and_ends_where_a_torchrun_
     ends, published = [], []
     with ResidentTrainer() as resident, step_events.subscribed(lambda step, metrics: published.append(step)):
         checkpoint = start
-        for step in range(1, STEPS + 1):  # the flow's segments, one step each
+        for step in range(1, STEPS + 1):  # the flow's segments, one step each, the trainer kept in the ranks
             checkpoint = tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id,
                                                          plan_id, checkpoint, step, step, resident)["checkpoint"]
             ends.append(checkpoint)
         group = resident.resource(RESOURCE, lambda: None)
-        again, _ = group.train(ends[0], 2, 2)  # the ranks hold step 3: step 1 opened from the store
-        assert group.starts == 1  # one torchrun for every segment
+        # each from the store, as a torchrun per segment did (the ranks hold step 3, then 2, then 1)
+        opened = [group.train(ends[0], 2, 2)[0], group.train(start, 1, 1)[0], group.train(ends[1], 3, 3)[0]]
+        assert group.starts == 1  # one torchrun for all six segments
         ranks = group.ranks._process
-    assert ranks.returncode == 0  # stopped with the run
-    assert published == [1, 2, 3, 2]  # each step as it finished
-    assert again == ends[1]
-
-    # before the group: a torchrun per segment, each from the store (a group of one segment, three times)
-    checkpoint = start
-    for step in range(1, STEPS + 1):
-        checkpoint, _ = run_segment_in_processes(CausalLmTrainer, two, checkpoint, step, step, 2, batches=batches)
-    assert checkpoint == ends[-1]
+    assert ranks.returncode == 0  # stopped cleanly with the run
+    assert published == [1, 2, 3, 2, 1, 3]  # each step as it finished
+    assert opened == [ends[1], ends[0], ends[2]]
 
 
 def finished_within(seconds: float, what: str, work):
