@@ -125,7 +125,7 @@ def measure_processes(args, nproc: int, sharding: str) -> dict:
     """Steps 1..N (--resumed: 2..N) as one data-parallel segment of `nproc` torchrun processes, from the start
     checkpoint --start in the store --store-root; the figures of one variant."""
     from rollout_lib.trainer.causal import CausalLmTrainer
-    from rollout_lib.trainer.data_parallel import run_segment_in_processes
+    from rollout_lib.trainer.segment_group import run_segment_in_processes
 
     inputs, batches, _ = sft_setup(args, args.store_root, {"nproc": nproc, "sharding": sharding})
     started = time.perf_counter()

@@ -142,7 +142,7 @@ def sharded(tmp: str) -> dict:
 
     from rollout_lib.checkpoint import read_manifest
     from rollout_lib.trainer.causal import CausalLmTrainer
-    from rollout_lib.trainer.data_parallel import run_segment_in_processes
+    from rollout_lib.trainer.segment_group import run_segment_in_processes
 
     plain, _ = sft_losses(f"{tmp}/plain", {"algorithm.sft.hardware.device": "cuda"})
     # nproc = 2 in the settings (sharding needs it); one process launched: this machine has one GPU.

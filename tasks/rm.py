@@ -18,7 +18,7 @@ from rollout_lib.rm.evaluate import evaluate_pairs_with_rows
 from rollout_lib.rm.pairs import tokenize_pairs
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.trainer.base import TrainingInputs
-from rollout_lib.trainer.data_parallel import data_parallel_segment
+from rollout_lib.trainer.segment_group import data_parallel_segment
 from rollout_lib.identity.data_keys import rm_tokenizer_reads
 from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer

@@ -22,7 +22,7 @@ from rollout_lib.sft.evaluate import evaluate_nll_with_rows
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
 from rollout_lib.trainer.base import TrainingInputs
 from rollout_lib.trainer.causal import CausalLmTrainer, PlannedBatches
-from rollout_lib.trainer.data_parallel import data_parallel_segment
+from rollout_lib.trainer.segment_group import data_parallel_segment
 from rollout_lib.determinism import plan_batches
 from rollout_lib.trainer.resident import ResidentTrainer
 from rollout_lib.trainer.segment import Segment, run_segment

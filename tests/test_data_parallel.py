@@ -40,8 +40,8 @@ from rollout_lib.trainer.data_parallel import (
     failure_message,
     first_failure,
     root_cause_rank,
-    run_segment_in_processes,
 )
+from rollout_lib.trainer.segment_group import run_segment_in_processes
 from rollout_lib.determinism import plan_batches
 from rollout_lib.identity.training import training_identity
 from rollout_lib.trainer.resident import ResidentTrainer
@@ -158,9 +158,10 @@ def test_sft_two_processes_train_what_one_trains(tmp_path):
     two, _ = sft_inputs(sft_config(str(tmp_path / "store"), 2, 3, 3))  # one store: the same tables, two chains
     _, micro_batches_id, plan_id = batches.ids
 
-    def segment_task(start):  # the train-sft flow's task, as the flow calls it
-        return tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id, plan_id, start,
-                                               1, STEPS, ResidentTrainer())
+    def segment_task(start):  # the train-sft flow's task, as the flow calls it (its group closed with the run)
+        with ResidentTrainer() as resident:
+            return tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id, plan_id,
+                                                   start, 1, STEPS, resident)
 
     single_history, single_weights, history, dp_weights, initial = one_and_two_processes(
         CausalLmTrainer, one, two, segment_task, batches=batches)
@@ -173,9 +174,9 @@ def test_sft_two_processes_train_what_one_trains(tmp_path):
 def test_rm_two_processes_train_what_one_trains(tmp_path):
     # 3 pairs a step: rank 0 trains two, rank 1 one.
     one, two = rm_inputs(rm_config(str(tmp_path / "store"), 1)), rm_inputs(rm_config(str(tmp_path / "store"), 2))
-    def segment_task(start):  # the train-rm flow's task, as the flow calls it
-        return tasks.rm.train_segment_task.fn(two.config, two.data_ids["tokenized"], start, 1, STEPS,
-                                              ResidentTrainer())
+    def segment_task(start):  # the train-rm flow's task, as the flow calls it (its group closed with the run)
+        with ResidentTrainer() as resident:
+            return tasks.rm.train_segment_task.fn(two.config, two.data_ids["tokenized"], start, 1, STEPS, resident)
 
     single_history, single_weights, history, dp_weights, initial = one_and_two_processes(
         RewardModelTrainer, one, two, segment_task)
@@ -184,6 +185,34 @@ def test_rm_two_processes_train_what_one_trains(tmp_path):
     for single, dp in zip(single_history, history):
         assert dp["accuracy"] == pytest.approx(single["accuracy"])
         assert dp["mean_margin"] == pytest.approx(single["mean_margin"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_run_of_three_segments_starts_torchrun_once_and_ends_where_a_torchrun_per_segment_ended(tmp_path):
+    """Issue 44: the flow's tasks keep one group for the run (in its resident); its ranks keep the trainer between
+    segments. A torchrun per segment opened each segment's start from the store: asked for checkpoints they do not
+    hold, the same ranks open them so too (the code a torchrun per segment ran), and write the same ids again."""
+    from rollout_lib import step_events
+    from rollout_lib.trainer.segment_group import RESOURCE
+
+    two, batches = sft_inputs(sft_config(str(tmp_path / "store"), 2, 2, 1))
+    _, micro_batches_id, plan_id = batches.ids
+    start = CausalLmTrainer.initial(two, batches=batches).checkpoint_id
+    ends, published = [], []
+    with ResidentTrainer() as resident, step_events.subscribed(lambda step, metrics: published.append(step)):
+        checkpoint = start
+        for step in range(1, STEPS + 1):  # the flow's segments, one step each, the trainer kept in the ranks
+            checkpoint = tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id,
+                                                         plan_id, checkpoint, step, step, resident)["checkpoint"]
+            ends.append(checkpoint)
+        group = resident.resource(RESOURCE, lambda: None)
+        # each from the store, as a torchrun per segment did (the ranks hold step 3, then 2, then 1)
+        opened = [group.train(ends[0], 2, 2)[0], group.train(start, 1, 1)[0], group.train(ends[1], 3, 3)[0]]
+        assert group.starts == 1  # one torchrun for all six segments
+        ranks = group.ranks._process
+    assert ranks.returncode == 0  # stopped cleanly with the run
+    assert published == [1, 2, 3, 2, 1, 3]  # each step as it finished
+    assert opened == [ends[1], ends[0], ends[2]]
 
 
 def finished_within(seconds: float, what: str, work):
@@ -244,6 +273,29 @@ def test_the_failure_named_is_the_rank_that_died_not_the_one_torchrun_stopped(tm
     message = failure_message("train steps 2-2", 1, tail, "rerun")
     assert message.startswith("train steps 2-2: rank 1 exited with code -9 (Signal 9 (SIGKILL) received by PID 13)")
     assert first_failure(["no summary here"]) is None
+
+
+def test_a_rank_that_aborts_is_named_with_what_it_printed_last():
+    """A rank killed by a signal it raised itself (SIGABRT: a C++ `terminate called ...`) says why only in its own
+    output, above torchrun's summary (which alone fills the last 20 lines): the message quotes those lines. The
+    output is torchrun's, as it printed it for a rank that wrote this and called os.abort()."""
+    agent = "E1127 21:26:11.133000 11183 torch/distributed/elastic/multiprocessing/api.py:1002]"
+    tail = ["ROLLOUT step 3 starting", "terminate called after throwing an instance of 'c10::Error'",
+            "  what():  something broke in C++",
+            f"{agent} failed (exitcode: -6) local_rank: 0 (pid: 11200) of binary: /venv/bin/python",
+            "Traceback (most recent call last):", '  File "torch/distributed/run.py", line 1032, in <module>',
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 54,
+            "rollout_lib.trainer.segment_worker FAILED", "-" * 54, "Failures:", "  <NO_OTHER_FAILURES>", "-" * 54,
+            "Root Cause (first observed failure):", "[0]:", "  time      : 2026-11-27_21:26:11",
+            "  host      : localhost", "  rank      : 0 (local_rank: 0)", "  exitcode  : -6 (pid: 11200)  (SIGABRT)",
+            "  error_file: <N/A>", "  traceback : Signal 6 (SIGABRT) received by PID 11200", "=" * 54]
+    message = failure_message("train steps 3-3", 1, tail, "rerun").splitlines()[0]
+    assert message == ("train steps 3-3: rank 0 exited with code -6 (Signal 6 (SIGABRT) received by PID 11200; its "
+                       "last output: ROLLOUT step 3 starting | terminate called after throwing an instance of "
+                       "'c10::Error' | what():  something broke in C++); rerun."), message
+    # a SIGKILL says nothing of its own: the message stays torchrun's
+    killed = [line.replace("-6", "-9").replace("6 (SIGABRT)", "9 (SIGKILL)") for line in tail]
+    assert "last output" not in failure_message("train steps 3-3", 1, killed, "rerun").splitlines()[0]
 
 
 # --- through the flow: `rollout train sft --nproc 2`, a rank SIGKILLed, the rerun ---------------------------------

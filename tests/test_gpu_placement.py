@@ -17,7 +17,7 @@ from rollout_lib.identity.training import training_hash
 from rollout_lib.hardware import replica_gpus
 from rollout_lib.rl import policy_group
 from rollout_lib.serving import engine
-from rollout_lib.trainer import data_parallel
+from rollout_lib.trainer import data_parallel, rank_group, segment_group
 
 TRAINER_GPUS = ["--set", "algorithm.rl.hardware.gpus=[0, 1]", "--set", "algorithm.rl.hardware.nproc=2"]
 
@@ -63,7 +63,7 @@ def launched_env(monkeypatch, module, start) -> dict:
 def test_a_training_segments_torchrun_sees_only_the_trainers_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")  # the node's, as a scheduler may set it
     inputs = inputs_of("sft", "algorithm.sft.hardware.nproc=2", "algorithm.sft.hardware.gpus=[4, 6]")
-    env = launched_env(monkeypatch, data_parallel, lambda: data_parallel.run_segment_in_processes(
+    env = launched_env(monkeypatch, rank_group, lambda: segment_group.run_segment_in_processes(
         object, inputs, "checkpoint", 1, 2, 2))
     assert "torch.distributed.run" in env["command"] and "--nproc_per_node=2" in env["command"]
     # local rank i takes the i-th visible GPU (segment_worker: cuda:LOCAL_RANK): rank 0 -> GPU 4, rank 1 -> GPU 6
@@ -76,9 +76,9 @@ def test_the_rl_policy_groups_torchrun_sees_only_the_trainers_gpus(monkeypatch):
     inputs = inputs_of("rl", "algorithm.rl.hardware.nproc=2", "algorithm.rl.hardware.gpus=[2, 3]")
     group = policy_group.PolicyGroup(inputs)
     try:
-        env = launched_env(monkeypatch, policy_group, lambda: group._start("train step 1"))
+        env = launched_env(monkeypatch, rank_group, lambda: group.ranks._start("train step 1", "rerun"))
     finally:
-        group._workdir.cleanup()
+        group.close()
     assert "rollout_lib.rl.policy_rank" in env["command"]
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
 

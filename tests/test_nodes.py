@@ -19,7 +19,9 @@ from rollout_lib.rl.policy_group import PolicyGroup
 from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.causal import CausalLmTrainer, RecordedBatches
-from rollout_lib.trainer.data_parallel import RECEIVE_SPEC, DataParallelError, run_segment_in_processes
+from rollout_lib.trainer.data_parallel import DataParallelError
+from rollout_lib.trainer.node_parts import RECEIVE_SPEC
+from rollout_lib.trainer.segment_group import run_segment_in_processes
 from test_data_parallel import sft_inputs
 
 
@@ -91,8 +93,9 @@ def test_a_node_that_never_joins_fails_the_segment_or_policy_group_in_one_line_n
         run_segment_in_processes(CausalLmTrainer, inputs, start, 1, 2, 1, announce=lambda commands: None,
                                  batches=batches)
     message = str(raised.value)
-    assert message == (f"train steps 1-2: not every node of 2 joined the rendezvous at {endpoint} within 5 s "
-                       "(hardware.rdzv_timeout_s); start the other nodes' torchrun (logged as the segment started), "
+    assert message == (f"train steps 1-2: not every node of 2 joined the training group's rendezvous at {endpoint} "
+                       "within 5 s (hardware.rdzv_timeout_s); start the other nodes' torchrun (logged as the group "
+                       "started), "
                        "or set hardware.nnodes = 1. The segment's start checkpoint is in the store, so a rerun trains "
                        "steps 1-2 again from it")
 

@@ -1,4 +1,5 @@
-"""A closed control channel (issue 44): the RL policy group's command socket admits only connections presenting the
+"""A closed control channel (issue 44): a group's command socket (trainer/rank_group.py: RL's policy group, SFT's
+and RM's segment group) admits only connections presenting the
 group's secret (drawn per group, handed to node 0's torchrun in its environment, never logged); anything else is
 closed and the group keeps waiting for its ranks."""
 
@@ -10,14 +11,14 @@ import socket
 
 import pytest
 
-from rollout_lib.rl import policy_group
+from rollout_lib.trainer import rank_group
 from test_rl_data_parallel import run_in_process
 
 KNOWN_SECRET = "ab" * 32  # secrets.token_hex(32) as the test draws it, to look for it in the logs
 
 
-def hello_from(client: bytes | None, group: policy_group.PolicyGroup) -> int | None:
-    """The rank `PolicyGroup._admit` admits for a connection that sends `client` (None: sends nothing)."""
+def hello_from(client: bytes | None, group: rank_group.RankGroup) -> int | None:
+    """The rank `RankGroup._admit` admits for a connection that sends `client` (None: sends nothing)."""
     ours, theirs = socket.socketpair()
     with ours, theirs:
         if client is not None:
@@ -32,8 +33,8 @@ def hello_from(client: bytes | None, group: policy_group.PolicyGroup) -> int | N
 
 
 def test_only_a_hello_with_the_groups_secret_joins(monkeypatch):
-    monkeypatch.setattr(policy_group, "HELLO_TIMEOUT_S", 0.5)
-    group = policy_group.PolicyGroup.__new__(policy_group.PolicyGroup)  # the door alone: no inputs, no processes
+    monkeypatch.setattr(rank_group, "HELLO_TIMEOUT_S", 0.5)
+    group = rank_group.RankGroup.__new__(rank_group.RankGroup)  # the door alone: no inputs, no processes
     group._secret, group.world_size = "cd" * 32, 2
 
     def hello(**fields) -> bytes:
@@ -49,8 +50,8 @@ def test_only_a_hello_with_the_groups_secret_joins(monkeypatch):
 
 @pytest.mark.slow
 def test_rogue_clients_connecting_first_are_refused_and_the_group_trains(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(policy_group, "HELLO_TIMEOUT_S", 2.0)
-    monkeypatch.setattr(policy_group.secrets, "token_hex", lambda nbytes: "ab" * nbytes)
+    monkeypatch.setattr(rank_group, "HELLO_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(rank_group.secrets, "token_hex", lambda nbytes: "ab" * nbytes)
     real_create_server, rogues = socket.create_server, []
 
     def create_server(address, **kwargs):
@@ -65,8 +66,8 @@ def test_rogue_clients_connecting_first_are_refused_and_the_group_trains(tmp_pat
                 rogues.append(rogue)
         return listener
 
-    monkeypatch.setattr(policy_group.socket, "create_server", create_server)
-    caplog.set_level(logging.DEBUG, logger=policy_group.__name__)  # the ranks' output too
+    monkeypatch.setattr(rank_group.socket, "create_server", create_server)
+    caplog.set_level(logging.DEBUG, logger=rank_group.__name__)  # the ranks' output too
     result = run_in_process(str(tmp_path / "store"), 2, 1)
     assert len(rogues) == 3 and len(result["history"]) == 1 and result["history"][0]["micro_batches"] >= 1
     for rogue in rogues:

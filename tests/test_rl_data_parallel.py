@@ -31,7 +31,8 @@ from rollout_lib.rl.sample import build_samplers, sample_rollouts
 from rollout_lib.rl.score import run_reward_loops, score_rollouts
 from rollout_lib.store import ObjectStore
 from rollout_lib.checkpoint import ADAPTER_KEY, model_weights, read_manifest
-from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, RECEIVE_SPEC
+from rollout_lib.trainer.data_parallel import KILL_RANK_ENV
+from rollout_lib.trainer.node_parts import RECEIVE_SPEC
 from rollout_lib.identity.training import training_identity
 from rollout_lib.model.loading import model_content_digest
 from rollout_lib.trainer.resident import ResidentTrainer

@@ -23,7 +23,8 @@ from rollout_lib.identity.training import training_identity
 from rollout_lib.rm.trainer import RewardModelTrainer
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.causal import CausalLmTrainer
-from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, DataParallelError, run_segment_in_processes
+from rollout_lib.trainer.data_parallel import KILL_RANK_ENV, DataParallelError
+from rollout_lib.trainer.segment_group import run_segment_in_processes
 from test_data_parallel import rm_inputs, sft_inputs, weights
 
 ADAMW = {"algorithm.sft.optimizer.kind": "adamw", "algorithm.sft.optimizer.lr": 1e-2}

@@ -2,31 +2,28 @@
 
     torchrun --standalone --nproc_per_node N -m rollout_lib.rl.policy_rank SPEC
 
-SPEC: a pickled policy_group.GroupSpec (on another node: `--receive-spec BACKEND`, the spec sent over the group,
-segment_worker.join_group). The rank connects to the flow's socket (on the flow's node), says its rank and presents
-the group's secret (`group_secret`), then runs
-the flow's commands (one JSON line each, the same to every rank) in lockstep with the others and answers each with
-one line: `{"state", "metrics"}` or `{"checkpoint"}` (rank 0's is the one the flow reads), or `{"error"}` before
-it exits non-zero, which makes torchrun stop the other ranks. On CUDA, rank i computes on the GPU of its local
+SPEC: a pickled rank_group.GroupSpec (on another node: `--receive-spec BACKEND`, the spec sent over the group).
+The rank joins the group and the flow's socket (rank_group.serve), then runs the flow's commands (one JSON line
+each, the same to every rank) in lockstep with the others and answers each with one line: `{"state", "metrics"}`
+or `{"checkpoint"}` (the reporting rank's is the one the flow reads), or `{"error"}` before it exits non-zero,
+which makes torchrun stop the other ranks. On CUDA, rank i computes on the GPU of its local
 rank (nccl); on CPU, gloo.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rollout_lib.hardware import hardware_settings
-from rollout_lib.rl.policy_group import SECRET_ENV
 from rollout_lib.rl.policy_state import adopt_snapshot, rebuild_policy, record_step_state, snapshot_state
 from rollout_lib.trainer.data_parallel import DataParallelRank
-from rollout_lib.trainer.segment_worker import join_group, kill_step
+from rollout_lib.trainer.rank_group import serve
+from rollout_lib.trainer.segment_worker import kill_step
 
 
 class PolicyRank:
@@ -89,48 +86,19 @@ class PolicyRank:
         dist.barrier()
 
 
-def group_secret(data_parallel: DataParallelRank) -> str:
-    """The secret this rank presents to the flow's socket: node 0's torchrun carries it in its environment
-    (SECRET_ENV), the reporting rank (on node 0) sends it to every other rank over the group, so other nodes'
-    commands need not carry it. Every rank calls this (a collective)."""
-    own = os.environ.pop(SECRET_ENV, None)  # out of the environment: no child process inherits it
-    held = [own if data_parallel.reports else None]
-    dist.broadcast_object_list(held, src=data_parallel.reporter)
-    return held[0]
+    def __call__(self, command: dict) -> dict:
+        if command["op"] == "train":
+            return self.train(command)
+        if command["op"] == "snapshot":
+            return self.snapshot(command)
+        self.at(command["state"])  # "export"
+        self.export(command["export"])
+        return {"state": command["state"]}
 
 
 @record
 def main(argv: list[str] | None = None) -> None:
-    spec, data_parallel = join_group(argv)
-    secret = group_secret(data_parallel)
-    channel = socket.create_connection((spec.host, spec.port)).makefile("rw", encoding="utf-8")
-    try:
-        channel.write(json.dumps({"rank": data_parallel.rank, "secret": secret}) + "\n")
-        channel.flush()
-        policy = PolicyRank(spec.inputs, data_parallel)
-        for line in channel:
-            command = json.loads(line)
-            try:
-                if command["op"] == "stop":
-                    break
-                if command["op"] == "train":
-                    reply = policy.train(command)
-                elif command["op"] == "snapshot":
-                    reply = policy.snapshot(command)
-                else:  # "export"
-                    policy.at(command["state"])
-                    policy.export(command["export"])
-                    reply = {"state": command["state"]}
-            except Exception as exc:
-                where = f"step {command['step']}: " if "step" in command else ""
-                channel.write(json.dumps({"error": f"{where}{type(exc).__name__}: {exc}"}) + "\n")
-                channel.flush()
-                raise
-            channel.write(json.dumps(reply) + "\n")
-            channel.flush()
-    finally:
-        channel.close()
-        dist.destroy_process_group()
+    serve(argv, lambda spec, data_parallel, channel: PolicyRank(spec.inputs, data_parallel))
 
 
 if __name__ == "__main__":

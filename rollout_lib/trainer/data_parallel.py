@@ -13,44 +13,30 @@ broadcast, and rank 0 alone writes the snapshot. A filler runs forward and backw
 every rank issues the same collectives whatever its share holds: a rank with nothing to train never hangs the
 others.
 
-`run_segment_in_processes` is the launching side: `torchrun --standalone --nproc_per_node N -m
-rollout_lib.trainer.segment_worker SPEC` from the segment's start checkpoint in the store (with hardware.nnodes > 1:
-node 0 of a c10d rendezvous, the other nodes' commands announced); it returns the snapshot's checkpoint id and the
-per-step metrics, publishing each step as rank 0 reports it. With hardware.sharding = "fsdp" the ranks shard the
-model instead of each holding it (trainer/sharding.py); the arithmetic above is unchanged. A rank that dies
-(an exception, SIGKILL) makes torchrun stop the others; the segment then fails naming its steps and the rank, and
-a rerun trains it again from the same start checkpoint.
+The launching side is a group of ranks kept for a whole run (trainer/rank_group.py): SFT's and RM's segments
+(trainer/segment_group.py, ranks trainer/segment_worker.py) and RL's steps (rl/policy_group.py). This module holds
+what they build on: the torchrun command (node 0's; with hardware.nnodes > 1, the first of a c10d rendezvous whose
+other nodes' parts trainer/node_parts.py starts), the ranks' environment, and the reading of torchrun's failure
+summary that names the rank that failed. With hardware.sharding = "fsdp" the ranks shard the model instead of each
+holding it (trainer/sharding.py); the arithmetic above is unchanged.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import pickle
 import re
-import subprocess
 import sys
-import tempfile
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from rollout_lib import step_events
 from rollout_lib.losses import COMPONENTS
 from rollout_lib.hardware import hardware_of_config, hardware_settings, visible_devices
-# RECEIVE_SPEC: re-exported for the ranks (segment_worker)
-from rollout_lib.trainer.node_parts import (RECEIVE_SPEC, SHARDED_MALLOC, NodeLauncher, NodePart, NodePartError,
-                                            launcher_for)
+from rollout_lib.trainer.node_parts import SHARDED_MALLOC, NodePart
 
-logger = logging.getLogger(__name__)
-
-# Rank 0 prints one line per finished step, `STEP_MARKER {"step": n, "metrics": {...}}`, on its stdout.
-STEP_MARKER = "ROLLOUT_DATA_PARALLEL_STEP "
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself as it starts that step (a rank dying mid-segment).
 KILL_RANK_ENV = "ROLLOUT_TEST_KILL_RANK_AT_STEP"
 # Test hook: "STEP:PATH" makes every rank that sees it write PATH as it starts that step and wait there, for a test
@@ -134,38 +120,6 @@ def empty_micro_batch(micro_batch: pa.Table) -> pa.Table:
 
 
 @dataclass(frozen=True)
-class SegmentSpec:
-    """What a rank needs to train a segment: the trainer class, its inputs (config, identity, data ids), the start
-    checkpoint, the steps, the trainer's options (picklable: `causal.PlannedBatches` reloads in the worker), and
-    the file rank 0 writes the result to."""
-
-    trainer_class: type
-    inputs: object  # trainer.base.TrainingInputs
-    checkpoint_id: str
-    first: int
-    last: int
-    options: dict
-    result_path: str
-
-
-def data_parallel_segment(trainer_class: type, inputs, checkpoint_id: str, resident, **options):
-    """For `segment.run_segment(train_elsewhere=...)`: None when the entry point's hardware says one process, else
-    a function training a segment in `nproc` processes from `checkpoint_id`. A resident trainer at that checkpoint
-    is dropped (the workers open it from the store)."""
-
-    hardware = hardware_settings(inputs.settings)
-    if hardware.world_size == 1:
-        return None
-
-    def train(segment) -> tuple[str, list[dict]]:
-        resident.pop(checkpoint_id)
-        return run_segment_in_processes(trainer_class, inputs, checkpoint_id, segment.first, segment.last,
-                                        hardware.nproc, **options)
-
-    return train
-
-
-@dataclass(frozen=True)
 class Nodes:
     """Where a segment's ranks run beyond this machine: `count` nodes joined at `endpoint` by torchrun's c10d
     rendezvous (hardware.nnodes, rdzv_endpoint, rdzv_timeout_s). This machine is node 0."""
@@ -228,72 +182,6 @@ def rank_environment(inputs) -> dict[str, str]:
     return {**env, **visible_devices(hardware_settings(inputs.settings).gpus)}
 
 
-def run_segment_in_processes(trainer_class: type, inputs, checkpoint_id: str, first: int, last: int, nproc: int,
-                             announce: NodeLauncher | Callable | None = None, **options) -> tuple[str, list[dict]]:
-    """Steps first..last from `checkpoint_id` as `nproc` torchrun processes (per node: with hardware.nnodes > 1 this
-    machine is node 0, and the other nodes' parts are started by `announce`, by default hardware.node_pool's agents
-    or logged commands: node_parts.launcher_for); (the snapshot's id, per-step metrics). Each finished step is
-    published (step_events) as rank 0 reports it. Raises DataParallelError when a rank fails or a node's part
-    fails, never starts or is lost."""
-    hardware = hardware_settings(inputs.settings)
-    nodes = Nodes.of(hardware)
-    launcher = launcher_for(hardware, announce) if nodes is not None else None
-    with tempfile.TemporaryDirectory(prefix="rollout-dp-") as workdir:
-        spec = SegmentSpec(trainer_class, inputs, checkpoint_id, first, last, options,
-                           os.path.join(workdir, "result.json"))
-        spec_path = os.path.join(workdir, "spec.pkl")
-        with open(spec_path, "wb") as out:
-            pickle.dump(spec, out)
-        tail: deque[str] = deque(maxlen=400)
-        env = rank_environment(inputs)
-        run_id = f"rollout-{os.path.basename(workdir)}"
-        module = "rollout_lib.trainer.segment_worker"
-        process = subprocess.Popen(torchrun_command(nproc, spec_path, module, nodes=nodes, run_id=run_id),
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   text=True, env=env)
-        if launcher is not None:
-            try:
-                # a part that ends badly while node 0 waits stops it (SIGTERM: torchrun stops its ranks)
-                launcher.launch(other_node_parts(inputs, nodes, nproc, module, run_id), abort=process.terminate)
-            except BaseException as exc:
-                process.kill()
-                process.wait()
-                if isinstance(exc, NodePartError):
-                    raise DataParallelError(f"train steps {first}-{last}: {exc}") from None
-                raise
-        with process:
-            for line in process.stdout:
-                marker = line.find(STEP_MARKER)
-                if marker >= 0:
-                    reported = json.loads(line[marker + len(STEP_MARKER):])
-                    step_events.publish(reported["step"], reported["metrics"])
-                else:
-                    tail.append(line.rstrip("\n"))
-        succeeded = process.returncode == 0 and os.path.exists(spec.result_path)
-        node_problem = launcher.settle(succeeded) if launcher is not None else None
-        rerun = f"the segment's start checkpoint is in the store, so a rerun trains steps {first}-{last} again from it"
-        if not succeeded:
-            where = f"train steps {first}-{last}: data-parallel segment ({nproc} processes) failed"
-            # a node's part never started or was lost, or failed before its node joined: the segment's failure
-            if node_problem is not None and (node_problem.caused or rendezvous_timeout(list(tail), nodes)):
-                raise DataParallelError(f"train steps {first}-{last}: {node_problem.line}; {rerun}.\nnode 0's last "
-                                        "output:\n" + "\n".join(list(tail)[-20:]))
-            if node_problem is not None:  # it failed with node 0's ranks: which side began it, node 0's output says
-                where += f" ({node_problem.line})"
-            if rendezvous_timeout(list(tail), nodes):
-                raise DataParallelError(
-                    f"train steps {first}-{last}: not every node of {nodes.count} joined the rendezvous at "
-                    f"{nodes.endpoint} within {nodes.timeout_s:g} s (hardware.rdzv_timeout_s); start the other "
-                    f"nodes' torchrun (logged as the segment started), or set hardware.nnodes = 1. The segment's "
-                    f"start checkpoint is in the store, so a rerun trains steps {first}-{last} again from it")
-            raise DataParallelError(failure_message(where, process.returncode, list(tail), rerun))
-        if node_problem is not None:  # node 0 has the result: the segment stands; say what a node did afterwards
-            logger.warning("train steps %d-%d: %s", first, last, node_problem.line)
-        with open(spec.result_path) as result:
-            done = json.load(result)
-    return done["checkpoint"], done["history"]
-
-
 def failure_message(where: str, returncode: int | None, tail: list[str], rerun: str) -> str:
     """`where`: which rank failed and how, from torchrun's failure summary ("rank : 1 (local_rank: 1)",
     "exitcode : -9", "traceback : Signal 9 (SIGKILL) received by PID ..."), else the last lines of output; then
@@ -306,10 +194,35 @@ def failure_message(where: str, returncode: int | None, tail: list[str], rerun: 
             errors = [line for line in tail if re.search(r"\b\w+(Error|Exception)\b:", line)
                       and "ChildFailedError" not in line]
             cause = errors[-1].strip() if errors else f"exit code {failure['exitcode']}"
+        elif isinstance(failure["exitcode"], int) and failure["exitcode"] < 0 \
+                and failure["exitcode"] not in (SIGKILL_EXIT, SIGTERM_EXIT):
+            # a signal the rank raised on itself (SIGABRT: a C++ `terminate called ...`, SIGSEGV): why is in what
+            # it printed last, above torchrun's summary, which alone fills the last 20 lines
+            last = output_before_summary(tail)[-LAST_WORDS:]
+            if last:
+                cause += "; its last output: " + " | ".join(line.strip() for line in last)
         message = f"{where}: rank {failure['rank']} exited with code {failure['exitcode']} ({cause})"
     else:
         message = f"{where}: torchrun exited with code {returncode}"
     return f"{message}; {rerun}.\nlast output:\n" + "\n".join(tail[-20:])
+
+
+# A torchrun agent's own log line ("E1127 21:26:11.133000 11183 torch/distributed/elastic/...] failed (exitcode:
+# -6) local_rank: 0 ..."): where the ranks' output ends and torchrun's account of their failure begins.
+_AGENT_LOG = re.compile(r"^\[?[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+ \d+ \S*torch/distributed/")
+LAST_WORDS = 5  # how many of a rank's last lines a signal's cause quotes
+SIGKILL_EXIT = -9
+
+
+def output_before_summary(tail: list[str]) -> list[str]:
+    """The ranks' own last lines: the output before torchrun's failure report (its agent's first log line about the
+    failure, or the traceback that raises ChildFailedError), its agent's log lines left out, blank lines too."""
+    end = next((i for i, line in enumerate(tail) if _AGENT_LOG.match(line) and "failed (exitcode" in line), None)
+    if end is None:
+        raised = next((i for i, line in enumerate(tail) if "ChildFailedError" in line), len(tail))
+        end = max((i for i, line in enumerate(tail[:raised]) if line.startswith("Traceback (most recent call last)")),
+                  default=raised)
+    return [line for line in tail[:end] if line.strip() and not _AGENT_LOG.match(line)]
 
 
 _FAILURE = re.compile(r"^\s*\[\d+\]:\s*$")

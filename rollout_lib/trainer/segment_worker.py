@@ -1,79 +1,66 @@
-"""One rank of a data-parallel training segment (trainer.data_parallel), as torchrun starts it:
+"""One rank of SFT's or RM's data-parallel training (trainer/segment_group.py), as torchrun starts it once per run:
 
     torchrun --standalone --nproc_per_node N -m rollout_lib.trainer.segment_worker SPEC
 
-SPEC: a pickled data_parallel.SegmentSpec (on another node: `--receive-spec BACKEND`, the spec sent over the group).
-Every rank opens the trainer at the segment's start checkpoint from the store (the same weights and optimizer state
-everywhere; sharded, rank 0 streams the optimizer state to the others: CheckpointedTrainer.open_sharded) and trains
-the segment's steps on its share of each step; rank 0 writes the snapshot, and the reporting rank (the first on the
-flow's node) prints each step's metrics (data_parallel.STEP_MARKER) and writes the result file ({"checkpoint",
-"history"}) where the flow reads it. On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
+SPEC: a pickled rank_group.GroupSpec whose `extra` names the trainer class and its options (on another node:
+`--receive-spec BACKEND`, the spec sent over the group). The rank joins the group and the flow's socket
+(rank_group.serve), then trains each segment it is sent, `{"op": "train", "checkpoint", "first", "last"}`, on its
+share of each step. It keeps the trainer between segments; asked for a checkpoint it does not hold, it opens the
+trainer there from the store (the same weights and optimizer state everywhere; sharded, rank 0 streams the
+optimizer state to the others: CheckpointedTrainer.open_sharded). Rank 0 writes the snapshot; the reporting rank
+(the first on the flow's node) sends each step's metrics as an event and answers `{"checkpoint", "history"}`.
+On CUDA, rank i computes on the GPU of its local rank (nccl); on CPU, gloo.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import signal
-import sys
 import time
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rollout_lib.trainer.data_parallel import (HOLD_AT_STEP_ENV, KILL_RANK_ENV, RECEIVE_SPEC, STEP_MARKER,
-                                               DataParallelRank, group_backend)
 from rollout_lib.hardware import hardware_settings
+from rollout_lib.trainer.data_parallel import HOLD_AT_STEP_ENV, KILL_RANK_ENV, DataParallelRank
+from rollout_lib.trainer.rank_group import Channel, GroupSpec, serve
 from rollout_lib.trainer.segment import TrainStepError
 
 
-def join_group(argv: list[str] | None) -> tuple[object, DataParallelRank]:
-    """(the spec this rank was started with, this rank's place in the process group), the group joined (gloo on
-    CPU; on CUDA, nccl with this rank on its local rank's GPU). The flow's node names the pickled spec file on the
-    command line; another node's ranks (`RECEIVE_SPEC BACKEND`) receive it from the flow's node over the group,
-    whose first rank there reports to the flow (DataParallelRank.reporter)."""
-    arguments = argv if argv is not None else sys.argv[1:]
-    spec = None
-    if arguments[0] == RECEIVE_SPEC:
-        cuda = arguments[1] == "nccl"
-    else:
-        (spec_path,) = arguments
-        with open(spec_path, "rb") as spec_file:  # written by the flow for its own children
-            spec = pickle.load(spec_file)
-        cuda = group_backend(spec.inputs) == "nccl"
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cpu")
-    if cuda:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)  # "cuda" (no index) in the settings now means this rank's GPU
-    dist.init_process_group("nccl" if cuda else "gloo")
-    holders = [None] * world_size
-    dist.all_gather_object(holders, spec is not None)
-    reporter = holders.index(True)
-    if not all(holders):  # other nodes: the spec travels as torch's collectives move any object (a pickle)
-        received = [spec]
-        dist.broadcast_object_list(received, src=reporter)
-        spec = received[0]
-    return spec, DataParallelRank(rank, world_size, device, reporter)
+class SegmentRank:
+    """This rank's trainer and the checkpoint it is at; every rank holds the same weights and optimizer state."""
 
+    def __init__(self, spec: GroupSpec, data_parallel: DataParallelRank, channel: Channel):
+        self.inputs = spec.inputs
+        self.trainer_class = spec.extra["trainer_class"]
+        self.options = spec.extra["options"]
+        self.data_parallel = data_parallel
+        self.channel = channel
+        self.sharded = hardware_settings(self.inputs.settings).sharding == "fsdp"
+        self.trainer = None
+        self.checkpoint_id: str | None = None
+        self.kill_at = kill_step(data_parallel.rank)
 
-@record
-def main(argv: list[str] | None = None) -> None:
-    spec, data_parallel = join_group(argv)
-    rank = data_parallel.rank
-    try:
-        sharded = hardware_settings(spec.inputs.settings).sharding == "fsdp"
-        if sharded:
-            trainer = spec.trainer_class.open_sharded(spec.inputs, spec.checkpoint_id, data_parallel, **spec.options)
-        else:
-            trainer = spec.trainer_class.from_checkpoint(spec.inputs, spec.checkpoint_id, **spec.options)
-            trainer.data_parallel = data_parallel
-        kill_at = kill_step(rank)
+    def at(self, checkpoint_id: str):
+        """The trainer at `checkpoint_id`: the one held, or opened from the store."""
+        if checkpoint_id != self.checkpoint_id:
+            self.trainer = self.checkpoint_id = None  # a failed open leaves nothing half-built behind
+            if self.sharded:
+                self.trainer = self.trainer_class.open_sharded(self.inputs, checkpoint_id, self.data_parallel,
+                                                               **self.options)
+            else:
+                self.trainer = self.trainer_class.from_checkpoint(self.inputs, checkpoint_id, **self.options)
+                self.trainer.data_parallel = self.data_parallel
+            self.checkpoint_id = checkpoint_id
+        return self.trainer
+
+    def __call__(self, command: dict) -> dict:
+        trainer = self.at(command["checkpoint"])
+        self.trainer = self.checkpoint_id = None  # until the segment's snapshot is written
+        rank = self.data_parallel.rank
         history = []
-        for step in range(spec.first, spec.last + 1):
-            if step == kill_at:
+        for step in range(command["first"], command["last"] + 1):
+            if step == self.kill_at:  # test hook (data_parallel.KILL_RANK_ENV): this rank dies as the step starts
                 os.kill(os.getpid(), signal.SIGKILL)
             hold_at_step(step)
             try:
@@ -81,16 +68,19 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as exc:
                 raise TrainStepError(f"train step {step} (rank {rank}): {type(exc).__name__}: {exc}") from exc
             history.append(metrics)
-            if data_parallel.reports:
-                print(STEP_MARKER + json.dumps({"step": step, "metrics": metrics}), flush=True)
-        checkpoint = [trainer.snapshot(history[-1], history) if sharded or rank == 0 else None]  # sharded: all gather
+            if self.data_parallel.reports:
+                self.channel.event({"step": step, "metrics": metrics})
+        checkpoint = [trainer.snapshot(history[-1], history) if self.sharded or rank == 0 else None]  # sharded: all
         dist.broadcast_object_list(checkpoint, src=0)  # rank 0 wrote it; the reporter may be another rank
-        if data_parallel.reports:
-            with open(spec.result_path + ".partial", "w") as out:
-                json.dump({"checkpoint": checkpoint[0], "history": history}, out)
-            os.replace(spec.result_path + ".partial", spec.result_path)
-    finally:
-        dist.destroy_process_group()
+        # every rank now descends from that snapshot, as a trainer opened there would
+        trainer.checkpoint_id, trainer.snapshot_step = checkpoint[0], trainer.step
+        self.trainer, self.checkpoint_id = trainer, checkpoint[0]
+        return {"checkpoint": checkpoint[0], "history": history}
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    serve(argv, SegmentRank)
 
 
 def hold_at_step(step: int) -> None:
