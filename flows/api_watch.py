@@ -1,14 +1,15 @@
 """The run's tie to its Prefect server (issue 27; docs/runs.md, "When the Prefect server goes away").
 
 When the server a run talks to dies mid-run (killed, out of memory, its machine asleep), Prefect alone keeps
-training on cached state, fails about a minute later with a ConnectError traceback, then retries event delivery
-for minutes before it exits. Instead, a daemon thread of the run's process GETs `<api url>/health` every
-PROBE_INTERVAL_S; when the server has not answered for LOST_AFTER_S (and at least MIN_FAILURES probes in a row
-failed) the process prints one line naming the server and the command that resumes the run, and exits with
-EXIT_SERVER_LOST. Any HTTP answer counts as alive (a busy server's 503 too, a gateway's 502/504 not); a refused
-or timed-out connection is a failure. A blip, a server busy for a few seconds, this process paused (SIGSTOP, a
-laptop asleep: monotonic time stops with it) never end a run, and the watch arms itself only once the server has
-answered its probe, so a server only Prefect's own client can reach (TLS settings, a proxy) never ends one either.
+training on cached state, fails about a minute later with a ConnectError traceback, then retries event delivery for
+minutes before it exits. Instead, a daemon thread of the run's process GETs `<api url>/health` every
+PROBE_INTERVAL_S; when the server has not answered for LOST_AFTER_S (or ROLLOUT_SERVER_LOST_AFTER_S, if set) and at
+least MIN_FAILURES probes in a row failed, the process prints one line naming the server and the command that
+resumes the run, and exits with EXIT_SERVER_LOST. Any HTTP answer counts as alive (a busy server's 503 too, a
+gateway's 502/504 not); a refused or timed-out connection is a failure. A blip, a server busy for a few seconds,
+this process paused (SIGSTOP, a laptop asleep: monotonic time stops with it) never end a run, and the watch arms
+itself only once the server has answered its probe, so a server only Prefect's own client can reach (TLS settings,
+a proxy) never ends one either.
 
 Which processes are watched: the `rollout train` process (rollout_cli/main.py: the flow runs in it; its resume
 command is the command line) and a process a worker started for one flow run (PREFECT__FLOW_RUN_ID is set; its
@@ -32,6 +33,10 @@ from typing import Callable
 PROBE_INTERVAL_S = 2.0
 PROBE_TIMEOUT_S = 5.0
 LOST_AFTER_S = 15.0
+# Seconds without an answer that end a run, in place of LOST_AFTER_S: longer where the server may be unreachable
+# for a while (a server restarted by a supervisor, a flaky network), shorter where a lost server should be found
+# sooner (a CI, a laptop). Read by every watched process: the `rollout train` process and a worker's flow runs.
+LOST_AFTER_ENV = "ROLLOUT_SERVER_LOST_AFTER_S"
 MIN_FAILURES = 3
 # EX_TEMPFAIL (sysexits.h): a temporary failure, the command may be retried, which is what resumes the run.
 EXIT_SERVER_LOST = 75
@@ -152,6 +157,26 @@ def _print_and_exit(line: str, code: int) -> None:
         os._exit(code)
 
 
+def lost_after_s() -> float:
+    """LOST_AFTER_S, or the seconds ROLLOUT_SERVER_LOST_AFTER_S gives; ConfigError naming the variable when it
+    is not a number of seconds > 0."""
+    import math
+
+    from rollout_lib.errors import ConfigError
+
+    value = os.environ.get(LOST_AFTER_ENV, "").strip()
+    if not value:
+        return LOST_AFTER_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError([(LOST_AFTER_ENV, f"must be a number of seconds > 0 (got {value!r}); unset, a run ends "
+                                            f"after {LOST_AFTER_S:g} s without an answer from its Prefect server")])
+    return seconds
+
+
 def watch(api_url: str | None, resume: str, **options) -> ApiWatch | None:
     """Watch `api_url` for this process, in place of the watch running before; None, and nothing watched, without
     an API URL (an ephemeral in-process server dies with the process)."""
@@ -161,7 +186,7 @@ def watch(api_url: str | None, resume: str, **options) -> ApiWatch | None:
     with _active_lock:
         if _active is not None:
             _active.stop()
-        _active = ApiWatch(api_url, resume, **options).start()
+        _active = ApiWatch(api_url, resume, **{"lost_after_s": lost_after_s(), **options}).start()
         return _active
 
 

@@ -107,6 +107,9 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
     use_home_of_config(config_path)
     overrides = (*overrides, *_shortcut_overrides(entry_point, max_steps, run_name, store_url, nproc))
     _, config = load_settings(entry_point, config_path, list(overrides), "rollout train")
+    from flows.api_watch import cli_rerun, lost_after_s, watch
+
+    lost_after_s()  # a bad ROLLOUT_SERVER_LOST_AFTER_S is a settings error, found before anything starts
     plan = describe_plan(config)  # parses every dataset row and resolves the model reference: no model loads
     if dry_run:
         print(json.dumps(plan, indent=2))
@@ -126,8 +129,6 @@ def train(entry_point: str, config_path: str, overrides: tuple[str, ...], max_st
         from flows.train_rm import train_rm as train_flow
     from rollout_cli.progress import (TrainingProgress, flow_run_url, routine_lines_hidden, stdout_to_stderr,
                                       tracebacks_hidden)
-
-    from flows.api_watch import cli_rerun, watch
 
     watching = nullcontext() if quiet else TrainingProgress(entry_point, config)
     # The server going away ends the run in one line naming the command that resumes it (flows/api_watch.py).

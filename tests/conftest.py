@@ -133,6 +133,13 @@ class DeploymentStack:
         """`prefect deployment run` without waiting; returns the flow run id."""
         return self._deployment_run(deployment, params, watch=None)[1]
 
+    def create(self, deployment: str = "train-rm/default", **params) -> str:
+        """A flow run of `deployment` with `params` created through the REST API, as `prefect deployment run`
+        creates it (and the UI's Run button), without that command's process (2 CPU-s): for tests of what the
+        worker and the flow do with a run, not of the command. Returns the flow run id."""
+        deployment_id = self.api("GET", f"/deployments/name/{deployment}")["id"]
+        return self.api("POST", f"/deployments/{deployment_id}/create_flow_run", {"parameters": params})["id"]
+
     def _deployment_run(self, deployment: str, params: dict, watch: float | None):
         import json
         import re
@@ -293,7 +300,10 @@ def vllm_tiny():
 
 # Session fixtures that start servers: every test using one runs in the same pytest-xdist worker, so the suite starts
 # each server once (README: `pytest -n 2 --dist loadgroup`).
-SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack"}
+# rlhf_reference (test_rlhf_flow.py): a pipeline run that the worker stack's rlhf test compares with, as its
+# module's other tests do; in one group it is trained once.
+SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack",
+                  "rlhf_reference": "worker_stack"}
 # The longest groups (seconds on one 2-core worker, measured 2026-11-27 with --durations=0, a quiet AVX-512 machine:
 # worker_stack 273, test_policy_engine 270, vllm_tiny 231, test_rl_data_parallel 218, test_task_runners 163,
 # test_sharding 162, ... of 3283 in all; test_node_agents, added later: 501 s on a machine at load 15, not measured

@@ -65,7 +65,7 @@ def test_a_killed_run_leaves_only_the_recorded_server_and_stack_stop_stops_it(tm
     env = {k: v for k, v in cli_env(ROLLOUT_STATE_DIR=str(state)).items()
            if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
     args = ["train", "rm", "--config", "configs/rm-tiny.toml", "--set", f"run.store={tmp_path / 'store'}",
-            "--set", "algorithm.rm.budget.max_steps=40"]
+            "--set", "algorithm.rm.budget.max_steps=8"]  # killed at step 3 of 8: still training; the rerun: 5 more
     home = state / "prefect"
     try:
         run_until_then_kill(args, "train-steps-3-3' - Finished", tmp_path / "killed.log", env=env)

@@ -76,6 +76,12 @@ def expected_task_names(steps: int) -> set[str]:
     return names | {f"train-steps-{i}-{i}" for i in range(1, steps + 1)}
 
 
+def run_created(worker_stack, **params) -> dict:
+    """A run created through the API (DeploymentStack.create), once it has ended: for the tests of what the worker
+    and the flow do with a run. `prefect deployment run` itself is the reference run's and the bad row's."""
+    return worker_stack.wait(worker_stack.create(**params), timeout=600)
+
+
 @pytest.fixture(scope="module")
 def reference_run(worker_stack) -> dict:
     """An uninterrupted run of the tiny config: the run every resumed run must end identical to."""
@@ -172,7 +178,7 @@ def test_bad_data_row_fails_the_load_task_naming_path_and_line(worker_stack, fai
 
 def test_bad_parameter_fails_the_run_with_the_config_locator(worker_stack):
     store = SESSION_DIR / "stores" / "bad-param"
-    flow_run = worker_stack.run(**params(store, 2, "algorithm.rm.optimizer.lr=-1"))
+    flow_run = run_created(worker_stack, **params(store, 2, "algorithm.rm.optimizer.lr=-1"))
     assert flow_run["state"]["type"] == "FAILED"
     assert "algorithm.rm.optimizer.lr: must be > 0" in flow_run["state"]["message"]
     assert worker_stack.task_runs(flow_run["id"]) == []  # rejected before any work
@@ -181,7 +187,7 @@ def test_bad_parameter_fails_the_run_with_the_config_locator(worker_stack):
 def test_nan_loss_fails_the_training_step(worker_stack):
     # An absurd learning rate: step 1 is finite, its update blows the weights up, step 2's loss is NaN.
     store = SESSION_DIR / "stores" / "nan"
-    flow_run = worker_stack.run(**params(store, 3, "algorithm.rm.optimizer.lr=1e30"))
+    flow_run = run_created(worker_stack, **params(store, 3, "algorithm.rm.optimizer.lr=1e30"))
     assert flow_run["state"]["type"] == "FAILED"
     task_runs = by_name(worker_stack.task_runs(flow_run["id"]))
     assert task_runs["train-steps-1-1"]["state"]["type"] == "COMPLETED"
@@ -200,7 +206,7 @@ def test_retry_after_fixing_the_cause_resumes_from_cache(worker_stack, reference
     good = eval_path.read_text()
     try:
         write_pairs(eval_path, TINY_PAIRS[:4], bad_line=2)
-        failed = worker_stack.run(**params(store))
+        failed = run_created(worker_stack, **params(store))
         assert failed["state"]["type"] == "FAILED"
         first = by_name(worker_stack.task_runs(failed["id"]), attempt=1)
         assert first["load-pairs-eval"]["state"]["type"] == "FAILED"
@@ -231,7 +237,7 @@ def _flow_run_process(flow_run_id: str, worker_pid: int) -> int | None:
 
 def test_sigkilled_flow_run_is_crashed_and_the_next_run_resumes(worker_stack, reference_run):
     store = SESSION_DIR / "stores" / "crash"
-    flow_run = {"id": worker_stack.submit(**params(store))}
+    flow_run = {"id": worker_stack.create(**params(store))}
     deadline = time.monotonic() + 300
     killed = None
     while killed is None and time.monotonic() < deadline:
@@ -254,8 +260,8 @@ def test_sigkilled_flow_run_is_crashed_and_the_next_run_resumes(worker_stack, re
     # running: every task called before it had committed. (Prefect reports COMPLETED before the commit, so a
     # task that completed in the kill's last moment may be recomputed: the API's end times cannot say which.)
     done_before = expected_task_names(2) - {"evaluate-step-2"}
-    rerun = worker_stack.run(**params(store))  # same command again; the crashed run released its slot
-    assert rerun["state"]["type"] == "COMPLETED", rerun["cli"]["output"]
+    rerun = run_created(worker_stack, **params(store))  # the same run again; the crashed run released its slot
+    assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     cached = {name for name, t in by_name(worker_stack.task_runs(rerun["id"])).items()
               if t["state"]["name"] == "Cached"}
     assert done_before <= cached

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from clirun import ROOT, cli_env, run_cli, start_rollout, train_in_process
-from flows.api_watch import EXIT_SERVER_LOST, ApiWatch, cli_rerun, deployment_run_command, watch
+from flows.api_watch import EXIT_SERVER_LOST, ApiWatch, cli_rerun, deployment_run_command, lost_after_s, watch
 from rollout_cli.processes import is_prefect_process, stop_process_group
 from rollout_lib.runlog.metrics_file import read_metrics
 from rollout_lib.store import ObjectStore
@@ -153,19 +153,43 @@ def test_no_api_url_watches_nothing_and_the_resume_commands():
     assert deployment_run_command("train-rm", "default", {}) == "prefect deployment run train-rm/default"
 
 
+def test_the_lost_after_seconds_are_a_setting_and_a_bad_one_is_refused_before_anything_starts(monkeypatch, capsys,
+                                                                                               tmp_path):
+    from rollout_cli.main import main
+
+    monkeypatch.delenv("ROLLOUT_SERVER_LOST_AFTER_S", raising=False)
+    assert lost_after_s() == 15.0
+    monkeypatch.setenv("ROLLOUT_SERVER_LOST_AFTER_S", "40")
+    assert lost_after_s() == 40.0
+    for bad in ("0", "-3", "soon", "nan"):
+        monkeypatch.setenv("ROLLOUT_SERVER_LOST_AFTER_S", bad)
+        code = main(["train", "rm", "--config", str(ROOT / "configs/rm-tiny.toml"), "--store", str(tmp_path / "s")])
+        assert code == 2
+        assert capsys.readouterr().err == (
+            f"rollout: error: ROLLOUT_SERVER_LOST_AFTER_S: must be a number of seconds > 0 (got {bad!r}); unset, a "
+            "run ends after 15 s without an answer from its Prefect server\n")
+        assert not (tmp_path / "s").exists()  # nothing started, nothing written
+
+
+LOST_AFTER_S = 3
+
+
 @pytest.mark.slow
 def test_killing_the_server_mid_run_stops_it_in_one_line_and_the_rerun_ends_on_the_uninterrupted_checkpoint(
         prefect_server, tmp_path):
-    """rm-tiny (40 one-step segments) on the CLI's project-local server, which is SIGKILLed at the first step line:
-    the run exits within 30 s of the kill (EXIT_SERVER_LOST, the line last on stderr, no traceback), and the same
-    command rerun (on a new server) resumes from cache and ends on the checkpoint an uninterrupted run in a fresh
-    store ends on (the flow in this process, on the session's server)."""
+    """rm-tiny (4 one-step segments) on the CLI's project-local server, which is SIGKILLed at the first step line:
+    the run exits once the server has been silent for ROLLOUT_SERVER_LOST_AFTER_S (3 s here, a user's setting;
+    the threshold itself is the tests above) and within 30 s of the kill (EXIT_SERVER_LOST, the line last on
+    stderr, no traceback), and the same command rerun (on a new server) resumes from cache and ends on the
+    checkpoint an uninterrupted run in a fresh store ends on (the flow in this process, on the session's server).
+    Steps cannot outrun the watch: without its server the run starts no next task (measured: none after step 1)."""
     state = tmp_path / "state"
-    env = {k: v for k, v in cli_env(ROLLOUT_STATE_DIR=str(state), ROLLOUT_HOME=str(state)).items()
+    env = {k: v for k, v in cli_env(ROLLOUT_STATE_DIR=str(state), ROLLOUT_HOME=str(state),
+                                    ROLLOUT_SERVER_LOST_AFTER_S=str(LOST_AFTER_S)).items()
            if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
 
     def args(store):
-        return ["train", "rm", "--config", "configs/rm-tiny.toml", "--max-steps", "40", "--store", str(store)]
+        return ["train", "rm", "--config", "configs/rm-tiny.toml", "--max-steps", "4", "--store", str(store)]
 
     def run(store) -> subprocess.CompletedProcess:
         return run_cli(args(store), env=env, timeout=300)
@@ -175,7 +199,7 @@ def test_killing_the_server_mid_run_stops_it_in_one_line_and_the_rerun_ends_on_t
         with err_path.open("w") as err, out_path.open("w") as out:
             process = start_rollout(args(tmp_path / "store"), ROOT, env, out, err)
             deadline = time.monotonic() + 120
-            while "step 1/40" not in err_path.read_text():
+            while "step 1/4" not in err_path.read_text():
                 assert process.poll() is None, err_path.read_text()[-3000:]
                 assert time.monotonic() < deadline, "no step line"
                 time.sleep(0.05)
@@ -188,6 +212,7 @@ def test_killing_the_server_mid_run_stops_it_in_one_line_and_the_rerun_ends_on_t
         stderr = err_path.read_text()
         assert process.returncode == EXIT_SERVER_LOST, stderr[-3000:]
         assert took < 30 + 3, f"{took:.1f} s from the kill to the exit"
+        assert LOST_AFTER_S <= took < 15, took  # the setting's threshold, not the default's 15 s
         assert out == "" and "Traceback" not in stderr
         command = "rollout " + " ".join(args(tmp_path / "store"))
         assert stderr.rstrip("\n").splitlines()[-1] == (

@@ -89,17 +89,20 @@ def test_dry_run_plans_the_three_stages(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(prefect_server, tmp_path_factory) -> dict:
+def rlhf_reference(prefect_server, tmp_path_factory) -> dict:
+    """The pipeline run every other one here is compared with. Its tests go with the worker stack's xdist group
+    (conftest.SHARED_SERVERS): the deployment test needs it too, and a module fixture is set up once per xdist
+    worker, so two groups would train it twice."""
     store = tmp_path_factory.mktemp("rlhf") / "store"
     return {"store": store, **rlhf(store)}
 
 
 @pytest.mark.slow
-def test_rl_starts_from_the_sft_checkpoint_and_is_rewarded_by_the_rm_checkpoint(uninterrupted):
-    store = ObjectStore(str(uninterrupted["store"]))
-    stages = uninterrupted["stages"]
+def test_rl_starts_from_the_sft_checkpoint_and_is_rewarded_by_the_rm_checkpoint(rlhf_reference):
+    store = ObjectStore(str(rlhf_reference["store"]))
+    stages = rlhf_reference["stages"]
     sft, rm, rl = stages["sft"], stages["rm"], stages["rl"]
-    assert uninterrupted["checkpoint"] == rl["checkpoint"]
+    assert rlhf_reference["checkpoint"] == rl["checkpoint"]
 
     # Each stage is a training of its own, named by its identity, whose ref points at its final checkpoint.
     for stage, result in stages.items():
@@ -108,7 +111,7 @@ def test_rl_starts_from_the_sft_checkpoint_and_is_rewarded_by_the_rm_checkpoint(
         assert result["run"].endswith(manifest["training_identity"][:8])
         assert store.get_ref(f"runs/{result['run']}/latest") == result["checkpoint"]
         assert set(task_run_states(result["flow_run_id"]).values()) == {"Completed"}
-    assert set(task_run_states(uninterrupted["flow_run_id"])) == {"train-sft-0", "train-rm-0", "train-rl-0"}
+    assert set(task_run_states(rlhf_reference["flow_run_id"])) == {"train-sft-0", "train-rm-0", "train-rl-0"}
 
     # The RM starts from the SFT checkpoint (rm.start_from = "sft"), a causal LM given a score head.
     assert read_manifest(store, sft["checkpoint"])["kind_of_model"] == "causal_lm"
@@ -121,21 +124,26 @@ def test_rl_starts_from_the_sft_checkpoint_and_is_rewarded_by_the_rm_checkpoint(
     assert rl_manifest["base_model"] == sft["checkpoint"] == rl["base_model"]
     assert rl["reward_models"] == {"algorithm.rl.envs[0].rewards[0].reward_model": rm["checkpoint"]}
     expected = validate_config(RlConfig, apply_overrides(read_toml(ROOT / "configs/rl-tiny.toml"), [
-        f"run.store={uninterrupted['store']}", f"algorithm.rl.base_model={sft['checkpoint']}",
+        f"run.store={rlhf_reference['store']}", f"algorithm.rl.base_model={sft['checkpoint']}",
         f'algorithm.rl.envs[0].rewards=[{{ reward_model = "{rm["checkpoint"]}" }}]']))
     assert rl_manifest["training_identity"] == training_identity(expected)
     table = metrics_table(rl["run"])
     assert table["reward_model/scored"] == [32] * RL_STEPS  # every rollout of every step scored by the RM
 
     # RL raises the RM's score (measured: -0.027 at step 1 -> 0.150 at step 20).
-    curve = uninterrupted["reward_curve"]
+    curve = rlhf_reference["reward_curve"]
     assert len(curve) == RL_STEPS and sum(curve[-3:]) / 3 > sum(curve[:3]) / 3 + 0.05, curve
 
 
+CHANGED_STEPS = 3
+
+
 @pytest.mark.slow
-def test_changing_an_rl_setting_reruns_only_the_rl_stage(uninterrupted):
-    changed = rlhf(uninterrupted["store"], "--set", 'rl.overrides=["algorithm.rl.optimizer.lr=5e-3"]')
-    before, after = uninterrupted["stages"], changed["stages"]
+def test_changing_an_rl_setting_reruns_only_the_rl_stage(rlhf_reference):
+    # Another learning rate, and 3 RL steps of it: every one of them trained, not one from the first RL's cache.
+    changed = rlhf(rlhf_reference["store"], "--set",
+                   f'rl.overrides=["algorithm.rl.optimizer.lr=5e-3", "algorithm.rl.budget.max_steps={CHANGED_STEPS}"]')
+    before, after = rlhf_reference["stages"], changed["stages"]
     for stage in ("sft", "rm"):
         assert (after[stage]["run"], after[stage]["checkpoint"]) == (before[stage]["run"], before[stage]["checkpoint"])
         states = task_run_states(after[stage]["flow_run_id"])
@@ -143,17 +151,18 @@ def test_changing_an_rl_setting_reruns_only_the_rl_stage(uninterrupted):
     # Another RL training: another identity, so another run name (the first one's ref is left as it was).
     assert after["rl"]["run"] != before["rl"]["run"] and after["rl"]["checkpoint"] != before["rl"]["checkpoint"]
     assert after["rl"]["base_model"] == before["sft"]["checkpoint"]
-    store = ObjectStore(str(uninterrupted["store"]))
+    store = ObjectStore(str(rlhf_reference["store"]))
     assert store.get_ref(f"runs/{before['rl']['run']}/latest") == before["rl"]["checkpoint"]
     states = task_run_states(after["rl"]["flow_run_id"])
-    trained = ["init-policy", *[f"{stage}-step-{k}" for stage in RL_STAGES for k in range(1, RL_STEPS + 1)]]
+    trained = ["init-policy", *[f"{stage}-step-{k}" for stage in RL_STAGES for k in range(1, CHANGED_STEPS + 1)]]
     assert {states[name] for name in trained} == {"Completed"}
+    assert len(changed["reward_curve"]) == CHANGED_STEPS
     assert states["load-prompts-words"] == "Cached"  # the prompts table does not depend on the learning rate
 
 
 @pytest.mark.slow
-def test_a_pipeline_killed_mid_rm_then_mid_rl_reruns_to_the_uninterrupted_checkpoint(uninterrupted, tmp_path):
-    stages = uninterrupted["stages"]
+def test_a_pipeline_killed_mid_rm_then_mid_rl_reruns_to_the_uninterrupted_checkpoint(rlhf_reference, tmp_path):
+    stages = rlhf_reference["stages"]
     args = [*CONFIG, "--set", f"run.store={tmp_path / 'store'}"]
     # SIGKILL once the RM has trained (and snapshotted) its first step, then once RL has trained step 8
     # (snapshot at 5).
@@ -165,8 +174,8 @@ def test_a_pipeline_killed_mid_rm_then_mid_rl_reruns_to_the_uninterrupted_checkp
     rerun = run_rollout(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resumed = final_result(rerun)
-    assert resumed["checkpoint"] == uninterrupted["checkpoint"]  # byte-identical final checkpoint
-    assert resumed["reward_curve"] == uninterrupted["reward_curve"]
+    assert resumed["checkpoint"] == rlhf_reference["checkpoint"]  # byte-identical final checkpoint
+    assert resumed["reward_curve"] == rlhf_reference["reward_curve"]
     for stage in ("sft", "rm", "rl"):
         assert (resumed["stages"][stage]["run"], resumed["stages"][stage]["checkpoint"]) == \
             (stages[stage]["run"], stages[stage]["checkpoint"])
@@ -179,13 +188,13 @@ def test_a_pipeline_killed_mid_rm_then_mid_rl_reruns_to_the_uninterrupted_checkp
 
 
 @pytest.mark.slow
-def test_rlhf_default_deployment_runs_the_pipeline_through_the_worker(worker_stack, uninterrupted, tmp_path):
+def test_rlhf_default_deployment_runs_the_pipeline_through_the_worker(worker_stack, rlhf_reference, tmp_path):
     flow_run = worker_stack.run("rlhf/default", timeout=600, overrides=[f"run.store={tmp_path / 'store'}"])
     assert flow_run["state"]["type"] == "COMPLETED", flow_run["cli"]["output"][-3000:]
     subflows = worker_stack.api("POST", "/flow_runs/filter", {"flow_runs": {"parent_task_run_id": {"any_": [
         task_run["id"] for task_run in worker_stack.task_runs(flow_run["id"])]}}})
     assert sorted((run["name"], run["state"]["type"]) for run in subflows) == sorted(
-        (uninterrupted["stages"][stage]["run"], "COMPLETED") for stage in ("sft", "rm", "rl"))
+        (rlhf_reference["stages"][stage]["run"], "COMPLETED") for stage in ("sft", "rm", "rl"))
     # The same pipeline in another store, through a worker: the same final checkpoint.
-    final = uninterrupted["stages"]["rl"]
+    final = rlhf_reference["stages"]["rl"]
     assert ObjectStore(str(tmp_path / "store")).get_ref(f"runs/{final['run']}/latest") == final["checkpoint"]

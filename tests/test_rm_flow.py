@@ -12,7 +12,7 @@ from rollout_lib.store import ObjectStore
 
 pytestmark = pytest.mark.slow
 
-RESUME_STEPS = ["--set", "algorithm.rm.budget.max_steps=24", "--set", "algorithm.rm.checkpoint_interval=8"]
+RESUME_STEPS = ["--set", "algorithm.rm.budget.max_steps=12", "--set", "algorithm.rm.checkpoint_interval=4"]
 
 
 def store_files(root: Path) -> dict[str, bytes]:
@@ -55,9 +55,9 @@ def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_serve
     store = tmp_path / "interrupted"
     args = ["train", "rm", "--config", "configs/rm-tiny.toml", *RESUME_STEPS, "--set", f"run.store={store}"]
     log_path = tmp_path / "killed.log"
-    # Kill inside the second segment (steps 9-16), after its step 12 (ROLLOUT_LOG_LEVEL=DEBUG logs every step).
-    killed_log = run_until_then_kill(args, "step 12: ", log_path, env=cli_env(ROLLOUT_LOG_LEVEL="DEBUG"))
-    assert "train-steps-1-8' - Finished" in killed_log and "train-steps-9-16' - Finished" not in killed_log
+    # Kill inside the second segment (steps 5-8), after its step 6 (ROLLOUT_LOG_LEVEL=DEBUG logs every step).
+    killed_log = run_until_then_kill(args, "step 6: ", log_path, env=cli_env(ROLLOUT_LOG_LEVEL="DEBUG"))
+    assert "train-steps-1-4' - Finished" in killed_log and "train-steps-5-8' - Finished" not in killed_log
 
     rerun = run_rollout(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -65,10 +65,10 @@ def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_serve
     assert result["checkpoint"] == expected  # byte-identical final checkpoint
 
     states = task_run_states(result["flow_run_id"])
-    for name in ["load-pairs-train", "tokenize-pairs-train", "init-model", "train-steps-1-8"]:
+    for name in ["load-pairs-train", "tokenize-pairs-train", "init-model", "train-steps-1-4"]:
         assert states[name] == "Cached", (name, states[name])
     # Only the interrupted segment and the ones after it ran again, the interrupted one from its checkpoint.
-    assert states["train-steps-9-16"] == "Completed" and states["train-steps-17-24"] == "Completed"
+    assert states["train-steps-5-8"] == "Completed" and states["train-steps-9-12"] == "Completed"
 
 
 def test_bad_inputs_fail_with_one_line_naming_the_place(prefect_server, tmp_path):

@@ -100,18 +100,18 @@ def test_train_sft_tiny_packed_with_eval_then_export_and_generate(prefect_server
 
 
 def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_server, tmp_path, chat_data):
-    steps = ["--set", f"algorithm.sft.dataset.path={chat_data}", "--set", "algorithm.sft.budget.max_steps=24",
-             "--set", "algorithm.sft.checkpoint_interval=8", "--set", "algorithm.sft.optimizer.kind=adamw",
+    steps = ["--set", f"algorithm.sft.dataset.path={chat_data}", "--set", "algorithm.sft.budget.max_steps=12",
+             "--set", "algorithm.sft.checkpoint_interval=4", "--set", "algorithm.sft.optimizer.kind=adamw",
              "--set", "algorithm.sft.optimizer.lr=1e-2"]
     expected = train_in_process("train", "sft", "--config", "configs/sft-tiny.toml", *steps,
                                 "--set", f"run.store={tmp_path / 'uninterrupted'}")["checkpoint"]
 
     store = tmp_path / "interrupted"
     args = ["train", "sft", "--config", "configs/sft-tiny.toml", *steps, "--set", f"run.store={store}"]
-    # Kill inside the last segment (steps 17-24), after its step 19 (ROLLOUT_LOG_LEVEL=DEBUG logs every step).
-    killed_log = run_until_then_kill(args, "step 19: ", tmp_path / "killed.log",
+    # Kill inside the last segment (steps 9-12), after its step 10 (ROLLOUT_LOG_LEVEL=DEBUG logs every step).
+    killed_log = run_until_then_kill(args, "step 10: ", tmp_path / "killed.log",
                                      env=cli_env(ROLLOUT_LOG_LEVEL="DEBUG"))
-    assert "train-steps-9-16' - Finished" in killed_log and "train-steps-17-24' - Finished" not in killed_log
+    assert "train-steps-5-8' - Finished" in killed_log and "train-steps-9-12' - Finished" not in killed_log
     assert ObjectStore(str(store)).get_ref("runs/sft-tiny/latest") is None
 
     rerun = run_rollout(*args)
@@ -121,6 +121,6 @@ def test_sigkill_mid_training_then_rerun_matches_uninterrupted_run(prefect_serve
 
     states = task_run_states(result["flow_run_id"])
     for name in ["load-examples-train", "tokenize-examples-train", "plan-batches", "pack-micro-batches",
-                 "init-model", "train-steps-1-8", "train-steps-9-16"]:
+                 "init-model", "train-steps-1-4", "train-steps-5-8"]:
         assert states[name] == "Cached", (name, states)
-    assert states["train-steps-17-24"] == "Completed"  # only the interrupted segment ran again
+    assert states["train-steps-9-12"] == "Completed"  # only the interrupted segment ran again

@@ -34,7 +34,7 @@ from rollout_lib.sampling.hf import HfSampler
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.resident import ResidentTrainer
 
-from clirun import ROOT, final_result, run_rollout, task_run_states
+from clirun import ROOT, task_run_states, train_in_process
 
 TINY = str(ROOT / "configs/rl-tiny.toml")
 # Batches of 8 sequences: the embedded sampler's completions come back a batch at a time, so they stream.
@@ -279,8 +279,9 @@ def test_streamed_and_staged_runs_end_on_the_same_checkpoint(prefect_server, tmp
 
 @pytest.mark.slow
 def test_a_streamed_run_killed_inside_a_sample_and_score_stage_reruns_to_its_checkpoint(prefect_server, tmp_path):
-    """3 steps whose reward takes 0.1 s a call; SIGKILLed once step 2's rewards are 8 in (its stage half done), the
-    rerun takes step 1 from cache, samples and scores step 2 again and ends on the uninterrupted run's checkpoint."""
+    """2 steps whose reward takes 0.1 s a call; SIGKILLed once step 2's rewards are 8 in (its stage a quarter done),
+    the rerun takes step 1 from cache, samples and scores step 2 again and ends on the uninterrupted run's
+    checkpoint (the CLI is the killed run's; the uninterrupted run and the rerun are the flow in this process)."""
     import signal
 
     from clirun import cli_env, start_rollout
@@ -289,11 +290,9 @@ def test_a_streamed_run_killed_inside_a_sample_and_score_stage_reruns_to_its_che
                      'kwargs = { sleep_s = 0.1, target = 12 } }]']
     calls = tmp_path / "reward-calls"
     env = cli_env(PYTHONPATH="tests", STREAMED_REWARD_CALLS=str(calls))
-    args = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=3", *slow]
+    args = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=2", *slow]
 
-    whole = run_rollout(*args, "--set", f"run.store={tmp_path / 'whole'}", PYTHONPATH="tests")
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    expected = final_result(whole)
+    expected = train_in_process(*args, "--set", f"run.store={tmp_path / 'whole'}")
 
     interrupted = [*args, "--set", f"run.store={tmp_path / 'interrupted'}"]
     log_path = tmp_path / "killed.log"
@@ -308,9 +307,7 @@ def test_a_streamed_run_killed_inside_a_sample_and_score_stage_reruns_to_its_che
         process.wait()
     assert "step 1: reward" in log_path.read_text()  # step 1 was done; step 2's stage was not (below: it reruns)
 
-    rerun = run_rollout(*interrupted, PYTHONPATH="tests")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    resumed = final_result(rerun)
+    resumed = train_in_process(*interrupted)  # the rerun, in this process as the reference run: a CLI start saved
     assert resumed["checkpoint"] == expected["checkpoint"] and resumed["reward_curve"] == expected["reward_curve"]
     states = task_run_states(resumed["flow_run_id"])
     assert states["sample-and-score-step-1"] == states["score-merge-step-1"] == states["train-step-1"] == "Cached"

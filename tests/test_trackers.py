@@ -324,22 +324,22 @@ def test_a_rerun_after_sigkill_continues_each_tracker_run_without_duplicates_or_
 
     store = ObjectStore(str(tmp_path / "store"))
     args = ["train", "rm", "--config", "configs/rm-tiny.toml", "--store", store.root, "--name", "killed-tiny",
-            "--max-steps", "24", "--set", "algorithm.rm.checkpoint_interval=8",
+            "--max-steps", "12", "--set", "algorithm.rm.checkpoint_interval=4",
             *tracker_overrides(mlflow_server, trackio_dir, "killed-trackers")]
-    # SIGKILLed inside the second segment (steps 9-16), after its step 12: whatever each tracker had sent by then
+    # SIGKILLed inside the second segment (steps 5-8), after its step 6: whatever each tracker had sent by then
     # stays, the steps queued on its thread are lost with the process.
     # Without WANDB_SERVICE: wandb puts it in the environment of a process that started W&B (this one, in an earlier
     # test), and a child with it joins that process's wandb-core, which would hold the killed run's id as in use
     # (a user's kill and rerun are two processes, each with a service of its own).
     env = {key: value for key, value in cli_env(ROLLOUT_LOG_LEVEL="DEBUG").items() if key != "WANDB_SERVICE"}
-    run_until_then_kill(args, "step 12: ", tmp_path / "killed.log", env=env)
-    rerun = train_in_process(*args)  # resumes: steps 1-8 from cache, 9-24 trained
+    run_until_then_kill(args, "step 6: ", tmp_path / "killed.log", env=env)
+    rerun = train_in_process(*args)  # resumes: steps 1-4 from cache, 5-12 trained
     losses = {record["step"]: record["loss"] for record in read_metrics(store, "killed-tiny")}
-    assert sorted(losses) == list(range(1, 25))
+    assert sorted(losses) == list(range(1, 13))
 
     mlflow = mlflow_read(mlflow_server, "killed-trackers", run_key(store, "killed-tiny"))
     assert mlflow["runs"] == 1 and mlflow["tags"]["rollout.final_checkpoint"] == rerun["checkpoint"]
-    assert [step for step, _ in mlflow["history"]["loss"]] == list(range(1, 25))
-    assert [value for _, value in mlflow["history"]["loss"]] == pytest.approx([losses[s] for s in range(1, 25)])
-    assert steps_of(wandb_history(store, "killed-tiny"), "loss", "_step") == list(range(1, 25))
-    assert steps_of(trackio_logs(trackio_dir, "killed-trackers", "killed-tiny"), "loss") == list(range(1, 25))
+    assert [step for step, _ in mlflow["history"]["loss"]] == list(range(1, 13))
+    assert [value for _, value in mlflow["history"]["loss"]] == pytest.approx([losses[s] for s in range(1, 13)])
+    assert steps_of(wandb_history(store, "killed-tiny"), "loss", "_step") == list(range(1, 13))
+    assert steps_of(trackio_logs(trackio_dir, "killed-trackers", "killed-tiny"), "loss") == list(range(1, 13))
