@@ -38,9 +38,14 @@ class TrackioBackend:
                 log.warning("trackio: already imported with TRACKIO_DIR=%s; run.trackio.dir=%s takes effect in a "
                             "new process", os.environ.get("TRACKIO_DIR"), self.settings.dir)
             os.environ["TRACKIO_DIR"] = self.settings.dir
+        import matplotlib.figure  # noqa: F401  see below
         import trackio
         from trackio import SQLiteStorage
 
+        # trackio.log tests every value against sys.modules["matplotlib.figure"].Figure without importing it; while
+        # the run's own curves (runlog/plot.py) import matplotlib on the training thread, that module is in
+        # sys.modules half initialised and trackio drops the step's metrics ("skipped metric ... partially
+        # initialized module"). Importing it here first (an import waits for one in progress) makes it whole.
         held = SQLiteStorage.get_max_step_for_run(self.settings.project, self.run_name)
         self.run = trackio.init(project=self.settings.project, name=self.run_name, resume="allow", embed=False,
                                 config=settings, auto_log_cpu=False, auto_log_gpu=False)
