@@ -135,7 +135,7 @@ def test_the_trainers_logprobs_on_demand_at_a_replayed_state_match_the_samplers(
     from rollout_lib.checkpoint import read_manifest
     from rollout_lib.rl.behaviour import ForwardInputs, chunk_logprobs
     from rollout_lib.rl.policy_state import policy_inputs
-    from rollout_lib.rl.trainer_logprobs import _recorded_config, trainer_logprobs
+    from rollout_lib.rl.trainer_logprobs import recorded_config, trainer_logprobs
     from rollout_lib.runlog.metrics_file import run_dir
     from rollout_lib.trainer.causal import CausalLmTrainer
 
@@ -155,7 +155,7 @@ def test_the_trainers_logprobs_on_demand_at_a_replayed_state_match_the_samplers(
     initial_checkpoint = sampled_run.get_json(record["sampled_from_state"])["parent"]  # the state after step 0
     assert read_manifest(sampled_run, initial_checkpoint)["step"] == 0
     initial = CausalLmTrainer.from_checkpoint(
-        policy_inputs(sampled_run, _recorded_config(sampled_run, RUN), record["prompts"]), initial_checkpoint)
+        policy_inputs(sampled_run, recorded_config(sampled_run, RUN), record["prompts"]), initial_checkpoint)
     first = samples[:8]
     stale = chunk_logprobs(initial.model.eval(), [ForwardInputs.of(s["input_ids"], s["loss_mask"], s["temperatures"])
                                                  for s in first])

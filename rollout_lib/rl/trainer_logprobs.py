@@ -35,7 +35,7 @@ def trainer_logprobs(store: ObjectStore, run_name: str, step: int) -> dict[str, 
     record = read_step_tables(store, run_name, step)
     if record is None or not record.get("samples"):
         raise StoreError(f"run {run_name!r} in {store.root} has no training samples of step {step}")
-    config = _recorded_config(store, run_name)
+    config = recorded_config(store, run_name)
     rollouts = store.get_table(record["scored"], wire.ROLLOUTS)
     samples = store.get_table(record["samples"], wire.TRAINING_SAMPLES)
     inputs = policy_inputs(store, config, record["prompts"])
@@ -43,30 +43,29 @@ def trainer_logprobs(store: ObjectStore, run_name: str, step: int) -> dict[str, 
     by_sample = {row["sample_id"]: row for row in streams}
 
     values: dict[str, list[float | None]] = {}
-    sources = rollouts.column("sampled_from").to_pylist()
-    for state_id in dict.fromkeys(sources):  # each sampling state once, in table order
-        rows = [rollout for rollout, source in zip(rollouts.to_pylist(), sources) if source == state_id]
+    table = rollouts.to_pylist()
+    for state_id in dict.fromkeys(rollout["sampled_from"] for rollout in table):  # each sampling state once
+        rows = [rollout for rollout in table if rollout["sampled_from"] == state_id]
+        values.update({rollout["sample_id"]: [None] * len(rollout["completion_ids"]) for rollout in rows})
         if state_id is None or state_id.startswith(FROZEN_PREFIXES):
-            values.update({rollout["sample_id"]: [None] * len(rollout["completion_ids"]) for rollout in rows})
             continue
         _check_identity(store, run_name, step, state_id, inputs.identity)
         trainer = rebuild_policy(inputs, state_id)
         model = trainer.model.eval()
         pad = trainer.tokenizer.pad_token_id or 0
-        for start in range(0, len(rows), CHUNK_ROWS):
-            chunk = rows[start:start + CHUNK_ROWS]
-            found = [by_sample.get(rollout["sample_id"]) for rollout in chunk]
-            computed = [sample for sample in found if sample is not None]
-            forwards = iter(chunk_logprobs(model, [ForwardInputs.of(sample["input_ids"], sample["loss_mask"],
-                                                                    sample["temperatures"]) for sample in computed],
-                                           pad) if computed else [])
-            for rollout, sample in zip(chunk, found):
-                per_token = next(forwards) if sample is not None else None
+        trained = [(rollout, by_sample[rollout["sample_id"]]) for rollout in rows
+                   if rollout["sample_id"] in by_sample]
+        for start in range(0, len(trained), CHUNK_ROWS):
+            chunk = trained[start:start + CHUNK_ROWS]
+            forwards = chunk_logprobs(model, [ForwardInputs.of(sample["input_ids"], sample["loss_mask"],
+                                                               sample["temperatures"]) for _, sample in chunk], pad)
+            for (rollout, sample), per_token in zip(chunk, forwards):
                 values[rollout["sample_id"]] = _completion_values(rollout, sample, per_token)
     return values
 
 
-def _recorded_config(store: ObjectStore, run_name: str) -> RlConfig:
+def recorded_config(store: ObjectStore, run_name: str) -> RlConfig:
+    """The RL settings the run recorded as it started, reading from `store`; a StoreError naming what to do."""
     recorded = read_run_settings(store, run_name)
     if recorded is None:
         raise StoreError(f"run {run_name!r} in {store.root} has no recorded settings (it ran before rollout kept "
@@ -89,12 +88,10 @@ def _check_identity(store: ObjectStore, run_name: str, step: int, state_id: str,
                          "run's command with this rollout to record settings that rebuild it")
 
 
-def _completion_values(rollout: dict, sample: dict | None, per_token: list[float] | None) -> list[float | None]:
+def _completion_values(rollout: dict, sample: dict, per_token: list[float]) -> list[float | None]:
     """The completion tokens' values out of the sample's streams (prompt first): the forward's value where the
     sample's loss mask read the token, else None."""
     length = len(rollout["completion_ids"])
-    if sample is None or per_token is None:
-        return [None] * length
     offset = len(rollout["prompt_ids"])
     out: list[float | None] = []
     for position in range(offset, offset + length):
