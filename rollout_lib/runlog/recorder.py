@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -51,6 +52,9 @@ class RunRecorder:
         self.trackers = list(trackers)
         self.tracker_samples = tracker_samples
         self._finished = False  # `finish` said how the run ended; an error leaving the block says otherwise
+        # The training loop's own time spent handing steps to the trackers (bench/bench_trackers.py reads it from
+        # the closing debug line): with the tracker threads' CPU, what the trackers cost the loop at most.
+        self.tracking_seconds, self.tracked_steps = 0.0, 0
         if tensorboard:
             require_tensorboard()  # asked for and missing: the run fails now, before it trains
         self.metrics = self._open_metrics(store, run_name, total_steps)
@@ -88,6 +92,7 @@ class RunRecorder:
     def _track(self, step: int, metrics: dict) -> None:
         if not self.trackers:
             return
+        began = time.perf_counter()
         from rollout_lib.runlog.trackers.sample_table import step_sample_table
 
         for tracker in self.trackers:
@@ -95,6 +100,8 @@ class RunRecorder:
             if self.tracker_samples:  # a look for a step's tables costs ~0.4 ms: only for runs that store them
                 tracker.samples(step, lambda: step_sample_table(self.store, self.run_name, step,
                                                                 self.tracker_samples))
+        self.tracking_seconds += time.perf_counter() - began
+        self.tracked_steps += 1
 
     @_never_fails
     def backfill(self, history: Iterable[dict]) -> None:
@@ -138,6 +145,9 @@ class RunRecorder:
             self.tensorboard.close()
         for tracker in self.trackers:
             tracker.close()
+        if self.trackers:
+            log.debug("run %r: %.6f s on the training loop handing %d steps to the trackers", self.run_name,
+                      self.tracking_seconds, self.tracked_steps)
 
 
 class _Once:
