@@ -2,10 +2,11 @@
 
 Why: every CLI process imports torch, transformers' modeling code and Prefect (5.5 CPU-s on a 2-core machine) before
 it does anything, and the suite starts over a hundred of them (docs/hardware.md, "Where the suite's CPU goes"). This
-process imports torch and transformers once, then forks a child per CLI run: the child is a real process of its
-own (its pid, its argv, its working directory, its environment, its stdin/stdout/stderr; it can be SIGKILLed, its
-children are orphaned as a CLI's are), and runs `python -m rollout_cli ARGS` from there, Prefect and rollout
-imported fresh. What differs from a user's start is only that the interpreter and those two imports are shared;
+process imports torch and transformers once (and the third-party libraries Prefect's client imports), then forks
+a child per CLI run: the child is a real process of its own (its pid, its argv, its working directory, its
+environment, its stdin/stdout/stderr; it can be SIGKILLed, its children are orphaned as a CLI's are), and runs
+`python -m rollout_cli ARGS` from there, Prefect and rollout imported fresh. What differs from a user's start is
+only that the interpreter and those imports are shared;
 `ROLLOUT_TEST_ZYGOTE=0` runs every CLI process as a plain interpreter instead.
 
 Limits, kept honest: children share the hash seed of this process (a user's each draw their own), and a run whose
@@ -28,10 +29,18 @@ import socket
 import sys
 
 PRELOADED = ("torch", "transformers.modeling_utils")
+# The third-party libraries Prefect's client and rollout's CLI import after those (0.6-0.9 CPU-s a run here), none
+# of which reads the environment at import but fsspec (its FSSPEC_* config: in IMPORT_TIME_ENV). Prefect itself is
+# not preloaded: it builds its settings from the environment at import, and the CLI sets PREFECT_API_URL and
+# PREFECT_HOME before it first imports Prefect.
+PRELOADED_DEPENDENCIES = ("httpx", "httpcore", "griffe", "pydantic", "pydantic_settings", "pydantic_extra_types",
+                          "jsonschema", "referencing", "rich.console", "rich.traceback", "websockets", "fsspec",
+                          "coolname", "pathspec", "prometheus_client", "pendulum", "psutil", "click", "uvicorn",
+                          "starlette", "cloudpickle", "orjson", "toml", "blake3", "humanize", "slugify", "anyio")
 # Read by the preloaded libraries (or the interpreter) when they are imported: a request that sets any of these
 # otherwise than this process was started with runs as a plain interpreter.
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH_", "ATEN_", "OMP_", "MKL_", "ONEDNN_",
-                   "DNNL_", "KMP_", "TOKENIZERS_", "CUDA_", "PYTHON", "LD_")
+                   "DNNL_", "KMP_", "TOKENIZERS_", "CUDA_", "PYTHON", "LD_", "FSSPEC_")
 # What `rollout_cli.main` sets before anything imports transformers (its tqdm bars, verbosity and offline mode are
 # read at import): the same defaults, here, before the preload.
 CLI_IMPORT_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
@@ -117,7 +126,7 @@ def serve(socket_path: str) -> None:
     for key, value in CLI_IMPORT_DEFAULTS.items():
         os.environ.setdefault(key, value)
     base_sys_path = _base_sys_path()
-    for module in PRELOADED:
+    for module in (*PRELOADED, *PRELOADED_DEPENDENCIES):
         __import__(module)
     import threading
 
