@@ -150,6 +150,10 @@ ROLLOUTS = pa.schema(
         # policy), and the step whose draw the prompt came from. `sampled_from` then names the newest state.
         pa.field("token_policy_versions", pa.list_(pa.int32()), nullable=True),
         pa.field("drawn_at_step", pa.int32(), nullable=True),
+        # Partial rollouts on an engine (whose logprob bits vary with batch composition): one per completion token,
+        # the trainer's logprob of it under the version that drew it, computed by the stage that drew it (bit-stable);
+        # the behaviour logprob the training samples take instead of `sampling_logprobs`. Null elsewhere.
+        pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=True),
     ]
 )
 

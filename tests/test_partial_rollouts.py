@@ -31,6 +31,9 @@ def test_partial_rollouts_settings_refuse_what_is_not_built_and_enter_the_identi
     assert describe_plan(on)["partial_rollouts"]["max_staleness"] == 2  # the dry run says what runs
     off = rl_tiny(tmp_path, k1)
     assert "partial_rollouts" not in describe_plan(off)
+    engine = rl_tiny(tmp_path, k1, "algorithm.rl.partial_rollouts={ token_budget = 8 }",
+                     'algorithm.rl.policy_sampler={ type = "vllm" }')
+    assert engine.settings.behaviour_logprobs_source == "sampler"  # the stage's own recompute, rl/partial.py
     assert "partial_rollouts" not in off.settings.model_dump(mode="json")  # identities of runs without it stay
     assert training_identity(on) != training_identity(off)
     assert training_identity(rl_tiny(tmp_path, k1, "algorithm.rl.partial_rollouts={ token_budget = 4 }")) \
@@ -39,8 +42,6 @@ def test_partial_rollouts_settings_refuse_what_is_not_built_and_enter_the_identi
         "max_off_policy_steps >= 1": ["algorithm.rl.partial_rollouts={ token_budget = 8 }"],
         "below what max_off_policy_steps = 2 needs": [
             "algorithm.rl.max_off_policy_steps=2", "algorithm.rl.partial_rollouts={ token_budget = 8, max_staleness = 1 }"],
-        "not built for partial rollouts": [
-            k1, "algorithm.rl.partial_rollouts={ token_budget = 8 }", 'algorithm.rl.policy_sampler={ type = "vllm" }'],
         "recomputes them under one state": [
             k1, "algorithm.rl.partial_rollouts={ token_budget = 8 }", 'algorithm.rl.behaviour_logprobs="trainer"'],
         "token_budget": [k1, "algorithm.rl.partial_rollouts={ token_budget = 0 }"],
@@ -110,3 +111,39 @@ def test_partial_rollouts_carry_tokens_across_versions_train_every_prompt_once_a
     assert resumed["checkpoint"] == expected["checkpoint"]
     again = _trained_rollouts(ObjectStore(str(tmp_path / "interrupted")), "rl-tiny", 4)
     assert again == trained
+
+
+ENGINE_PARTIAL = [*PARTIAL, "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 8 }']
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_the_engine_resubmit_token_in_and_a_kill_mid_sampling_reruns_to_the_same_checkpoint(
+        prefect_server, tmp_path):
+    """The policy on the engine, 8 requests in flight (its logprob bits vary with batch composition): carried
+    requests are resubmitted token-in to the reloaded server; each stage scores its new tokens with the trainer's
+    forward under the version it holds (`behaviour_logprobs`), so SIGKILLed while step 4 samples (requests carried
+    from step 3 in flight), the rerun ends on the uninterrupted run's checkpoint."""
+    from clirun import final_result, run_rollout, run_until_then_kill, train_in_process
+
+    from rollout_lib.serving import engine
+    from test_off_policy import _state_after
+
+    expected = train_in_process(*ENGINE_PARTIAL, "--store", str(tmp_path / "uninterrupted"), "--name", "partial")
+    store = ObjectStore(str(tmp_path / "uninterrupted"))
+    trained = _trained_rollouts(store, "partial", 4)
+    rows = [row for step_rows in trained.values() for row in step_rows]
+    assert all(len(row["behaviour_logprobs"]) == len(row["completion_ids"]) for row in rows)
+    assert any(len(set(row["token_policy_versions"])) == 2 for row in trained[3])
+    # The trainer's logprobs are the engine's within float32 engine noise: the stage scored the tokens it drew.
+    assert max(abs(a - b) for row in rows for a, b in zip(row["sampling_logprobs"], row["behaviour_logprobs"])) < 1e-3
+    ledger = Counter((row["example_id"], row["drawn_at_step"]) for row in rows)
+    assert len(ledger) == 16 and set(ledger.values()) == {8}
+
+    state = _state_after(store, 2)
+    args = [*ENGINE_PARTIAL, "--store", str(tmp_path / "interrupted")]
+    killed = run_until_then_kill(args, f"with state {state}", tmp_path / "killed.log")
+    assert "train-step-2' - Finished" in killed
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
+    assert not [d for d in engine.running_deployments() if d.live_policy]

@@ -403,9 +403,6 @@ class RlSettings(StrictModel):
             raise ValueError(f"partial_rollouts.max_staleness = {partial.max_staleness} is below what "
                              f"max_off_policy_steps = {k} needs (every token is {k} versions old when trained): "
                              f"set it to {k} or more")
-        if self.policy_sampler.type != "hf":
-            raise ValueError(f"partial_rollouts: the policy sampler {self.policy_sampler.type!r} is not built for "
-                             'partial rollouts yet (only the embedded one, policy_sampler = { type = "hf" })')
         if self.behaviour_logprobs not in ("auto", "sampler"):
             raise ValueError(f"partial_rollouts: behaviour_logprobs = {self.behaviour_logprobs!r} recomputes them "
                              "under one state, and a partial sample's tokens come from several: use \"sampler\" "

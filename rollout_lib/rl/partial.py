@@ -10,7 +10,9 @@ v = n-1-k, rl/schedule.py) continues every request in flight for at most B new t
 - a request that ends within B tokens (a stop token, or max_tokens) is finished; one that does not is carried and
   resubmitted next stage token-in (its prompt plus its tokens so far), so its later tokens are drawn by the newer
   version. Each token records the version that drew it (`token_policy_versions`) and its logprob under that version
-  (`sampling_logprobs`: the behaviour logprob, behaviour_logprobs = "sampler");
+  (`sampling_logprobs`: the behaviour logprob, behaviour_logprobs = "sampler"; on an engine, whose logprob bits
+  vary with batch composition, the stage also computes the trainer's logprob of each new token under the version
+  it holds, `behaviour_logprobs`, which the training samples take instead: bit-stable);
 - a group trains at the step whose stage finishes its last sample: the step's rollouts are the groups complete
   after this stage, oldest draw first;
 - the staleness bound S (`max_staleness`, default k + 1): a token drawn by version v trains at step m from state
@@ -21,8 +23,9 @@ v = n-1-k, rl/schedule.py) continues every request in flight for at most B new t
   exactly once.
 
 Everything is a function of content: the in-flight table, the draw (seeded by step), the seeds (run seed, step, env,
-which call), and the order of requests (in-flight order, then the draw's). The embedded sampler on CPU then gives
-the same tokens and logprobs bit for bit on a rerun.
+which call; an engine's per request, by its index in the call), and the order of requests (in-flight order, then
+the draw's). The embedded sampler on CPU then gives the same tokens and logprobs bit for bit on a rerun; an engine
+the same tokens, and the trainer's logprobs the same bits.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import pyarrow.compute as pc
 from rollout_lib import wire
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.determinism import derived_seed
+from rollout_lib.rl.behaviour import CHUNK_ROWS, ForwardInputs, chunk_logprobs
 from rollout_lib.rl.prompts import select_prompts
 from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.sampling.base import SamplingParams, encode_prompt, prompt_messages, sample_id, stop_token_ids
@@ -123,7 +127,8 @@ def _draw(config: RlConfig, tokenizer, prompts: pa.Table, env_index: int, stage:
                 "env": row["env"], "group_index": group_index, "prompt_ids": prompt_ids, "completion_ids": [],
                 "sampling_logprobs": [], "completion_text": "", "answer": row["answer"], "info": row["info"],
                 "reward": None, "reward_error": None, "completion_turns": None, "episode": None,
-                "sampled_from": None, "token_policy_versions": [], "drawn_at_step": stage.step, "finished": False})
+                "sampled_from": None, "token_policy_versions": [], "drawn_at_step": stage.step,
+                "behaviour_logprobs": None, "finished": False})
     return fresh
 
 
@@ -156,15 +161,38 @@ def _advance(sampler, rows: list[dict], indices: list[int], params: SamplingPara
     call = params.model_copy(update={"max_tokens": longest if budget is None else min(budget, longest)})
     stops = set(stop_token_ids(sampler.tokenizer, getattr(sampler.model, "generation_config", None)))
     sequences = [rows[i]["prompt_ids"] + rows[i]["completion_ids"] for i in indices]
+    drawn = []
     for i, (ids, logprobs) in zip(indices, sampler.generate(sequences, call, seed)):
         # A row with fewer tokens left than the call's max keeps only those: the tokens before are the same as a
         # call of that max would have drawn (sampling is token by token), so the cut is a function of content.
         ids, logprobs = ids[:remaining[i]], logprobs[:remaining[i]]
         row = rows[i]
+        drawn.append(len(ids))
         row["completion_ids"] = row["completion_ids"] + list(ids)
         row["sampling_logprobs"] = row["sampling_logprobs"] + list(logprobs)
         row["token_policy_versions"] = row["token_policy_versions"] + [stage.version] * len(ids)
         row["finished"] = bool(ids and ids[-1] in stops) or len(row["completion_ids"]) >= params.max_tokens
+    if not sampler.bit_stable_logprobs:
+        _behaviour_logprobs(sampler, rows, indices, drawn, params)
+
+
+def _behaviour_logprobs(sampler, rows: list[dict], indices: list[int], drawn: list[int],
+                        params: SamplingParams) -> None:
+    """On an engine, whose logprob bits vary with batch composition: each row's `drawn` new tokens scored by the
+    trainer's forward under this version's weights (`sampler.model`, the state the engine was loaded with), in fixed
+    chunks in row order (rl/behaviour.py), appended to its `behaviour_logprobs`: the same bits on a rerun."""
+    temperature = params.temperature if params.temperature > 0 else 1.0  # greedy: the unscaled distribution
+    pad = sampler.tokenizer.pad_token_id or 0
+    inputs = []
+    for i, count in zip(indices, drawn):
+        ids = rows[i]["prompt_ids"] + rows[i]["completion_ids"]
+        inputs.append(ForwardInputs(ids, [False] * (len(ids) - count) + [True] * count, [temperature] * len(ids)))
+    for start in range(0, len(inputs), CHUNK_ROWS):
+        chunk = inputs[start:start + CHUNK_ROWS]
+        for i, count, item, values in zip(indices[start:], drawn[start:], chunk,
+                                          chunk_logprobs(sampler.model, chunk, pad)):
+            new = [float(value) for value in values[len(item.input_ids) - count:]] if count else []
+            rows[i]["behaviour_logprobs"] = (rows[i]["behaviour_logprobs"] or []) + new
 
 
 def _metrics(trained: list[dict], carried: list[dict], stage: PartialStage, drawn: int, resumed: int,
@@ -172,7 +200,11 @@ def _metrics(trained: list[dict], carried: list[dict], stage: PartialStage, draw
     """Staleness of the trained tokens (policy versions between the one that drew a token and the state it trains
     from, step - 1), and what the stage finished, carried and forced."""
     staleness = np.array([stage.step - 1 - version for row in trained for version in row["token_policy_versions"]])
+    engine = [(reported, mine) for row in trained if row["behaviour_logprobs"] is not None
+              for reported, mine in zip(row["sampling_logprobs"], row["behaviour_logprobs"])]
+    diagnostics = {"behaviour/sampler_diff_max": max(abs(a - b) for a, b in engine)} if engine else {}
     return {
+        **diagnostics,
         "staleness_max": int(staleness.max()) if len(staleness) else 0,
         "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
         "partial/drawn_prompts": drawn,
