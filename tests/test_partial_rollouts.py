@@ -30,7 +30,6 @@ def test_partial_rollouts_settings_refuse_what_is_not_built_and_enter_the_identi
 
     assert describe_plan(on)["partial_rollouts"]["max_staleness"] == 2  # the dry run says what runs
     off = rl_tiny(tmp_path, k1)
-    assert "partial_rollouts" not in describe_plan(off)
     engine = rl_tiny(tmp_path, k1, "algorithm.rl.partial_rollouts={ token_budget = 8 }",
                      'algorithm.rl.policy_sampler={ type = "vllm" }')
     assert engine.settings.behaviour_logprobs_source == "sampler"  # the stage's own recompute, rl/partial.py
@@ -147,3 +146,62 @@ def test_partial_rollouts_on_the_engine_resubmit_token_in_and_a_kill_mid_samplin
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
     assert not [d for d in engine.running_deployments() if d.live_policy]
+
+
+# --- the stage itself, on the embedded sampler, without a flow ----------------------------------------------------
+
+def _stage_config(tiny_model_dir, **partial) -> RlConfig:
+    from rollout_lib.plan_checks import validate_config
+
+    return validate_config(RlConfig, {
+        "run": {"name": "partial", "seed": 3, "store": "memory://unused"},
+        "algorithm": {"rl": {
+            "base_model": str(tiny_model_dir), "max_seq_len": 96, "optimizer": {"lr": 1e-2},
+            "budget": {"max_steps": 3}, "max_off_policy_steps": 1, "partial_rollouts": {"token_budget": 3, **partial},
+            "envs": [{"name": "words",
+                      "source": {"type": "jsonl_path", "path": str(ROOT / "data/rl-tiny-prompts.jsonl")},
+                      "prompts_per_step": 2, "sampling": {"group_size": 2, "max_tokens": 8},
+                      "algo": {"type": "grpo"}, "rewards": [{"function": "target_length", "kwargs": {"target": 4}}]}],
+        }},
+    })
+
+
+def test_a_stage_carries_draws_around_what_is_in_flight_is_deterministic_and_the_bound_and_the_last_step_finish_all(
+        tiny_model_dir):
+    from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
+    from rollout_lib.rl.partial import PartialStage, sample_partial
+    from rollout_lib.rl.prompts import load_prompts
+    from rollout_lib.sampling.base import stop_token_ids
+    from rollout_lib.sampling.hf import HfSampler, HfSamplerSettings
+
+    resolved = resolve_model(str(tiny_model_dir))
+    model, tokenizer = load_causal_lm(resolved), load_tokenizer(resolved)
+    stops = set(stop_token_ids(tokenizer, model.generation_config))
+    sampler = {"words": HfSampler(HfSamplerSettings(), model.eval(), tokenizer)}
+    cfg = _stage_config(tiny_model_dir)
+    prompts = {"words": load_prompts(cfg.settings.envs[0])}
+
+    def stage(config, step, carried, final=False):
+        return sample_partial(config, sampler, prompts, PartialStage.of(config, step, f"state-{step}", final), carried)
+
+    rollouts, carry, metrics = stage(cfg, 1, None)
+    assert carry is not None and metrics["partial/carried_groups"] >= 1  # 8 tokens at most, 3 per version
+    assert stage(cfg, 1, None)[0].equals(rollouts) and stage(cfg, 1, None)[1].equals(carry)  # content, not timing
+    in_flight = set(carry.column("example_id").to_pylist())
+    second, carry2, _ = stage(cfg, 2, carry)
+    fresh = {row["example_id"] for row in [*second.to_pylist(), *(carry2.to_pylist() if carry2 else [])]
+             if row["drawn_at_step"] == 2}
+    assert len(fresh) == 2 and not fresh & in_flight  # step 2 draws around the prompts in flight
+    drained, none_left, drained_metrics = stage(cfg, 3, carry2, final=True)
+    assert none_left is None and drained_metrics["partial/carried_samples"] == 0
+    # the last step drains: every sample it trains has ended (max_tokens, or a stop token)
+    assert all(len(row["completion_ids"]) == 8 or row["completion_ids"][-1] in stops for row in drained.to_pylist())
+    drawn = Counter((row["example_id"], row["drawn_at_step"])
+                    for table in (rollouts, second, drained) for row in table.to_pylist())
+    assert len(drawn) == 6 and set(drawn.values()) == {2}  # 3 steps x 2 prompts, each group once and whole
+
+    # max_staleness = k: past the first steps (which all sample version 0, so a carry there stays within the
+    # bound), nothing is carried: every group runs to its end in the stage that draws it.
+    strict = _stage_config(tiny_model_dir, max_staleness=1)
+    table, nothing, strict_metrics = stage(strict, 3, None)
+    assert nothing is None and table.num_rows == 4 and strict_metrics["partial/forced_groups"] == 2
