@@ -73,6 +73,7 @@ OPTIONAL_METRIC_COLUMNS = (
     "reward_model/prompt_truncated", "reward_model/prompt_tokens_dropped", "reward_model/missing_too_long",
     "off_policy_lag", "behaviour/sampler_diff_max", "behaviour/sampler_kl", "score_tail_s",
     "behaviour/precomputed_rows", "behaviour/recompute_s", "behaviour/precompute_s", "behaviour/precompute_tail_s",
+    "staleness_max", "partial/completed_samples", "partial/carried_samples", "partial/forced_groups",
 )
 
 
@@ -111,7 +112,8 @@ def pick_scoring(cfg: RlConfig, runner) -> Scoring:
     rl/streamed.py) or staged."""
     if runner is not None:
         return Scoring(sample_task, functools.partial(_chunked, runner))
-    if cfg.settings.reward_loop.streamed:
+    # Partial rollouts: a stage's rows are final only when their groups are (rl/partial.py), scored after it.
+    if cfg.settings.reward_loop.streamed and cfg.settings.partial_rollouts is None:
         return Scoring(sample_and_score_task, _merged)
     return Scoring(sample_task, _staged)
 
@@ -147,6 +149,8 @@ class RlSteps:
                             for env in settings.envs if env.eval is not None}
         self.overlap_evaluation = schedule.synchronous and settings.policy_sampler.type != "hf"
         self.in_flight: dict = {}  # off-policy runs: step -> its sample task's future
+        # Partial rollouts: step -> the id of the requests its sample stage carried on (None: none), rl/partial.py
+        self.carried: dict[int, str | None] = {0: None}
         self.pending: PendingEvaluation | None = None
         self.history: list[dict] = []
         self.collapse_guard = CollapseGuard(settings.collapse)
@@ -168,6 +172,7 @@ class RlSteps:
             if ahead is not None:
                 self._submit_sampling(ahead)  # from states[step - 1]: sampled while this step trains
             sampled = self.in_flight.pop(step).result()
+        self.carried[step] = sampled.get("in_flight")
         scored = self.scoring.score(self, sampled, step)
         samples = task(advantages_task)(cfg, **inputs, policy_state=sampled_from, scored_id=scored["rollouts"],
                                         curriculum=None if self.pools is None else self.pools[step - 1],
@@ -192,7 +197,9 @@ class RlSteps:
             checkpoint = self.checkpoint = task(snapshot_task)(
                 cfg, **inputs, policy_state=self.state, step_metrics={**step_metrics, **trained["metrics"]})
         # Policy versions between the state that sampled the step's tokens and the state trained (0 on-policy).
-        metrics = {**step_metrics, **trained["metrics"], "step": step, "staleness_mean": self.schedule.lag(step)}
+        metrics = {**step_metrics, **trained["metrics"], "step": step}
+        if cfg.settings.partial_rollouts is None:  # partial rollouts measure their tokens' own (rl/partial.py)
+            metrics["staleness_mean"] = self.schedule.lag(step)
         if not self.schedule.synchronous:  # optimizer steps between the weights that sampled and those trained
             metrics["off_policy_lag"] = self.schedule.lag(step)
         if self.overlap_evaluation and step < self.total and self._due(step):
@@ -279,10 +286,21 @@ class RlSteps:
 
     def _sampling(self, step: int) -> tuple:
         """Step `step`'s sample task (the scoring's: sample, or sample-and-score) and its named inputs."""
-        return self.run_task(self.scoring.sampling), {
+        arguments = {
             "prompts_ids": self.prompts, "policy_state": self.states[self.schedule.sampled_after(step)],
             "step": step, "resources": self.res,
             "curriculum": None if self.pools is None else self.pools[self.schedule.sampled_after(step)]}
+        if self.cfg.settings.partial_rollouts is not None:
+            arguments.update(in_flight=self._carried_into(step), final=step == self.total)
+        return self.run_task(self.scoring.sampling), arguments
+
+    def _carried_into(self, step: int) -> str | None:
+        """Partial rollouts: the requests the stage of step `step - 1` carried on. Its stage is waited for if it is
+        still sampling (it is the one before in the chain of sample runs anyway; with k >= 2 the submission of step
+        n+k then waits for step n+k-1's stage, docs/algorithms.md "Partial rollouts")."""
+        if step - 1 not in self.carried:
+            self.carried[step - 1] = self.in_flight[step - 1].result().get("in_flight")
+        return self.carried[step - 1]
 
     def _submit_sampling(self, step: int) -> None:
         before = [self.in_flight[step - 1]] if step - 1 in self.in_flight else None

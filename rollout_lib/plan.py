@@ -211,6 +211,11 @@ def _rl_plan(config: RlConfig) -> dict:
         "reward_models": _reward_model_contents(config),
         "steps": steps,
         "policy_sampler": settings.policy_sampler.model_dump(mode="json"),
+        **({} if settings.partial_rollouts is None else {"partial_rollouts": {
+            "token_budget": settings.partial_rollouts.token_budget, "max_staleness": settings.staleness_bound,
+            "behaviour_logprobs": settings.behaviour_logprobs_source,
+            "note": "embedded sampler: requests cut every token_budget tokens per policy version and carried "
+                    "token-in; a step trains the groups whose last sample ended; the last step drains"}}),
         "micro_batches": (f"packed: <= {config.packed_tokens} tokens each" if settings.packing
                           else f"{settings.sequences_per_micro_batch} sequences each"),
         **_plan_tail(settings),

@@ -145,8 +145,21 @@ ROLLOUTS = pa.schema(
         # frozen source `frozen:<identity>` (`served:<name>` for a server you run; the checkpoint id or content
         # digest of a model rollout serves). Null only in hand-made tables.
         pa.field("sampled_from", pa.string(), nullable=True),
+        # Partial rollouts only (rl/partial.py; null otherwise: every token drawn by `sampled_from`): one per
+        # completion token, the policy version that drew it (the step whose resulting state sampled it, 0 the initial
+        # policy), and the step whose draw the prompt came from. `sampled_from` then names the newest state.
+        pa.field("token_policy_versions", pa.list_(pa.int32()), nullable=True),
+        pa.field("drawn_at_step", pa.int32(), nullable=True),
+        # Partial rollouts on an engine (whose logprob bits vary with batch composition): one per completion token,
+        # the trainer's logprob of it under the version that drew it, computed by the stage that drew it (bit-stable);
+        # the behaviour logprob the training samples take instead of `sampling_logprobs`. Null elsewhere.
+        pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=True),
     ]
 )
+
+# Partial rollouts in flight between two sample stages (rl/partial.py): ROLLOUTS rows of the groups not yet
+# complete (rewards null), each marked `finished` when its own completion has ended (EOS or max_tokens).
+IN_FLIGHT = pa.schema([*ROLLOUTS, pa.field("finished", pa.bool_(), nullable=False)])
 
 # --- training samples and micro-batches (shared by SFT and RL) ----------------------------------------------
 

@@ -54,7 +54,14 @@ from rollout_lib.rl.policy import (
     train_policy_step,
 )
 from rollout_lib.rl.prompts import load_prompts
-from rollout_lib.rl.sample import build_samplers, policy_sampler, reload_metrics, sample_rollouts
+from rollout_lib.rl.partial import PartialStage, sample_partial
+from rollout_lib.rl.sample import (
+    build_samplers,
+    policy_sampler,
+    reload_metrics,
+    rollout_metrics,
+    sample_rollouts,
+)
 from rollout_lib.rl.streamed import sample_and_score
 from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.rl.score import (
@@ -167,11 +174,22 @@ def connect_frozen_models_task(config: RlConfig, served_models: ServedModels,
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=_sources(sources.interaction_sources)))
 def sample_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, step: int,
-                resources: RunResources, curriculum: str | None = None) -> dict:
-    """`curriculum`: the id of the difficulty pools to draw prompts with (envs with `curriculum`), or None."""
+                resources: RunResources, curriculum: str | None = None, in_flight: str | None = None,
+                final: bool = False) -> dict:
+    """`curriculum`: the id of the difficulty pools to draw prompts with (envs with `curriculum`), or None.
+    Partial rollouts (`algorithm.rl.partial_rollouts`, rl/partial.py): `in_flight`, the id of the requests the stage
+    before carried (None: none); `final`, the run's last step (it samples every request to its end); the result's
+    `in_flight` is what this stage carries on."""
     started = time.perf_counter()
     store = open_store(config)
     _, samplers = _synced_samplers(config, store, prompts_ids, policy_state, resources)
+    if config.settings.partial_rollouts is not None:
+        carried = None if in_flight is None else store.get_table(in_flight, wire.IN_FLIGHT)
+        rollouts, carry, partial_metrics = sample_partial(config, samplers, _prompt_tables(config, prompts_ids),
+                                                          PartialStage.of(config, step, policy_state, final), carried)
+        return {"rollouts": store.put_table(rollouts), "in_flight": None if carry is None else store.put_table(carry),
+                "metrics": {**rollout_metrics(config, rollouts), **partial_metrics,
+                            "sample_s": time.perf_counter() - started}}
     rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step,
                                         curriculum_state=None if curriculum is None else store.get_json(curriculum))
     return {"rollouts": open_store(config).put_table(rollouts),

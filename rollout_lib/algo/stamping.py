@@ -81,6 +81,9 @@ def stamp_training_samples(
     completion tokens so the trainer scores them under the same distribution."""
     columns = {name: rollouts.column(name).to_pylist() for name in
                ("sample_id", "env", "prompt_ids", "completion_ids", "sampling_logprobs", "completion_turns")}
+    # Partial rollouts on an engine: the trainer's logprobs under the version that drew each token (wire.ROLLOUTS).
+    behaviour = (rollouts.column("behaviour_logprobs").to_pylist() if "behaviour_logprobs" in rollouts.column_names
+                 else [None] * rollouts.num_rows)
     records = []
     row_dicts: list[dict] = []  # every row as a dict, made once when an observation_weights hook first needs one
     for row, sample_id in enumerate(columns["sample_id"]):
@@ -89,6 +92,8 @@ def stamp_training_samples(
         prompt, completion = columns["prompt_ids"][row], columns["completion_ids"][row]
         sampled = sampled_mask(columns["completion_turns"][row], len(completion), sample_id)
         logprobs, advantage = columns["sampling_logprobs"][row], advantages[row]
+        if behaviour[row] is not None:
+            logprobs = behaviour[row]
         if not prompt:
             raise ValueError(f"sample {sample_id!r} has no prompt tokens (the first token is never trained)")
         if len(prompt) >= max_seq_len:

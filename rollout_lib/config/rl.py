@@ -287,6 +287,18 @@ class CollapseSettings(StrictModel):
     min_entropy: float = Field(0.01, ge=0)
 
 
+class PartialRolloutSettings(StrictModel):
+    """Partial rollouts (rollout_lib/rl/partial.py): each policy version samples every in-flight request for at most
+    `token_budget` new tokens; a request that has not ended is carried to the next version and resubmitted token-in
+    (its prompt plus its tokens so far). A group trains at the step its last sample ends."""
+
+    token_budget: int = Field(ge=1)  # new tokens per request per policy version
+    # Policy versions between a sample's oldest token and the state it trains from, at most. A group that would
+    # pass it if carried once more is sampled to its end in the current version instead (never dropped). None:
+    # max_off_policy_steps + 1 (each group carried once at most).
+    max_staleness: int | None = Field(None, ge=1)
+
+
 class RlSettings(StrictModel):
     base_model: ModelRef  # the policy at step 0
     max_seq_len: int = Field(512, ge=8)  # prompt + completion tokens per training sample
@@ -327,6 +339,10 @@ class RlSettings(StrictModel):
     # A LoRA adapter trained instead of every weight (adapters.py, docs/scale.md). None: full fine-tuning, and then
     # absent from the settings' dump, so identities from before the setting stay.
     adapter: AdapterSettings | None = Field(None, exclude_if=lambda value: value is None)
+    # Partial rollouts: requests cut at a token budget per policy version and carried to the next (rl/partial.py,
+    # docs/algorithms.md "Partial rollouts"). None: off, and then absent from the settings' dump, so identities
+    # from before the setting stay.
+    partial_rollouts: PartialRolloutSettings | None = Field(None, exclude_if=lambda value: value is None)
     # What the run says (or does) when its steps stop carrying a learning signal; never part of the identity.
     collapse: CollapseSettings = CollapseSettings()
     # A chat template (.jinja) that frames the policy's prompts and env replies instead of its tokenizer's own (a
@@ -373,11 +389,49 @@ class RlSettings(StrictModel):
                              f"(here {self.behaviour_logprobs_source!r}, k = {self.max_off_policy_steps})")
         return self
 
+    @model_validator(mode="after")
+    def _partial_rollouts_are_buildable(self) -> "RlSettings":
+        """What partial rollouts need, and what this slice does not build: refused with one line each."""
+        partial = self.partial_rollouts
+        if partial is None:
+            return self
+        k = self.max_off_policy_steps
+        if k < 1:
+            raise ValueError("partial_rollouts: weights land while requests are in flight only with "
+                             "max_off_policy_steps >= 1 (here 0): set it to 1 or more, or remove partial_rollouts")
+        if partial.max_staleness is not None and partial.max_staleness < k:
+            raise ValueError(f"partial_rollouts.max_staleness = {partial.max_staleness} is below what "
+                             f"max_off_policy_steps = {k} needs (every token is {k} versions old when trained): "
+                             f"set it to {k} or more")
+        if self.behaviour_logprobs not in ("auto", "sampler"):
+            raise ValueError(f"partial_rollouts: behaviour_logprobs = {self.behaviour_logprobs!r} recomputes them "
+                             "under one state, and a partial sample's tokens come from several: use \"sampler\" "
+                             "(the logprob each token was drawn with, by the version that drew it) or \"auto\"")
+        for index, env in enumerate(self.envs):
+            refused = [name for name, on in (("interaction", env.interaction is not None),
+                                             ("sampler.source", env.sampler.frozen is not None),
+                                             ("curriculum", env.curriculum is not None),
+                                             ("dynamic_sampling", env.dynamic_sampling is not None)) if on]
+            if refused:
+                raise ValueError(f"partial_rollouts: env {env.name!r} sets {refused[0]}, which partial rollouts do "
+                                 "not support yet (single-turn envs on the live policy only)")
+        return self
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """Partial rollouts' staleness bound, resolved (None when they are off)."""
+        partial = self.partial_rollouts
+        if partial is None:
+            return None
+        return partial.max_staleness if partial.max_staleness is not None else self.max_off_policy_steps + 1
+
     @property
     def behaviour_logprobs_source(self) -> str:
         """The resolved source: "sampler", "trainer" (recomputed at the advantages stage) or "training_forward"."""
         if self.behaviour_logprobs != "auto":
             return self.behaviour_logprobs
+        if self.partial_rollouts is not None:  # each token's logprob from the version that drew it
+            return "sampler"
         if self.max_off_policy_steps > 0:
             return "trainer"
         return "training_forward" if self.policy_sampler.type != "hf" else "sampler"

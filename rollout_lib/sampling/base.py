@@ -82,6 +82,9 @@ class Sampler(ABC):
     # Whether `generate` takes `on_done(index, completion)`, called as each sequence's completion is final (before
     # the call returns), so a streamed step scores it at once; a backend without it is told of every row at the end.
     streams_completions: ClassVar[bool] = False
+    # Whether the logprobs `generate` reports are the same bits on a rerun (the embedded sampler on one machine); an
+    # engine's vary in the last bits with batch composition (rl/partial.py then has the trainer compute them).
+    bit_stable_logprobs: ClassVar[bool] = True
 
     def __init__(self, settings: SamplerSettings, model, tokenizer, context: SamplingContext | None = None):
         self.settings = settings

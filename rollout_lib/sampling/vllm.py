@@ -125,6 +125,7 @@ class VllmSampler(Sampler):
     type_name = "vllm"
     settings_class = VllmSamplerSettings
     streams_completions = True  # each request's completion, as it comes back
+    bit_stable_logprobs = False  # ~1e-5 with batch composition (../shared/notes/serving.md)
 
     def __init__(self, settings: VllmSamplerSettings, model, tokenizer, context=None):
         super().__init__(settings, model, tokenizer, context)

@@ -1,0 +1,207 @@
+"""Partial rollouts (`algorithm.rl.partial_rollouts`, rl/partial.py): requests cut at a token budget per policy
+version and resubmitted token-in to the next, each token recording the version that drew it; a rerun after SIGKILL
+ends on the uninterrupted run's checkpoint id, and every prompt drawn is trained exactly once."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rollout_lib.config import ConfigError, RlConfig
+from rollout_lib.identity.training import training_identity
+from rollout_lib.plan_checks import load_config
+from rollout_lib.store import ObjectStore
+from rollout_lib import wire
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rl_tiny(tmp_path, *overrides: str) -> RlConfig:
+    return load_config(RlConfig, ROOT / "configs/rl-tiny.toml", [f"run.store={tmp_path / 'store'}", *overrides])
+
+
+def test_partial_rollouts_settings_refuse_what_is_not_built_and_enter_the_identity_only_when_on(tmp_path):
+    k1 = "algorithm.rl.max_off_policy_steps=1"
+    on = rl_tiny(tmp_path, k1, "algorithm.rl.partial_rollouts={ token_budget = 8 }")
+    assert on.settings.staleness_bound == 2 and on.settings.behaviour_logprobs_source == "sampler"
+    from rollout_lib.plan import describe_plan
+
+    assert describe_plan(on)["partial_rollouts"]["max_staleness"] == 2  # the dry run says what runs
+    off = rl_tiny(tmp_path, k1)
+    engine = rl_tiny(tmp_path, k1, "algorithm.rl.partial_rollouts={ token_budget = 8 }",
+                     'algorithm.rl.policy_sampler={ type = "vllm" }')
+    assert engine.settings.behaviour_logprobs_source == "sampler"  # the stage's own recompute, rl/partial.py
+    assert "partial_rollouts" not in off.settings.model_dump(mode="json")  # identities of runs without it stay
+    assert training_identity(on) != training_identity(off)
+    assert training_identity(rl_tiny(tmp_path, k1, "algorithm.rl.partial_rollouts={ token_budget = 4 }")) \
+        != training_identity(on)
+    refused = {
+        "max_off_policy_steps >= 1": ["algorithm.rl.partial_rollouts={ token_budget = 8 }"],
+        "below what max_off_policy_steps = 2 needs": [
+            "algorithm.rl.max_off_policy_steps=2", "algorithm.rl.partial_rollouts={ token_budget = 8, max_staleness = 1 }"],
+        "recomputes them under one state": [
+            k1, "algorithm.rl.partial_rollouts={ token_budget = 8 }", 'algorithm.rl.behaviour_logprobs="trainer"'],
+        "token_budget": [k1, "algorithm.rl.partial_rollouts={ token_budget = 0 }"],
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ConfigError, match=r"algorithm\.rl") as raised:
+            rl_tiny(tmp_path, *overrides)
+        assert message in str(raised.value), (message, str(raised.value))
+
+
+# 4 steps at k = 1, a budget of 8 of the 16 tokens rl-tiny's completions take at most: the tiny random policy rarely
+# stops early, so most requests are cut and finish in a later stage (the staleness bound, k + 1 = 2: a group's oldest
+# token at most 2 versions older than the state it trains from). Step 3 trains groups whose tokens are of versions
+# 0 and 1.
+PARTIAL = ["train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps", "4", "--set",
+           "algorithm.rl.checkpoint_interval=2", "--set", "algorithm.rl.max_off_policy_steps=1",
+           "--set", "algorithm.rl.partial_rollouts={ token_budget = 8 }"]
+
+
+def _trained_rollouts(store: ObjectStore, run: str, steps: int) -> dict[int, list[dict]]:
+    from rollout_lib.runlog.step_tables import read_step_tables
+
+    return {step: store.get_table(read_step_tables(store, run, step)["rollouts"], wire.ROLLOUTS).to_pylist()
+            for step in range(1, steps + 1)}
+
+
+@pytest.mark.slow
+def test_partial_rollouts_carry_tokens_across_versions_train_every_prompt_once_and_resume_exactly(prefect_server,
+                                                                                                  tmp_path):
+    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
+
+    from rollout_lib.runlog.metrics_file import read_metrics
+
+    expected = train_in_process(*PARTIAL, "--store", str(tmp_path / "uninterrupted"), "--name", "partial")
+    store = ObjectStore(str(tmp_path / "uninterrupted"))
+    trained = _trained_rollouts(store, "partial", 4)
+    metrics = read_metrics(store, "partial")
+
+    # Per-token versions on the wire: a version the step's schedule allows, and samples that span two versions.
+    for step, rows in trained.items():
+        for row in rows:
+            versions = row["token_policy_versions"]
+            assert len(versions) == len(row["completion_ids"]) == len(row["sampling_logprobs"])
+            # drawn by this step's version (step - 2 at k = 1) or, carried, by the one before
+            assert versions == sorted(versions) and set(versions) <= {max(0, step - 3), max(0, step - 2)}
+    spanning = [row for row in trained[3] if len(set(row["token_policy_versions"])) == 2]
+    assert spanning and all(row["drawn_at_step"] < 3 for row in spanning)
+    assert sum(m["partial/multi_version_samples"] for m in metrics) >= len(spanning)
+    assert any(m["partial/carried_samples"] > 0 for m in metrics) and metrics[-1]["partial/carried_samples"] == 0
+    assert max(m["staleness_max"] for m in metrics) == 2  # k + 1: the bound, reached by carried tokens
+
+    # The prompt ledger: every group drawn is trained once, whole, and the last step drained what was in flight.
+    ledger = Counter((row["example_id"], row["drawn_at_step"]) for rows in trained.values() for row in rows)
+    assert all(count == 8 for count in ledger.values())  # group_size rows each, never twice
+    drawn = Counter(row["drawn_at_step"] for rows in trained.values() for row in rows if row["group_index"] == 0)
+    assert drawn == Counter({step: m["partial/drawn_prompts"] for step, m in enumerate(metrics, 1)})
+    assert sum(drawn.values()) == 4 * 4  # prompts_per_step x steps: none lost
+
+    # SIGKILLed mid-run (a group in flight), the rerun ends on the same checkpoint with the same ledger.
+    args = [*PARTIAL, "--store", str(tmp_path / "interrupted")]
+    run_until_then_kill(args, "pack-step-3' - Finished", tmp_path / "killed.log")
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed = final_result(rerun)
+    states = task_run_states(resumed["flow_run_id"])
+    assert states["train-step-2"] == "Cached" and states["train-step-4"] == "Completed"
+    assert resumed["checkpoint"] == expected["checkpoint"]
+    again = _trained_rollouts(ObjectStore(str(tmp_path / "interrupted")), "rl-tiny", 4)
+    assert again == trained
+
+
+ENGINE_PARTIAL = [*PARTIAL, "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 8 }']
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_the_engine_resubmit_token_in_and_a_kill_mid_sampling_reruns_to_the_same_checkpoint(
+        prefect_server, tmp_path):
+    """The policy on the engine, 8 requests in flight (its logprob bits vary with batch composition): carried
+    requests are resubmitted token-in to the reloaded server; each stage scores its new tokens with the trainer's
+    forward under the version it holds (`behaviour_logprobs`), so SIGKILLed while step 4 samples (requests carried
+    from step 3 in flight), the rerun ends on the uninterrupted run's checkpoint."""
+    from clirun import final_result, run_rollout, run_until_then_kill, train_in_process
+
+    from rollout_lib.serving import engine
+    from test_off_policy import _state_after
+
+    expected = train_in_process(*ENGINE_PARTIAL, "--store", str(tmp_path / "uninterrupted"), "--name", "partial")
+    store = ObjectStore(str(tmp_path / "uninterrupted"))
+    trained = _trained_rollouts(store, "partial", 4)
+    rows = [row for step_rows in trained.values() for row in step_rows]
+    assert all(len(row["behaviour_logprobs"]) == len(row["completion_ids"]) for row in rows)
+    assert any(len(set(row["token_policy_versions"])) == 2 for row in trained[3])
+    # The trainer's logprobs are the engine's within float32 engine noise: the stage scored the tokens it drew.
+    assert max(abs(a - b) for row in rows for a, b in zip(row["sampling_logprobs"], row["behaviour_logprobs"])) < 1e-3
+    ledger = Counter((row["example_id"], row["drawn_at_step"]) for row in rows)
+    assert len(ledger) == 16 and set(ledger.values()) == {8}
+
+    state = _state_after(store, 2)
+    args = [*ENGINE_PARTIAL, "--store", str(tmp_path / "interrupted")]
+    killed = run_until_then_kill(args, f"with state {state}", tmp_path / "killed.log")
+    assert "train-step-2' - Finished" in killed
+    rerun = run_rollout(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
+    assert not [d for d in engine.running_deployments() if d.live_policy]
+
+
+# --- the stage itself, on the embedded sampler, without a flow ----------------------------------------------------
+
+def _stage_config(tiny_model_dir, **partial) -> RlConfig:
+    from rollout_lib.plan_checks import validate_config
+
+    return validate_config(RlConfig, {
+        "run": {"name": "partial", "seed": 3, "store": "memory://unused"},
+        "algorithm": {"rl": {
+            "base_model": str(tiny_model_dir), "max_seq_len": 96, "optimizer": {"lr": 1e-2},
+            "budget": {"max_steps": 3}, "max_off_policy_steps": 1, "partial_rollouts": {"token_budget": 3, **partial},
+            "envs": [{"name": "words",
+                      "source": {"type": "jsonl_path", "path": str(ROOT / "data/rl-tiny-prompts.jsonl")},
+                      "prompts_per_step": 2, "sampling": {"group_size": 2, "max_tokens": 8},
+                      "algo": {"type": "grpo"}, "rewards": [{"function": "target_length", "kwargs": {"target": 4}}]}],
+        }},
+    })
+
+
+def test_a_stage_carries_draws_around_what_is_in_flight_is_deterministic_and_the_bound_and_the_last_step_finish_all(
+        tiny_model_dir):
+    from rollout_lib.model.loading import load_causal_lm, load_tokenizer, resolve_model
+    from rollout_lib.rl.partial import PartialStage, sample_partial
+    from rollout_lib.rl.prompts import load_prompts
+    from rollout_lib.sampling.base import stop_token_ids
+    from rollout_lib.sampling.hf import HfSampler, HfSamplerSettings
+
+    resolved = resolve_model(str(tiny_model_dir))
+    model, tokenizer = load_causal_lm(resolved), load_tokenizer(resolved)
+    stops = set(stop_token_ids(tokenizer, model.generation_config))
+    sampler = {"words": HfSampler(HfSamplerSettings(), model.eval(), tokenizer)}
+    cfg = _stage_config(tiny_model_dir)
+    prompts = {"words": load_prompts(cfg.settings.envs[0])}
+
+    def stage(config, step, carried, final=False):
+        return sample_partial(config, sampler, prompts, PartialStage.of(config, step, f"state-{step}", final), carried)
+
+    rollouts, carry, metrics = stage(cfg, 1, None)
+    assert carry is not None and metrics["partial/carried_groups"] >= 1  # 8 tokens at most, 3 per version
+    assert stage(cfg, 1, None)[0].equals(rollouts) and stage(cfg, 1, None)[1].equals(carry)  # content, not timing
+    in_flight = set(carry.column("example_id").to_pylist())
+    second, carry2, _ = stage(cfg, 2, carry)
+    fresh = {row["example_id"] for row in [*second.to_pylist(), *(carry2.to_pylist() if carry2 else [])]
+             if row["drawn_at_step"] == 2}
+    assert len(fresh) == 2 and not fresh & in_flight  # step 2 draws around the prompts in flight
+    drained, none_left, drained_metrics = stage(cfg, 3, carry2, final=True)
+    assert none_left is None and drained_metrics["partial/carried_samples"] == 0
+    # the last step drains: every sample it trains has ended (max_tokens, or a stop token)
+    assert all(len(row["completion_ids"]) == 8 or row["completion_ids"][-1] in stops for row in drained.to_pylist())
+    drawn = Counter((row["example_id"], row["drawn_at_step"])
+                    for table in (rollouts, second, drained) for row in table.to_pylist())
+    assert len(drawn) == 6 and set(drawn.values()) == {2}  # 3 steps x 2 prompts, each group once and whole
+
+    # max_staleness = k: past the first steps (which all sample version 0, so a carry there stays within the
+    # bound), nothing is carried: every group runs to its end in the stage that draws it.
+    strict = _stage_config(tiny_model_dir, max_staleness=1)
+    table, nothing, strict_metrics = stage(strict, 3, None)
+    assert nothing is None and table.num_rows == 4 and strict_metrics["partial/forced_groups"] == 2
