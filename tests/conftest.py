@@ -300,8 +300,8 @@ def vllm_tiny():
 
 # Session fixtures that start servers: every test using one runs in the same pytest-xdist worker, so the suite starts
 # each server once (README: `pytest -n 2 --dist loadgroup`).
-# rlhf_reference (test_rlhf_flow.py): a pipeline run that the worker stack's rlhf test compares with, as its
-# module's other tests do; in one group it is trained once.
+# rlhf_reference (test_rlhf_flow.py): the module's reference pipeline, run through the worker stack (rlhf/default)
+# and compared with by the module's other tests; in one group it is trained once.
 SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack",
                   "rlhf_reference": "worker_stack"}
 # The longest groups (seconds on one 2-core worker, measured 2026-11-27 with --durations=0, a quiet AVX-512 machine:

@@ -2,7 +2,11 @@
 starting from the SFT checkpoint and rewarded by the RM checkpoint (by id); a rerun after changing an RL setting
 trains RL only (every SFT and RM task Cached); a pipeline SIGKILLed mid-RM, then mid-RL, then rerun ends on the
 final checkpoint of an uninterrupted run; `rlhf/default` runs through the worker. Before any of it: the pipeline
-config's errors name their place, and `--dry-run` plans the three stages."""
+config's errors name their place, and `--dry-run` plans the three stages.
+
+The uninterrupted run is `rlhf/default` through the worker (`prefect deployment run`, as users run it): the CLI runs
+here (the changed setting, the killed pipeline's rerun) end on its checkpoints, so the worker's pipeline and the
+CLI's are held to the same bytes without a second uninterrupted pipeline."""
 
 from __future__ import annotations
 
@@ -89,12 +93,19 @@ def test_dry_run_plans_the_three_stages(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def rlhf_reference(prefect_server, tmp_path_factory) -> dict:
-    """The pipeline run every other one here is compared with. Its tests go with the worker stack's xdist group
-    (conftest.SHARED_SERVERS): the deployment test needs it too, and a module fixture is set up once per xdist
-    worker, so two groups would train it twice."""
+def rlhf_reference(worker_stack, tmp_path_factory) -> dict:
+    """The pipeline run every other one here is compared with: `rlhf/default` (configs/rlhf-tiny.toml) through the
+    session's worker, in a store of its own; its result read back from the API as `rollout follow` reads it (the
+    `<run>-result` artifact), in the shape `rollout train rlhf` prints. Its tests go with the worker stack's xdist
+    group (conftest.SHARED_SERVERS): a module fixture is set up once per xdist worker."""
+    from rollout_cli.follow import Api, run_result
+
     store = tmp_path_factory.mktemp("rlhf") / "store"
-    return {"store": store, **rlhf(store)}
+    flow_run = worker_stack.run("rlhf/default", timeout=600, overrides=[f"run.store={store}"])
+    assert flow_run["state"]["type"] == "COMPLETED", flow_run["cli"]["output"][-3000:]
+    result = run_result(Api(worker_stack.api_url), flow_run["id"])
+    assert result is not None, f"no result artifact for flow run {flow_run['id']}"
+    return {"store": store, "flow_run": flow_run, "flow_run_id": flow_run["id"], **result}
 
 
 @pytest.mark.slow
@@ -188,13 +199,17 @@ def test_a_pipeline_killed_mid_rm_then_mid_rl_reruns_to_the_uninterrupted_checkp
 
 
 @pytest.mark.slow
-def test_rlhf_default_deployment_runs_the_pipeline_through_the_worker(worker_stack, rlhf_reference, tmp_path):
-    flow_run = worker_stack.run("rlhf/default", timeout=600, overrides=[f"run.store={tmp_path / 'store'}"])
-    assert flow_run["state"]["type"] == "COMPLETED", flow_run["cli"]["output"][-3000:]
+def test_rlhf_default_deployment_runs_the_pipeline_through_the_worker(worker_stack, rlhf_reference):
+    """The reference pipeline is the deployment's run: its three stages ran as subflows of the worker's flow run,
+    and its final checkpoint is published in its store. (That the CLI trains the same pipeline to the same bytes:
+    the killed pipeline's rerun above ends on this run's checkpoints, stage by stage.)"""
+    flow_run = rlhf_reference["flow_run"]
+    assert flow_run["cli"]["returncode"] == 0  # `--watch` exits 0 on Completed
+    assert flow_run["parameters"]["config"] == "configs/rlhf-tiny.toml"  # the deployment's own parameters
     subflows = worker_stack.api("POST", "/flow_runs/filter", {"flow_runs": {"parent_task_run_id": {"any_": [
         task_run["id"] for task_run in worker_stack.task_runs(flow_run["id"])]}}})
-    assert sorted((run["name"], run["state"]["type"]) for run in subflows) == sorted(
-        (rlhf_reference["stages"][stage]["run"], "COMPLETED") for stage in ("sft", "rm", "rl"))
-    # The same pipeline in another store, through a worker: the same final checkpoint.
-    final = rlhf_reference["stages"]["rl"]
-    assert ObjectStore(str(tmp_path / "store")).get_ref(f"runs/{final['run']}/latest") == final["checkpoint"]
+    stages = rlhf_reference["stages"]
+    assert sorted((run["id"], run["name"], run["state"]["type"]) for run in subflows) == sorted(
+        (stages[stage]["flow_run_id"], stages[stage]["run"], "COMPLETED") for stage in ("sft", "rm", "rl"))
+    final = stages["rl"]
+    assert ObjectStore(str(rlhf_reference["store"])).get_ref(f"runs/{final['run']}/latest") == final["checkpoint"]
