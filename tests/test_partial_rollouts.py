@@ -67,21 +67,34 @@ def _trained_rollouts(store: ObjectStore, run: str, steps: int) -> dict[int, lis
             for step in range(1, steps + 1)}
 
 
+ENGINE_PARTIAL = [*PARTIAL, "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 8 }']
+
+
 @pytest.mark.slow
-def test_partial_rollouts_carry_tokens_across_versions_train_every_prompt_once_and_resume_exactly(prefect_server,
-                                                                                                  tmp_path):
+def test_partial_rollouts_on_the_engine_carry_tokens_across_versions_train_every_prompt_once_and_resume_exactly(
+        prefect_server, tmp_path):
+    """The policy on the engine, 8 requests in flight (its logprob bits vary with batch composition): carried
+    requests are resubmitted token-in to the reloaded server, each token recording the version that drew it; each
+    stage scores its new tokens with the trainer's forward under the version it holds (`behaviour_logprobs`); every
+    prompt drawn is trained once, whole; SIGKILLed while step 4 samples (requests carried from step 3 in flight),
+    the rerun ends on the uninterrupted run's checkpoint with the same trained tables. The embedded sampler runs
+    the same stage code with its own logprobs (the stage test below: same inputs, same tables), so one flow-level
+    kill test, on the engine, covers the flow's side for both."""
     from clirun import final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
 
     from rollout_lib.runlog.metrics_file import read_metrics
+    from rollout_lib.serving import engine
+    from test_off_policy import _state_after
 
-    expected = train_in_process(*PARTIAL, "--store", str(tmp_path / "uninterrupted"), "--name", "partial")
+    expected = train_in_process(*ENGINE_PARTIAL, "--store", str(tmp_path / "uninterrupted"), "--name", "partial")
     store = ObjectStore(str(tmp_path / "uninterrupted"))
     trained = _trained_rollouts(store, "partial", 4)
     metrics = read_metrics(store, "partial")
+    rows = [row for step_rows in trained.values() for row in step_rows]
 
     # Per-token versions on the wire: a version the step's schedule allows, and samples that span two versions.
-    for step, rows in trained.items():
-        for row in rows:
+    for step, step_rows in trained.items():
+        for row in step_rows:
             versions = row["token_policy_versions"]
             assert len(versions) == len(row["completion_ids"]) == len(row["sampling_logprobs"])
             # drawn by this step's version (step - 2 at k = 1) or, carried, by the one before
@@ -91,60 +104,33 @@ def test_partial_rollouts_carry_tokens_across_versions_train_every_prompt_once_a
     assert sum(m["partial/multi_version_samples"] for m in metrics) >= len(spanning)
     assert any(m["partial/carried_samples"] > 0 for m in metrics) and metrics[-1]["partial/carried_samples"] == 0
     assert max(m["staleness_max"] for m in metrics) == 2  # k + 1: the bound, reached by carried tokens
+    # The trainer's logprobs are the engine's within float32 engine noise: the stage scored the tokens it drew.
+    assert all(len(row["behaviour_logprobs"]) == len(row["completion_ids"]) for row in rows)
+    assert max(abs(a - b) for row in rows for a, b in zip(row["sampling_logprobs"], row["behaviour_logprobs"])) < 1e-3
 
     # The prompt ledger: every group drawn is trained once, whole, and the last step drained what was in flight.
-    ledger = Counter((row["example_id"], row["drawn_at_step"]) for rows in trained.values() for row in rows)
-    assert all(count == 8 for count in ledger.values())  # group_size rows each, never twice
-    drawn = Counter(row["drawn_at_step"] for rows in trained.values() for row in rows if row["group_index"] == 0)
+    ledger = Counter((row["example_id"], row["drawn_at_step"]) for row in rows)
+    assert len(ledger) == 16 and set(ledger.values()) == {8}  # group_size rows each, never twice
+    drawn = Counter(row["drawn_at_step"] for row in rows if row["group_index"] == 0)
     assert drawn == Counter({step: m["partial/drawn_prompts"] for step, m in enumerate(metrics, 1)})
     assert sum(drawn.values()) == 4 * 4  # prompts_per_step x steps: none lost
 
-    # SIGKILLed mid-run (a group in flight), the rerun ends on the same checkpoint with the same ledger.
-    args = [*PARTIAL, "--store", str(tmp_path / "interrupted")]
-    run_until_then_kill(args, "pack-step-3' - Finished", tmp_path / "killed.log")
+    # SIGKILLed while step 4 samples: the rerun ends on the same checkpoint with the same trained tables.
+    args = [*ENGINE_PARTIAL, "--store", str(tmp_path / "interrupted")]
+    killed = run_until_then_kill(args, f"with state {_state_after(store, 2)}", tmp_path / "killed.log")
+    assert "train-step-2' - Finished" in killed
     rerun = run_rollout(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resumed = final_result(rerun)
     states = task_run_states(resumed["flow_run_id"])
     assert states["train-step-2"] == "Cached" and states["train-step-4"] == "Completed"
     assert resumed["checkpoint"] == expected["checkpoint"]
-    again = _trained_rollouts(ObjectStore(str(tmp_path / "interrupted")), "rl-tiny", 4)
-    assert again == trained
+    # the same rows, but the engine's own logprobs, whose bits vary with batch composition (not trained on)
+    def engine_free(tables):
+        return {step: [{**row, "sampling_logprobs": None} for row in rows] for step, rows in tables.items()}
 
-
-ENGINE_PARTIAL = [*PARTIAL, "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 8 }']
-
-
-@pytest.mark.slow
-def test_partial_rollouts_on_the_engine_resubmit_token_in_and_a_kill_mid_sampling_reruns_to_the_same_checkpoint(
-        prefect_server, tmp_path):
-    """The policy on the engine, 8 requests in flight (its logprob bits vary with batch composition): carried
-    requests are resubmitted token-in to the reloaded server; each stage scores its new tokens with the trainer's
-    forward under the version it holds (`behaviour_logprobs`), so SIGKILLed while step 4 samples (requests carried
-    from step 3 in flight), the rerun ends on the uninterrupted run's checkpoint."""
-    from clirun import final_result, run_rollout, run_until_then_kill, train_in_process
-
-    from rollout_lib.serving import engine
-    from test_off_policy import _state_after
-
-    expected = train_in_process(*ENGINE_PARTIAL, "--store", str(tmp_path / "uninterrupted"), "--name", "partial")
-    store = ObjectStore(str(tmp_path / "uninterrupted"))
-    trained = _trained_rollouts(store, "partial", 4)
-    rows = [row for step_rows in trained.values() for row in step_rows]
-    assert all(len(row["behaviour_logprobs"]) == len(row["completion_ids"]) for row in rows)
-    assert any(len(set(row["token_policy_versions"])) == 2 for row in trained[3])
-    # The trainer's logprobs are the engine's within float32 engine noise: the stage scored the tokens it drew.
-    assert max(abs(a - b) for row in rows for a, b in zip(row["sampling_logprobs"], row["behaviour_logprobs"])) < 1e-3
-    ledger = Counter((row["example_id"], row["drawn_at_step"]) for row in rows)
-    assert len(ledger) == 16 and set(ledger.values()) == {8}
-
-    state = _state_after(store, 2)
-    args = [*ENGINE_PARTIAL, "--store", str(tmp_path / "interrupted")]
-    killed = run_until_then_kill(args, f"with state {state}", tmp_path / "killed.log")
-    assert "train-step-2' - Finished" in killed
-    rerun = run_rollout(*args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
+    assert engine_free(_trained_rollouts(ObjectStore(str(tmp_path / "interrupted")), "rl-tiny", 4)) == \
+        engine_free(trained)
     assert not [d for d in engine.running_deployments() if d.live_policy]
 
 
