@@ -1,7 +1,5 @@
 """`python -m rollout_cli ...` is the `rollout` command."""
 
-import sys
+from rollout_cli.main import run
 
-from rollout_cli.main import main
-
-sys.exit(main())
+run()
