@@ -214,8 +214,8 @@ def _rl_plan(config: RlConfig) -> dict:
         **({} if settings.partial_rollouts is None else {"partial_rollouts": {
             "token_budget": settings.partial_rollouts.token_budget, "max_staleness": settings.staleness_bound,
             "behaviour_logprobs": settings.behaviour_logprobs_source,
-            "note": "embedded sampler: requests cut every token_budget tokens per policy version and carried "
-                    "token-in; a step trains the groups whose last sample ended; the last step drains"}}),
+            "note": "requests cut every token_budget tokens per policy version and carried token-in to the next; "
+                    "a step trains the groups whose last sample ended; the last step drains"}}),
         "micro_batches": (f"packed: <= {config.packed_tokens} tokens each" if settings.packing
                           else f"{settings.sequences_per_micro_batch} sequences each"),
         **_plan_tail(settings),
