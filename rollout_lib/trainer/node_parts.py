@@ -185,7 +185,7 @@ class LoggedCommands(NodeLauncher):
         self.announce({node_rank: part.command() for node_rank, part in parts.items()})
 
 
-_pool_launcher = None  # (pool) -> NodeLauncher, handed down by the flows
+_pool_launcher = None  # (hardware settings) -> NodeLauncher of hardware.node_pool, handed down by the flows
 
 
 def register_pool_launcher(factory) -> None:
@@ -204,4 +204,4 @@ def launcher_for(hardware, announce=None) -> NodeLauncher:
     if _pool_launcher is None:
         raise NodePartError(f"hardware.node_pool = {hardware.node_pool!r}: node agents are reached through the "
                             "flows (rollout train, a deployment); this caller registered no launcher")
-    return _pool_launcher(hardware.node_pool)
+    return _pool_launcher(hardware)
