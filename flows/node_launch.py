@@ -26,9 +26,9 @@ from rollout_lib.trainer.node_parts import (NodeLauncher, NodePart, NodePartErro
                                             node_deployment, node_queue, register_pool_launcher)
 
 # How long the parts may take to end once node 0's torchrun has: after a success their ranks are done and exit
-# (the flow run process then reports Completed); after a failure their ranks lose node 0's and fail likewise.
+# (the flow run process then reports Completed); after a failure their ranks lose node 0's and fail likewise, within
+# hardware.node_lost_after_s (20 s unless set), after which a part still Running counts as lost.
 SETTLE_AFTER_SUCCESS_S = 120.0
-SETTLE_AFTER_FAILURE_S = 20.0
 POLL_S = 0.5
 WATCH_S = 2.0  # how often the parts' states are read while node 0 runs
 WAITING = ("SCHEDULED", "PENDING")  # no agent has started the part (Late is a Scheduled state)
@@ -39,8 +39,9 @@ ENDED_BADLY = ("FAILED", "CRASHED", "CANCELLED")
 class NodePoolLauncher(NodeLauncher):
     """Submits each part to its node's agent in work pool `pool` and reads what became of it."""
 
-    def __init__(self, pool: str):
+    def __init__(self, pool: str, lost_after_s: float = 20.0):
         self.pool = pool
+        self.lost_after_s = lost_after_s  # hardware.node_lost_after_s
         self.runs: dict[int, tuple[UUID, str]] = {}  # node rank -> its part's flow run (id, name)
         self._watch: tuple[threading.Thread, threading.Event] | None = None
         self._aborted_by: int | None = None  # the node whose part's end stopped node 0
@@ -91,7 +92,7 @@ class NodePoolLauncher(NodeLauncher):
             self._watch = None
         if not self.runs:
             return None
-        deadline = time.monotonic() + (SETTLE_AFTER_SUCCESS_S if succeeded else SETTLE_AFTER_FAILURE_S)
+        deadline = time.monotonic() + (SETTLE_AFTER_SUCCESS_S if succeeded else self.lost_after_s)
         with get_client(sync_client=True) as client:
             while True:
                 states = {rank: client.read_flow_run(run_id).state for rank, (run_id, _) in self.runs.items()}
@@ -122,10 +123,11 @@ class NodePoolLauncher(NodeLauncher):
                                caused=rank == self._aborted_by)
         if kind == "CANCELLED":
             return NodeProblem(f"{where} was cancelled", caused=True)
-        wait = SETTLE_AFTER_SUCCESS_S if succeeded else SETTLE_AFTER_FAILURE_S
+        wait = SETTLE_AFTER_SUCCESS_S if succeeded else self.lost_after_s
         client.set_flow_run_state(run_id, Crashed(message="its agent stopped reporting"), force=True)
-        return NodeProblem(f"{where} was still {state.name} {wait:g} s after node 0's torchrun ended: its agent "
-                           "stopped reporting (killed, or its node lost); restart it there with "
+        setting = "" if succeeded else " (hardware.node_lost_after_s)"
+        return NodeProblem(f"{where} was still {state.name} {wait:g} s{setting} after node 0's torchrun ended: its "
+                           "agent stopped reporting (killed, or its node lost); restart it there with "
                            f"`{agent_command(self.pool, rank)}`", caused=True)
 
 
@@ -147,4 +149,4 @@ def check_agents(cfg) -> None:
                     "on that node")]) from None
 
 
-register_pool_launcher(NodePoolLauncher)
+register_pool_launcher(lambda hardware: NodePoolLauncher(hardware.node_pool, hardware.node_lost_after_s))

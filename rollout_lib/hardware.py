@@ -66,6 +66,11 @@ class HardwareSettings(StrictModel):
     # part not running and joined within rdzv_timeout_s fails the segment naming its node. None: each segment logs
     # the other nodes' torchrun commands for someone to run. Where ranks run, never what: not in the identity.
     node_pool: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}$")
+    # With node_pool: once node 0's torchrun has failed, how long the other nodes' parts may take to report their
+    # end (their ranks lose node 0's and fail likewise) before a part still Running counts as lost: its agent
+    # killed or its node gone, the part marked Crashed. Longer where agents report slowly (a busy Prefect server);
+    # shorter to fail sooner. Not in the identity.
+    node_lost_after_s: float = Field(20.0, gt=0)
     # The GPUs of each node the trainer takes (docs/scale.md, "GPUs placed"): torchrun's ranks see only these
     # (CUDA_VISIBLE_DEVICES), local rank i computes on the i-th; one process in the flow's own: on the first. None:
     # every GPU, as before. Where the model computes, never what: not in the identity.

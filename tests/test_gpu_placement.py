@@ -65,7 +65,7 @@ def test_a_training_segments_torchrun_sees_only_the_trainers_gpus(monkeypatch):
     inputs = inputs_of("sft", "algorithm.sft.hardware.nproc=2", "algorithm.sft.hardware.gpus=[4, 6]")
     env = launched_env(monkeypatch, rank_group, lambda: segment_group.run_segment_in_processes(
         object, inputs, "checkpoint", 1, 2, 2))
-    assert "torch.distributed.run" in env["command"] and "--nproc_per_node=2" in env["command"]
+    assert "rollout_lib.trainer.torchrun" in env["command"] and "--nproc_per_node=2" in env["command"]
     # local rank i takes the i-th visible GPU (segment_worker: cuda:LOCAL_RANK): rank 0 -> GPU 4, rank 1 -> GPU 6
     assert env["CUDA_VISIBLE_DEVICES"] == "4,6"
     assert "4,6" not in " ".join(env["command"])  # the placement is the environment's, not the command line's

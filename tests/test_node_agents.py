@@ -23,6 +23,7 @@ from rollout_lib.trainer.node_parts import NodePart, node_deployment
 from test_nodes import free_port
 
 POOL = "test-nodes"  # each test its own (POOL-a, POOL-b): its part runs are its own
+LOST_AFTER_S = 3
 
 
 def sft_args(store: Path, *more: str) -> list[str]:
@@ -32,9 +33,12 @@ def sft_args(store: Path, *more: str) -> list[str]:
 
 
 def over_two_nodes(pool: str, timeout_s: float = 120) -> list[str]:
+    # a part lost with its agent is called lost LOST_AFTER_S after node 0 failed (hardware.node_lost_after_s; 20 s
+    # by default): a killed agent never reports, so the wait is all the test would spend there
     return ["--set", "algorithm.sft.hardware.nnodes=2", "--set", f"algorithm.sft.hardware.node_pool={pool}",
             "--set", f"algorithm.sft.hardware.rdzv_endpoint=127.0.0.1:{free_port()}",
-            "--set", f"algorithm.sft.hardware.rdzv_timeout_s={timeout_s}"]
+            "--set", f"algorithm.sft.hardware.rdzv_timeout_s={timeout_s}",
+            "--set", f"algorithm.sft.hardware.node_lost_after_s={LOST_AFTER_S}"]
 
 
 class NodeAgent:
@@ -179,7 +183,8 @@ def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_
         node_0.join(timeout=300)
     error = str(outcome.get("error", outcome)).splitlines()[0]
     assert error.startswith("train steps 2-2: node 1's part (flow run ") and error.endswith(
-        "was still Running 20 s after node 0's torchrun ended: its agent stopped reporting (killed, or its node "
+        f"was still Running {LOST_AFTER_S} s (hardware.node_lost_after_s) after node 0's torchrun ended: its agent "
+        "stopped reporting (killed, or its node "
         f"lost); restart it there with `rollout node start --pool {pool} --node 1`; the segment's start checkpoint "
         "is in the store, so a rerun trains steps 2-2 again from it."), error
 

@@ -20,7 +20,7 @@ from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.store import ObjectStore
 from rollout_lib.trainer.causal import CausalLmTrainer, RecordedBatches
 from rollout_lib.trainer.data_parallel import DataParallelError
-from rollout_lib.trainer.node_parts import RECEIVE_SPEC
+from rollout_lib.trainer.node_parts import RECEIVE_SPEC, TORCHRUN
 from rollout_lib.trainer.segment_group import run_segment_in_processes
 from test_data_parallel import sft_inputs
 
@@ -54,7 +54,7 @@ def first_in_rank_order(command: list[str]) -> list[str]:
     """A node's torchrun command, its node named by 127.0.0.1 (sorted before this machine's name, "localhost"): the
     c10d rendezvous numbers nodes by address, so its ranks come first and rank 0 is not on the flow's node, as
     happens on a cluster. What rank 0 writes goes to the store; what the flow reads comes from its own node."""
-    at = command.index("torch.distributed.run") + 1
+    at = command.index(TORCHRUN) + 1
     return [*command[:at], "--local-addr=127.0.0.1", *command[at:]]
 
 

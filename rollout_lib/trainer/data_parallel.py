@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from rollout_lib.losses import COMPONENTS
 from rollout_lib.hardware import hardware_of_config, hardware_settings, visible_devices
-from rollout_lib.trainer.node_parts import SHARDED_MALLOC, NodePart
+from rollout_lib.trainer.node_parts import SHARDED_MALLOC, TORCHRUN, NodePart
 
 # Test hook: "RANK:STEP" makes that rank SIGKILL itself as it starts that step (a rank dying mid-segment).
 KILL_RANK_ENV = "ROLLOUT_TEST_KILL_RANK_AT_STEP"
@@ -145,7 +145,7 @@ def torchrun_command(nproc: int, spec_path: str, module: str = "rollout_lib.trai
         launch = [f"--nnodes={nodes.count}", "--node-rank=0", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={run_id}",
                   f"--rdzv-conf=join_timeout={nodes.timeout_s:g}"]
-    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}", "-m", module,
+    return [sys.executable, "-m", TORCHRUN, *launch, f"--nproc_per_node={nproc}", "-m", module,
             spec_path]
 
 

@@ -32,6 +32,9 @@ PART_MODULES = ("rollout_lib.trainer.segment_worker", "rollout_lib.rl.policy_ran
 # flow's node over the process group once it is joined (segment_worker.join_group), so those nodes need a checkout
 # and environment like node 0's and the run's store, not node 0's files. Then the group's backend.
 RECEIVE_SPEC = "--receive-spec"
+# What every node's torchrun runs as: torch.distributed.run, ended without the interpreter's teardown once its group
+# has succeeded (trainer/torchrun.py).
+TORCHRUN = "rollout_lib.trainer.torchrun"
 BACKENDS = ("gloo", "nccl")
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:[0-9]{1,5}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -91,7 +94,7 @@ class NodePart:
 
     def command(self) -> list[str]:
         """This part's torchrun command, as an argument list (data_parallel.torchrun_command for node 0's)."""
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
+        return [sys.executable, "-m", TORCHRUN, f"--nnodes={self.nnodes}",
                 f"--node-rank={self.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
                 f"--rdzv-id={self.run_id}", f"--rdzv-conf=join_timeout={self.timeout_s:g}",
                 f"--nproc_per_node={self.nproc}", "-m", self.module, RECEIVE_SPEC, self.backend]
@@ -182,7 +185,7 @@ class LoggedCommands(NodeLauncher):
         self.announce({node_rank: part.command() for node_rank, part in parts.items()})
 
 
-_pool_launcher = None  # (pool) -> NodeLauncher, handed down by the flows
+_pool_launcher = None  # (hardware settings) -> NodeLauncher of hardware.node_pool, handed down by the flows
 
 
 def register_pool_launcher(factory) -> None:
@@ -201,4 +204,4 @@ def launcher_for(hardware, announce=None) -> NodeLauncher:
     if _pool_launcher is None:
         raise NodePartError(f"hardware.node_pool = {hardware.node_pool!r}: node agents are reached through the "
                             "flows (rollout train, a deployment); this caller registered no launcher")
-    return _pool_launcher(hardware.node_pool)
+    return _pool_launcher(hardware)
