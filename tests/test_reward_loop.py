@@ -319,6 +319,9 @@ def test_arrow_round_trip():
             "completion_turns": [None, None],
             "episode": [None, None],
             "sampled_from": [None, None],
+            "token_policy_versions": [None, None],  # partial rollouts' columns: null for a whole sample
+            "drawn_at_step": [None, None],
+            "behaviour_logprobs": [None, None],
         },
         schema=wire.ROLLOUTS,
     )

@@ -55,6 +55,7 @@ def rollouts_table(rows: list[tuple[str, str]]) -> tuple[pa.Table, pa.Table]:
         "sampling_logprobs": [[-0.1]] * n, "completion_text": [c for _, c in rows], "answer": [None] * n,
         "info": [None] * n, "reward": [None] * n, "reward_error": [None] * n, "completion_turns": [None] * n,
         "episode": [None] * n, "sampled_from": [None] * n,
+        "token_policy_versions": [None] * n, "drawn_at_step": [None] * n, "behaviour_logprobs": [None] * n,
     }, schema=wire.ROLLOUTS)
     return rollouts, prompts_table
 
