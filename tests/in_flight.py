@@ -1,7 +1,8 @@
 """SIGKILL a server with a request really in flight on it, however loaded the machine is: stop its process group
 (SIGSTOP) before the request goes out, wait until the request sits unread in the server's socket (/proc/net/tcp),
 then SIGKILL the group. The kernel resets the connection, so the client reads a cut request (httpx's ReadError),
-as when a server dies under it; never a refusal before it was sent, nor an answer that came first."""
+as when a server dies under it; never a refusal before it was sent, nor an answer that came first. And what vLLM
+replicas say they answered (their Prometheus counters), to show a request was answered once, by a survivor."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ async def kill_with_the_request_in_flight(group: int, port: int, request: Awaita
     finally:
         os.killpg(group, signal.SIGKILL)
     return time.monotonic(), in_flight
+
+
+def vllm_requests_answered(base_urls: list[str]) -> float:
+    """Requests vLLM replicas have finished, from their Prometheus counters (vllm:request_success_total)."""
+    import re
+
+    import httpx
+
+    total = 0.0
+    for url in base_urls:
+        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+        total += sum(float(value) for value in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+    return total

@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from in_flight import vllm_requests_answered
 from rollout_lib.identity.training import training_settings
 from rollout_lib import wire
 from rollout_lib.config import ConfigError, RlConfig
@@ -186,19 +187,6 @@ def test_a_judge_replica_killed_mid_step_fails_over_for_the_judge_reward_and_thr
     assert pool.failures[pool.urls[0]] >= 1 and set(pool.outstanding.values()) == {0}
     assert seconds < 60
     print(f"64 judge calls, 32 of them through the router, one replica SIGKILLed: {seconds:.1f} s")
-
-
-def vllm_requests_answered(base_urls: list[str]) -> float:
-    """Requests the replicas have finished, from vLLM's Prometheus counters (vllm:request_success_total)."""
-    import re
-
-    import httpx
-
-    total = 0.0
-    for url in base_urls:
-        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
-        total += sum(float(value) for value in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
-    return total
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@ verl's reward loop hands a user function (seed 004), and what reaches a function
 async and sync (in worker processes), with the judge's tokenizer; bad input and faults, one line naming the setting.
 
 Against canned replicas (httpx.MockTransport behind the pool, a real HTTP server in front of it); the runs against
-the session's vLLM replicas (an RL run, a replica SIGKILLed mid-step) are in tests/test_judge_rewards.py.
+the session's vLLM replicas (an RL run, a replica SIGKILLed mid-step) are in tests/test_judge_rewards.py, and one
+address over two vLLM judges and a served RM, a replica of each SIGKILLed mid-step, in test_served_reward_model.py.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ float noise) and keeps counting what inputs lost. The same RM served on another 
 pooling` from another directory with a home of its own, reading the checkpoint from the run's store) and given by
 URL (`base_url`) scores what rollout's own server scores, bit for bit; a pool over both nodes survives a replica
 killed mid-step; a `rollout train rl` run is rewarded by both (reusing rollout's running deployment), and the same
-run with a URL where nothing answers fails in one line before any step.
+run with a URL where nothing answers fails in one line before any step. Last, the RM behind one router address with
+two vLLM judges, a replica of each SIGKILLed mid-step, nothing lost.
 
-Two pooling servers for the module, one per node (~30 s each to start), stopped at its end."""
+Two pooling servers for the module, one per node (~30 s each to start), stopped at its end; the module runs in the
+session's vLLM group (tests/conftest.py), whose judge its last test uses."""
 
 from __future__ import annotations
 
@@ -283,31 +285,101 @@ def test_rl_rewarded_by_the_served_reward_model(served_rm, rm_on_another_node, t
     assert last_step[own] == last_step[by_url]  # each reward's mean over the step's rollouts
 
 
-def test_a_replica_killed_mid_step_fails_over_to_the_other_nodes(served_rm, rm_on_another_node):
-    """`base_url` listing replicas on two nodes (this one's deployment and the other node's server): this node's
-    replica is SIGKILLed while the step's requests to it are in flight (stopped first, so that a request it was sent
-    waits unread until the kill), which costs retries on the other node's, not the step, and the scores are the
-    same bits. Last in the module: it leaves this node's replica dead (the fixture stops the deployment) rather than
-    restart it."""
+@pytest.fixture
+def second_judge():
+    """Another judge model for the router: tiny:qwen2 served by `rollout serve start --replicas 2` under a name of its
+    own (~30 s on 2 cores), stopped at the test's end."""
+    name = "test-judge-n"
+    try:
+        started = run_rollout("serve", "start", "tiny:qwen2", "--name", name, "--replicas", "2", timeout=900)
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield engine.find_deployment(name)
+    finally:
+        run_rollout("serve", "stop", name, timeout=120)
+
+
+def test_one_address_over_two_judges_and_the_reward_model_loses_a_replica_of_each_mid_step_nothing_lost(
+        served_rm, rm_on_another_node, vllm_tiny, second_judge):
+    """Seed 004's one `reward_router_address` over a run's reward servers, all real: two judges on vLLM (the
+    session's test-tiny and test-judge-n, two replicas each) and the RM on two nodes (this one's deployment and the
+    other node's server, `base_url` listing both), behind one router. One replica of each is SIGKILLed while the
+    step's requests to it are in flight (stopped first, so a request it was sent waits unread until the kill):
+    the RM's own scorer and the router's callers (chat completions by model name, /classify) each get every answer,
+    from a survivor of the model they named: the RM's scores are the same bits, each judge's surviving replica
+    answered every request sent to that judge (vLLM's counters), and nothing is left counted in flight. Last in the
+    module: it leaves this node's RM replica dead (the fixture stops the deployment); test-tiny's is restarted."""
+    import httpx
+
+    from in_flight import vllm_requests_answered
+    from rollout_lib.serving.pool import EndpointPool
+    from rollout_lib.serving.router import PoolRouter
+
     store, _, _, served = served_rm
     [here] = served.pool.urls
-    group = engine.find_deployment(served.pool.model).replicas[0].pid
+    vllm_tiny.ensure_running()
+    judges = {vllm_tiny.name: list(vllm_tiny.base_urls), second_judge.name: list(second_judge.base_urls)}
     with ServedModels(str(store)) as elsewhere:
         both = load_scorer(settings(store, base_url=[here, rm_on_another_node], batch_size=4), elsewhere, "test")
-        before = asyncio.run(score_all(both, ITEMS))
-        outcome: dict = {}
-        step = threading.Thread(target=lambda: outcome.update(after=asyncio.run(score_all(both, ITEMS * 3))))
-        os.killpg(group, signal.SIGSTOP)
+        pools = [EndpointPool(urls, name, timeout_s=120) for name, urls in judges.items()]
+        router = PoolRouter(pools[0], where="algorithm.rl.envs[0].rewards[0].judge").start()
+        router.add(pools[1], where="algorithm.rl.envs[0].rewards[1].judge")
+        router.add(both.pool, where="algorithm.rl.envs[0].rewards[2].reward_model")
+        texts = [f"{item.prompt[0]['content']} {item.completion_text}" for item in ITEMS[:4]]
+        chat = {"messages": [{"role": "user", "content": "Is 6 * 7 = 42? Answer yes or no."}], "max_tokens": 4,
+                "temperature": 0.0}
+
+        def probabilities(reply: httpx.Response) -> list:  # a /classify reply's scores (its id and time differ)
+            return [entry["probs"] for entry in reply.json()["data"]]
+
+        async def through_the_router(rounds: int) -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=f"http://{router.address}", timeout=300) as client:
+                asks = [client.post("/v1/chat/completions", json={**chat, "model": name})
+                        for _ in range(rounds) for name in judges]
+                asks += [client.post("/classify", json={"model": both.pool.model, "input": texts})
+                         for _ in range(rounds)]
+                return list(await asyncio.gather(*asks))
+
+        async def step() -> tuple[list, list[httpx.Response]]:
+            return await asyncio.gather(score_all(both, ITEMS * 3), through_the_router(8))
+
         try:
-            step.start()  # several batches: some go to this node's replica first
-            deadline = time.monotonic() + 60
-            while not unread_requests(urlsplit(here).port):
-                assert time.monotonic() < deadline and step.is_alive(), "no request reached the stopped replica"
-                time.sleep(0.02)
+            scores_before = asyncio.run(score_all(both, ITEMS))
+            classified_before = probabilities(asyncio.run(through_the_router(1))[-1])
+            survivors_answered = {name: vllm_requests_answered(urls[1:]) for name, urls in judges.items()}
+            victims = [(engine.find_deployment(served.pool.model).replicas[0].pid, here),
+                       (vllm_tiny.pids[0], judges[vllm_tiny.name][0]),
+                       (second_judge.pids[0], judges[second_judge.name][0])]
+            outcome: dict = {}
+            stepping = threading.Thread(target=lambda: outcome.update(zip(("scores", "replies"), asyncio.run(step()))))
+            for group, _ in victims:
+                os.killpg(group, signal.SIGSTOP)
+            try:
+                stepping.start()
+                deadline = time.monotonic() + 120
+                while not all(unread_requests(urlsplit(url).port) for _, url in victims):
+                    assert time.monotonic() < deadline and stepping.is_alive(), \
+                        "no request reached a stopped replica: " + repr([
+                            (url, unread_requests(urlsplit(url).port)) for _, url in victims])
+                    time.sleep(0.02)
+            finally:
+                for group, _ in victims:
+                    os.killpg(group, signal.SIGKILL)
+            stepping.join(timeout=300)
+            assert not stepping.is_alive(), "the step stalled"
+
+            assert outcome["scores"] == scores_before * 3  # the RM's own scorer: every score, the same bits
+            replies = outcome["replies"]
+            assert [reply.status_code for reply in replies] == [200] * len(replies), \
+                [reply.text[:300] for reply in replies if reply.status_code != 200]
+            chats, classified = replies[:16], replies[16:]
+            assert [reply.json()["model"] for reply in chats] == list(judges) * 8  # each by the model it named
+            assert all(probabilities(reply) == classified_before for reply in classified)  # the RM, by the router
+            for (name, urls), pool in zip(judges.items(), pools):
+                # the stopped replica answered nothing: its judge's 8 requests, each answered once, by the survivor
+                assert vllm_requests_answered(urls[1:]) - survivors_answered[name] == 8, name
+                assert pool.failures[urls[0]] >= 1, (name, pool.failures)
+            assert both.pool.failures[here] >= 1 and both.pool.recover is None  # not rollout's to restart
+            assert all(set(pool.outstanding.values()) == {0} for pool in (*pools, both.pool))
         finally:
-            os.killpg(group, signal.SIGKILL)
-        step.join(timeout=120)
-        assert not step.is_alive(), "the step stalled"
-        assert outcome["after"] == before * 3
-        assert both.pool.failures[here] >= 1 and both.pool.recover is None  # not rollout's to restart
-        assert set(both.pool.outstanding.values()) == {0}
+            router.close()
+            vllm_tiny.ensure_running()  # the session's judge, for the tests after this module
