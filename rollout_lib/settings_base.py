@@ -35,6 +35,26 @@ class ModelRef(StrictModel):
         return {"uri": value} if isinstance(value, str) else value
 
 
+# The GPUs of this node a server rollout starts takes (docs/scale.md, "GPUs placed"): split into its replicas' equal
+# consecutive shares (hardware.replica_gpus), each replica seeing only its own (CUDA_VISIBLE_DEVICES). None: every GPU.
+GpuList = list[Annotated[int, Field(ge=0)]] | None
+
+
+def replica_gpus_problem(gpus: list[int] | None, replicas: int, remote: bool = False) -> str | None:
+    """Why `gpus` cannot place `replicas` servers rollout starts (None: it can); `remote`: the servers are given by
+    base_url, someone else's to place."""
+    if gpus is None:
+        return None
+    if len(set(gpus)) < len(gpus):
+        return f"gpus lists a GPU twice: {gpus}"
+    if remote:
+        return ("gpus places the replicas rollout starts here, and base_url names servers you run elsewhere: set "
+                "their GPUs where they start (CUDA_VISIBLE_DEVICES), or leave base_url out")
+    if len(gpus) % replicas:
+        return f"gpus = {gpus} splits into replicas = {replicas} equal shares: list a multiple of {replicas} GPUs"
+    return None
+
+
 def tagged_union(types: tuple[type[BaseModel], ...], what: str, default: str | None = None) -> Any:
     """A union of settings classes chosen by their `type` (or `kind`); an unknown type names the ones that exist.
     A class whose `type` is a Literal of several values (`"parquet" | "arrow" | "hf_disk"`) is chosen by any of

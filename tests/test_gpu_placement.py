@@ -162,3 +162,76 @@ def test_disjoint_gpus_pass_the_plan_and_leave_the_training_identity_as_it_was(c
     with_gpus = placed[1::2]  # the --set values
     assert training_hash(load_config(config_class("rl"), "configs/rl-tiny.toml", with_gpus)) == \
         training_hash(load_config(config_class("rl"), "configs/rl-tiny.toml", unplaced))
+
+
+# --- the frozen and reward models rollout serves ------------------------------------------------------------------
+
+JUDGE_ON_GPU_1 = ["--set", 'algorithm.rl.envs[0].rewards=[{ judge = { model = "tiny:qwen2", replicas = 2, '
+                           'gpus = [1, 2] } }]']
+SERVED_RM = 'algorithm.rl.envs[0].rewards=[{ reward_model = "tiny:qwen2", engine = "vllm", gpus = [%s] }]'
+
+
+@pytest.mark.parametrize(("overrides", "error"), [
+    ([*TRAINER_GPUS, *JUDGE_ON_GPU_1],
+     "algorithm.rl.envs[0].rewards[0].judge.gpus: GPU 1 is also in algorithm.rl.hardware.gpus: the trainer's ranks "
+     "and each served model's replicas take disjoint GPUs"),
+    (["--set", 'algorithm.rl.policy_sampler={ type = "vllm", gpus = [3] }', "--set", SERVED_RM % "3"],
+     "algorithm.rl.envs[0].rewards[0].gpus: GPU 3 is also in algorithm.rl.policy_sampler.gpus"),
+    (["--set", 'algorithm.rl.envs[0].rewards=[{ judge = { model = "tiny:qwen2", replicas = 2, gpus = [1, 2, 3] } }]'],
+     "algorithm.rl.envs[0].rewards[0].judge: gpus = [1, 2, 3] splits into replicas = 2 equal shares"),
+    (["--set", 'algorithm.rl.envs[0].rewards=[{ reward_model = "tiny:qwen2", gpus = [0] }]'],
+     "algorithm.rl.envs[0].rewards[0]: gpus places the vLLM servers rollout starts for this reward model: set "
+     'engine = "vllm" with it'),
+])
+def test_frozen_and_reward_models_rollout_serves_take_their_own_gpus_or_are_refused_in_one_line(capsys, overrides,
+                                                                                                  error):
+    code, out, err = rollout(capsys, "train", "rl", "--config", "configs/rl-tiny.toml", "--dry-run", *overrides)
+    assert (code, out) == (2, ""), err
+    assert err.startswith(f"rollout: error: configs/rl-tiny.toml: {error}") and len(err.splitlines()) == 1, err
+
+
+def test_each_replica_of_a_served_judge_and_reward_model_sees_only_its_share(monkeypatch, tmp_path):
+    """What ServedModels asks the engine for (a judge on 2 replicas over GPUs [4, 5], a reward model on [6]) and the
+    environment each replica would be launched with; a running deployment of the model placed otherwise is
+    refused in one line naming the setting, not reused or doubled; the placement leaves the identity as it was."""
+    from rollout_lib.errors import ConfigError
+    from rollout_lib.serving import served
+    from rollout_lib.serving.settings import ServedModel
+    from rollout_lib.settings_base import ModelRef
+
+    started = []
+
+    def start_deployment(reference, *, replicas, gpus, **_):
+        started.append(deployment(replica_gpus(list(gpus), replicas)))
+        raise Launched
+
+    monkeypatch.setattr(served, "served_model_directory", lambda uri, store: tmp_path / "model")
+    monkeypatch.setattr(engine, "running_deployments", lambda: [])
+    monkeypatch.setattr(engine, "start_deployment", start_deployment)
+    judge = ServedModel(model="tiny:qwen2", replicas=2, gpus=[4, 5])
+    with served.ServedModels(str(tmp_path / "store")) as models:
+        with pytest.raises(Launched):
+            models.pool(judge, where="algorithm.rl.envs[0].rewards[0].judge")
+        with pytest.raises(Launched):
+            models.reward_model_pool(ModelRef(uri="tiny:qwen2"), replicas=1, where="r", gpus=[6])
+    assert [placed.gpus for placed in started] == [[[4], [5]], [[6]]]
+    assert [engine._server_env(started[0], 2, j)["CUDA_VISIBLE_DEVICES"] for j in (0, 1)] == ["4", "5"]
+    assert engine._server_env(started[1], 1, 0)["CUDA_VISIBLE_DEVICES"] == "6"
+
+    elsewhere = engine.Deployment(name="tiny-qwen2", model="tiny:qwen2", model_dir=str(tmp_path / "model"),
+                                  runner="generate", max_model_len=64, env={}, gpus=[[0], [1]])
+    monkeypatch.setattr(engine, "running_deployments", lambda: [elsewhere])
+    with served.ServedModels(str(tmp_path / "store")) as models, pytest.raises(ConfigError) as refused:
+        models.pool(judge, where="algorithm.rl.envs[0].rewards[0].judge")
+    assert str(refused.value) == (
+        "algorithm.rl.envs[0].rewards[0].judge.gpus: tiny:qwen2 is already served by deployment 'tiny-qwen2' on GPUs "
+        "[[0], [1]], not [[4], [5]]: stop it (rollout serve stop tiny-qwen2) or leave gpus out to use it")
+
+    def identity(rewards: str) -> str:
+        return training_hash(load_config(config_class("rl"), "configs/rl-tiny.toml",
+                                         [f"algorithm.rl.envs[0].rewards={rewards}"]))
+
+    assert identity('[{ judge = { model = "tiny:qwen2", gpus = [4] } }]') == \
+        identity('[{ judge = { model = "tiny:qwen2" } }]')
+    assert identity('[{ reward_model = "tiny:qwen2", engine = "vllm", gpus = [6] }]') == \
+        identity('[{ reward_model = "tiny:qwen2", engine = "vllm" }]')

@@ -36,11 +36,29 @@ def plan_warnings(config) -> list[tuple[str, str]]:
 
 def common_problems(config) -> list[tuple[str, str]]:
     """The checks of every entry point: its adapter, then its GPU placement (hardware.placement_problems) beside the
-    models it serves on this node (RL's policy)."""
-    served = ([("algorithm.rl.policy_sampler.gpus", getattr(config.settings.policy_sampler, "gpus", None))]
-              if config.algorithm.kind == "rl" else [])
+    models it serves on this node (RL's policy, and the frozen and reward models rollout serves)."""
+    served = served_gpus(config) if config.algorithm.kind == "rl" else []
     return adapter_problems(config) + placement_problems(config.hardware_locator, hardware_settings(config.settings),
                                                          served)
+
+
+def served_gpus(config) -> list[tuple[str, list[int] | None]]:
+    """(locator of its gpus, gpus) of each server an RL run starts on this node: the policy's, each frozen model
+    rollout serves (teachers, sampling sources, judges) and each reward model it serves; a model named twice alike
+    is one deployment, counted once."""
+    from rollout_lib.serving.settings import ServedModel
+
+    served = [("algorithm.rl.policy_sampler.gpus", getattr(config.settings.policy_sampler, "gpus", None))]
+    seen = set()
+    frozen = [(where, model, model.model_dump_json()) for where, model in config.frozen_models()
+              if isinstance(model, ServedModel)]
+    rewards = [(where.removesuffix(".reward_model"), reward, reward.model_dump_json())
+               for where, reward in config.served_reward_models() if reward.base_url is None]
+    for where, settings, key in frozen + rewards:
+        if settings.gpus is not None and key not in seen:
+            seen.add(key)
+            served.append((f"{where}.gpus", settings.gpus))
+    return served
 
 
 def adapter_problems(config) -> list[tuple[str, str]]:

@@ -211,7 +211,7 @@ def load_scorer(settings, served_models=None, where: str = "reward_model", hardw
             pool = served_models.reward_model_at(ref, settings.base_url, settings.served_name, tokenizer=tokenizer,
                                                  where=f"{where.removesuffix('.reward_model')}.base_url")
         else:
-            pool = served_models.reward_model_pool(ref, replicas=settings.replicas, where=where)
+            pool = served_models.reward_model_pool(ref, replicas=settings.replicas, where=where, gpus=settings.gpus)
         max_length = settings.max_length or (manifest or {}).get("max_seq_len") or pool.max_model_len
         if pool.max_model_len is not None and max_length > pool.max_model_len:
             raise ValueError(f"{where}: max_length {max_length} is more than the server's max_model_len "

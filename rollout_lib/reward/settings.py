@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollout_lib.serving.settings import BaseUrls, FrozenModel
-from rollout_lib.settings_base import ModelRef, StrictModel
+from rollout_lib.settings_base import GpuList, ModelRef, StrictModel, replica_gpus_problem
 
 
 class RewardFunctionSettings(StrictModel):
@@ -91,9 +91,10 @@ class RewardModelSettings(StrictModel):
     # `served_name`: the model name that server serves, if not the one its /v1/models lists.
     base_url: BaseUrls | None = None
     served_name: str | None = Field(None, min_length=1)
+    gpus: GpuList = Field(None, min_length=1)  # the GPUs of rollout's own pooling replicas (engine = "vllm")
 
     # Where the model runs, never what it computes: not part of the training identity (config/rl.py).
-    RESOURCES: ClassVar[tuple[str, ...]] = ("replicas", "base_url", "served_name")
+    RESOURCES: ClassVar[tuple[str, ...]] = ("replicas", "base_url", "served_name", "gpus")
 
     @model_validator(mode="before")
     @classmethod
@@ -115,6 +116,12 @@ class RewardModelSettings(StrictModel):
             raise ValueError("served_name is the model name a server at base_url serves: give base_url with it")
         if self.replicas > 1 and self.engine != "vllm":
             raise ValueError('replicas is the number of vLLM servers: set engine = "vllm" with it')
+        if self.gpus is not None and self.engine != "vllm":
+            raise ValueError('gpus places the vLLM servers rollout starts for this reward model: set engine = "vllm" '
+                             "with it (the embedded scorer runs on the trainer's device)")
+        problem = replica_gpus_problem(self.gpus, self.replicas, remote=self.base_url is not None)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="before")

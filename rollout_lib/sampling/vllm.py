@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -39,6 +39,7 @@ from rollout_lib.serving.policy_server import (
     PolicyServerSpec,
 )
 from rollout_lib.determinism import derived_seed
+from rollout_lib.settings_base import GpuList, replica_gpus_problem
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +76,13 @@ class VllmSamplerSettings(SamplerSettings):
     # The GPUs of this node the policy server takes (docs/scale.md, "GPUs placed"), split into `replicas` equal
     # consecutive shares: replica j sees only its own (CUDA_VISIBLE_DEVICES). Disjoint from the trainer's
     # (hardware.gpus), checked at plan time. None: every replica sees every GPU, as before. Not in the identity.
-    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
+    gpus: GpuList = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _gpus_shared_evenly(self) -> "VllmSamplerSettings":
-        if self.gpus is None:
-            return self
-        if len(set(self.gpus)) < len(self.gpus):
-            raise ValueError(f"gpus lists a GPU twice: {self.gpus}")
-        if self.base_url is not None:
-            raise ValueError("gpus places the replicas rollout starts here, and base_url names servers you run "
-                             "elsewhere: set their GPUs where they start (CUDA_VISIBLE_DEVICES), or leave base_url "
-                             "out")
-        if len(self.gpus) % self.replicas:
-            raise ValueError(f"gpus = {self.gpus} splits into replicas = {self.replicas} equal shares: list a "
-                             f"multiple of {self.replicas} GPUs")
+        problem = replica_gpus_problem(self.gpus, self.replicas, remote=self.base_url is not None)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def identity_settings(self) -> dict:

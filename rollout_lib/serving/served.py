@@ -68,7 +68,7 @@ class ServedModels:
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:
-                pool, described = self._connect(frozen)
+                pool, described = self._connect(frozen, where)
                 if tokenizer is not None:
                     mismatch = asyncio.run(find_tokenizer_mismatch(pool, tokenizer))
                     if mismatch:
@@ -106,16 +106,19 @@ class ServedModels:
         self.pool(frozen, tokenizer=tokenizer, where=where)
         return self.described[canonical_json(frozen.model_dump(mode="json"))]
 
-    def reward_model_pool(self, reference, *, replicas: int, where: str) -> EndpointPool:
+    def reward_model_pool(self, reference, *, replicas: int, where: str, gpus=None) -> EndpointPool:
         """The started pool of a reward model rollout serves with vLLM's pooling runner (`POST /classify`):
-        `reference` is a ModelRef (a checkpoint looked up in its own `store`, or any model reference)."""
-        key = canonical_json(["pooling", reference.uri, reference.store, replicas])
+        `reference` is a ModelRef (a checkpoint looked up in its own `store`, or any model reference); `gpus`: the
+        GPUs its replicas take."""
+        key = canonical_json(["pooling", reference.uri, reference.store, replicas, gpus])
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:
                 try:
                     deployment = self._deployment(reference.uri, reference.store, replicas=replicas,
-                                                  max_model_len=None, runner="pooling")
+                                                  max_model_len=None, runner="pooling", gpus=gpus, where=where)
+                except ConfigError:
+                    raise
                 except (engine.EngineError, OSError, ValueError) as exc:
                     raise ConfigError([(where, f"cannot serve reward model {reference.uri!r}: {exc}")]) from None
                 pool = EndpointPool(deployment.base_urls, deployment.name, recover=_restarter(deployment))
@@ -183,13 +186,14 @@ class ServedModels:
         self._started.append(deployment.name)
         return deployment
 
-    def _connect(self, frozen: ExternalModel | ServedModel) -> tuple[EndpointPool, str]:
+    def _connect(self, frozen: ExternalModel | ServedModel, where: str) -> tuple[EndpointPool, str]:
         recover = None  # a server given by URL is the user's: failover and a clear error, no restart
         if isinstance(frozen, ExternalModel):
             urls, name = frozen.base_url, frozen.name
         else:
             deployment = self._deployment(frozen.model.uri, self.store_url, replicas=frozen.replicas,
-                                          max_model_len=frozen.max_model_len, runner=frozen.runner)
+                                          max_model_len=frozen.max_model_len, runner=frozen.runner,
+                                          gpus=frozen.gpus, where=where)
             urls, name, recover = deployment.base_urls, deployment.name, _restarter(deployment)
         pool = EndpointPool(urls, name, timeout_s=frozen.timeout_s, max_attempts=frozen.max_attempts,
                             recover=recover)
@@ -197,10 +201,17 @@ class ServedModels:
         return pool, f"model {name!r} at {', '.join(urls)}"
 
     def _deployment(self, uri: str, store_url: str | None, *, replicas: int, max_model_len: int | None,
-                    runner: str):
+                    runner: str, gpus: list[int] | None = None, where: str = ""):
+        """A running deployment of the model reused (a placed one only where it is placed as asked), else one
+        started: `gpus` split over its replicas (hardware.replica_gpus)."""
         model_dir = served_model_directory(uri, store_url)
         for running in engine.running_deployments():
             if running.model_dir == str(model_dir) and running.runner == runner and not running.live_policy:
+                placed = replica_gpus(list(gpus), replicas) if gpus else None
+                if placed is not None and running.gpus != placed:
+                    raise ConfigError([(f"{where}.gpus", f"{uri} is already served by deployment {running.name!r} "
+                                        f"on GPUs {running.gpus or 'all'}, not {placed}: stop it (rollout serve stop "
+                                        f"{running.name}) or leave gpus out to use it")])
                 if running.orphaned:  # its run was killed before it could stop it: ours to stop now
                     self._started.append(running.name)
                 log.info("reusing served deployment %s for %s", running.name, uri)
@@ -209,7 +220,8 @@ class ServedModels:
         # generation deployment of the same weights.
         name = f"rm-{default_name(str(model_dir))[:60]}" if runner == "pooling" else None
         deployment = engine.start_deployment(uri, name=name, replicas=replicas, store_url=store_url,
-                                             max_model_len=max_model_len, runner=runner, owner_pid=os.getpid())
+                                             max_model_len=max_model_len, runner=runner, owner_pid=os.getpid(),
+                                             gpus=list(gpus or ()))
         self._started.append(deployment.name)
         return deployment
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from rollout_lib.settings_base import ModelRef, StrictModel
+from rollout_lib.settings_base import GpuList, ModelRef, StrictModel, replica_gpus_problem
 
 
 class FrozenClientSettings(StrictModel):
@@ -66,6 +66,14 @@ class ServedModel(FrozenClientSettings):
     # "pooling": a reward model (a sequence classifier) served with vLLM's pooling runner (`/classify`), for a reward
     # function's judge only (it scores through reward_router_address: docs/rewards.md); everything else generates.
     runner: Literal["generate", "pooling"] = "generate"
+    gpus: GpuList = Field(None, min_length=1)  # where its replicas run, never what they compute: not an identity
+
+    @model_validator(mode="after")
+    def _gpus_shared_evenly(self) -> "ServedModel":
+        problem = replica_gpus_problem(self.gpus, self.replicas)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     def identity_settings(self) -> dict:
         # The reference's spelling is not its identity: identity.training adds the content digest of what it
