@@ -1,5 +1,5 @@
-"""GPUs placed (issue 44): the trainer's ranks and the policy server's replicas take disjoint GPUs of a node, each
-launched process seeing only its own (CUDA_VISIBLE_DEVICES), refused at plan time when they cannot. This machine
+"""GPUs placed (issue 44): the trainer's ranks, the policy server's replicas and those of the frozen and reward models
+rollout serves take disjoint GPUs of a node, each launched process seeing only its own (CUDA_VISIBLE_DEVICES), refused at plan time when they cannot. This machine
 has no GPU: tested by the environment each launched process receives (docs/scale.md, "GPUs placed")."""
 
 from __future__ import annotations
