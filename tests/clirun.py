@@ -123,8 +123,9 @@ def train_in_process(*args: str) -> dict:
 
 
 def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: float = 600,
-                        env: dict | None = None) -> str:
-    """Start the CLI with `args`, SIGKILL it as soon as `marker` shows in its output; return that output.
+                        env: dict | None = None, after_s: float = 0.0) -> str:
+    """Start the CLI with `args`, SIGKILL it as soon as `marker` shows in its output (or `after_s` seconds after);
+    return that output.
 
     Fails if the process exits on its own first (the kill would prove nothing) or the marker never comes. The run
     is --verbose: its terminal keeps Prefect's per-task lines (`train-steps-1-8' - Finished`) markers wait for."""
@@ -135,6 +136,8 @@ def run_until_then_kill(args: list[str], marker: str, log_path: Path, timeout: f
             assert process.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, f"{marker!r} never appeared"
             time.sleep(0.02)
+        time.sleep(after_s)
+        assert process.poll() is None, f"the run ended within {after_s:.2f} s of {marker!r}: no kill to test"
         process.send_signal(signal.SIGKILL)
         process.wait()
     assert process.returncode == -signal.SIGKILL

@@ -4,6 +4,7 @@ ends on the uninterrupted run's checkpoint id, and every prompt drawn is trained
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def test_partial_rollouts_on_the_engine_carry_tokens_across_versions_train_every
     requests are resubmitted token-in to the reloaded server, each token recording the version that drew it; each
     stage scores its new tokens with the trainer's forward under the version it holds (`behaviour_logprobs`); every
     prompt drawn is trained once, whole; SIGKILLed while step 4 samples (requests carried from step 3 in flight),
-    the rerun ends on the uninterrupted run's checkpoint with the same trained tables. The embedded sampler runs
+    the rerun ends on the uninterrupted run's checkpoint with the same trained tables, after a first kill at a random
+    moment of steps 2-3 and its own rerun (the draw is in the failure message). The embedded sampler runs
     the same stage code with its own logprobs (the stage test below: same inputs, same tables), so one flow-level
     kill test, on the engine, covers the flow's side for both."""
     from clirun import final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
@@ -115,16 +117,21 @@ def test_partial_rollouts_on_the_engine_carry_tokens_across_versions_train_every
     assert drawn == Counter({step: m["partial/drawn_prompts"] for step, m in enumerate(metrics, 1)})
     assert sum(drawn.values()) == 4 * 4  # prompts_per_step x steps: none lost
 
-    # SIGKILLed while step 4 samples: the rerun ends on the same checkpoint with the same trained tables.
+    # Killed twice: first at a random moment (up to 1.5 s after step 1 trained: inside step 2's or 3's stages,
+    # wherever the draw lands), then, in the rerun, while step 4 samples with requests carried from step 3 in flight.
+    # The last rerun ends on the same checkpoint with the same trained tables.
     args = [*ENGINE_PARTIAL, "--store", str(tmp_path / "interrupted")]
-    killed = run_until_then_kill(args, f"with state {_state_after(store, 2)}", tmp_path / "killed.log")
-    assert "train-step-2' - Finished" in killed
+    after_s = random.Random().uniform(0.0, 1.5)
+    run_until_then_kill(args, "train-step-1' - Finished in state Completed", tmp_path / "killed-1.log",
+                        after_s=after_s)
+    killed = run_until_then_kill(args, f"with state {_state_after(store, 2)}", tmp_path / "killed-2.log")
+    assert "train-step-2' - Finished" in killed, f"first kill {after_s:.2f} s after step 1 trained"
     rerun = run_rollout(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resumed = final_result(rerun)
     states = task_run_states(resumed["flow_run_id"])
     assert states["train-step-2"] == "Cached" and states["train-step-4"] == "Completed"
-    assert resumed["checkpoint"] == expected["checkpoint"]
+    assert resumed["checkpoint"] == expected["checkpoint"], f"first kill {after_s:.2f} s after step 1 trained"
     # the same rows, but the engine's own logprobs, whose bits vary with batch composition (not trained on)
     def engine_free(tables):
         return {step: [{**row, "sampling_logprobs": None} for row in rows] for step, rows in tables.items()}
