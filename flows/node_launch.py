@@ -7,14 +7,18 @@ Each other node runs an agent: a Prefect process worker of the run's work pool o
 ended, `settle` reads each part's state: Completed is fine; Scheduled or Pending (no agent took it in time) is a
 part that never started, cancelled so that a late agent does not join a dead rendezvous; Failed or Crashed is a part
 that failed; Running long after node 0 ended is a part whose agent stopped reporting (killed, or its node lost),
-marked Crashed. While node 0 runs, a watch stops it as soon as a part ends badly, so that it does not wait for a
-part that will never join. Registered with the library on import (node_parts.register_pool_launcher).
+marked Crashed. While node 0 runs, a watch stops it as soon as a part ends badly, or as soon as a running part's
+agent stops heartbeating (its worker's last heartbeat older than hardware.node_lost_after_s plus two of its
+intervals: the node killed, stopped or cut off, which nothing else reports), so that node 0 waits neither for the
+rendezvous' timeout nor, once the ranks are starting, for torch's 30-minute process-group timeout. Registered with
+the library on import (node_parts.register_pool_launcher).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime, timezone
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
@@ -45,9 +49,10 @@ class NodePoolLauncher(NodeLauncher):
         self.runs: dict[int, tuple[UUID, str]] = {}  # node rank -> its part's flow run (id, name)
         self._watch: tuple[threading.Thread, threading.Event] | None = None
         self._aborted_by: int | None = None  # the node whose part's end stopped node 0
+        self._silent: dict[int, str] = {}  # node rank -> why its agent counts as lost (no heartbeat)
 
     def launch(self, parts: dict[int, NodePart], abort=None) -> None:
-        self.runs, self._aborted_by = {}, None
+        self.runs, self._aborted_by, self._silent = {}, None, {}
         with get_client(sync_client=True) as client:
             deployments = {}
             for rank in parts:  # every node has its agent, or nothing is submitted
@@ -78,12 +83,33 @@ class NodePoolLauncher(NodeLauncher):
                 for rank, (run_id, _) in runs.items():
                     try:
                         kind = client.read_flow_run(run_id).state.type.value
+                        silent = self._agent_silence(client, rank) if kind == "RUNNING" else None
                     except Exception:  # noqa: BLE001  the server briefly busy: ask again next time
                         continue
-                    if kind in ENDED_BADLY:
+                    if kind in ENDED_BADLY or silent is not None:
+                        if silent is not None:
+                            self._silent[rank] = silent
                         self._aborted_by = rank
                         abort()
                         return
+
+    def _agent_silence(self, client, rank: int) -> str | None:
+        """Why node `rank`'s agent counts as lost, or None: its worker (`rollout node start` names it
+        `<pool>-node-<rank>-<host>`) has not sent a heartbeat for longer than node_lost_after_s plus two of its
+        heartbeat intervals. A node whose worker is not found by that name (a plain `prefect worker start`) is not
+        judged here."""
+        prefix = f"{self.pool}-{node_queue(rank)}-"
+        workers = [worker for worker in client.read_workers_for_work_pool(self.pool)
+                   if worker.name.startswith(prefix) and worker.last_heartbeat_time is not None]
+        if not workers:
+            return None
+        now = datetime.now(timezone.utc)
+        ages = {worker.name: ((now - worker.last_heartbeat_time).total_seconds(),
+                              self.lost_after_s + 2 * (worker.heartbeat_interval_seconds or 30)) for worker in workers}
+        if any(age <= allowed for age, allowed in ages.values()):
+            return None
+        name, (age, _) = min(ages.items(), key=lambda item: item[1][0])
+        return f"its agent (worker {name!r}) sent no heartbeat for {age:.0f} s"
 
     def settle(self, succeeded: bool) -> NodeProblem | None:
         if self._watch is not None:
@@ -97,9 +123,9 @@ class NodePoolLauncher(NodeLauncher):
             while True:
                 states = {rank: client.read_flow_run(run_id).state for rank, (run_id, _) in self.runs.items()}
                 waiting = any(state.type.value in WAITING for state in states.values())
-                # a part nobody started will not start now; one that runs may still end
-                if all(state.type.value in ENDED for state in states.values()) or time.monotonic() > deadline or (
-                        not succeeded and waiting):
+                # a part nobody started will not start now; one that runs may still end, unless its agent is silent
+                if all(state.type.value in ENDED or rank in self._silent for rank, state in states.items()) or (
+                        time.monotonic() > deadline) or (not succeeded and waiting):
                     break
                 time.sleep(POLL_S)
             problems = [self._problem(client, rank, states[rank], succeeded) for rank in sorted(states)]
@@ -123,6 +149,11 @@ class NodePoolLauncher(NodeLauncher):
                                caused=rank == self._aborted_by)
         if kind == "CANCELLED":
             return NodeProblem(f"{where} was cancelled", caused=True)
+        if rank in self._silent:
+            client.set_flow_run_state(run_id, Crashed(message="its agent stopped heartbeating"), force=True)
+            return NodeProblem(f"{where} was lost while it ran: {self._silent[rank]} (hardware.node_lost_after_s = "
+                               f"{self.lost_after_s:g} s, plus two heartbeats): its node was killed, stopped or cut off; "
+                               f"restart the agent there with `{agent_command(self.pool, rank)}`", caused=True)
         wait = SETTLE_AFTER_SUCCESS_S if succeeded else self.lost_after_s
         client.set_flow_run_state(run_id, Crashed(message="its agent stopped reporting"), force=True)
         setting = "" if succeeded else " (hardware.node_lost_after_s)"

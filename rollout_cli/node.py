@@ -60,5 +60,8 @@ def start(pool: str, node: int, directory: Path, poll_s: float) -> None:
     name = register(api_url, pool, node, directory)
     print(f"node {node} of work pool {pool!r}: deployment {name}, work queue {node_queue(node)!r}, parts run in "
           f"{directory}; starting its worker", flush=True)
-    env = {**WORKER_ENV_DEFAULTS, **os.environ, "PREFECT_WORKER_QUERY_SECONDS": f"{poll_s:g}"}
+    # A heartbeat every 5 s (Prefect's default is 30): a run's watch counts the node lost once its worker has been
+    # silent for hardware.node_lost_after_s (20 s by default) plus two heartbeats (flows/node_launch.py).
+    env = {**WORKER_ENV_DEFAULTS, "PREFECT_WORKER_HEARTBEAT_SECONDS": "5", **os.environ,
+           "PREFECT_WORKER_QUERY_SECONDS": f"{poll_s:g}"}
     os.execve(sys.executable, worker_command(pool, node), env)

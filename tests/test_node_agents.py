@@ -70,13 +70,25 @@ class NodeAgent:
 
     def kill_node(self) -> None:
         """SIGKILL the agent and every process it started (the flow run's own session included): node 1 lost."""
-        agent = psutil.Process(self.process.pid)
-        for process in [*agent.children(recursive=True), agent]:
+        for process in self.processes():
             try:
                 process.kill()
             except psutil.NoSuchProcess:
                 pass
         self.process.wait()
+
+    def processes(self) -> list[psutil.Process]:
+        agent = psutil.Process(self.process.pid)
+        return [*agent.children(recursive=True), agent]
+
+    def freeze_node(self) -> None:
+        """SIGSTOP the agent and every process it started: node 1 still there (its sockets open) but silent, as a
+        hung or cut-off machine; nothing reports an end."""
+        for process in self.processes():
+            try:
+                process.suspend()
+            except psutil.NoSuchProcess:
+                pass
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -120,7 +132,7 @@ def test_a_part_is_structured_parameters_checked_before_anything_runs():
 
 
 @pytest.mark.slow
-def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_and_the_rerun_ends_on_one_nodes_id(
+def test_a_node_whose_agent_never_runs_is_frozen_or_killed_fails_the_segment_naming_it_and_the_rerun_ends_on_one_nodes_id(
         prefect_server, node_home, tmp_path):
     from rollout_cli.node import register
 
@@ -158,19 +170,46 @@ def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_
     assert error.startswith("train steps 1-1: node 1's part (flow run ") and "failed: " in error and (
         f"No such file or directory: '{node_home / 'parts'}'") in error, error
 
-    # the agent and all it started SIGKILLed as node 1's rank holds at step 2: node 1 lost mid-segment
-    held = node_home / "held"
-    agent = NodeAgent(node_home, pool, {HOLD_AT_STEP_ENV: f"2:{held}"}).start()
-    args = sft_args(tmp_path / "killed", *over_two_nodes(pool))
+    # node 1 frozen (SIGSTOP to the agent and all it started) as its torchrun starts its rank: silent, sockets open,
+    # whether its rank has joined the group or not; its agent's heartbeats stop, and node 0 stops within
+    # node_lost_after_s plus two heartbeats, not at the rendezvous' timeout (300 s) nor torch's group timeout (30 min)
+    agent = NodeAgent(node_home, pool, {"PREFECT_WORKER_HEARTBEAT_SECONDS": "1"}).start()
     outcome: dict = {}
 
-    def train() -> None:  # node 0: the flow, in this process (a CLI's start saved)
+    def train(args: list[str]) -> None:  # node 0: the flow, in this process (a CLI's start saved)
         try:
             outcome["result"] = train_in_process(*args)
         except Exception as exc:  # noqa: BLE001  what the run failed with is the point
             outcome["error"] = exc
 
-    node_0 = threading.Thread(target=train)
+    node_0 = threading.Thread(target=train, args=(sft_args(tmp_path / "frozen", *over_two_nodes(pool, 300)),))
+    node_0.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("rollout_lib.trainer.torchrun" in " ".join(process.cmdline()) and process.children()
+                      for process in agent.processes()):
+            assert node_0.is_alive() and time.monotonic() < deadline, outcome
+            time.sleep(0.1)
+        agent.freeze_node()
+        frozen_at = time.monotonic()
+        node_0.join(timeout=300)
+        stopped_after = time.monotonic() - frozen_at
+    finally:
+        agent.kill_node()
+        agent.stop()
+    error = str(outcome.get("error", outcome)).splitlines()[0]
+    outcome.clear()
+    assert error.startswith("train steps 1-1: node 1's part (flow run ") and (
+        f"was lost while it ran: its agent (worker '{pool}-node-1-") in error and (
+        f"(hardware.node_lost_after_s = {LOST_AFTER_S} s, plus two heartbeats): its node was killed, stopped or cut "
+        f"off; restart the agent there with `rollout node start --pool {pool} --node 1`") in error, error
+    assert stopped_after < 60, (stopped_after, error)
+
+    # the agent and all it started SIGKILLed as node 1's rank holds at step 2: node 1 lost mid-segment
+    held = node_home / "held"
+    agent = NodeAgent(node_home, pool, {HOLD_AT_STEP_ENV: f"2:{held}"}).start()
+    args = sft_args(tmp_path / "killed", *over_two_nodes(pool))
+    node_0 = threading.Thread(target=train, args=(args,))
     node_0.start()
     try:
         deadline = time.monotonic() + 300
@@ -196,10 +235,10 @@ def test_a_node_whose_agent_never_runs_or_is_killed_fails_the_segment_naming_it_
         agent.stop()
     expected = train_in_process(*sft_args(tmp_path / "one-node", "--nproc", "2"))
     assert rerun["checkpoint"] == expected["checkpoint"]
-    # a part per run, not per segment (one group for the run): never taken, failed at once, the run whose node was
-    # lost (its steps 1 and 2), the rerun (step 2 again)
+    # a part per run, not per segment (one group for the run): never taken, failed at once, the frozen node's, the
+    # run whose node was lost (its steps 1 and 2), the rerun (step 2 again)
     states = [run["state"] for run in part_runs(prefect_server, pool)]
-    assert states == ["CANCELLED", "FAILED", "CRASHED", "COMPLETED"], states
+    assert states == ["CANCELLED", "FAILED", "CRASHED", "CRASHED", "COMPLETED"], states
 
 
 @pytest.mark.slow
