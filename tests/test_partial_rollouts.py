@@ -141,6 +141,31 @@ def test_partial_rollouts_on_the_engine_carry_tokens_across_versions_train_every
     assert not [d for d in engine.running_deployments() if d.live_policy]
 
 
+@pytest.mark.slow
+def test_at_k_2_a_step_waits_for_what_the_stage_before_carries_and_the_bound_is_k_plus_1(prefect_server, tmp_path):
+    """k = 2 on the embedded sampler: step n samples with version n-3 and resumes what step n-1's stage carried, so
+    it is submitted once that stage has ended (not only once its state exists); the staleness grows to k + 1 = 3
+    and no further; every prompt drawn is trained once, whole, and the last step drains."""
+    from clirun import train_in_process
+
+    from rollout_lib.runlog.metrics_file import read_metrics
+
+    args = [*PARTIAL, "--set", "algorithm.rl.max_off_policy_steps=2", "--store", str(tmp_path / "store"),
+            "--name", "k2"]
+    train_in_process(*args)
+    store = ObjectStore(str(tmp_path / "store"))
+    trained, metrics = _trained_rollouts(store, "k2", 4), read_metrics(store, "k2")
+    assert [m["staleness_max"] for m in metrics] == [0, 1, 2, 3]  # the state n-1 trains tokens of version >= n-4
+    for step, step_rows in trained.items():
+        for row in step_rows:
+            assert set(row["token_policy_versions"]) <= {max(0, step - 4), max(0, step - 3)}, (step, row)
+    assert any(len(set(row["token_policy_versions"])) == 2 for row in trained[4])  # carried across versions 0 and 1
+    rows = [row for step_rows in trained.values() for row in step_rows]
+    ledger = Counter((row["example_id"], row["drawn_at_step"]) for row in rows)
+    assert len(ledger) == 16 and set(ledger.values()) == {8}  # each group drawn once, trained once and whole
+    assert metrics[-1]["partial/carried_samples"] == 0
+
+
 # --- the stage itself, on the embedded sampler, without a flow ----------------------------------------------------
 
 def _stage_config(tiny_model_dir, **partial) -> RlConfig:
