@@ -45,15 +45,20 @@ PRELOADED_DEPENDENCIES = ("httpx", "httpcore", "griffe", "pydantic", "pydantic_s
 # Prefect (~0.7-1.0 CPU-s a CLI run): it builds its settings and logging from the environment at import, under this
 # process's environment here; the CLI builds them again from its own (rollout_cli/prefect_settings.py). Then
 # matplotlib (~0.45 CPU-s: every training run draws its curves, flows/common.py): its rc file, backend and font cache
-# are found through MPL*, HOME and XDG_* (in IMPORT_TIME_ENV).
+# are found through MPL*, HOME and XDG_* (in IMPORT_TIME_ENV). Then pyarrow and pandas (~0.55 CPU-s: reading a
+# dataset imports pandas through pyarrow's `from_pydict`; ARROW_*, PANDAS_*: in IMPORT_TIME_ENV; libarrow's jemalloc
+# starts its background thread at load and keeps itself consistent across fork with its own atfork handlers) and
+# the rest a training run imported after all those (its profile, docs/hardware.md).
 PRELOADED_LATE = ("prefect.main", "prefect.artifacts", "matplotlib.figure", "matplotlib.ticker",
-                  "matplotlib.backends.backend_agg", "PIL.Image")
+                  "matplotlib.backends.backend_agg", "PIL.Image", "pyarrow", "pandas", "fastapi", "tokenizers",
+                  "graphviz", "tabulate", "email_validator", "tomli_w")
 # Read by the preloaded libraries (or the interpreter) when they are imported: a request that sets any of these
 # otherwise than this process was started with runs as a plain interpreter. Prefect's plugins run their start-up
 # hooks at its import, which the CLI's re-read of the settings does not redo.
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH_", "ATEN_", "OMP_", "MKL_", "ONEDNN_",
                    "DNNL_", "KMP_", "TOKENIZERS_", "CUDA_", "PYTHON", "LD_", "FSSPEC_", "PREFECT_PLUGINS_",
-                   "PREFECT_EXPERIMENTS_PLUGINS_", "MPL", "HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME")
+                   "PREFECT_EXPERIMENTS_PLUGINS_", "MPL", "HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "ARROW_",
+                   "PYARROW_", "PANDAS_", "MALLOC_CONF", "JE_")
 # What `rollout_cli.main` sets before anything imports transformers (its tqdm bars, verbosity and offline mode are
 # read at import): the same defaults, here, before the preload.
 CLI_IMPORT_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
