@@ -1,9 +1,9 @@
-"""A parent for the `rollout` CLI processes the tests start, with torch and transformers already imported.
+"""A parent for the `rollout` CLI processes the tests start, with torch, transformers and Prefect already imported.
 
 Why: every CLI process imports torch, transformers' modeling code and Prefect (5.5 CPU-s on a 2-core machine) before
 it does anything, and the suite starts over a hundred of them (docs/hardware.md, "Where the suite's CPU goes"). This
-process imports torch, transformers, Prefect and matplotlib once (and the third-party libraries Prefect's client
-imports), then forks a child per CLI run: the child is a real process of its own (its pid, its argv, its working
+process imports torch, transformers, Prefect, matplotlib and pandas once (and the third-party libraries Prefect's
+client and a training run import), then forks a child per CLI run: the child is a real process of its own (its pid, its argv, its working
 directory, its environment, its stdin/stdout/stderr; it can be SIGKILLed, its children are orphaned as a CLI's are),
 and runs `python -m rollout_cli ARGS` from there, rollout imported fresh. Prefect, imported here under this
 process's environment, is made to follow the child's: the CLI rebuilds Prefect's settings and logging from its
@@ -13,8 +13,10 @@ from a user's start is only that the interpreter and those imports are shared;
 `ROLLOUT_TEST_ZYGOTE=0` runs every CLI process as a plain interpreter instead.
 
 Limits, kept honest: children share the hash seed of this process (a user's each draw their own), and a run whose
-environment differs from this process's in a variable the preloaded libraries read at import (HF_*, TORCH*, ...)
-is not forked here: the client starts it as a plain interpreter (`forkable`).
+environment differs from this process's in a variable the preloaded libraries read at import (HF_*, TORCH*, ...;
+PREFECT_PLUGINS_*, whose start-up hooks run once, at Prefect's import) is not forked here: the client starts it as a
+plain interpreter (`forkable`). Prefect's first-run telemetry notice (interactive terminals only) is not shown in a
+child.
 
 ROLLOUT_TEST_ZYGOTE_LOG=PATH (in the environment the zygote starts with) appends one JSON line per reaped child to
 PATH: its argv and its CPU seconds (its own and its reaped children's, from wait4): what docs/hardware.md's
