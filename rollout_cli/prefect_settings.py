@@ -10,7 +10,9 @@ PREFECT_HOME itself (rollout_cli/local_server.py, `rollout stack`: they call thi
 `rollout_cli.main.main` in process may have imported Prefect before. `follow_environment` rebuilds both from the
 environment as Prefect's import builds them; where Prefect is not imported yet it does nothing: its import will.
 What Prefect's import does once and this does not redo: its plugins' start-up hooks (PREFECT_PLUGINS_ENABLED, off by
-default) and its first-run telemetry notice (interactive terminals only).
+default) and its first-run telemetry notice (interactive terminals only). One thing it does early: a forked CLI
+whose environment has no PREFECT_HOME creates Prefect's default home (~/.prefect, empty) at its start, where a fresh
+`rollout train` without PREFECT_API_URL or `rollout stack` sets PREFECT_HOME before it first imports Prefect.
 """
 
 from __future__ import annotations
