@@ -292,7 +292,8 @@ class CurvesArtifact:
     The server keeps every version, twice (the artifact and its event): ~80 KB of base64 each. Snapshots of a small
     model can come every second, so an update waits `min_interval_s` (30 s) after the last one, or 5% of the time
     from the first update to the last when that is longer: a watched run updates every 30 s for its first 10
-    minutes, and a 10-hour run stores ~100 versions (~16 MB), not 1200."""
+    minutes, and a 10-hour run stores ~100 versions (~16 MB), not 1200. The first waits 30 s from the run's start:
+    a drawing costs ~0.5 CPU-s, and a run shorter than that (a tiny config, a test) draws once, at its end."""
 
     def __init__(self, cfg, flow_name: str, min_interval_s: float = 30.0, interval_fraction: float = 0.05):
         self.cfg = cfg
@@ -300,12 +301,13 @@ class CurvesArtifact:
         self.key = artifact_key(cfg.run.name, "curves")
         self.min_interval_s = min_interval_s
         self.interval_fraction = interval_fraction
+        self._started = time.monotonic()
         self._first_update: float | None = None
         self._last_update: float | None = None
 
     def due(self, now: float) -> bool:
         if self._last_update is None:
-            return True
+            return now - self._started >= self.min_interval_s
         wait = max(self.min_interval_s, self.interval_fraction * (self._last_update - self._first_update))
         return now - self._last_update >= wait
 

@@ -5,8 +5,9 @@ process leaves running. Instead the CLI uses one long-lived server under `.rollo
 and SQLite database), started detached and recorded in `.rollout/prefect/server.json`, so a SIGKILLed training
 process leaves nothing unmanaged behind.
 
-This module imports no Prefect: `use_prefect_api` must set PREFECT_API_URL before Prefect is first imported, since
-Prefect reads its settings then. Its health probe is therefore a plain GET of `/health`.
+This module imports no Prefect (`--help` and `--dry-run` stay quick): `use_prefect_api` sets PREFECT_API_URL
+before Prefect is first imported, since Prefect reads its settings then, or, where Prefect is imported already,
+has them read again (rollout_cli/prefect_settings.py). Its health probe is therefore a plain GET of `/health`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rollout_cli.prefect_settings import follow_environment
 from rollout_cli.processes import is_prefect_process, stop_process_group
 from rollout_lib.paths import state_dir
 from rollout_lib.processes import free_port
@@ -111,4 +113,5 @@ def use_prefect_api() -> str:
         record = start_server()
     os.environ["PREFECT_API_URL"] = record["api_url"]
     os.environ["PREFECT_HOME"] = record["prefect_home"]
+    follow_environment()  # where Prefect is imported already
     return record["api_url"]

@@ -22,6 +22,7 @@ from rollout_cli.config_cmd import ENTRY_POINTS, config_group, load_settings
 from rollout_cli.follow import follow
 from rollout_cli.local_server import use_prefect_api
 from rollout_cli.options import STORE_OPTION_DEFAULT, UsageLine
+from rollout_cli.prefect_settings import follow_environment
 from rollout_cli.runs import runs_group
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time unless the user opts in
@@ -43,6 +44,7 @@ def run() -> None:
     import atexit
     import threading
 
+    follow_environment()  # a process that imported Prefect under another environment: tests/zygote.py's children
     code = main()
     threading._shutdown()  # the interpreter's own first step at exit: join non-daemon threads
     atexit._run_exitfuncs()
@@ -313,7 +315,9 @@ def stack_group() -> None:
     from rollout_cli.local_server import prefect_home
 
     # Prefect creates its home when imported: without PREFECT_HOME that would be ~/.prefect, outside the project.
-    os.environ.setdefault("PREFECT_HOME", str(prefect_home()))
+    if "PREFECT_HOME" not in os.environ:
+        os.environ["PREFECT_HOME"] = str(prefect_home())
+        follow_environment()
 
 
 @stack_group.command("start")

@@ -331,7 +331,10 @@ def test_the_curves_artifact_updates_at_snapshots_at_most_every_30_s_then_5_perc
     from flows.common import CurvesArtifact
 
     curves = CurvesArtifact(SimpleNamespace(run=SimpleNamespace(name="r")), "train-rm")
-    assert curves.due(0.0)  # the first snapshot: always
+    curves._started = 0.0  # the first snapshot 30 s into the run: a shorter run draws only its final curves
+    assert not curves.due(29.0) and curves.due(30.0)
+    curves._first_update = curves._last_update = 30.0
+    assert not curves.due(59.0) and curves.due(60.0)
     curves._first_update = curves._last_update = 0.0
     assert not curves.due(29.0) and curves.due(30.0)
     curves._last_update = 3600.0  # an hour in: 180 s between versions

@@ -62,3 +62,73 @@ def test_a_killed_child_reports_the_signal_as_popen_does(tmp_path):
         assert isinstance(started, zygote.ForkedProcess) and started.poll() is None
         started.send_signal(signal.SIGKILL)
         assert started.wait(timeout=60) == -signal.SIGKILL and started.poll() == -signal.SIGKILL
+
+
+# What Prefect's settings and logging are in a process (tests/zygote.py imports Prefect under its own environment
+# and its children follow theirs: rollout_cli/prefect_settings.py): printed as JSON. argv[1]: "fresh" imports
+# Prefect under the environment it was started with; "followed" imports it under another first (the ZYGOTE_* values
+# below), then takes the one it was started with back and calls `follow_environment`, as a forked CLI does.
+PREFECT_STATE = r"""
+import json, logging, os, sys
+target = dict(os.environ)
+if sys.argv[1] == "followed":
+    os.environ.update(PREFECT_API_URL="http://127.0.0.1:9/api", PREFECT_HOME=os.environ["ZYGOTE_HOME"],
+                      PREFECT_LOGGING_LEVEL="ERROR", PREFECT_LOGGING_EXTRA_LOGGERS="other_lib",
+                      PREFECT_TASKS_DEFAULT_RETRIES="0")
+import prefect.main
+from prefect.logging.configuration import PROCESS_LOGGING_CONFIG
+from prefect.settings import get_current_settings
+if sys.argv[1] == "followed":
+    os.environ.clear(); os.environ.update(target)
+    from rollout_cli.prefect_settings import follow_environment
+    follow_environment()
+names = ["", *PROCESS_LOGGING_CONFIG["loggers"], "rollout_lib", "other_lib", "prefect.flow_runs.child"]
+def shown(name):
+    logger = logging.getLogger(name or None)
+    return [logger.level, logger.propagate, logger.disabled,
+            sorted([type(h).__name__, h.level, getattr(h.formatter, "_fmt", None)] for h in logger.handlers)]
+print(json.dumps({"settings": get_current_settings().model_dump(mode="json"),
+                  "home_created": os.path.isdir(os.environ["PREFECT_HOME"]),
+                  "loggers": {name: shown(name) for name in names}}, sort_keys=True, default=str))
+"""
+
+
+@pytest.mark.slow
+def test_prefect_imported_under_another_environment_follows_the_clis_as_a_fresh_import_would(tmp_path):
+    import json
+    import logging
+    import sys
+
+    # Every setting from the environment, the profile, the home directory Prefect creates, every logger's level,
+    # propagation and handlers (the extra loggers' API handler included): as a fresh interpreter has them.
+    env = {**cli_env(), "PREFECT_API_URL": "http://localhost:4321/api", "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_LOGGING_LEVEL": "DEBUG", "PREFECT_LOGGING_EXTRA_LOGGERS": "rollout_lib",
+           "PREFECT_TASKS_DEFAULT_RETRIES": "3", "ZYGOTE_HOME": str(tmp_path / "zygote-home")}
+    fresh, followed = (subprocess.run([sys.executable, "-c", PREFECT_STATE, how], env=env, cwd=ROOT, text=True,
+                                      capture_output=True, timeout=120) for how in ("fresh", "followed"))
+    assert fresh.returncode == followed.returncode == 0, fresh.stderr[-2000:] + followed.stderr[-2000:]
+    fresh, followed = json.loads(fresh.stdout), json.loads(followed.stdout)
+    assert fresh["settings"]["api"]["url"] == "http://localhost:4321/api" and fresh["home_created"]
+    assert fresh["loggers"]["prefect"][0] == logging.DEBUG and fresh["loggers"]["rollout_lib"][3]
+    for part in ("settings", "home_created", "loggers"):
+        assert followed[part] == fresh[part], part
+    assert (tmp_path / "zygote-home").is_dir()  # the other environment was really imported under
+
+
+@pytest.mark.slow
+def test_a_forked_run_talks_to_its_own_server_logs_at_its_own_level_and_makes_its_own_prefect_home(
+        prefect_server, tmp_path):
+    # The zygote imported Prefect with the worker's settings: the session server as 127.0.0.1, its PREFECT_HOME,
+    # PREFECT_LOGGING_LEVEL=WARNING. This child names the same server as localhost (what Prefect's own "View at"
+    # line is built from), another home, and INFO (that line is INFO).
+    api_url = prefect_server["api_url"].replace("127.0.0.1", "localhost")
+    assert api_url != prefect_server["api_url"]
+    env = cli_env(PREFECT_API_URL=api_url, PREFECT_HOME=str(tmp_path / "home"))
+    assert zygote.zygote_for(env).env["PREFECT_LOGGING_LEVEL"] == "WARNING" != env["PREFECT_LOGGING_LEVEL"]
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        started = start_rollout(["train", "rm", "--config", "configs/rm-tiny.toml", "--max-steps", "1", "--store",
+                                 str(tmp_path / "store"), "--verbose"], ROOT, env, out, err)
+        assert isinstance(started, zygote.ForkedProcess) and started.wait(timeout=300) == 0
+    stderr = (tmp_path / "err").read_text()
+    assert f"View at {api_url.removesuffix('/api')}/runs/flow-run/" in stderr, stderr[-3000:]
+    assert (tmp_path / "home").is_dir()

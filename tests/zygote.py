@@ -1,17 +1,26 @@
-"""A parent for the `rollout` CLI processes the tests start, with torch and transformers already imported.
+"""A parent for the `rollout` CLI processes the tests start, with torch, transformers and Prefect already imported.
 
 Why: every CLI process imports torch, transformers' modeling code and Prefect (5.5 CPU-s on a 2-core machine) before
 it does anything, and the suite starts over a hundred of them (docs/hardware.md, "Where the suite's CPU goes"). This
-process imports torch and transformers once (and the third-party libraries Prefect's client imports), then forks
-a child per CLI run: the child is a real process of its own (its pid, its argv, its working directory, its
-environment, its stdin/stdout/stderr; it can be SIGKILLed, its children are orphaned as a CLI's are), and runs
-`python -m rollout_cli ARGS` from there, Prefect and rollout imported fresh. What differs from a user's start is
-only that the interpreter and those imports are shared;
+process imports torch, transformers, Prefect, matplotlib and pandas once (and the third-party libraries Prefect's
+client and a training run import), then forks a child per CLI run: the child is a real process of its own (its pid, its argv, its working
+directory, its environment, its stdin/stdout/stderr; it can be SIGKILLed, its children are orphaned as a CLI's are),
+and runs `python -m rollout_cli ARGS` from there, rollout imported fresh. Prefect, imported here under this
+process's environment, is made to follow the child's: the CLI rebuilds Prefect's settings and logging from its
+environment at its start and whenever it sets PREFECT_API_URL or PREFECT_HOME itself
+(rollout_cli/prefect_settings.py; tests/test_zygote.py holds a child's to a fresh interpreter's). What differs
+from a user's start is only that the interpreter and those imports are shared;
 `ROLLOUT_TEST_ZYGOTE=0` runs every CLI process as a plain interpreter instead.
 
 Limits, kept honest: children share the hash seed of this process (a user's each draw their own), and a run whose
-environment differs from this process's in a variable the preloaded libraries read at import (HF_*, TORCH*, ...)
-is not forked here: the client starts it as a plain interpreter (`forkable`).
+environment differs from this process's in a variable the preloaded libraries read at import (HF_*, TORCH*, ...;
+PREFECT_PLUGINS_*, whose start-up hooks run once, at Prefect's import) is not forked here: the client starts it as a
+plain interpreter (`forkable`). Prefect's first-run telemetry notice (interactive terminals only) is not shown in a
+child.
+
+ROLLOUT_TEST_ZYGOTE_LOG=PATH (in the environment the zygote starts with) appends one JSON line per reaped child to
+PATH: its argv and its CPU seconds (its own and its reaped children's, from wait4): what docs/hardware.md's
+per-child figures are.
 
 Protocol (a Unix socket): the client sends one JSON request {argv, cwd, env} with its stdin, stdout and stderr as
 file descriptors; the server answers one line {"pid": N} when the child is forked and one line {"returncode": R}
@@ -30,17 +39,28 @@ import sys
 
 PRELOADED = ("torch", "transformers.modeling_utils")
 # The third-party libraries Prefect's client and rollout's CLI import after those (0.6-0.9 CPU-s a run here), none
-# of which reads the environment at import but fsspec (its FSSPEC_* config: in IMPORT_TIME_ENV). Prefect itself is
-# not preloaded: it builds its settings from the environment at import, and the CLI sets PREFECT_API_URL and
-# PREFECT_HOME before it first imports Prefect.
+# of which reads the environment at import but fsspec (its FSSPEC_* config: in IMPORT_TIME_ENV).
 PRELOADED_DEPENDENCIES = ("httpx", "httpcore", "griffe", "pydantic", "pydantic_settings", "pydantic_extra_types",
                           "jsonschema", "referencing", "rich.console", "rich.traceback", "websockets", "fsspec",
                           "coolname", "pathspec", "prometheus_client", "pendulum", "psutil", "click", "uvicorn",
                           "starlette", "cloudpickle", "orjson", "toml", "blake3", "humanize", "slugify", "anyio")
+# Prefect (~0.7-1.0 CPU-s a CLI run): it builds its settings and logging from the environment at import, under this
+# process's environment here; the CLI builds them again from its own (rollout_cli/prefect_settings.py). Then
+# matplotlib (~0.45 CPU-s: every training run draws its curves, flows/common.py): its rc file, backend and font cache
+# are found through MPL*, HOME and XDG_* (in IMPORT_TIME_ENV). Then pyarrow and pandas (~0.55 CPU-s: reading a
+# dataset imports pandas through pyarrow's `from_pydict`; ARROW_*, PANDAS_*: in IMPORT_TIME_ENV; libarrow's jemalloc
+# starts its background thread at load and keeps itself consistent across fork with its own atfork handlers) and
+# the rest a training run imported after all those (its profile, docs/hardware.md).
+PRELOADED_LATE = ("prefect.main", "prefect.artifacts", "matplotlib.figure", "matplotlib.ticker",
+                  "matplotlib.backends.backend_agg", "PIL.Image", "pyarrow", "pandas", "fastapi", "tokenizers",
+                  "graphviz", "tabulate", "email_validator", "tomli_w")
 # Read by the preloaded libraries (or the interpreter) when they are imported: a request that sets any of these
-# otherwise than this process was started with runs as a plain interpreter.
+# otherwise than this process was started with runs as a plain interpreter. Prefect's plugins run their start-up
+# hooks at its import, which the CLI's re-read of the settings does not redo.
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH_", "ATEN_", "OMP_", "MKL_", "ONEDNN_",
-                   "DNNL_", "KMP_", "TOKENIZERS_", "CUDA_", "PYTHON", "LD_", "FSSPEC_")
+                   "DNNL_", "KMP_", "TOKENIZERS_", "CUDA_", "PYTHON", "LD_", "FSSPEC_", "PREFECT_PLUGINS_",
+                   "PREFECT_EXPERIMENTS_PLUGINS_", "MPL", "HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "ARROW_",
+                   "PYARROW_", "PANDAS_", "MALLOC_CONF", "JE_")
 # What `rollout_cli.main` sets before anything imports transformers (its tqdm bars, verbosity and offline mode are
 # read at import): the same defaults, here, before the preload.
 CLI_IMPORT_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
@@ -126,7 +146,7 @@ def serve(socket_path: str) -> None:
     for key, value in CLI_IMPORT_DEFAULTS.items():
         os.environ.setdefault(key, value)
     base_sys_path = _base_sys_path()
-    for module in (*PRELOADED, *PRELOADED_DEPENDENCIES):
+    for module in (*PRELOADED, *PRELOADED_DEPENDENCIES, *PRELOADED_LATE):
         __import__(module)
     import threading
 
@@ -137,6 +157,8 @@ def serve(socket_path: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}
+    argvs: dict[int, list[str]] = {}
+    cpu_log = os.environ.get("ROLLOUT_TEST_ZYGOTE_LOG")
     print("ready", flush=True)
     while True:
         for key, _ in selector.select(timeout=0.02):
@@ -153,10 +175,15 @@ def serve(socket_path: str) -> None:
                 os.close(fd)
             connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             children[pid] = connection
+            argvs[pid] = request["argv"]
         while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
+            argv = argvs.pop(pid, None)
+            if cpu_log:
+                with open(cpu_log, "a") as log:
+                    log.write(json.dumps({"argv": argv, "cpu_s": round(usage.ru_utime + usage.ru_stime, 3)}) + "\n")
             connection = children.pop(pid, None)
             if connection is not None:
                 returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
