@@ -21,15 +21,16 @@ TOKEN_COUNTS = ("tokens", "tokens/ce")
 
 
 class StepLog:
-    def __init__(self, total_steps: int | None, min_interval_s: float = 10.0):
+    def __init__(self, total_steps: int | None, min_interval_s: float = 10.0, clock=time.monotonic):
         self.total_steps = total_steps
         self.min_interval_s = min_interval_s
+        self._clock = clock  # a test's own clock, never the process-wide time.monotonic other threads read
         self._last_time: float | None = None
         self._steps = 0
         self._tokens = 0
 
     def __call__(self, step: int, metrics: dict) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._steps += 1
         self._tokens += next((int(metrics[name]) for name in TOKEN_COUNTS
                               if isinstance(metrics.get(name), (int, float))), 0)
