@@ -38,7 +38,8 @@ SHIPPED_ALGORITHMS = {"rl-tiny.toml": "grpo", "rl-smollm2.toml": "grpo", "rl-rew
                       "rl-opsd.toml": "opsd", "rl-calculator.toml": "echo", "rl-guess.toml": "grpo",
                       "rl-length.toml": "grpo", "rl-calculator-tools.toml": "grpo", "rl-agent-tiny.toml": "grpo",
                       "rl-openenv-tiny.toml": "grpo", "rl-mix.toml": "grpo",  # rl-mix's second env: opd
-                      "rl-verifiers-single.toml": "grpo", "rl-verifiers-tools.toml": "grpo"}
+                      "rl-verifiers-single.toml": "grpo", "rl-verifiers-tools.toml": "grpo",
+                      "rl-smollm2-tools.toml": "grpo"}
 
 
 def test_every_shipped_rl_config_is_checked():

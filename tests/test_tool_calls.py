@@ -207,7 +207,7 @@ def test_env_replies_admit_tool_call_ids_and_names_on_tool_messages_only():
 
 
 def test_the_sample_stage_frames_prompts_with_the_tools_records_tool_messages_and_counts_calls(tokenizer):
-    from rollout_lib.envs.tools.calculate import calculate_answer
+    from rollout_lib.envs.tools.calculate import calculate_answer, calculate_call_ran
     from rollout_lib.reward.tables import reward_inputs
     from rollout_lib.rl.prompts import load_prompts
     from rollout_lib.rl.sample import sample_rollouts
@@ -233,6 +233,27 @@ def test_the_sample_stage_frames_prompts_with_the_tools_records_tool_messages_an
     chosen = {row["example_id"]: row["answer"] for row in prompts.to_pylist()}
     scores = [calculate_answer(inp) for inp in reward_inputs(rollouts)]
     assert scores == [float(chosen[row["example_id"]] == "4312") for row in rows]
+    assert [calculate_call_ran(inp) for inp in reward_inputs(rollouts)] == [1.0] * len(rows)  # the call ran
+
+
+def test_the_call_bonus_is_for_calls_that_ran_and_gave_a_number():
+    from rollout_lib.envs.tools.calculate import calculate_call_ran
+    from rollout_lib.reward.contract import RewardInput
+
+    def episode(*results: str, errors: int = 0) -> RewardInput:
+        turns = [{"role": "assistant", "content": ""}]
+        turns += [{"role": "tool", "content": result} for result in results]
+        turns += [{"role": "assistant", "content": "It is 888."}]
+        return RewardInput(prompt=[], completion_text="It is 888.", answer="888", turns=turns,
+                           state={"tool_calls": len(results), "tool_errors": errors})
+
+    assert calculate_call_ran(episode("888")) == 1.0
+    assert calculate_call_ran(RewardInput(prompt=[], completion_text="888", answer="888",
+                                          turns=[{"role": "assistant", "content": "888"}],
+                                          state={"tool_calls": 0, "tool_errors": 0})) == 0.0  # no call
+    assert calculate_call_ran(episode("error: the tool call is not JSON (...)", errors=1)) == 0.0  # malformed
+    assert calculate_call_ran(episode("error: name 'x' is not allowed; use numbers")) == 0.0  # the calculator refused
+    assert calculate_call_ran(episode("888", "error: operator ** is not allowed")) == 0.0  # one of two failed
 
 
 # --- the template requirement, settings and identity ------------------------------------------------------------

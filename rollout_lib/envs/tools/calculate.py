@@ -1,6 +1,7 @@
 """The calculator as an OpenAI-format tool (configs/rl-calculator-tools.toml): `calculate(expression)` evaluates
-arithmetic with envs/calculator.py's own parser (integers, + - * / // and parentheses; never eval), and
-`calculate_answer` scores an episode's final answer. The text protocol (`calc: 37 * 24`, envs/calculator.py)
+arithmetic with envs/calculator.py's own parser (integers, + - * / // and parentheses; never eval),
+`calculate_answer` scores an episode's final answer, and `calculate_call_ran` is the shaped bonus for a call that ran
+(configs/rl-smollm2-tools.toml; verifiers' ToolEnv rubrics reward well-formed calls the same way). The text protocol (`calc: 37 * 24`, envs/calculator.py)
 stays for chat templates that cannot render tools (SmolLM2's own)."""
 
 from __future__ import annotations
@@ -27,3 +28,14 @@ def calculate_answer(inp: Any) -> float:
     if "<tool_call>" in inp.completion_text:
         return 0.0
     return final_answer_score(inp.completion_text, inp.answer)
+
+
+def calculate_call_ran(inp: Any) -> float:
+    """A reward function (RewardInput) of the `tools` interaction: 1.0 when the episode called a tool and every call
+    ran and returned a number (none malformed, unknown, refused by the calculator: no `error: ...` result), else
+    0.0. A small weight of it gives GRPO a signal while the final answers are still all wrong; at weight 0 it is
+    the held-out tool-use rate."""
+    results = [turn.get("content") or "" for turn in inp.turns if turn.get("role") == "tool"]
+    if not results or inp.state.get("tool_errors", 0):
+        return 0.0
+    return float(not any(result.startswith("error:") for result in results))
