@@ -147,16 +147,16 @@ def rl_loss_terms(
         tokens = int(member.sum())
         metrics = {
             "tokens": tokens,
-            "masked_fraction": _mean_over(masked.float(), member),
-            "masked_high_fraction": _mean_over((masked & positive).float(), member),
-            "masked_low_fraction": _mean_over((masked & ~positive).float(), member),
-            "ratio_mean": _mean_over(ratio, member),
+            "masked_fraction": mean_over(masked.float(), member),
+            "masked_high_fraction": mean_over((masked & positive).float(), member),
+            "masked_low_fraction": mean_over((masked & ~positive).float(), member),
+            "ratio_mean": mean_over(ratio, member),
             # k3 = r - 1 - log r: the non-negative, unbiased estimate of KL(π_inf‖π) on sampler tokens, i.e. how
             # far the trainer has drifted from the sampler (off-policyness plus trainer/inference mismatch).
-            "mismatch_kl": _mean_over(ratio - 1 - log_ratio, member),
+            "mismatch_kl": mean_over(ratio - 1 - log_ratio, member),
         }
         if max_ratio is not None:  # only then: the default's metrics (in checkpoint manifests) stay as they were
-            metrics["capped_fraction"] = _mean_over((log_ratio > math.log(max_ratio)).float(), member)
+            metrics["capped_fraction"] = mean_over((log_ratio > math.log(max_ratio)).float(), member)
     return numerator, metrics
 
 
@@ -171,17 +171,9 @@ RL_LOSS_WHAT = "rl loss function"
 
 def custom_rl_terms(function: Callable[..., Any], logprobs: Tensor, inference_logprobs: Tensor,
                     advantages: Tensor, weights: Tensor) -> tuple[Tensor, dict[str, float]]:
-    """A user's rl numerator (`[algorithm.rl.loss] type = "custom"`). The contract:
-
-        function(logprobs=, inference_logprobs=, advantages=, weights=, **kwargs) -> Tensor | (Tensor, dict)
-
-    Every tensor is per token, shape [rows, positions], aligned: `logprobs` carry the gradient; the behaviour
-    policy's `inference_logprobs` (on-policy at k = 0: the training forward's own, detached) and `advantages` do
-    not; `weights` is 0 off the rl component's tokens. It returns the **sum** over tokens of w_t · loss_t, a
-    0-dimensional tensor attached to `logprobs`' graph, never a mean: rollout divides by N_rl, the step's rl token
-    count across every micro-batch, so micro-batches add up to the step's mean as for the built-in loss. A dict
-    beside it is logged as `rl/<name>` (numbers, token-weighted over the step).
-    """
+    """A user's rl numerator (`[algorithm.rl.loss] type = "custom"`, docs/algorithms.md): `function(logprobs=,
+    inference_logprobs=, advantages=, weights=, **kwargs)` returns the **sum** over tokens of w_t · loss_t, a
+    0-dimensional tensor attached to `logprobs`' graph (rollout divides by N_rl), and optionally a dict of metrics."""
     member = weights != 0
     returned = function(logprobs=logprobs, inference_logprobs=inference_logprobs, advantages=advantages,
                         weights=weights)
@@ -227,9 +219,9 @@ def ref_kl_loss_terms(
         metrics = {
             "tokens": int(member.sum()),
             # logp - logp_ref on tokens sampled from the policy is the per-token (k1) estimate of KL(π‖π_ref).
-            "kl": _mean_over(logprobs - ref_logprobs, member),
-            "masked_fraction": _mean_over(masked.float(), member),
-            "mismatch_kl": _mean_over(ratio - 1 - log_ratio, member),
+            "kl": mean_over(logprobs - ref_logprobs, member),
+            "masked_fraction": mean_over(masked.float(), member),
+            "mismatch_kl": mean_over(ratio - 1 - log_ratio, member),
         }
     return numerator, metrics
 
@@ -351,24 +343,20 @@ def component_loss(
         weights["rl"] = weights["rl"] * factors.to(logprobs.dtype)
         rl_inference_logprobs = logprobs.detach()
         metrics.update({f"mismatch/{name}": value for name, value in diagnostics.items()})
-    if token_counts.get("rl", 0) and hasattr(rl_loss, "terms"):
-        numerators["rl"] = rl_loss.terms(logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype),
-                                         weights["rl"], sequence_ids=sequence_ids)
-    elif token_counts.get("rl", 0) and rl_loss is not None:
-        numerators["rl"] = custom_rl_terms(rl_loss, logprobs, rl_inference_logprobs,
-                                           streams["advantages"].to(logprobs.dtype), weights["rl"])
-    elif token_counts.get("rl", 0):
-        numerators["rl"] = rl_loss_terms(
-            logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"],
-            eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
-        )
+    if token_counts.get("rl", 0):
+        rl_inputs = (logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"])
+        if hasattr(rl_loss, "terms"):
+            numerators["rl"] = rl_loss.terms(*rl_inputs, sequence_ids=sequence_ids)
+        elif rl_loss is not None:
+            numerators["rl"] = custom_rl_terms(rl_loss, *rl_inputs)
+        else:
+            numerators["rl"] = rl_loss_terms(*rl_inputs, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef)
     if token_counts.get("ce", 0):
         numerators["ce"] = masked_nll_sum(logprobs, weights["ce"]), {"tokens": int(masks["ce"].sum())}
     if token_counts.get("ref_kl", 0):
-        numerators["ref_kl"] = ref_kl_loss_terms(
-            logprobs, streams["ref_logprobs"].to(logprobs.dtype), inference_logprobs, weights["ref_kl"],
-            eps_low=ref_kl_eps_low, kl_coef=ref_kl_kl_coef,
-        )
+        numerators["ref_kl"] = ref_kl_loss_terms(logprobs, streams["ref_logprobs"].to(logprobs.dtype),
+                                                 inference_logprobs, weights["ref_kl"], eps_low=ref_kl_eps_low,
+                                                 kl_coef=ref_kl_kl_coef)
 
     for component, (numerator, component_metrics) in numerators.items():
         contribution = numerator / denominators[component]
@@ -407,7 +395,7 @@ def _check_streams(logprobs: Tensor, streams: Mapping[str, Tensor]) -> None:
             )
 
 
-def _mean_over(values: Tensor, mask: Tensor) -> float:
+def mean_over(values: Tensor, mask: Tensor) -> float:
     """Mean of `values` where `mask` holds, as a python float; 0.0 when nothing is selected."""
     count = int(mask.sum())
     return float(values[mask].float().sum().item() / count) if count else 0.0

@@ -186,19 +186,13 @@ TRAINING_SAMPLES = pa.schema(
         pa.field("env", pa.string(), nullable=True),
         pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
-        # Nullable streams: null means the default in TRAINING_SAMPLE_DEFAULTS.
-        pa.field("advantages", pa.list_(pa.float32()), nullable=True),
-        pa.field("rl_weights", pa.list_(pa.float32()), nullable=True),
-        pa.field("ce_weights", pa.list_(pa.float32()), nullable=True),
-        pa.field("ref_kl_weights", pa.list_(pa.float32()), nullable=True),
-        pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),
-        # The behaviour policy's logprob of each token (the importance ratio's denominator). NaN: the behaviour
-        # policy is the state this step trains from, so the trainer takes the training forward's own detached
-        # logprob (behaviour_logprobs = "training_forward", rl/behaviour.py; ratio exactly 1).
-        pa.field("inference_logprobs", pa.list_(pa.float32()), nullable=True),
-        # The temperature each token was sampled at: the trainer divides that token's logits by it, so its
-        # logprobs are those of the distribution the sampler drew from (importance ratio 1 on-policy).
-        pa.field("temperatures", pa.list_(pa.float32()), nullable=True),
+        # Nullable streams: null means the default in TRAINING_SAMPLE_DEFAULTS. inference_logprobs: the behaviour
+        # policy's logprob of each token (the importance ratio's denominator); NaN: the behaviour policy is the
+        # state this step trains from, so the trainer takes the training forward's own detached logprob
+        # (behaviour_logprobs = "training_forward", rl/behaviour.py; ratio exactly 1). temperatures: the temperature
+        # each token was sampled at, which the trainer divides that token's logits by (importance ratio 1
+        # on-policy).
+        *[pa.field(name, pa.list_(pa.float32()), nullable=True) for name in TOKEN_FLOAT_COLUMNS],
     ]
 )
 
