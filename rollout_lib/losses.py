@@ -68,12 +68,8 @@ def bradley_terry_loss(r_chosen: Tensor, r_rejected: Tensor, margin: Tensor | fl
     return -logsigmoid(diff)
 
 
-def bradley_terry_batch_mean(
-    r_chosen: Tensor,
-    r_rejected: Tensor,
-    margin: Tensor | float | None = None,
-    center_rewards_coefficient: float = 0.0,
-) -> Tensor:
+def bradley_terry_batch_mean(r_chosen: Tensor, r_rejected: Tensor, margin: Tensor | float | None = None,
+                             center_rewards_coefficient: float = 0.0) -> Tensor:
     """mean_i -log σ(r_c - r_r - m) + λ · mean_i (r_c + r_r)²  (TRL RewardTrainer's center_rewards_coefficient).
 
     Returns exactly 0.0 for an empty batch, still attached to the inputs' graph so `.backward()` works.
@@ -111,17 +107,9 @@ def masked_nll_sum(logprobs: Tensor, weights: Tensor) -> Tensor:
     return -(weights * logprobs).sum()
 
 
-def rl_loss_terms(
-    logprobs: Tensor,
-    inference_logprobs: Tensor,
-    advantages: Tensor,
-    weights: Tensor,
-    *,
-    eps_low: float = DEFAULT_EPS_LOW,
-    eps_high: float = DEFAULT_EPS_HIGH,
-    kl_coef: float = DEFAULT_KL_COEF,
-    max_ratio: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def rl_loss_terms(logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, weights: Tensor, *,
+                  eps_low: float = DEFAULT_EPS_LOW, eps_high: float = DEFAULT_EPS_HIGH,
+                  kl_coef: float = DEFAULT_KL_COEF, max_ratio: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """rl numerator: Σ_t w_t (-keep_t · r_t · A_t + kl_coef · ½ log² r_t), r_t = exp(logp_t - logp_inf_t).
 
     keep_t drops a token whose probability moved past the trust region in its advantage's direction
@@ -190,15 +178,9 @@ def custom_rl_terms(function: Callable[..., Any], logprobs: Tensor, inference_lo
     return numerator, metrics
 
 
-def ref_kl_loss_terms(
-    logprobs: Tensor,
-    ref_logprobs: Tensor,
-    inference_logprobs: Tensor,
-    weights: Tensor,
-    *,
-    eps_low: float = DEFAULT_REF_KL_EPS_LOW,
-    kl_coef: float = DEFAULT_REF_KL_KL_COEF,
-) -> tuple[Tensor, dict[str, float]]:
+def ref_kl_loss_terms(logprobs: Tensor, ref_logprobs: Tensor, inference_logprobs: Tensor, weights: Tensor, *,
+                      eps_low: float = DEFAULT_REF_KL_EPS_LOW,
+                      kl_coef: float = DEFAULT_REF_KL_KL_COEF) -> tuple[Tensor, dict[str, float]]:
     """ref_kl numerator: Σ_t w_t (-keep_t · r_t · a_t + kl_coef · ½ log² r_t), a_t = logp_ref_t - logp_t.detach().
 
     keep_t drops a token whose probability fell more than eps_low below the sampler's (the low side only; see the
@@ -275,20 +257,12 @@ def loss_tokens(streams: Mapping[str, Tensor]) -> Tensor:
     return masks["rl"] | masks["ce"] | masks["ref_kl"]
 
 
-def component_loss(
-    logprobs: Tensor,
-    streams: Mapping[str, Tensor],
-    token_counts: Mapping[str, int | float],
-    *,
-    eps_low: float = DEFAULT_EPS_LOW,
-    eps_high: float = DEFAULT_EPS_HIGH,
-    kl_coef: float = DEFAULT_KL_COEF,
-    ref_kl_eps_low: float = DEFAULT_REF_KL_EPS_LOW,
-    ref_kl_kl_coef: float = DEFAULT_REF_KL_KL_COEF,
-    rl_loss: Callable[..., Any] | Any | None = None,
-    rl_normalizer: float | None = None,
-    correction: Any | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def component_loss(logprobs: Tensor, streams: Mapping[str, Tensor], token_counts: Mapping[str, int | float], *,
+                   eps_low: float = DEFAULT_EPS_LOW, eps_high: float = DEFAULT_EPS_HIGH,
+                   kl_coef: float = DEFAULT_KL_COEF, ref_kl_eps_low: float = DEFAULT_REF_KL_EPS_LOW,
+                   ref_kl_kl_coef: float = DEFAULT_REF_KL_KL_COEF, rl_loss: Callable[..., Any] | Any | None = None,
+                   rl_normalizer: float | None = None,
+                   correction: Any | None = None) -> tuple[Tensor, dict[str, float]]:
     """loss = Σ_c numerator_c / N_c over c ∈ {rl, ce, ref_kl}; N_c is step-global, so micro-batch losses add up.
 
     rl weights are `(loss_mask & rl_weights != 0) · rl_weights`; ce and ref_kl weights apply as they are. The

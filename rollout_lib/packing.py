@@ -46,14 +46,8 @@ import torch
 
 from rollout_lib.adapters import base_of
 from rollout_lib.model.packed_attention import PACKED_SDPA, packed_sequences
-from rollout_lib.wire import (
-    MICRO_BATCHES,
-    REQUIRED_STREAMS,
-    STREAM_COLUMNS,
-    TRAINING_SAMPLE_DEFAULTS,
-    TRAINING_SAMPLES,
-    conform,
-)
+from rollout_lib.wire import (MICRO_BATCHES, REQUIRED_STREAMS, STREAM_COLUMNS, TRAINING_SAMPLE_DEFAULTS,
+                              TRAINING_SAMPLES, conform)
 from rollout_lib.hardware import autocast_for, model_device
 
 FIRST_TOKEN_LOGPROB = 0.0

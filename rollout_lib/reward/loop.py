@@ -77,15 +77,9 @@ class RewardLoop:
             results = loop.score(items)
     """
 
-    def __init__(
-        self,
-        functions: Sequence[tuple[Callable[..., Any], float]],
-        *,
-        concurrency: int = 32,
-        timeout_s: float = 10.0,
-        kill_grace_s: float = DEFAULT_KILL_GRACE_S,
-        sync_workers: int | None = None,
-    ) -> None:
+    def __init__(self, functions: Sequence[tuple[Callable[..., Any], float]], *, concurrency: int = 32,
+                 timeout_s: float = 10.0, kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+                 sync_workers: int | None = None) -> None:
         if not functions:
             raise ValueError("RewardLoop needs at least one (function, weight)")
         if concurrency < 1:

@@ -29,15 +29,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from rollout_lib.serving.client import (
-    DEFAULT_MAX_CONNECTIONS,
-    EndpointClient,
-    Generation,
-    HttpSession,
-    ReplicaUnavailable,
-    RequestRejected,
-    ServingError,
-)
+from rollout_lib.serving.client import (DEFAULT_MAX_CONNECTIONS, EndpointClient, Generation, HttpSession,
+                                        ReplicaUnavailable, RequestRejected, ServingError)
 
 log = logging.getLogger(__name__)
 
