@@ -169,9 +169,7 @@ def check_micro_batches(micro_batches: pa.Table) -> None:
         lengths = pc.list_value_length(table[name]).to_pylist()
         for index, (length, expected) in enumerate(zip(lengths, token_counts)):
             if length != expected:
-                raise ValueError(
-                    f"micro-batch {index}: column {name!r} has {length} entries, input_ids has {expected}"
-                )
+                raise ValueError(f"micro-batch {index}: column {name!r} has {length} entries, input_ids has {expected}")
     for index, (row_lengths, shared, positions, expected) in enumerate(
         zip(table["sequence_lengths"].to_pylist(), table["shared_prefix_lengths"].to_pylist(),
             table["position_ids"].to_pylist(), token_counts)
@@ -209,10 +207,8 @@ def _validated_rows(samples: pa.Table, max_seq_len: int | None, before: str) -> 
             if values is None:
                 continue
             if len(values) != len(input_ids):
-                raise ValueError(
-                    f"sample {sample_id!r}: column {name!r} has {len(values)} entries, "
-                    f"input_ids has {len(input_ids)}"
-                )
+                raise ValueError(f"sample {sample_id!r}: column {name!r} has {len(values)} entries, "
+                                 f"input_ids has {len(input_ids)}")
             if any(value is None for value in values):
                 raise ValueError(f"sample {sample_id!r}: column {name!r} has null entries")
         # The first token has no prediction (see the module docstring), so weight there would be lost.
@@ -349,10 +345,8 @@ def collate_micro_batch(row: dict, *, packed: bool, pad_token_id: int) -> dict[s
     for name in STREAM_COLUMNS:
         values = row[name]
         if len(values) != total:
-            raise ValueError(
-                f"micro-batch {row.get('micro_batch_index')}: column {name!r} has {len(values)} entries, "
-                f"input_ids has {total}"
-            )
+            raise ValueError(f"micro-batch {row.get('micro_batch_index')}: column {name!r} has {len(values)} entries, "
+                             f"input_ids has {total}")
         dtype = np.bool_ if name == "loss_mask" else np.float32
         batch[name] = torch.as_tensor(np.asarray(values, dtype=dtype))
     return batch
