@@ -6,10 +6,8 @@ group and recorded in `<state>/serve/<name>.json` (the state dir of rollout_lib.
 `<state>/serve/<name>-<i>.log`. A deployment outlives the process that started it until `stop_deployment` (or
 `rollout serve stop`) stops every process of every replica's group.
 
-vLLM lives in its own venv (it pins an older transformers): `.venv-vllm`, made by scripts/setup.sh, or the python
-named by ROLLOUT_VLLM_PYTHON. The flags every server gets are the ones verified on these machines
-(../shared/notes/serving.md): fp32, eager, chunked prefill off (seeded requests crash the CPU engine with it) and
-prefix caching off (prompt logprobs must not depend on request order).
+vLLM lives in its own venv (`.venv-vllm`, or ROLLOUT_VLLM_PYTHON); every server gets SERVER_FLAGS, the ones verified
+on these machines (why each: docs/serving.md).
 
 A live-policy deployment (`live_policy=True`, serving/policy_server.py) also runs in vLLM's dev mode
 (VLLM_SERVER_DEV_MODE=1: POST /collective_rpc reloads its weights in place); its weights are whatever was last
