@@ -16,45 +16,13 @@ micro-batch). Each component has its own denominator so components never dilute 
 tokens do not shrink the rl term's per-token step), and dividing by the step-global count makes gradient
 accumulation over micro-batches equal the one-big-batch gradient.
 
-The rl component: DPPO-Binary-TV trust-region mask + a k2 KL regulariser (prime-rl's default "DPPO+KL" loss), the
-`type = "default"` of the rl loss menu (rollout_lib/rl_losses: gspo, cispo, each its own module).
+The rl component (`type = "default"`): DPPO-Binary-TV trust-region mask + a k2 KL regulariser (prime-rl's "DPPO+KL").
     r_t = exp(logp_t - logp_inf_t);  keep_t = not (A_t > 0 and p_t - p_inf_t > eps_high)
                                                  and not (A_t <= 0 and p_t - p_inf_t < -eps_low)
     loss_t = w_t · ( -keep_t · r_t · A_t  +  kl_coef · ½ (logp_t - logp_inf_t)² )
-Why this variant rather than PPO's clipped surrogate or a symmetric ratio mask:
-  * Hard masking (a dropped token gives exactly zero policy-gradient) rather than clipping: the gradient of a
-    kept token is the plain importance-weighted r·A·∇logp, with no surrogate min() to reason about.
-  * The trust region lives in probability space (total variation, DPPO arXiv:2602.04879), not ratio space: a
-    ratio bound over-masks rare tokens (p 1e-4 -> 2e-4 is ratio 2 but a negligible move) and under-masks likely
-    ones (0.5 -> 0.9 is ratio 1.8). On CPU-scale models the sampler and trainer logprobs differ mostly by
-    numerics on rare tokens, which a ratio mask would needlessly drop.
-  * The mask is one-sided by advantage sign, like PPO's clip: only a move that already went too far in the
-    direction the advantage pushes is blocked; a token that drifted down but has A > 0 still gets pulled back.
-  * The KL term (k2 = ½(log r)², Schulman's estimator; Kimi-K2.5 uses the same squared log-ratio) acts on every
-    rl token including masked ones, so a token outside the trust region is still pulled back toward the sampler.
-    Its gradient is kl_coef · log r · ∇logp: zero exactly on-policy.
-
-The ce component: masked NLL, Σ_t w_t · -logp_t (SFT, echo's observation tokens, distillation from samples).
-
-The ref_kl component: reverse KL to a reference as a per-token policy-gradient signal (on-policy distillation,
-prime-rl opd/opsd). The reference ships logprobs, not precomputed advantages, because the KL must be taken
-against the live logprobs of each micro-batch:
-    a_t = logp_ref_t - logp_t (detached);  keep_t = not (p_t - p_inf_t < -eps_low)
-    loss_t = w_t · ( -keep_t · r_t · a_t  +  kl_coef · ½ (logp_t - logp_inf_t)² )
-Its gradient on-policy (r = 1) is w_t (logp_t - logp_ref_t) ∇logp_t, the score-function gradient of KL(π‖π_ref)
-on tokens sampled from π: descent lowers logp where the policy is above the reference and raises it where it is
-below; value and gradient are zero when the reference is the policy and the sampler. Why this variant:
-  * It is the rl component's math with a_t in place of A_t, as prime-rl's opd loss: the importance ratio against
-    the sampler, the probability-space trust region, a small k2 log-ratio penalty (prime-rl writes it without
-    the ½, at the same coefficient).
-  * The trust region is the low side only, whatever a_t's sign: prime-rl ships no advantage for ref_kl samples,
-    which puts all of them on its mask's A <= 0 side; here that is explicit. Why one side: the signal is
-    unbounded downward and brakes itself upward. A token the reference finds far less likely gets a large
-    negative a_t (log 1e-6 - log 0.5 ≈ -13), which could drive a likely token far below the sampler's
-    probability in one step; the low side stops that push once the token fell eps_low below it. Upward, a_t
-    shrinks to 0 as logp reaches logp_ref, so the push stops at the reference by itself; a high bound would
-    only slow the tokens distillation most wants raised.
-  * The penalty keeps every ref_kl token, masked or not, tied to the sampler (zero gradient on-policy), as in rl.
+The ce component: masked NLL, Σ_t w_t · -logp_t. The ref_kl component (opd/opsd): the rl math with
+a_t = logp_ref_t - logp_t (detached) for A_t and the low side of the trust region only. Why these variants:
+docs/algorithms.md, "Why the default rl and ref_kl losses".
 """
 
 from __future__ import annotations
@@ -72,9 +40,6 @@ from rollout_lib.wire import LOSS_STREAMS
 # The components of the trainer's sum, in the order they are reported.
 COMPONENTS = ("rl", "ce", "ref_kl")
 
-# Every per-token stream `component_loss` reads: packing materialises all of them (wire.MICRO_BATCHES), so a
-# missing one is a producer bug, not a default to guess.
-STREAM_KEYS = LOSS_STREAMS
 
 # prime-rl's vetted defaults (DefaultLossConfig: dppo_mask_low/high = 0.2, kl_tau = 1e-3), and the values its
 # opd loss fixes for the ref_kl component (dppo mask 0.2, KL coefficient 1e-3).
@@ -88,13 +53,7 @@ DEFAULT_REF_KL_KL_COEF = 1e-3
 # --- Bradley-Terry (reward models) ---------------------------------------------------------------------------
 
 
-def logsigmoid(x: Tensor) -> Tensor:
-    """log σ(x) = -softplus(-x), computed without overflow.
-
-    Finite for any finite x (log σ(50) ≈ -2e-22, log σ(-50) ≈ -50); a naive log(sigmoid(x)) underflows to -inf
-    below x ≈ -104 in float32 and rounds to exactly 0 for large positive x.
-    """
-    return F.logsigmoid(x)
+logsigmoid = F.logsigmoid  # log σ(x) = -softplus(-x): finite where log(sigmoid(x)) underflows
 
 
 def bradley_terry_loss(r_chosen: Tensor, r_rejected: Tensor, margin: Tensor | float | None = None) -> Tensor:
@@ -109,12 +68,8 @@ def bradley_terry_loss(r_chosen: Tensor, r_rejected: Tensor, margin: Tensor | fl
     return -logsigmoid(diff)
 
 
-def bradley_terry_batch_mean(
-    r_chosen: Tensor,
-    r_rejected: Tensor,
-    margin: Tensor | float | None = None,
-    center_rewards_coefficient: float = 0.0,
-) -> Tensor:
+def bradley_terry_batch_mean(r_chosen: Tensor, r_rejected: Tensor, margin: Tensor | float | None = None,
+                             center_rewards_coefficient: float = 0.0) -> Tensor:
     """mean_i -log σ(r_c - r_r - m) + λ · mean_i (r_c + r_r)²  (TRL RewardTrainer's center_rewards_coefficient).
 
     Returns exactly 0.0 for an empty batch, still attached to the inputs' graph so `.backward()` works.
@@ -148,24 +103,13 @@ def pair_metrics(r_chosen: Tensor, r_rejected: Tensor) -> dict[str, float]:
 
 
 def masked_nll_sum(logprobs: Tensor, weights: Tensor) -> Tensor:
-    """ce numerator: Σ_t w_t · -logp_t.
-
-    Tokens with weight 0 contribute nothing; the caller divides by the step-global ce token count.
-    """
+    """ce numerator: Σ_t w_t · -logp_t (the caller divides by the step-global ce token count)."""
     return -(weights * logprobs).sum()
 
 
-def rl_loss_terms(
-    logprobs: Tensor,
-    inference_logprobs: Tensor,
-    advantages: Tensor,
-    weights: Tensor,
-    *,
-    eps_low: float = DEFAULT_EPS_LOW,
-    eps_high: float = DEFAULT_EPS_HIGH,
-    kl_coef: float = DEFAULT_KL_COEF,
-    max_ratio: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def rl_loss_terms(logprobs: Tensor, inference_logprobs: Tensor, advantages: Tensor, weights: Tensor, *,
+                  eps_low: float = DEFAULT_EPS_LOW, eps_high: float = DEFAULT_EPS_HIGH,
+                  kl_coef: float = DEFAULT_KL_COEF, max_ratio: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """rl numerator: Σ_t w_t (-keep_t · r_t · A_t + kl_coef · ½ log² r_t), r_t = exp(logp_t - logp_inf_t).
 
     keep_t drops a token whose probability moved past the trust region in its advantage's direction
@@ -191,16 +135,16 @@ def rl_loss_terms(
         tokens = int(member.sum())
         metrics = {
             "tokens": tokens,
-            "masked_fraction": _mean_over(masked.float(), member),
-            "masked_high_fraction": _mean_over((masked & positive).float(), member),
-            "masked_low_fraction": _mean_over((masked & ~positive).float(), member),
-            "ratio_mean": _mean_over(ratio, member),
+            "masked_fraction": mean_over(masked.float(), member),
+            "masked_high_fraction": mean_over((masked & positive).float(), member),
+            "masked_low_fraction": mean_over((masked & ~positive).float(), member),
+            "ratio_mean": mean_over(ratio, member),
             # k3 = r - 1 - log r: the non-negative, unbiased estimate of KL(π_inf‖π) on sampler tokens, i.e. how
             # far the trainer has drifted from the sampler (off-policyness plus trainer/inference mismatch).
-            "mismatch_kl": _mean_over(ratio - 1 - log_ratio, member),
+            "mismatch_kl": mean_over(ratio - 1 - log_ratio, member),
         }
         if max_ratio is not None:  # only then: the default's metrics (in checkpoint manifests) stay as they were
-            metrics["capped_fraction"] = _mean_over((log_ratio > math.log(max_ratio)).float(), member)
+            metrics["capped_fraction"] = mean_over((log_ratio > math.log(max_ratio)).float(), member)
     return numerator, metrics
 
 
@@ -215,17 +159,9 @@ RL_LOSS_WHAT = "rl loss function"
 
 def custom_rl_terms(function: Callable[..., Any], logprobs: Tensor, inference_logprobs: Tensor,
                     advantages: Tensor, weights: Tensor) -> tuple[Tensor, dict[str, float]]:
-    """A user's rl numerator (`[algorithm.rl.loss] type = "custom"`). The contract:
-
-        function(logprobs=, inference_logprobs=, advantages=, weights=, **kwargs) -> Tensor | (Tensor, dict)
-
-    Every tensor is per token, shape [rows, positions], aligned: `logprobs` carry the gradient; the behaviour
-    policy's `inference_logprobs` (on-policy at k = 0: the training forward's own, detached) and `advantages` do
-    not; `weights` is 0 off the rl component's tokens. It returns the **sum** over tokens of w_t · loss_t, a
-    0-dimensional tensor attached to `logprobs`' graph, never a mean: rollout divides by N_rl, the step's rl token
-    count across every micro-batch, so micro-batches add up to the step's mean as for the built-in loss. A dict
-    beside it is logged as `rl/<name>` (numbers, token-weighted over the step).
-    """
+    """A user's rl numerator (`[algorithm.rl.loss] type = "custom"`, docs/algorithms.md): `function(logprobs=,
+    inference_logprobs=, advantages=, weights=, **kwargs)` returns the **sum** over tokens of w_t · loss_t, a
+    0-dimensional tensor attached to `logprobs`' graph (rollout divides by N_rl), and optionally a dict of metrics."""
     member = weights != 0
     returned = function(logprobs=logprobs, inference_logprobs=inference_logprobs, advantages=advantages,
                         weights=weights)
@@ -242,15 +178,9 @@ def custom_rl_terms(function: Callable[..., Any], logprobs: Tensor, inference_lo
     return numerator, metrics
 
 
-def ref_kl_loss_terms(
-    logprobs: Tensor,
-    ref_logprobs: Tensor,
-    inference_logprobs: Tensor,
-    weights: Tensor,
-    *,
-    eps_low: float = DEFAULT_REF_KL_EPS_LOW,
-    kl_coef: float = DEFAULT_REF_KL_KL_COEF,
-) -> tuple[Tensor, dict[str, float]]:
+def ref_kl_loss_terms(logprobs: Tensor, ref_logprobs: Tensor, inference_logprobs: Tensor, weights: Tensor, *,
+                      eps_low: float = DEFAULT_REF_KL_EPS_LOW,
+                      kl_coef: float = DEFAULT_REF_KL_KL_COEF) -> tuple[Tensor, dict[str, float]]:
     """ref_kl numerator: Σ_t w_t (-keep_t · r_t · a_t + kl_coef · ½ log² r_t), a_t = logp_ref_t - logp_t.detach().
 
     keep_t drops a token whose probability fell more than eps_low below the sampler's (the low side only; see the
@@ -271,9 +201,9 @@ def ref_kl_loss_terms(
         metrics = {
             "tokens": int(member.sum()),
             # logp - logp_ref on tokens sampled from the policy is the per-token (k1) estimate of KL(π‖π_ref).
-            "kl": _mean_over(logprobs - ref_logprobs, member),
-            "masked_fraction": _mean_over(masked.float(), member),
-            "mismatch_kl": _mean_over(ratio - 1 - log_ratio, member),
+            "kl": mean_over(logprobs - ref_logprobs, member),
+            "masked_fraction": mean_over(masked.float(), member),
+            "mismatch_kl": mean_over(ratio - 1 - log_ratio, member),
         }
     return numerator, metrics
 
@@ -327,20 +257,12 @@ def loss_tokens(streams: Mapping[str, Tensor]) -> Tensor:
     return masks["rl"] | masks["ce"] | masks["ref_kl"]
 
 
-def component_loss(
-    logprobs: Tensor,
-    streams: Mapping[str, Tensor],
-    token_counts: Mapping[str, int | float],
-    *,
-    eps_low: float = DEFAULT_EPS_LOW,
-    eps_high: float = DEFAULT_EPS_HIGH,
-    kl_coef: float = DEFAULT_KL_COEF,
-    ref_kl_eps_low: float = DEFAULT_REF_KL_EPS_LOW,
-    ref_kl_kl_coef: float = DEFAULT_REF_KL_KL_COEF,
-    rl_loss: Callable[..., Any] | Any | None = None,
-    rl_normalizer: float | None = None,
-    correction: Any | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def component_loss(logprobs: Tensor, streams: Mapping[str, Tensor], token_counts: Mapping[str, int | float], *,
+                   eps_low: float = DEFAULT_EPS_LOW, eps_high: float = DEFAULT_EPS_HIGH,
+                   kl_coef: float = DEFAULT_KL_COEF, ref_kl_eps_low: float = DEFAULT_REF_KL_EPS_LOW,
+                   ref_kl_kl_coef: float = DEFAULT_REF_KL_KL_COEF, rl_loss: Callable[..., Any] | Any | None = None,
+                   rl_normalizer: float | None = None,
+                   correction: Any | None = None) -> tuple[Tensor, dict[str, float]]:
     """loss = Σ_c numerator_c / N_c over c ∈ {rl, ce, ref_kl}; N_c is step-global, so micro-batch losses add up.
 
     rl weights are `(loss_mask & rl_weights != 0) · rl_weights`; ce and ref_kl weights apply as they are. The
@@ -355,7 +277,7 @@ def component_loss(
     _check_streams(logprobs, streams)
     sequence_lengths = streams.get("sequence_lengths")
     # Streams take logprobs' dtype: pass float32 logprobs (ratios of bf16 logprobs are too coarse for the mask).
-    streams = {key: streams[key].to(device=logprobs.device) for key in STREAM_KEYS}
+    streams = {key: streams[key].to(device=logprobs.device) for key in LOSS_STREAMS}
     masks = _component_masks(streams)
     weights = {c: torch.where(masks[c], streams[f"{c}_weights"].to(logprobs.dtype), 0.0) for c in COMPONENTS}
 
@@ -395,24 +317,20 @@ def component_loss(
         weights["rl"] = weights["rl"] * factors.to(logprobs.dtype)
         rl_inference_logprobs = logprobs.detach()
         metrics.update({f"mismatch/{name}": value for name, value in diagnostics.items()})
-    if token_counts.get("rl", 0) and hasattr(rl_loss, "terms"):
-        numerators["rl"] = rl_loss.terms(logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype),
-                                         weights["rl"], sequence_ids=sequence_ids)
-    elif token_counts.get("rl", 0) and rl_loss is not None:
-        numerators["rl"] = custom_rl_terms(rl_loss, logprobs, rl_inference_logprobs,
-                                           streams["advantages"].to(logprobs.dtype), weights["rl"])
-    elif token_counts.get("rl", 0):
-        numerators["rl"] = rl_loss_terms(
-            logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"],
-            eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
-        )
+    if token_counts.get("rl", 0):
+        rl_inputs = (logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"])
+        if hasattr(rl_loss, "terms"):
+            numerators["rl"] = rl_loss.terms(*rl_inputs, sequence_ids=sequence_ids)
+        elif rl_loss is not None:
+            numerators["rl"] = custom_rl_terms(rl_loss, *rl_inputs)
+        else:
+            numerators["rl"] = rl_loss_terms(*rl_inputs, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef)
     if token_counts.get("ce", 0):
         numerators["ce"] = masked_nll_sum(logprobs, weights["ce"]), {"tokens": int(masks["ce"].sum())}
     if token_counts.get("ref_kl", 0):
-        numerators["ref_kl"] = ref_kl_loss_terms(
-            logprobs, streams["ref_logprobs"].to(logprobs.dtype), inference_logprobs, weights["ref_kl"],
-            eps_low=ref_kl_eps_low, kl_coef=ref_kl_kl_coef,
-        )
+        numerators["ref_kl"] = ref_kl_loss_terms(logprobs, streams["ref_logprobs"].to(logprobs.dtype),
+                                                 inference_logprobs, weights["ref_kl"], eps_low=ref_kl_eps_low,
+                                                 kl_coef=ref_kl_kl_coef)
 
     for component, (numerator, component_metrics) in numerators.items():
         contribution = numerator / denominators[component]
@@ -440,10 +358,10 @@ def _component_masks(streams: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _check_streams(logprobs: Tensor, streams: Mapping[str, Tensor]) -> None:
-    missing = [key for key in STREAM_KEYS if key not in streams]
+    missing = [key for key in LOSS_STREAMS if key not in streams]
     if missing:
-        raise KeyError(f"token streams are missing {missing}; packing materialises all of {list(STREAM_KEYS)}")
-    for key in STREAM_KEYS:
+        raise KeyError(f"token streams are missing {missing}; packing materialises all of {list(LOSS_STREAMS)}")
+    for key in LOSS_STREAMS:
         if streams[key].shape != logprobs.shape:
             raise ValueError(
                 f"stream {key!r} has shape {tuple(streams[key].shape)} but logprobs has {tuple(logprobs.shape)}; "
@@ -451,7 +369,7 @@ def _check_streams(logprobs: Tensor, streams: Mapping[str, Tensor]) -> None:
             )
 
 
-def _mean_over(values: Tensor, mask: Tensor) -> float:
+def mean_over(values: Tensor, mask: Tensor) -> float:
     """Mean of `values` where `mask` holds, as a python float; 0.0 when nothing is selected."""
     count = int(mask.sum())
     return float(values[mask].float().sum().item() / count) if count else 0.0

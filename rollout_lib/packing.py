@@ -20,14 +20,10 @@ in the same sequence)`. The first token of a sequence has no prediction: its log
 (`FIRST_TOKEN_LOGPROB`) and its weights (`WEIGHT_COLUMNS`) must be zero; the packer rejects a sample that
 puts weight there.
 
-Shared prefixes (`pack_samples(..., share_prefixes=True)`, RL's `algorithm.rl.share_prompt_prefix`): a group's
-samples start with the same prompt, which carries no loss weight. The packer stores the first sample of a group
-whole and every later one without the tokens it shares with it (`shared_prefix_lengths`; its position ids start
-there); attention lets a sharing sequence see the stored prefix (model/packed_attention.py), and its first stored
-token is predicted from the prefix's last position. The prompt then runs through the model once per group instead
-of once per sample: the same logprobs and gradients up to float rounding (the prefix's activations receive every
-sample's gradient, summed), with ~42% of the tokens on rl-smollm2 (~960 of ~2,290). Only tokens with zero weight
-in every component are shared, so no loss term is lost.
+Shared prefixes (`pack_samples(..., share_prefixes=True)`, RL's `algorithm.rl.share_prompt_prefix`): the first
+sample of a group is stored whole and every later one without the weightless tokens it shares with it
+(`shared_prefix_lengths`; its position ids start there); attention lets a sharing sequence see the stored prefix
+(model/packed_attention.py), so the prompt runs once per group (measured: docs/hardware.md, "Each group's prompt").
 
 Packed attention: with `position_ids` restarting at 0 per sequence, no attention mask and no KV cache,
 transformers (>= 5, `masking_utils.find_packed_sequence_indices`) detects the sequence boundaries and builds a
@@ -50,14 +46,8 @@ import torch
 
 from rollout_lib.adapters import base_of
 from rollout_lib.model.packed_attention import PACKED_SDPA, packed_sequences
-from rollout_lib.wire import (
-    MICRO_BATCHES,
-    REQUIRED_STREAMS,
-    STREAM_COLUMNS,
-    TRAINING_SAMPLE_DEFAULTS,
-    TRAINING_SAMPLES,
-    conform,
-)
+from rollout_lib.wire import (MICRO_BATCHES, REQUIRED_STREAMS, STREAM_COLUMNS, TRAINING_SAMPLE_DEFAULTS,
+                              TRAINING_SAMPLES, conform)
 from rollout_lib.hardware import autocast_for, model_device
 
 FIRST_TOKEN_LOGPROB = 0.0
@@ -83,13 +73,7 @@ def pack_samples(samples: pa.Table, max_seq_len: int, *, share_prefixes: bool = 
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    rows = _validated_rows(samples)
-    for row in rows:
-        if len(row["input_ids"]) > max_seq_len:
-            raise ValueError(
-                f"sample {row['sample_id']!r} has {len(row['input_ids'])} tokens, more than "
-                f"max_seq_len={max_seq_len}; truncate before packing"
-            )
+    rows = _validated_rows(samples, max_seq_len, "packing")
     units = _sharing_units(rows, max_seq_len) if share_prefixes else [[(i, 0)] for i in range(len(rows))]
     stored = [sum(len(rows[i]["input_ids"]) - shared for i, shared in unit) for unit in units]
 
@@ -147,18 +131,12 @@ def _sharing_units(rows: list[dict], max_seq_len: int) -> list[list[tuple[int, i
 
 def _weightless_prefix(row: dict) -> int:
     """How many leading tokens of a row have zero weight in every component (its prompt, at least)."""
-    weights = [_materialised(row, name) for name in WEIGHT_COLUMNS]
-    for position, values in enumerate(zip(*weights)):
-        if any(values):
-            return position
-    return len(row["input_ids"])
+    weights = zip(*(_materialised(row, name) for name in WEIGHT_COLUMNS))
+    return next((position for position, values in enumerate(weights) if any(values)), len(row["input_ids"]))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    length = 0
-    while length < limit and a[length] == b[length]:
-        length += 1
-    return length
+    return next((i for i in range(limit) if a[i] != b[i]), limit)
 
 
 def batch_unpacked(
@@ -171,14 +149,7 @@ def batch_unpacked(
     """
     if sequences_per_micro_batch < 1:
         raise ValueError(f"sequences_per_micro_batch must be >= 1, got {sequences_per_micro_batch}")
-    rows = _validated_rows(samples)
-    if max_seq_len is not None:
-        for row in rows:
-            if len(row["input_ids"]) > max_seq_len:
-                raise ValueError(
-                    f"sample {row['sample_id']!r} has {len(row['input_ids'])} tokens, more than "
-                    f"max_seq_len={max_seq_len}; truncate before batching"
-                )
+    rows = _validated_rows(samples, max_seq_len, "batching")
     groups = [[(row, 0) for row in rows[i : i + sequences_per_micro_batch]]
               for i in range(0, len(rows), sequences_per_micro_batch)]
     return _micro_batches(groups)
@@ -198,9 +169,7 @@ def check_micro_batches(micro_batches: pa.Table) -> None:
         lengths = pc.list_value_length(table[name]).to_pylist()
         for index, (length, expected) in enumerate(zip(lengths, token_counts)):
             if length != expected:
-                raise ValueError(
-                    f"micro-batch {index}: column {name!r} has {length} entries, input_ids has {expected}"
-                )
+                raise ValueError(f"micro-batch {index}: column {name!r} has {length} entries, input_ids has {expected}")
     for index, (row_lengths, shared, positions, expected) in enumerate(
         zip(table["sequence_lengths"].to_pylist(), table["shared_prefix_lengths"].to_pylist(),
             table["position_ids"].to_pylist(), token_counts)
@@ -216,8 +185,8 @@ def check_micro_batches(micro_batches: pa.Table) -> None:
         _sequence_contexts(row_lengths, shared, where=f"micro-batch {index}")
 
 
-def _validated_rows(samples: pa.Table) -> list[dict]:
-    """Samples as Python rows, each per-token column checked against len(input_ids)."""
+def _validated_rows(samples: pa.Table, max_seq_len: int | None, before: str) -> list[dict]:
+    """Samples as Python rows, each per-token column checked against len(input_ids), none over `max_seq_len`."""
     rows = conform(samples, TRAINING_SAMPLES).to_pylist()
     seen: set[str] = set()
     for row in rows:
@@ -228,6 +197,9 @@ def _validated_rows(samples: pa.Table) -> list[dict]:
         input_ids = row["input_ids"]
         if not input_ids:
             raise ValueError(f"sample {sample_id!r} has no tokens")
+        if max_seq_len is not None and len(input_ids) > max_seq_len:
+            raise ValueError(f"sample {sample_id!r} has {len(input_ids)} tokens, more than max_seq_len={max_seq_len}; "
+                             f"truncate before {before}")
         if row["loss_mask"] is None:
             raise ValueError(f"sample {sample_id!r}: column 'loss_mask' is null")
         for name in STREAM_COLUMNS:
@@ -235,10 +207,8 @@ def _validated_rows(samples: pa.Table) -> list[dict]:
             if values is None:
                 continue
             if len(values) != len(input_ids):
-                raise ValueError(
-                    f"sample {sample_id!r}: column {name!r} has {len(values)} entries, "
-                    f"input_ids has {len(input_ids)}"
-                )
+                raise ValueError(f"sample {sample_id!r}: column {name!r} has {len(values)} entries, "
+                                 f"input_ids has {len(input_ids)}")
             if any(value is None for value in values):
                 raise ValueError(f"sample {sample_id!r}: column {name!r} has null entries")
         # The first token has no prediction (see the module docstring), so weight there would be lost.
@@ -375,10 +345,8 @@ def collate_micro_batch(row: dict, *, packed: bool, pad_token_id: int) -> dict[s
     for name in STREAM_COLUMNS:
         values = row[name]
         if len(values) != total:
-            raise ValueError(
-                f"micro-batch {row.get('micro_batch_index')}: column {name!r} has {len(values)} entries, "
-                f"input_ids has {total}"
-            )
+            raise ValueError(f"micro-batch {row.get('micro_batch_index')}: column {name!r} has {len(values)} entries, "
+                             f"input_ids has {total}")
         dtype = np.bool_ if name == "loss_mask" else np.float32
         batch[name] = torch.as_tensor(np.asarray(values, dtype=dtype))
     return batch
@@ -394,9 +362,7 @@ def token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 
     `needed` ([T] bool, packed order): the tokens whose logprob the caller reads; the others get
     FIRST_TOKEN_LOGPROB. The output head and the softmax then run only at the positions that predict a needed
-    token (transformers' `logits_to_keep`, as TRL keeps only completion logits): on a policy's vocabulary
-    (49k on SmolLM2) those [positions, vocab] logits are a large share of a step's time and memory, and prompt
-    tokens need none of them. Values at needed tokens equal the full computation's up to float rounding.
+    token (transformers' `logits_to_keep`; why: docs/hardware.md), equal to the full computation up to rounding.
     """
 
     if "sequence_contexts" in batch:

@@ -25,6 +25,7 @@ Tensors are stored as safetensors and tables as Arrow IPC streams: nothing in th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -265,11 +266,6 @@ class ObjectStore:
         _check_id(object_id)
         return f"{self._base}/objects/{object_id[:2]}/{object_id}"
 
-    def _exists(self, path: str) -> bool:
-        # s3fs caches directory listings; another process may have written this object since.
-        self.fs.invalidate_cache(path)
-        return self.fs.exists(path)
-
     def _holds_intact(self, path: str, object_id: str, size: int) -> bool:
         """Whether ``path`` already holds the object's true bytes, so that a put may skip writing them (the
         module docstring says how much is checked where)."""
@@ -292,19 +288,26 @@ class ObjectStore:
             # A single PUT on s3 (or a dict assignment in memory://) is already all-or-nothing.
             self.fs.pipe_file(path, data)
             return
-        tmp = self._local_tmp_path()
-        try:
+        with self._staged() as tmp:
             with open(tmp, "wb") as f:
                 f.write(data)
             self._commit_local(tmp, path)
+
+    @contextlib.contextmanager
+    def _staged(self) -> Iterator[str]:
+        """A staging file's path (under ``tmp/`` on a local store, else the system's), removed on exit unless it
+        was moved into place."""
+        if self._local:
+            os.makedirs(f"{self._base}/tmp", exist_ok=True)
+            tmp = f"{self._base}/tmp/{uuid.uuid4().hex}"
+        else:
+            with tempfile.NamedTemporaryFile(prefix="rollout-tensors-", delete=False) as staging:
+                tmp = staging.name
+        try:
+            yield tmp
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-
-    def _local_tmp_path(self) -> str:
-        tmp_dir = f"{self._base}/tmp"
-        os.makedirs(tmp_dir, exist_ok=True)
-        return f"{tmp_dir}/{uuid.uuid4().hex}"
 
     @staticmethod
     def _commit_local(tmp: str, path: str) -> None:
@@ -342,7 +345,9 @@ class ObjectStore:
 
     def has(self, object_id: str) -> bool:
         """Whether the object is stored (its content is not checked)."""
-        return self._exists(self._object_fspath(object_id))
+        path = self._object_fspath(object_id)
+        self.fs.invalidate_cache(path)  # s3fs caches listings; another process may have written it since
+        return self.fs.exists(path)
 
     # --- JSON ------------------------------------------------------------------------------------------------
 
@@ -394,17 +399,13 @@ class ObjectStore:
     def _put_tensors_via_file(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> str:
         """Local stores: safetensors writes straight from tensor memory into the staging file, which is hashed
         where it lies. A checkpoint never exists as one more in-memory copy (270 MB: 0.43-0.8 s -> 0.18 s)."""
-        tmp = self._local_tmp_path()
-        try:
+        with self._staged() as tmp:
             _st_save_file(tensors, tmp, metadata=metadata)
             with open(tmp, "rb") as f:
                 if _sorted_header(f.read(int.from_bytes(f.read(8), "little"))) is not None:
                     f.seek(0)  # metadata came out in hash order: rewrite the header, in memory this time
                     return self.put_bytes(_canonical_safetensors(f.read()))
             return self._put_staged_file(tmp)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     def put_tensors_streamed(self, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                              tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> str:
@@ -422,12 +423,7 @@ class ObjectStore:
             offset += size
         blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
         blob += b" " * (-len(blob) % 8)
-        if self._local:
-            tmp = self._local_tmp_path()
-        else:
-            with tempfile.NamedTemporaryFile(prefix="rollout-tensors-", delete=False) as staging:
-                tmp = staging.name
-        try:
+        with self._staged() as tmp:
             with open(tmp, "wb") as out:
                 out.write(len(blob).to_bytes(8, "little"))
                 out.write(blob)
@@ -442,9 +438,6 @@ class ObjectStore:
                 if next(expected, None) is not None:
                     raise ValueError("the streamed tensors ended before the layout did")
             return self._put_staged_file(tmp)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     def _put_staged_file(self, tmp: str) -> str:
         """Store a complete staging file's bytes; their id. Local stores hash it where it lies and move it into
@@ -508,8 +501,7 @@ class ObjectStore:
         if not self._local:
             self._write_atomic(path, f"{object_id}\n".encode())
             return True
-        tmp = self._local_tmp_path()
-        try:
+        with self._staged() as tmp:
             with open(tmp, "wb") as f:
                 f.write(f"{object_id}\n".encode())
                 f.flush()
@@ -521,9 +513,6 @@ class ObjectStore:
                 return False
             _fsync_dir(os.path.dirname(path))
             return True
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     # --- listing (for `rollout gc`) --------------------------------------------------------------------------
 
@@ -557,14 +546,10 @@ class ObjectStore:
         and removed by its writer; it holds no object a ref reaches."""
         path = f"{self._base}/transfer/{name}"
         if self._local:
-            tmp = self._local_tmp_path()
-            try:  # no fsync: what is shipped need not survive a crash, only never be seen half-written
+            with self._staged() as tmp:  # no fsync: what is shipped need only never be seen half-written
                 shutil.copyfile(local_path, tmp)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
         else:  # one PUT is all-or-nothing
             self.fs.put_file(str(local_path), path)
         self.fs.invalidate_cache(path)
@@ -573,10 +558,8 @@ class ObjectStore:
     def remove_transfer(self, name: str) -> None:
         """Remove ``<root>/transfer/<name>`` (a file or a directory) if there is one."""
         path = f"{self._base}/transfer/{name}"
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
         self.fs.invalidate_cache(path)
 
     def list_files(self, area: str) -> list[StoredFile]:
@@ -593,8 +576,6 @@ class ObjectStore:
 
     def delete_file(self, stored: StoredFile) -> None:
         """Remove a listed file (``rollout gc``); one already gone is fine."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(stored.path)
-        except FileNotFoundError:
-            pass
         self.fs.invalidate_cache(stored.path)

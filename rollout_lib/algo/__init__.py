@@ -8,15 +8,8 @@ distributions declare as entry points (plugins.py), so theirs appear too.
 import importlib
 import pkgutil
 
-from rollout_lib.algo.base import (
-    ALGORITHMS,
-    Algorithm,
-    AlgorithmResources,
-    AlgoSettings,
-    Group,
-    MissingResourceError,
-    build_algorithm,
-)
+from rollout_lib.algo.base import (ALGORITHMS, Algorithm, AlgorithmResources, AlgoSettings, Group, MissingResourceError,
+                                   build_algorithm)
 from rollout_lib.algo.plugins import load_algorithm_plugins
 
 for _module in pkgutil.iter_modules(__path__):

@@ -17,10 +17,8 @@ needs to know which algorithm a token came from. What a class needs to be built 
 frozen models) it names in `requires`; `AlgorithmResources` carries them, and building an algorithm without one
 of them fails naming the env.
 
-Adding an algorithm is adding a module: to this package, or to any installed distribution that declares it as an
-entry point of the group "rollout.algorithms" (`plugins.py`). Its settings class (a subclass of `AlgoSettings`
-with a literal `type`) and its `Algorithm` subclass register by their type name; the config's `algo` union is
-built from the registry, so nothing else changes.
+Adding an algorithm is adding a module, here or in an installed distribution's entry point "rollout.algorithms"
+(`plugins.py`): its settings class and `Algorithm` subclass register by their type name (docs/algorithms.md).
 
 Shared math lives as plain functions at the end of this module: the group mean and std, and the length penalties
 (`length_penalty` of the group algorithms) that shape rewards before group normalisation.

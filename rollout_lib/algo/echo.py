@@ -7,22 +7,10 @@ observation tokens never dilute the rl gradient). Defaults are the vetted settin
 every other role untrained; setting `roles` replaces the whole table. Only the message's content trains, never the
 template's framing around it (role headers, end-of-turn tokens), which the model would learn for free.
 
-An optional filter (`filter = { import_path = "pkg.module:fn", kwargs = {...} }`) narrows the selection per
-rollout with seed 002's contract: `fn(rollout, **kwargs) -> list[list[bool]]`, one keep-mask per trajectory step
-spanning that step's `prompt_ids + completion_ids`. A trajectory step is one model call: its prompt is what the
-model was given (the row's prompt_ids + the completion tokens before its sampled turn), its completion the turn it
-sampled. `rollout` is the ROLLOUTS row as a dict (completion_ids, completion_turns with each segment's role and
-content, sampling_logprobs, episode, info, ...) plus `trajectory_steps`, one
-`{"prompt_len", "completion_start", "completion_end"}` per step: step k's mask has `prompt_len + completion_end -
-completion_start` (= len(prompt_ids) + completion_end) entries, aligned with `(prompt_ids +
-completion_ids)[:len(prompt_ids) + completion_end]`. A single-turn rollout is one step.
-
-An env token lies in the prompt of every step after its reply; the first of them decides it (seed 002 slices each
-step's extension span, the tokens its prompt adds to the previous step's prompt + completion): False there drops
-its ce weight, and later steps' masks never revive or drop it. Mask entries on the row's prompt and on sampled
-tokens are not read (neither trains ce here). Env tokens after the last sampled turn (an episode stopped at the
-context limit) were in no step's prompt: with a filter set they train nothing. Its module's source enters the
-advantages stage's cache key.
+An optional filter (`filter = { import_path = "pkg.module:fn", kwargs = {...} }`, seed 002's contract:
+`fn(rollout, **kwargs) -> list[list[bool]]`, one keep-mask per trajectory step) narrows the selection per rollout;
+an env token is decided by the first step whose prompt holds it. The contract in full: docs/algorithms.md (echo).
+Its module's source enters the advantages stage's cache key.
 """
 
 from __future__ import annotations

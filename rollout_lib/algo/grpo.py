@@ -6,15 +6,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from rollout_lib.algo.base import (
-    Algorithm,
-    AlgoSettings,
-    Group,
-    OptionalLengthPenalty,
-    mean,
-    sample_std,
-    with_length_penalty,
-)
+from rollout_lib.algo.base import (Algorithm, AlgoSettings, Group, OptionalLengthPenalty, mean, sample_std,
+                                   with_length_penalty)
 
 
 class GrpoSettings(AlgoSettings):

@@ -3,17 +3,11 @@ demonstration of the answer as a hint. The policy samples without the hint; each
 the hint-conditioned reference, and trains under ref_kl toward it: the policy learns to answer as it would if it
 had seen the demonstration, without seeing it.
 
-- The demonstration is the prompt row's `info[demo_key]` (a missing one is an error naming the data file and line).
-- `hint_placement = "user"` appends the hint to the last user turn; `"system"` puts it in a leading system message
-  (merged into the first system message when there is one). The hint is cut to `max_hint_tokens`; the problem is
-  never cut.
-- `reference = "policy"` (default; seed 002: the SDFT setting, "zero extra deployments"): the live policy at the
-  weights the samples were drawn from, so the target moves with the policy;
-  `"initial"`: the frozen base model, a fixed target; or a frozen model (`{ model = "<ref>" }` or
-  `{ base_url = [...], name = "..." }`), which must share the policy's tokenizer (checked at plan time and when the
-  run connects it, like opd's teacher).
-"policy" and "initial" are scored in process at temperature 1 (one forward per sample), deterministic on CPU, so a
-resumed run reproduces them exactly; a frozen model is scored by prefill through its pool, as opd scores its teacher.
+The demonstration is the prompt row's `info[demo_key]`, placed by `hint_placement` and cut to `max_hint_tokens`
+(the problem never is). `reference`: "policy" (default: the live policy at the weights the samples were drawn
+from, the SDFT setting), "initial" (the frozen base) or a frozen model sharing the policy's tokenizer; the first
+two are scored in process at temperature 1 (deterministic on CPU, so a resumed run reproduces them), a frozen model
+by prefill through its pool. In full: docs/algorithms.md, "opsd".
 """
 
 from __future__ import annotations

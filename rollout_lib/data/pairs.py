@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,15 +15,20 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 
 def load_pairs(path: str | Path) -> pa.Table:
+    table = _pairs_table((f"{path}:{lineno}", lineno, obj) for lineno, obj in iter_jsonl_objects(path))
+    if table.num_rows == 0:
+        raise DataError(f"{path}: no preference pairs (the file is empty)")
+    return table
+
+
+def _pairs_table(numbered: Iterable[tuple[str, int, dict]]) -> pa.Table:
+    """PAIRS from (where, source line, object) triples, each object checked, `where` naming it in errors."""
     rows = {name: [] for name in wire.PAIRS.names}
-    for lineno, obj in iter_jsonl_objects(path):
-        where = f"{path}:{lineno}"
+    for where, line, obj in numbered:
         for key in PAIR_FIELDS:
             rows[key].append(require_string(obj, key, where))
         rows["margin"].append(optional_number(obj, "margin", where))
-        rows["source_line"].append(lineno)
-    if not rows["prompt"]:
-        raise DataError(f"{path}: no preference pairs (the file is empty)")
+        rows["source_line"].append(line)
     return pa.Table.from_pydict(rows, schema=wire.PAIRS)
 
 
@@ -43,16 +49,11 @@ def read_pairs(dataset, where: str) -> pa.Table:
             raise DataError(f"{where}: {dataset.path}: column {dataset.columns.get(key, key)!r} ({key}) holds "
                             f"{table.column(key).type}, not text: rollout's reward model reads prompt, chosen and "
                             "rejected as strings (conversational pairs are not supported)")
-    rows = {name: [] for name in wire.PAIRS.names}
-    for index, obj in enumerate(table.to_pylist()):
-        where_row = f"{dataset.path}: row {index}"
-        for key in PAIR_FIELDS:
-            rows[key].append(require_string(obj, key, where_row))
-        rows["margin"].append(optional_number(obj, "margin", where_row))
-        rows["source_line"].append(index + 1)
-    if not rows["prompt"]:
+    pairs = _pairs_table((f"{dataset.path}: row {index}", index + 1, obj)
+                         for index, obj in enumerate(table.to_pylist()))
+    if pairs.num_rows == 0:
         raise DataError(f"{where}: {dataset.path}: no preference pairs (the table is empty)")
-    return pa.Table.from_pydict(rows, schema=wire.PAIRS)
+    return pairs
 
 
 def load_responses(path: str | Path) -> pa.Table:

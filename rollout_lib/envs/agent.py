@@ -8,11 +8,9 @@ as it likes (at most `max_requests`), and returns a float reward, or None to lea
 functions (they read the episode's conversation and its state). The env's rewards are still required: with an agent
 that scores, name `rollout_lib.envs.agent:agent_reward`, which reads the reward the agent returned.
 
-An agent that raises, runs past `timeout_s`, or returns something else fails its episode: its reward is missing
-(the reward loop's null with a reason, never 0), the step counts `agent_failures`, and one log line names the
-example. Sampling seeds derive from (step seed, example, group index, request index), so a rerun replays the same
-episodes as long as the agent itself is deterministic; an agent with randomness of its own does not replay
-exactly. The module's source enters the sample stage's cache key (editing the agent resamples).
+An agent that raises, runs past `timeout_s`, or returns something else fails its episode (a missing reward, never
+0). Seeds derive from (step seed, example, group index, request index), so a deterministic agent replays on a
+rerun; its module's source enters the sample stage's cache key. In full: docs/environments.md.
 """
 
 from __future__ import annotations
@@ -53,12 +51,25 @@ class AgentSettings(InteractionSettings):
         return (self.import_path.partition(":")[0],)
 
 
-class AgentInteraction(Interaction):
-    """Drives its own episodes (agent_episodes.py): the agent, not the turn-by-turn driver, decides each turn."""
+class AgentDriven(Interaction):
+    """An interaction whose episodes the agent driver runs (agent_episodes.py), its `agent` deciding each turn
+    rather than the turn-by-turn driver."""
+
+    drives_itself: ClassVar[bool] = True
+
+    def run_episodes(self, generate, tokenizer, prompt_rows, prompt_ids, params, seed, stop_ids,
+                     context_limit=None, on_end=None):
+        from rollout_lib.envs.agent_episodes import run_agent_episodes
+
+        return run_agent_episodes(self, generate, tokenizer, prompt_rows, prompt_ids, params, seed, stop_ids,
+                                  context_limit, on_end)
+
+
+class AgentInteraction(AgentDriven):
+    """A user's agent function, called once per episode."""
 
     type_name = "agent"
     settings_class = AgentSettings
-    drives_itself: ClassVar[bool] = True
 
     def __init__(self, settings: AgentSettings, tools=None):
         super().__init__(settings, tools)
@@ -71,13 +82,6 @@ class AgentInteraction(Interaction):
     @property
     def name(self) -> str:
         return getattr(self.agent, "__name__", self.settings.import_path)
-
-    def run_episodes(self, generate, tokenizer, prompt_rows, prompt_ids, params, seed, stop_ids,
-                     context_limit=None, on_end=None):
-        from rollout_lib.envs.agent_episodes import run_agent_episodes
-
-        return run_agent_episodes(self, generate, tokenizer, prompt_rows, prompt_ids, params, seed, stop_ids,
-                                  context_limit, on_end)
 
 
 def agent_reward(item: Any) -> float:

@@ -1,15 +1,10 @@
 """An agent episode's tokens: what each OpenAI request is conditioned on, and the training sequences they make.
 
-An agent sends whole conversations (messages in), so its requests are matched at the message level, never by
-re-tokenizing sampled text (BPE does not round-trip: environments.md 3.2, trap 1). A request extends the episode's
-current sequence when its messages are the previous request's messages, then the assistant message answered to it
-(as returned: its content and tool calls), then new messages: the new messages are rendered as the text the chat
-template writes after the sampled stop token through the next generation prompt (render.py, trap 3), appended with
-weight 0, and the model is conditioned on exactly those tokens (the sampled ones as sampled). Anything else starts
-a new training sequence, its prompt the request rendered afresh, and is counted as a split: the agent rewrote or
-dropped history, the template rewrites earlier turns (reasoning templates that drop `<think>`: TemplateMismatchError),
-the tools changed, or the previous turn was cut before its stop token. Tokens the policy did not sample are never
-recorded as sampled (verl #6719 / PR #6921).
+Requests are matched at the message level, never by re-tokenizing sampled text (BPE does not round-trip). A
+request extends the episode's current sequence when its messages are the previous request's, then the assistant
+message answered to it, then new messages, rendered as the template's text after the sampled stop token
+(render.py) with weight 0; anything else starts a new training sequence, counted as a split. Tokens the policy did
+not sample are never recorded as sampled. In full: docs/environments.md, "Token fidelity".
 """
 
 from __future__ import annotations

@@ -10,18 +10,9 @@ whole token sequence and says which tokens the policy sampled and which the envi
 
 An interaction is one class with its settings class, registered by a `type` name like the algorithms (a module
 in this package, or `{ type = "custom", import_path = "pkg.module:Class", kwargs = {...} }` for one of the
-user's). What it must guarantee:
-
-- `start(prompt)` returns the episode's initial state, a JSON-serialisable dict (it is stored with the rollout
-  and handed to reward functions as `RewardInput.state`);
-- `begin(prompt, seed)` (optional) also returns messages the environment writes before the first model turn, and
-  `end(state)` (optional) is told when the episode is over, whatever ended it;
-- `respond(state, messages)` reads the conversation so far (the prompt's messages, then every turn; the last one
-  is the model's, role "assistant") and returns what the environment writes next, or `done`. It may update
-  `state` in place. It sees every model turn that ended with the stop token, the last allowed one too (then its
-  reply is dropped: keep the score in `state`); a turn cut at max_tokens ends the episode unseen. It is
-  deterministic in (state, messages): a rerun of a step replays the same episodes;
-- it never executes text the model wrote (parse it; a calculator evaluates arithmetic with its own parser).
+user's). Its contract (`Interaction` below; docs/environments.md): `start(prompt)` a JSON-serialisable state,
+`respond(state, messages)` the next messages or `done`, deterministic in (state, messages), never executing text
+the model wrote.
 """
 
 from __future__ import annotations
@@ -153,7 +144,9 @@ class Interaction:
         """The episode is over, whatever ended it (called once, before it is recorded): release what it holds."""
 
     def respond(self, state: dict[str, Any], messages: list[dict[str, str]]) -> EnvReply:
-        """The environment's answer to the model's last turn (`messages[-1]`), or EnvReply(done=True)."""
+        """The environment's answer to the model's last turn (`messages[-1]`), or EnvReply(done=True); it may update
+        `state` in place. It sees every turn that ended with the stop token, the last allowed one too (its reply then
+        dropped: keep the score in `state`); a turn cut at max_tokens ends the episode unseen."""
         raise NotImplementedError
 
 

@@ -1,32 +1,13 @@
 """An OpenEnv environment as an env: `interaction = { type = "openenv", environment = "pkg.module:EnvClass" }`
 (in-process) or `{ type = "openenv", url = "http://127.0.0.1:8000" }` (a served one, over its WebSocket session).
 
-Each episode gets an environment of its own (an instance of the class, or a WebSocket session on the server:
-OpenEnv's HTTP /reset and /step are stateless) and resets it with a seed derived from the step's seed and the
-example, the same for every episode of a group (they compare samples of one draw) and the same in a rerun. The
-reset observation is the first message the model reads (a user message after the prompt's). After each model
-turn the turn's action is parsed and stepped:
-
-- `action = "json"`: the first JSON object in the turn's text is the action ({"guess": 3}); the observation
-  answers as a user message;
-- `action = "tool_call"`: the model calls one tool, `tool_name`, whose parameters are the action's JSON schema
-  (from the Action class in-process, from the server's /schema when served), in the template family's format
-  (`parser`); each call is a step, answered as a tool message with its call id.
-
-A turn without a parseable action, or with one the Action class refuses, is answered with `error: ...` (the
-model's to read, counted in the state's `action_errors`), never the episode's failure. The observation's fields
-(OpenEnv's serialisation: without done, reward and metadata) are the message: `observation_field` picks one field's
-text, else the fields are written as JSON. The episode ends when an observation says `done` (or at max_turns).
-
-Rewards: each observation's reward is summed into the state's `env_reward` (None while the env gave none);
-name `rollout_lib.envs.openenv_env:env_reward` in the env's rewards to train on it (0.0 for an episode whose
-model never wrote an action the env took; missing when the env took actions and rewarded none), or score it with
-functions of your own (they see the state: `env_reward`, `steps`, `action_errors`, `observation`).
-
-An environment that raises, or a server that dies or refuses mid-episode, fails that episode: its reward is
-missing (the reward loop's null with the reason, never 0; the step counts `env_failures`, the breaker decides),
-and one log line names the environment (the server's URL) and the example. Episodes are stepped one at a time
-(the driver's turn order); a served env must admit as many concurrent sessions as a step has episodes.
+Each episode gets an environment of its own (an instance of the class, or a WebSocket session on the server),
+reset with a seed derived from the step's seed and the example; the reset observation is the first message the
+model reads. After each model turn its action is parsed (`action = "json"`: the first JSON object; `"tool_call"`:
+a call of the one tool `tool_name`) and stepped; an unparseable or refused action is answered `error: ...` and
+counted in `action_errors`, never the episode's failure. Each observation's reward is summed into the state's
+`env_reward` (the `env_reward` reward function reads it). An environment that raises, or a server that dies
+mid-episode, fails that episode: its reward is missing, never 0. The contract in full: docs/environments.md.
 
 Needs `openenv-core` (checked at plan time): scripts/setup.sh --test installs it (docs/environments.md)."""
 

@@ -1,14 +1,9 @@
 """A verifiers environment as an env: `interaction = { type = "verifiers", env_id = "my_env", env_args = {...} }`.
 
-The environment is one written for verifiers 0.3.x's v0 API (SingleTurnEnv, MultiTurnEnv, ToolEnv and their
-subclasses), loaded as verifiers loads it: `env_id` names an importable module (dashes read as underscores, an
-`owner/` prefix dropped) whose `load_environment(**env_args)` returns the environment. It runs unchanged: its own
-rollout loop (`env.rollout`: setup_state, env_response, stop conditions, tool calls) decides each turn, and every
-model call goes through a rollout-implemented `vf.Client` (envs/verifiers_client.py) answered by the agent driver's
-in-process endpoint (envs/agent_episodes.py): the step's policy sampler samples each turn, seeded per (example,
-group index, request), the sampled token ids and logprobs are kept as sampled, env and tool messages are rendered by
-the policy's chat template, and a conversation the template cannot extend splits the episode (counted), as an
-agent's does (envs/agent_tokens.py).
+The environment (verifiers 0.3.x's v0 API) is loaded as verifiers loads it (`env_id`'s `load_environment(**env_args)`,
+docs/environments.md) and runs unchanged: its own rollout loop decides each turn, and every model call goes through
+a rollout-implemented `vf.Client` (envs/verifiers_client.py) answered by the agent driver's in-process endpoint
+(envs/agent_episodes.py), so the policy sampler samples each turn, seeded, its tokens and logprobs kept as sampled.
 
 With it, the env's prompts are the environment's dataset (`source = { type = "verifiers" }`, drawn per step by
 rollout's content-seeded draw) and its rewards the environment's Rubric (`rewards = [{ rubric = "verifiers" }]`,
@@ -27,7 +22,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rollout_lib.envs.base import Interaction, InteractionSettings
+from rollout_lib.envs.agent import AgentDriven
+from rollout_lib.envs.base import InteractionSettings
 from rollout_lib.envs.tools.parsers import ParserName
 from rollout_lib.reward.locate import check_reference, import_reference
 from rollout_lib.settings_base import StrictModel
@@ -126,13 +122,11 @@ def load_verifiers_environment(settings: VerifiersSettings):
     return loaded_environment(settings.env_id, json.dumps(settings.env_args, sort_keys=True))
 
 
-class VerifiersInteraction(Interaction):
-    """Drives its own episodes through the agent driver (agent_episodes.py), in process: each episode is the
-    environment's own rollout, its model calls answered by the step's sampler."""
+class VerifiersInteraction(AgentDriven):
+    """Each episode is the environment's own rollout, in process, its model calls answered by the step's sampler."""
 
     type_name = "verifiers"
     settings_class = VerifiersSettings
-    drives_itself: ClassVar[bool] = True
     in_process: ClassVar[bool] = True
 
     def __init__(self, settings: VerifiersSettings, tools=None):
@@ -154,13 +148,6 @@ class VerifiersInteraction(Interaction):
         state = await self.environment.rollout(row, RolloutClient(endpoint), MODEL_NAME, {"logprobs": True})
         endpoint.state["verifiers"] = state_record(state)
         return None
-
-    def run_episodes(self, generate, tokenizer, prompt_rows, prompt_ids, params, seed, stop_ids,
-                     context_limit=None, on_end=None):
-        from rollout_lib.envs.agent_episodes import run_agent_episodes
-
-        return run_agent_episodes(self, generate, tokenizer, prompt_rows, prompt_ids, params, seed, stop_ids,
-                                  context_limit, on_end)
 
 
 def verifiers_row(task: dict) -> dict:

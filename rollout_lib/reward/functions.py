@@ -1,13 +1,9 @@
-"""Reward functions: the input they receive, the built-ins, and resolving a function from its config name.
+"""Reward functions: the built-ins, and resolving a function from its config name.
 
-A reward function takes one `RewardInput` and returns a float, or a dict with a "score" key whose other numeric
-values are averaged into the step's metrics as `reward/<function>/<key>` (verl's reward_extra_info). It may be `def` or `async def`; the loop (`loop.py`) detects which. Sync functions run in
-worker processes, so they must be picklable: a module-level function of an importable module, a
-`functools.partial` of one, or an instance of a module-level class. Everything here is module-level for that
-reason.
-
-A function that cannot score (no answer to compare with, a malformed entry) raises: the loop records the
-reward as missing with the error text, never as a silent 0.
+The contract (one RewardInput in; a float, or a dict whose "score" is the reward and whose other numbers become
+`reward/<function>/<key>` metrics, out; sync ones run in worker processes, so everything here is module-level):
+docs/rewards.md. A function that cannot score
+(no answer to compare with, a malformed entry) raises: the loop records a missing reward, never a silent 0.
 """
 
 from __future__ import annotations
@@ -151,26 +147,23 @@ def resolve_reward_function(spec: str, kwargs: dict | None = None, *, filled: tu
         target = BUILTIN_REWARD_FUNCTIONS[spec]
     if not callable(target):
         raise ValueError(f"reward function {spec!r} is not callable: {type(target).__name__}")
-    if kwargs:
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        signature = None  # no introspectable signature (some C callables): let the call itself complain
+    if kwargs and signature is not None:
         # A misspelt kwarg is a config error: fail here, not once per rollout inside the loop.
         try:
-            inspect.signature(target).bind_partial(**kwargs)
+            signature.bind_partial(**kwargs)
         except TypeError as exc:
             raise ValueError(f"reward function {spec!r}: bad kwargs {sorted(kwargs)}: {exc}") from None
-        except ValueError:
-            pass  # no introspectable signature (some C callables): let the call itself complain
-    if not isinstance(target, type):  # calling a class constructs: nothing to check
-        try:
-            signature = inspect.signature(target)
-        except (TypeError, ValueError):
-            signature = None  # no introspectable signature: let the call itself complain
-        problem = signature and reward_call_problem(getattr(target, "__name__", spec), signature,
-                                                    {**(kwargs or {}), **dict.fromkeys(filled)})
+    if signature is not None and not isinstance(target, type):  # calling a class constructs: nothing to check
+        problem = reward_call_problem(getattr(target, "__name__", spec), signature,
+                                      {**(kwargs or {}), **dict.fromkeys(filled)})
         if problem:
             raise ValueError(f"reward function {spec!r}: {problem}")
-    if ":" in spec:
-        if is_verl_style(target):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info, ...)
-            return adapt_verl_function(target, kwargs, spec, reward_server)
+    if ":" in spec and is_verl_style(target):  # verl's compute_score(data_source, solution_str, ground_truth, ...)
+        return adapt_verl_function(target, kwargs, spec, reward_server)
     return functools.partial(target, **kwargs) if kwargs else target
 
 

@@ -146,15 +146,9 @@ class WithJudge:
         return await self.function(inp, judge=self.client, **self.kwargs)
 
 
-class SyncWithJudge:
+class SyncWithJudge(WithJudge):
     """A user's sync reward function called as `fn(inp, judge=<SyncJudgeClient>, **kwargs)` in a worker process
     (module-level, so it pickles by reference)."""
-
-    def __init__(self, function, client: SyncJudgeClient, kwargs: dict):
-        self.function = function
-        self.client = client
-        self.kwargs = kwargs
-        self.__name__ = function_name(function)  # through the partial that binds kwargs
 
     def __call__(self, inp: RewardInput) -> float:
         return self.function(inp, judge=self.client, **self.kwargs)

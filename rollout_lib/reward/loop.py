@@ -1,9 +1,8 @@
 """The reward loop: score each rollout asynchronously with a weighted sum of reward functions.
 
-Modelled on verl's reward loop (seed 004): each sample is scored on its own coroutine, so latency-bound
-rewards (an LLM judge, a sandbox) overlap instead of queueing. Unlike verl, sync functions do not go to a
-thread executor: a hung thread cannot be stopped. They run in `pool.SyncWorkerPool`, whose worker processes
-(with anything they started) are killed on timeout. Async functions are cancelled on timeout.
+As verl's reward loop (seed 004), each sample is scored on its own coroutine, so latency-bound rewards overlap.
+Sync functions run in `pool.SyncWorkerPool` (not a thread: a hung thread cannot be stopped), whose worker processes
+are killed on timeout; async functions are cancelled on timeout.
 
 Limits of "a timeout that really stops the work":
 - an async function that blocks the event loop (time.sleep inside `async def`) stalls everything and cannot be
@@ -78,15 +77,9 @@ class RewardLoop:
             results = loop.score(items)
     """
 
-    def __init__(
-        self,
-        functions: Sequence[tuple[Callable[..., Any], float]],
-        *,
-        concurrency: int = 32,
-        timeout_s: float = 10.0,
-        kill_grace_s: float = DEFAULT_KILL_GRACE_S,
-        sync_workers: int | None = None,
-    ) -> None:
+    def __init__(self, functions: Sequence[tuple[Callable[..., Any], float]], *, concurrency: int = 32,
+                 timeout_s: float = 10.0, kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+                 sync_workers: int | None = None) -> None:
         if not functions:
             raise ValueError("RewardLoop needs at least one (function, weight)")
         if concurrency < 1:
@@ -208,39 +201,14 @@ def _consume_result(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def score_inputs(
-    items: Sequence[RewardInput],
-    functions: Sequence[tuple[Callable[..., Any], float]],
-    *,
-    concurrency: int,
-    timeout_s: float,
-    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
-    sync_workers: int | None = None,
-) -> list[RewardResult]:
-    """Score items once with a throwaway RewardLoop (its worker processes are shut down on return)."""
-    with RewardLoop(
-        functions, concurrency=concurrency, timeout_s=timeout_s, kill_grace_s=kill_grace_s, sync_workers=sync_workers
-    ) as loop:
+async def score_inputs(items: Sequence[RewardInput], functions: Sequence[tuple[Callable[..., Any], float]],
+                       **loop_settings: Any) -> list[RewardResult]:
+    """Score items once with a throwaway RewardLoop(functions, **loop_settings) (its workers shut down on return)."""
+    with RewardLoop(functions, **loop_settings) as loop:
         return await loop.ascore(items)
 
 
-def score_inputs_sync(
-    items: Sequence[RewardInput],
-    functions: Sequence[tuple[Callable[..., Any], float]],
-    *,
-    concurrency: int,
-    timeout_s: float,
-    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
-    sync_workers: int | None = None,
-) -> list[RewardResult]:
+def score_inputs_sync(items: Sequence[RewardInput], functions: Sequence[tuple[Callable[..., Any], float]],
+                      **loop_settings: Any) -> list[RewardResult]:
     """`score_inputs` from sync code."""
-    return asyncio.run(
-        score_inputs(
-            items,
-            functions,
-            concurrency=concurrency,
-            timeout_s=timeout_s,
-            kill_grace_s=kill_grace_s,
-            sync_workers=sync_workers,
-        )
-    )
+    return asyncio.run(score_inputs(items, functions, **loop_settings))

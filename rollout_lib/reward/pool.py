@@ -7,15 +7,7 @@ Each worker acknowledges a call before running it, so a worker that died while i
 still looked alive is told apart from one that died in the function: the first kind of call is given to a
 fresh worker once, the second is a missing reward.
 
-Why not a library (checked for issue 9 against pebble 5.2.3 and Prefect 3.8.8):
-- threads cannot be stopped; `concurrent.futures.ProcessPoolExecutor` (also under Prefect's
-  ProcessPoolTaskRunner, whose task timeout only raises inside the running thread) has no per-call kill, and
-  one dead worker breaks the whole executor.
-- pebble's ProcessPool signals only the worker's pid (SIGKILL after a fixed 3 s), so what the function started
-  lives on: `os.setsid` in an initializer does not change whom pebble signals, and a SIGTERM handler that
-  kills the group never runs while the function is in C code. A worker killed while the pool is idle breaks
-  the pool for good (RuntimeError on every later call; pebble issue 70). Its workers share one locked pipe, so
-  one dying mid-message can stall the rest (pebble issue 163).
+Why not ProcessPoolExecutor or pebble (no per-call kill of a process group): docs/rewards.md, "The contract".
 
 Workers start lazily, one call at a time each. Sync functions are pickled once here (a non-picklable one is
 refused at construction) and unpickled by reference in the worker, so they must be importable there: defined

@@ -12,11 +12,9 @@ What it scores: the env's prompt messages (system prompt included), then the com
 last real token (`model/reward.py`). An input longer than `max_length` loses the prompt's earliest tokens; a
 response that does not fit alone is a missing reward that says so. Both are counted (`take_counts`).
 
-Determinism: a rollout's score must not depend on which rollouts shared its batch, which depends on when calls
-arrive (other rewards finishing first, a rerun after a crash). fp32 kernels on CPU give a row the same bits in every
-batch of the same shape, but not across shapes (a row of a batch of 3 rounds differently from the same row in a batch of
-8, by ~1e-8). So the shape of every forward pass follows from the row alone: `batch_size` rows (unused rows hold one
-pad token) of a length bucket chosen by the row's own length (powers of two from 32, capped at max_length).
+Determinism: a rollout's score must not depend on which rollouts shared its batch, and CPU kernels give a row the
+same bits only in batches of the same shape (docs/rewards.md), so every forward's shape follows from the row alone:
+`batch_size` rows (unused rows hold one pad token) of a length bucket chosen by the row's own length.
 """
 
 from __future__ import annotations

@@ -79,15 +79,12 @@ class RewardModelSettings(StrictModel):
     # Tokens per input; a longer one loses the prompt's earliest tokens. Default: the max_seq_len the checkpoint was
     # trained with when its manifest records it, else the model's max_position_embeddings.
     max_length: int | None = Field(None, ge=8)
-    # embedded: in this process (bit-exact whatever the batching). vllm: rollout serves it with vLLM's pooling
-    # runner (`POST /classify`), for a reward model too large to run beside the trainer; scores agree with the
-    # embedded ones to ~1e-7, not bit for bit, so the engine is part of the training identity.
+    # embedded: in this process. vllm: rollout serves it with vLLM's pooling runner (`POST /classify`); not bit for
+    # bit the embedded scores, so the engine is part of the training identity (docs/rewards.md).
     engine: Literal["embedded", "vllm"] = "embedded"
     replicas: int = Field(1, ge=1)  # vllm servers behind the pool (a resource: not part of the identity)
-    # A pooling server of this model that you run (another node: `rollout serve start <ref> --runner pooling` there,
-    # or `vllm serve <model> --runner pooling`), one URL or its replicas' list: rollout starts none and only connects.
-    # It implies engine = "vllm": the same requests as to rollout's own server, so the same training identity (an
-    # address is a resource). The reference still names the model: its tokenizer encodes, its content is hashed.
+    # Pooling servers of this model that you run (one URL or its replicas'): rollout only connects. Implies engine =
+    # "vllm", the same identity (an address is a resource); the reference still names the model (docs/rewards.md).
     # `served_name`: the model name that server serves, if not the one its /v1/models lists.
     base_url: BaseUrls | None = None
     served_name: str | None = Field(None, min_length=1)
@@ -176,9 +173,8 @@ class RewardLoopSettings(StrictModel):
     timeout_s: float = Field(30.0, gt=0)  # per call; the call is stopped (worker killed / task cancelled)
     sync_workers: int | None = Field(None, ge=1)  # worker processes for sync functions (default: min(cores, ...))
     # The circuit breaker: a step with a larger share of missing rewards fails, naming its most frequent errors.
-    # 0.5 because past it the rollouts a reward did score are the minority, so the step would train on whichever
-    # rollouts the failure happened to spare (often the easy or short ones), not on the batch that was sampled.
-    # 1.0: only a step where every reward is missing fails.
+    # 0.5: past it the step would train on the rollouts the failure spared, not the sampled batch. 1.0: only a step
+    # where every reward is missing fails.
     max_missing_fraction: float = Field(0.5, ge=0, le=1)
     # Score each rollout as soon as it is sampled, while the step samples on (seed 004's agent reward loop), instead
     # of after the step's last rollout. The same rewards either way, so not part of the training identity. A run

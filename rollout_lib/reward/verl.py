@@ -6,20 +6,9 @@ extra_info=..., **reward_kwargs)` (`verl/workers/reward_manager/naive.py`, `verl
 numbers, verl's reward_extra_info, become the step's `reward/<function>/<key>` means). verl's own scorers (`verl/utils/reward_score/gsm8k.py`) are bare:
 `compute_score(solution_str, ground_truth, ...)`, and users name them as the reward directly.
 `resolve_reward_function` recognises either by its first parameters, with no config flag, and wraps it here, so it
-takes one `RewardInput` like ours; each argument is passed by name, when the function takes it (a parameter of that
-name, or **kwargs):
-
-    data_source   info["data_source"] when the row has it, else the env's name
-    solution_str  completion_text (in a multi-turn env, the policy's last turn)
-    ground_truth  answer; info["ground_truth"] when the row has no answer; neither: a missing reward
-    extra_info    info (a copy)
-    reward_router_address   "127.0.0.1:PORT": the router in front of the reward's judge (serving/router.py)
-    reward_model_tokenizer  the judge's tokenizer, loaded offline (judge_tokenizer.py)
-    **kwargs      the reward's configured `kwargs` (verl's `custom_reward_function.reward_kwargs`)
-
-The last two are what verl's reward loop adds (seed 004): a reward that names a judge hands them to a function
-taking them by name or with **kwargs; without a judge, a function naming them gets None (as in verl) when it has a
-default, and is refused at plan time when it requires them.
+takes one `RewardInput` like ours; each argument (the table in docs/rewards.md, "verl-style functions") is passed
+by name, when the function takes it. Without a judge, `reward_router_address` and `reward_model_tokenizer` are None
+(as in verl) for a function with a default for them, and refused at plan time for one that requires them.
 
 The adapters are module-level classes, so a sync one pickles by reference into the worker processes (the user's
 function must be importable there, as any sync reward function). This module imports nothing heavy: every worker
@@ -28,6 +17,7 @@ imports it when it unpickles an adapter.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable
 
@@ -143,8 +133,14 @@ class VerlRewardFunction:
 
     def __call__(self, inp: RewardInput) -> Any:
         arguments = verl_arguments(inp, self.taken, self.server)
-        try:
+        with self._explained():
             return verl_score(self.compute_score(**arguments, **self.kwargs))
+
+    @contextlib.contextmanager
+    def _explained(self):
+        """An error the reward's judge server explains (RewardServer.explained) is raised as that explanation."""
+        try:
+            yield
         except Exception as exc:
             explained = self.server.explained(exc)
             if explained is None:
@@ -157,10 +153,5 @@ class AsyncVerlRewardFunction(VerlRewardFunction):
 
     async def __call__(self, inp: RewardInput) -> Any:
         arguments = verl_arguments(inp, self.taken, self.server)
-        try:
+        with self._explained():
             return verl_score(await self.compute_score(**arguments, **self.kwargs))
-        except Exception as exc:
-            explained = self.server.explained(exc)
-            if explained is None:
-                raise
-            raise explained from exc

@@ -21,7 +21,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from rollout_lib.losses import DEFAULT_REF_KL_EPS_LOW, DEFAULT_REF_KL_KL_COEF, _mean_over
+from rollout_lib.losses import DEFAULT_REF_KL_EPS_LOW, DEFAULT_REF_KL_KL_COEF, mean_over  # noqa: F401  (re-exported)
 from rollout_lib.rl_losses.correction import CorrectionSettings
 from rollout_lib.settings_base import StrictModel
 
@@ -113,4 +113,3 @@ def sequence_means(values: Tensor, sequence_ids: Tensor, member: Tensor) -> tupl
     return means[sequence_ids], lengths[sequence_ids]
 
 
-mean_over = _mean_over  # mean of values where mask holds, as a python float; 0.0 when nothing is selected

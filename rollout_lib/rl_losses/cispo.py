@@ -10,10 +10,7 @@ keeps the REINFORCE gradient -A_t · ∇log π(y_t), scaled by at most 1 + eps_h
 over-weighted. eps_low: None (the default) puts no lower bound on the weight, as MiniMax-M1 tuned only the upper
 one; the defaults follow that (eps_high = 0.28). The value of loss_t is not an objective to read (it is -A · log π
 scaled); its gradient is: on-policy (r = 1) it is plain REINFORCE.
-
-Normalisation: token-level, as the default loss: over N_rl = the step's rl tokens the step loss is the mean over the
-step's rl tokens (the paper's token-level average over the batch); `normalizer = { constant = C }` gives Dr. GRPO's
-Σ_t / (C · sequences).
+Normalisation: token-level, as the default loss (docs/algorithms.md, "The rl loss menu").
 """
 
 from __future__ import annotations

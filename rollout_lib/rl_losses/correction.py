@@ -29,7 +29,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from rollout_lib.losses import _mean_over
+from rollout_lib.losses import mean_over
 from rollout_lib.settings_base import StrictModel
 
 CORRECTION_TYPES = ("none", "tis", "seq_tis", "mis", "icepop")
@@ -92,15 +92,15 @@ class MismatchCorrection:
             factor = torch.where(member, factor, ones)
             masked = member & (factor == 0)
             diagnostics = mismatch_diagnostics(log_w, member)
-            diagnostics["clipped_fraction"] = _mean_over(clipped.float(), member)
-            diagnostics["masked_fraction"] = _mean_over(masked.float(), member)
+            diagnostics["clipped_fraction"] = mean_over(clipped.float(), member)
+            diagnostics["masked_fraction"] = mean_over(masked.float(), member)
         return factor, diagnostics
 
 
 def mismatch_diagnostics(log_w: Tensor, member: Tensor) -> dict[str, float]:
     """kl (k3 of KL(π_sampler ‖ π_old), mean over `member`) and ratio_max of w = exp(log_w)."""
     ratio = torch.exp(log_w)
-    return {"kl": _mean_over(ratio - 1 - log_w, member),
+    return {"kl": mean_over(ratio - 1 - log_w, member),
             "ratio_max": float(ratio[member].max()) if bool(member.any()) else 0.0}
 
 

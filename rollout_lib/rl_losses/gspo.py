@@ -11,15 +11,9 @@ advantage pushes, gets no gradient at all; otherwise every token gets s_i · A_t
 3e-4 / 4e-4, the defaults here), far tighter than a token ratio's 0.2. The optional k2 term (kl_coef, default 0:
 the paper has none) is the default loss's per-token pull toward the sampler.
 
-Sequences in rollout: y_i is one packed sequence of the micro-batch (packing: `sequence_lengths`; a group's shared
-prompt is stored once and carries no rl token, so each sample's rl tokens lie in its own sequence); |y_i| counts its
-rl tokens (weight != 0). A_t is each token's advantage (grpo gives a sequence one value).
-
-Normalisation: every rl token of y_i carries its sequence's surrogate, so the numerator is Σ_i |y_i| · surrogate_i
-(token weights w_t multiply) and over N_rl = the step's rl tokens ("tokens") the step loss is the token-weighted
-mean of the sequences' surrogates: each token's gradient is s_i · A_t / N_rl · ∇log π(y_t), the token-level
-gradient of GRPO/DAPO with a sequence's ratio. The paper's (1/G) Σ_i weighs every sequence once instead; with
-`normalizer = { constant = C }` the step loss is Σ_i |y_i| · surrogate_i / (C · sequences), Dr. GRPO's form.
+y_i is one packed sequence of the micro-batch (`sequence_lengths`), |y_i| its rl tokens (weight != 0), A_t each
+token's advantage. Every rl token carries its sequence's surrogate, so the numerator is Σ_i |y_i| · surrogate_i;
+how that meets N_rl and the paper's (1/G) Σ_i: docs/algorithms.md, "The rl loss menu".
 """
 
 from __future__ import annotations

@@ -21,12 +21,11 @@ again. Like the step records, the objects named are not gc roots.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 
 from rollout_lib.runlog.metrics_file import run_dir
-from rollout_lib.runlog.step_tables import numbered_records, write_record
+from rollout_lib.runlog.step_tables import numbered_records, read_record, write_record
 from rollout_lib.store import ObjectStore
 
 EVALS_DIR = "evals"  # runs/<name>/evals/<label>.json
@@ -80,8 +79,4 @@ def _write(store: ObjectStore, run_name: str, name: str, what: str, step: int, r
 
 
 def _read(store: ObjectStore, run_name: str, name: str, kind: str) -> dict | None:
-    try:
-        record = json.loads(store.fs.cat_file(f"{run_dir(store, run_name)}/{EVALS_DIR}/{name}"))
-    except FileNotFoundError:
-        return None
-    return record if record.get("kind") == kind else None
+    return read_record(store, f"{run_dir(store, run_name)}/{EVALS_DIR}/{name}", kind)

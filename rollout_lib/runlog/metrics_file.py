@@ -1,13 +1,8 @@
 """A run's per-step metrics, kept in its store as each step completes: the history that outlives the run.
 
-Where, under the store's root (beside ``objects/`` and ``refs/``, never inside them: ``rollout gc`` leaves it alone):
-
-* a local store (a path, ``file://``): ``runs/<name>/metrics.jsonl``, one JSON object per optimizer step, appended
-  (and flushed) when the step completes, so a killed run keeps every step it finished;
-* a remote store (``s3://``, ``memory://``: no appends there): ``runs/<name>/metrics/<step, 9 digits>.json``, one
-  object per step, written when the step completes.
-
-The reader takes both layouts (a local store copied to s3 reads the same). A line is the step's metrics as the
+A local store: ``runs/<name>/metrics.jsonl``, one line per optimizer step, appended (and flushed) when the step
+completes; a remote one (no appends there): ``runs/<name>/metrics/<step, 9 digits>.json`` (docs/runs.md). The
+reader takes both layouts. A line is the step's metrics as the
 trainer reported them, with ``"step"`` first and ``"wall_time"`` (POSIX seconds, when the line was written) last;
 a float that JSON cannot hold is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` and read back
 as that float. Step 0, when a run evaluates its initial model on held-out data, is a line of that evaluation alone
@@ -23,6 +18,7 @@ shorter budget than an earlier run of the same name drops the steps past it: the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -209,9 +205,7 @@ class MetricsFile:
         return sorted({record["step"] for record in self._records} if self.local else self._objects)
 
     def _last_step(self) -> int | None:
-        if self.local:
-            return self._max_local_step
-        return max(self._objects, default=None)
+        return max(self.steps, default=None)
 
     def record(self, step: int, metrics: dict) -> None:
         """Training has (re)done ``step``: its line replaces an earlier one, and lines after it go."""
@@ -251,7 +245,7 @@ class MetricsFile:
             if any(record["step"] == step for record in self._records):
                 self._rewrite_local([{**record, **extra} if record["step"] == step else record
                                      for record in self._records])
-            elif self._max_local_step is not None and step < self._max_local_step:  # a rerun's step 0
+            elif step < (self._last_step() or 0):  # a rerun's step 0
                 self._rewrite_local(sorted([*self._records, decode_record(encode_record(step, extra))],
                                            key=lambda record: record["step"]))
             else:
@@ -272,17 +266,13 @@ class MetricsFile:
         records = [record for record in map(decode_record, data.splitlines()) if record is not None]
         if data and (not data.endswith(b"\n") or len(records) != len(data.splitlines())):
             self._rewrite_local(records)  # a killed writer's half line: gone before anything is appended to it
-        self._max_local_step = max((record["step"] for record in records), default=None)
         return records
 
     def _append_local(self, line: str) -> None:
         os.makedirs(self.directory, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
-        record = decode_record(line)
-        self._records.append(record)
-        last = self._max_local_step
-        self._max_local_step = record["step"] if last is None else max(last, record["step"])
+        self._records.append(decode_record(line))
 
     def _rewrite_local(self, records: list[dict]) -> None:
         """Replace the file with ``records``, atomically (a reader sees the old file or the new one)."""
@@ -297,7 +287,6 @@ class MetricsFile:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         self._records = list(records)
-        self._max_local_step = max((record["step"] for record in records), default=None)
 
     # --- remote: one object per step ------------------------------------------------------------------------
 
@@ -310,8 +299,6 @@ class MetricsFile:
         if not steps:
             return
         paths = [self._objects.pop(step) for step in steps]
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.store.fs.rm(paths)
-        except FileNotFoundError:
-            pass
         self.store.fs.invalidate_cache(self.path)

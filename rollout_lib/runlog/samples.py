@@ -1,29 +1,11 @@
 """A run's samples, read straight from the tables its RL steps stored (`rollout runs samples`, docs/runs.md).
 
-One row per rollout of a step, in the rollouts table's order (prompt by prompt, group index within):
-
-    sample_id, env, example_id, group_index  which rollout
-    prompt                                   the prompt's chat messages (the prompts table's row of its example)
-    completion                               the completion text (multi-turn: the whole episode after the prompt)
-    reward, reward_error                     the total (None: missing) and why it is missing (the reward loop's error)
-    rewards                                  each reward function's reward ({name: value}); None where the step
-                                             stored only totals (staged scoring)
-    advantage                                the mean advantage over the sample's policy tokens; None without rl
-                                             credit (a missing reward, a ce / ref_kl algorithm)
-    prompt_tokens, completion_tokens         token counts
-    sampled_from                             what sampled it: a policy state id, or `frozen:...` / `served:...`
-    turns, model_turns, tool_calls, end      multi-turn episodes only (else None): the segments as
-                                             {role, sampled, content}, the model's turn count, the env's `tool`
-                                             replies, why the episode ended
-    tokens                                   with tokens=True: per completion token {id, sampled,
-                                             sampler_logprob, behaviour_logprob, advantage}
-
-`behaviour_logprob` is the logprob the trainer's ratio divides by (training samples' `inference_logprobs`): the
-trainer's recompute at the sampling state, or the sampler's own (`behaviour_logprobs = "sampler"`), or None where
-the step took it from its own training forward (`"training_forward"`, stored as NaN). The training forward's
-logprobs themselves are not stored; `with_trainer_logprobs` adds the trainer's, computed on demand
-(rl/trainer_logprobs.py), as each token's `trainer_logprob` and each row's `logprob_gap` (the largest
-|sampler - trainer| over its sampled tokens; None where nothing was computed).
+One row per rollout of a step, in the rollouts table's order: which rollout, its prompt and completion, the total
+reward and each function's (None where the step stored only totals), the mean advantage over its policy tokens,
+token counts, what sampled it, a multi-turn episode's turns, and with tokens=True each completion token's ids and
+logprobs. The columns one by one: docs/runs.md, "rollout runs samples".
+`behaviour_logprob`: what the trainer's ratio divides by (None where the step took its own training forward's);
+`with_trainer_logprobs` adds `trainer_logprob` per token and `logprob_gap` per row (docs/runs.md).
 """
 
 from __future__ import annotations

@@ -73,9 +73,13 @@ def numbered_records(store: ObjectStore, directory: str, name: re.Pattern) -> li
 
 def read_step_tables(store: ObjectStore, run_name: str, step: int) -> dict | None:
     """Step ``step``'s record, or None when it has none."""
-    path = f"{run_dir(store, run_name)}/{STEPS_DIR}/{int(step):09d}.json"
+    return read_record(store, f"{run_dir(store, run_name)}/{STEPS_DIR}/{int(step):09d}.json", STEP_TABLES_KIND)
+
+
+def read_record(store: ObjectStore, path: str, kind: str) -> dict | None:
+    """The record at ``path`` if there is one of that ``kind`` (runlog/eval_tables.py reads its own too)."""
     try:
         record = json.loads(store.fs.cat_file(path))
     except FileNotFoundError:
         return None
-    return record if record.get("kind") == STEP_TABLES_KIND else None
+    return record if record.get("kind") == kind else None

@@ -8,19 +8,14 @@
 
 Prompts travel as token ids (`"prompt": [ids]`), so tokenisation cannot drift between the caller and the server.
 
-Why httpx and not the `openai` package: every request here has exactly one timeout (the whole request, connect to
-last byte, `timeout_s`) and no hidden retries. `openai` retries twice on the *same* server by default, which fights
-the pool's failover to *another* replica (pool.py); the vLLM-specific fields this needs (`prompt_logprobs`,
-`return_token_ids`) are not in its typed API anyway; and httpx is already installed (Prefect depends on it).
+httpx, not the `openai` package: one timeout per whole request and no hidden retries (why: docs/serving.md).
 
 Errors are `ServingError`s whose message is one line that starts with the replica's URL. `ReplicaUnavailable`
 (connection refused or reset, timeout, HTTP 5xx or 429) says the replica is dead, hung or overloaded: the pool
 tries another one. `RequestRejected` (HTTP 4xx) and `BadResponse` (a reply of the wrong shape) are the caller's or
 the server's bug: another replica of the same model would answer the same, so they are raised at once.
 
-A vanished server is a dead replica, not a slow one: with chunked prefill on, a seeded request can kill a vLLM CPU
-server outright (../shared/notes/serving.md); in-flight requests then get HTTP 500 and the next ones connection
-refused, both `ReplicaUnavailable`.
+A vanished server (in-flight requests get HTTP 500, the next ones connection refused) is `ReplicaUnavailable` too.
 """
 
 from __future__ import annotations

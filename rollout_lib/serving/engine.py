@@ -6,10 +6,8 @@ group and recorded in `<state>/serve/<name>.json` (the state dir of rollout_lib.
 `<state>/serve/<name>-<i>.log`. A deployment outlives the process that started it until `stop_deployment` (or
 `rollout serve stop`) stops every process of every replica's group.
 
-vLLM lives in its own venv (it pins an older transformers): `.venv-vllm`, made by scripts/setup.sh, or the python
-named by ROLLOUT_VLLM_PYTHON. The flags every server gets are the ones verified on these machines
-(../shared/notes/serving.md): fp32, eager, chunked prefill off (seeded requests crash the CPU engine with it) and
-prefix caching off (prompt logprobs must not depend on request order).
+vLLM lives in its own venv (`.venv-vllm`, or ROLLOUT_VLLM_PYTHON); every server gets SERVER_FLAGS, the ones verified
+on these machines (why each: docs/serving.md).
 
 A live-policy deployment (`live_policy=True`, serving/policy_server.py) also runs in vLLM's dev mode
 (VLLM_SERVER_DEV_MODE=1: POST /collective_rpc reloads its weights in place); its weights are whatever was last
@@ -248,10 +246,8 @@ def _server_env(deployment: Deployment, replica_count: int, index: int = 0) -> d
     env = {**os.environ}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes far more
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # do not pin the cores the trainer shares
-    # The model runs in the engine-core process, not in a third "Worker" process it feeds over shared memory: on
-    # these CPUs a replica is ready in 12-13.5 s instead of 17.5-19.6 s and SmolLM2 samples 447 tokens/s instead of
-    # 331-340, the same tokens (docs/serving.md, "One process per replica"). vLLM's CPU platform only allows its
-    # one-process executor with this off, since it cannot then pin threads to cores, which `nobind` declines anyway.
+    # The model runs in the engine-core process, not a third "Worker" process: ready sooner, samples faster, the
+    # same tokens (docs/serving.md, "One process per replica").
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["OMP_NUM_THREADS"] = threads  # the engine runs 1 thread unless this is set (~70% speed on 2 cores)
@@ -488,10 +484,10 @@ def find_deployment(name: str) -> Deployment | None:
     return None
 
 
-def _drop(deployment: Deployment) -> None:
-    """Forget a deployment none of whose servers runs: stop what is left of its groups (a killed API server's
+def _drop(deployment: Deployment, grace_s: float = 2.0) -> None:
+    """Stop what is left of a deployment's groups (of one none of whose servers runs: a killed API server's
     EngineCore and Worker), delete its record."""
-    _stop_groups(deployment.pids, grace_s=2.0)
+    _stop_groups(deployment.pids, grace_s)
     _forget(deployment.name)
 
 
@@ -507,27 +503,27 @@ def claim_orphan(name: str, owner_pid: int) -> Deployment | None:
         return deployment
 
 
+def _recorded_names() -> list[str]:
+    return sorted(path.stem for path in serve_dir().glob("*.json")) if serve_dir().is_dir() else []
+
+
 def running_deployments() -> list[Deployment]:
     """Every recorded deployment that still runs, by name."""
-    names = sorted(path.stem for path in serve_dir().glob("*.json")) if serve_dir().is_dir() else []
-    return [deployment for deployment in map(find_deployment, names) if deployment is not None]
+    return [deployment for deployment in map(find_deployment, _recorded_names()) if deployment is not None]
 
 
 def stop_deployment(name: str, grace_s: float = STOP_GRACE_S) -> Deployment | None:
     """Stop every process of every replica of `name` and drop its record; the deployment, or None when none of
     that name was recorded."""
     deployment = _read_record(name)
-    if deployment is None:
-        return None
-    _stop_groups(deployment.pids, grace_s)
-    _forget(name)
+    if deployment is not None:
+        _drop(deployment, grace_s)
     return deployment
 
 
 def stop_all(grace_s: float = STOP_GRACE_S) -> list[Deployment]:
     """Stop every recorded deployment (all their groups at once); the deployments stopped."""
-    names = sorted(path.stem for path in serve_dir().glob("*.json")) if serve_dir().is_dir() else []
-    deployments = [deployment for deployment in map(_read_record, names) if deployment is not None]
+    deployments = [deployment for deployment in map(_read_record, _recorded_names()) if deployment is not None]
     _stop_groups([pid for deployment in deployments for pid in deployment.pids], grace_s)
     for deployment in deployments:
         _forget(deployment.name)

@@ -4,24 +4,12 @@ path vLLM's CPU backend allows, with vLLM's own `reload_weights` wherever that p
     POST /collective_rpc {"method": "reload_policy_weights", "args": ["<directory with model.safetensors>"]}
         -> {"results": ["in place" | "vllm reload_weights (<why>)"]}
 
-Why not just `reload_weights`: it re-creates every layer on the meta device, materialises it again, loads its
-tensors through the weight loaders, re-runs process_weights_after_loading and copies the result back into the old
-storage. On SmolLM2-135M in fp32 on 2 cores that is 0.33-0.37 s a reload (cProfile: 0.11 s oneDNN weight packing,
-0.09 s copies, the rest bookkeeping over 183 layers).
-
-What this path does instead. On the CPU backend a linear layer keeps no weight once loaded: vLLM's
-`dispatch_cpu_unquantized_gemm` (model_executor/layers/utils.py) packs it into the matmul kernel's own copy and
-leaves an empty parameter, so there is nothing to copy into in place. Here each such layer is handed its new weight
-(its checkpoint tensors concatenated as the model's `packed_modules_mapping` says: q, k, v into qkv_proj) and that
-same dispatch runs again; every other parameter (embeddings, norms, biases) is copied in place; the output head,
-whose kernel packed the (tied) embeddings, is packed again from them. No layer is rebuilt and no loader runs. The
-file stays mapped between reloads (it is rewritten in place), so its pages are not faulted in again each time, and
-a layer made of one checkpoint tensor is packed straight from the file's view. Measured on SmolLM2-135M fp32 (in
-process, 2 cores, quiet): 0.12 s against vLLM's 0.33-0.37 s (of the 0.12: oneDNN's packing 0.08, concatenating q, k,
-v and gate, up 0.015, freeing the old kernels 0.008); as the policy server sees it over HTTP, 0.14-0.15 s. The
-probe's logprobs after it equal those after `reload_weights` bit for bit (both pack the same weights with the same
-dispatch; tests/test_policy_engine.py), in fp32 and bf16, eager and compiled (checked by hand on SmolLM2 with the
-engine in process).
+On the CPU backend a linear layer keeps no weight once loaded (vLLM's `dispatch_cpu_unquantized_gemm` packs it into
+the kernel's own copy), so nothing can be copied into in place: each such layer is handed its new weight (its
+checkpoint tensors concatenated as `packed_modules_mapping` says) and that same dispatch runs again; every other
+parameter is copied in place; the output head is packed again from the (tied) embeddings. No layer is rebuilt and
+no loader runs; the file stays mapped between reloads. Why not `reload_weights`, measured, and the bit-for-bit
+check against it: docs/serving.md.
 
 It applies to one worker (no tensor parallelism), unquantized weights, on the CPU platform. Anything else, or a
 checkpoint that lacks a tensor the model needs or holds one of another shape (checked before anything changes),

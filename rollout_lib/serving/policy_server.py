@@ -9,42 +9,17 @@ are reloaded in place to the policy state a sample stage samples from, and check
 A replica that stops answering during a hold (killed inside the reload or the probe) raises PolicyReplicaLost; the
 sampler then restarts it and holds again, as for one lost while sampling (sampling/vllm.py).
 
-Reload: the model's state dict -> a safetensors file in shared memory, rewritten in place each step
-(serving/weight_sync.py), every tensor, with `lm_head.weight` written out even when it is tied to the input
-embeddings (transformers' `save_pretrained` drops it, and vLLM's CPU engine then keeps its output head on the *old*
-embeddings: 1.0 logprob off on the tiny Qwen2, 1.6 on SmolLM2, ../shared/notes/serving.md), then `POST
-/collective_rpc {"method": "reload_policy_weights", "args": [dir]}` on every replica that does not hold the state
-yet: the server's worker extension (engine_reload.py) re-packs each linear layer's kernel from the new weights and
-copies the rest in place, or takes vLLM's own `reload_weights` where that path does not apply; `reload_paths` says
-which ran on each replica.
+Reload (serving/weight_sync.py, engine_reload.py): the model's state dict -> a safetensors file in shared memory,
+`lm_head.weight` written even when tied (vLLM's CPU engine otherwise keeps its head on the old embeddings), then
+`POST /collective_rpc {"method": "reload_policy_weights"}` on every replica not holding the state yet;
+`reload_paths` says which path ran on each. A LoRA policy: the replicas run the frozen base with `--enable-lora`,
+and a reload writes the adapter directory and loads it in place under one name (`/v1/load_lora_adapter`).
 
-A LoRA policy (adapters.py: the trainer's model is a peft model) is served as vLLM serves adapters: the replicas
-run the frozen base with `--enable-lora` (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), and a reload writes the adapter
-directory (a few MB, weight_sync.AdapterDirectory) and asks each replica to load it in place under one name
-(`POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}`); samples and the probe ask for
-that name. The base's weights never move, so no full reload runs at all.
-
-Verification: a fixed probe sequence (PROBE_LENGTH token ids drawn once from a fixed seed) is scored by each
-reloaded replica (prompt logprobs, temperature 1) and by the trainer's own forward of the same weights; a replica
-whose logprobs differ by more than `tolerance` anywhere fails the step with a PolicyServerError naming its URL, the
-state and the difference. Default 1e-3: the same weights agree within 4.8e-7 on the tiny model and 2e-5..8.4e-5
-on SmolLM2-135M in fp32 (float sums in another order; the holds of bench/bench_weight_sync.py and of a 25-step
-rl-smollm2 run). Wrong weights, on this 16-token probe (each side computed by the trainer's forward): one
-1e-3-scale random perturbation away, 0.045 on the tiny model and 0.195 on SmolLM2 (45x the tolerance); one
-1e-5-scale perturbation away, still 8.8e-3 on SmolLM2. On the 48-token probe used before (not measured again at 16
-tokens): a server one 0.05-scale step behind, 1.26; the tied-embeddings trap, 0.18..1.5. 16 tokens, not 48: the
-perturbation cases discriminate as well (the largest differences sit at a few positions either way, and the one
-ill-conditioned low-probability token that ruled the 48-token maximum is gone), and each side's forward is cheaper
-(SmolLM2 on 2 cores: the trainer's 79 ms instead of 131, the whole probe 0.12 s instead of 0.21).
-tests/test_policy_engine.py's probe tests (another server's weights fail it, the tied embeddings pass) run on the
-16-token probe. What it cannot see: two states whose probe logprobs differ by less than the tolerance (a step at
-a tiny learning rate); the state id bookkeeping, not the probe, is what tells those apart.
-
-A bfloat16 engine (`policy_sampler.dtype`) is compared with the trainer's weights rounded to bfloat16 and a
-tolerance of 2.0 (BF16_PROBE_TOLERANCE): its own rounding of activations leaves the same weights up to 0.55 apart
-on SmolLM2's random-token probe (mean 0.09; against the fp32 forward, 1.06), and 20 reloads of a 25-step run
-measured 0.22-0.98, so in bfloat16 the probe catches a wrong model or a grossly failed reload, not a state one
-small step away, nor (unlike fp32) the tied-embeddings trap (1.5 on SmolLM2).
+Verification: a fixed probe (PROBE_LENGTH token ids from a fixed seed) is scored by each reloaded replica and by
+the trainer's forward of the same weights; a replica off by more than `tolerance` anywhere fails the step with a
+PolicyServerError naming its URL, the state and the difference. A bfloat16 engine is compared with the weights
+rounded to bfloat16 at BF16_PROBE_TOLERANCE. Why 1e-3 and 16 tokens, what the probe can and cannot see (measured):
+docs/serving.md.
 
 What a replica holds is remembered per (URL, process id): a restarted replica (same URL, new process) starts from
 the base model's files again, so it is reloaded on the next `hold`.
@@ -324,9 +299,8 @@ class PolicyServer:
     async def _probe_all(self, urls: list[str], probe: list[int], expected: list[float], *, reload: bool,
                          timings: dict[str, float]) -> list[float]:
         """Each replica reloaded (if `reload`), then scoring the probe; each replica's largest |difference| from
-        `expected`. The trainer's side of the probe is computed before, not beside the reload: with 2 cores, the
-        two together made the hold slower (0.56-1.5 s against 0.55, bench/bench_weight_sync.py); on a GPU, where
-        they would not share cores, overlapping them would pay."""
+        `expected`. The trainer's side is computed before, not beside the reload: on 2 cores overlapping them was
+        slower (bench/bench_weight_sync.py)."""
         async def timed(key: str, work):
             started = time.perf_counter()
             result = await work

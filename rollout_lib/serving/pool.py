@@ -7,28 +7,16 @@ request, failover to another replica, ejection of failing replicas and their ret
     results = await bounded_map(lambda ids: pool.score(ids), sequences, concurrency=8)
     await pool.aclose()
 
-- **Selection**: the healthy replica with the fewest requests in flight (`outstanding`); ties go round robin.
-- **Timeout**: on by default; it bounds each attempt from connect to last byte, so a hung replica (a stopped
-  process still accepts connections) costs a request one timeout, then the request moves on.
-- **Failover**: an attempt that fails for a reason worth retrying (refused, reset, timed out, HTTP 5xx/429:
-  client.ReplicaUnavailable) is retried on *another* replica, never the same one, up to `max_attempts` attempts.
-  HTTP 4xx and malformed replies are raised at once: every replica of the model would answer the same.
-- **Ejection**: a replica that fails `eject_after` attempts in a row is taken out of selection. Once
-  `probe_interval_s` has passed, the next selection starts a background probe (GET /v1/models); the replica comes
-  back when that answers with the model (and after any success of a request it was still serving). When every
-  replica is out, a request raises at once a ServingError naming every URL and why it is out.
-- **Recovery** (replicas rollout serves): when a request found no replica to answer it, `recover` restarts the
-  dead ones on their ports and the request is sent once more, so a run whose one teacher replica was SIGKILLed
-  goes on (ServedModels passes it; a server given by URL is not rollout's to restart).
-- **Accounting**: `outstanding` (url -> requests in flight) is released on every path (success, error, timeout,
-  cancellation); `served` (url -> requests answered) and `failures` (url -> failed attempts) only grow.
+Selection: the healthy replica with the fewest requests in flight (ties round robin). Each attempt has a deadline;
+one that fails for a reason worth retrying (client.ReplicaUnavailable) is retried on *another* replica, up to
+`max_attempts`; HTTP 4xx and malformed replies are raised at once. A replica failing `eject_after` attempts in a
+row is ejected and probed back in the background after `probe_interval_s`; with every replica out a request raises
+at once, naming each URL and why. `recover` (replicas rollout serves) restarts the dead ones when a request found
+none to answer, and the request is sent once more. `outstanding` is released on every path; `served` and
+`failures` only grow. In full: docs/serving.md, "The pool".
 
 The pool may be used from successive `asyncio.run()` calls and from several threads (one loop each): HTTP clients
-are per event loop (client.HttpSession) and the counters are guarded by a lock.
-
-Compared with verl's router (the anchor): it retries on the same worker, never applies its timeout, and leaks a
-worker's count when a request fails; here failover always changes replica, every attempt has a deadline, and the
-count is released in a `finally`.
+are per event loop (client.HttpSession) and the counters are guarded by a lock. (verl's router: docs/serving.md.)
 """
 
 from __future__ import annotations
@@ -41,15 +29,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from rollout_lib.serving.client import (
-    DEFAULT_MAX_CONNECTIONS,
-    EndpointClient,
-    Generation,
-    HttpSession,
-    ReplicaUnavailable,
-    RequestRejected,
-    ServingError,
-)
+from rollout_lib.serving.client import (DEFAULT_MAX_CONNECTIONS, EndpointClient, Generation, HttpSession,
+                                        ReplicaUnavailable, RequestRejected, ServingError)
 
 log = logging.getLogger(__name__)
 

@@ -7,25 +7,11 @@ servers), routed by the body's `"model"`, each with its pool's guarantees.
     router.address          # "127.0.0.1:PORT", verl's format: the function builds f"http://{address}/v1/..."
     router.close()
 
-A body that names no model (verl's requests name none) goes to the one model the router serves; with several, it is
-refused in one line listing them. `GET /v1/models` lists every model; another GET (a body-less request) goes to
-the one model, or names them. Every model the run serves is a pool here: its judges, and its reward models on
-vLLM's pooling runner (`POST /classify` with their name).
-
-For each model it is the pool itself, not a second balancer: each request is `pool.call(...)`, so selection is least outstanding
-requests (counted together with the run's own calls to that model, the built-in judge's included), every attempt
-has the pool's timeout, a failed attempt moves to another replica, a replica rollout serves is restarted when none
-answers, and the in-flight count is released on every path (pool.py). Why not `vllm-router` (docs/serving.md):
-a second process with its own health view and counts, no least-outstanding policy, and no restart of the replicas
-rollout serves.
-
-The server is uvicorn running a Starlette app in a daemon thread of the caller's process (its own event loop; the
-pool serves several loops), bound to 127.0.0.1 on a port the kernel picks. Any path is forwarded (GET and POST), so
-`/v1/chat/completions`, `/v1/completions`, `/tokenize` and a pooling server's `/classify` all work. A body without
-`"model"` gets the pool's served name (verl's requests name none). Streaming is refused: the reply is one JSON body.
-A failure is an OpenAI-style error body whose message is one line naming the setting (`where`) and the replicas:
-the replica's own 4xx status and text when it refused the request, 503 when no replica answered, 502 for a reply
-that is not JSON.
+A body that names no model goes to the one model the router serves (several: refused, listing them). Each request
+is one `pool.call(...)`, so every guarantee of the pool holds (pool.py). uvicorn runs a Starlette app in a daemon
+thread on 127.0.0.1; any path is forwarded, streaming is refused, and a failure is an OpenAI-style error body whose
+one-line message names the setting (`where`) and the replicas. In full, and why not `vllm-router`: docs/serving.md,
+"The reward router".
 """
 
 from __future__ import annotations

@@ -13,15 +13,9 @@ its replica pool, and stops what it started at `close()`:
   deployment of the base model in dev mode, started for this run (or a killed run's orphan of the same model
   adopted), never shared with frozen models or another run.
 
-A frozen model's pool may also be reached over HTTP: `router` serves it on 127.0.0.1, the address a judge's reward
-function is handed (serving/router.py).
-
-Every replica rollout serves is restarted when a request finds none of them answering (pool.py, "Recovery"): a
-teacher, judge or reward model with one replica survives a SIGKILL, as the policy server does.
-
-What this object started is stopped by `close()`, so nothing outlives the run unless the user asked for it. A run
-killed before it could close leaves orphans (their records name the dead owner): the next run of that model adopts
-them, reusing the warm server and stopping it when done.
+A frozen model's pool may also be reached over HTTP through `router` (serving/router.py). Every replica rollout
+serves is restarted when a request finds none answering (pool.py, "Recovery"). What this object started is stopped
+by `close()`; a run killed before it could close leaves orphans, which the next run of that model adopts.
 
 The flow creates one `ServedModels`, hands it to the tasks that need a served model (a resource, never part of a
 cache key: tasks.common.RESOURCE_PARAMETERS) and closes it at the end.

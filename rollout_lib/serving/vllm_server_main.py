@@ -1,12 +1,9 @@
 """Runs inside vLLM's venv: vLLM's OpenAI server, its engine-core process forked rather than spawned on CPUs.
 
 `python -m rollout_lib.serving.vllm_server_main <vllm serve flags>` is `python -m vllm.entrypoints.openai.api_server`
-with one change. vLLM runs the model in an engine-core process the API server starts; its CPU platform forces the
-`spawn` start method (platforms/cpu.py, no reason given), so that process is a fresh interpreter importing torch and
-vLLM all over again: on these 2-core machines a tiny model's replica took 16.9 s and 18.1 CPU-s to be ready, and
-10.6 s and 11.4 CPU-s with the process forked from the API server, which has imported them already, sampling the same
-tokens with the same logprobs (docs/serving.md, "A replica's engine core is forked"). `fork` is vLLM's own default
-on every other platform, and the API server has run no parallel torch work before it forks.
+with one change: the engine-core process is forked from the API server (which has imported torch and vLLM already)
+instead of spawned, as vLLM's CPU platform forces; `fork` is vLLM's default on every other platform. The same tokens,
+ready sooner (measured: docs/serving.md, "A replica's engine core is forked").
 
 Set VLLM_WORKER_MULTIPROC_METHOD=spawn (in the environment or a deployment's `env`) to keep vLLM's choice.
 Only the standard library and vLLM are imported here: nothing of rollout, which lives in another venv.

@@ -1,16 +1,11 @@
 """Shipping the trainer's weights to a policy server on this machine: one safetensors file in shared memory,
 rewritten in place after each step (a LoRA policy: its adapter directory, `AdapterDirectory`).
 
-The engine reloads from a directory of safetensors (serving/policy_server.py). Writing that file with `save_file` every
-step serialises the whole model through two copies and a fresh file (538 MB for SmolLM2-135M in fp32). Here the
-first write is safetensors' own (so the format is the library's, not ours); every later write checks that the
+The first write is safetensors' own `save_file` (the format is the library's); every later write checks that the
 model's tensors still have the file's names, dtypes and shapes and copies each tensor's bytes into its slot of the
-memory-mapped file: one memcpy per tensor, no allocation, no new file. A model whose layout changed gets a fresh
-file. The directory lives in /dev/shm (tmpfs: memory, never the disk) where the machine has it and it has room,
-else beside the deployment's record (serving/engine.py: weights_dirs; removed when the deployment stops).
-
-Every tensor of the state dict is written, a tied `lm_head.weight` included (transformers' `save_pretrained` drops
-it, and vLLM then keeps its output head on the old embeddings: ../shared/notes/serving.md).
+memory-mapped file (one memcpy per tensor, no new file; a changed layout gets a fresh file). The directory is in
+/dev/shm where it has room, else beside the deployment's record (engine.weights_dirs). Every tensor is written, a
+tied `lm_head.weight` included (vLLM would otherwise keep its output head on the old embeddings).
 
 Nothing reads the file while it is rewritten: the policy server writes, then asks its replicas to reload, then
 probes them, under one lock; a reload that saw a half-written file (a crash mid-write) fails its probe.

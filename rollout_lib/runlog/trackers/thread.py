@@ -1,13 +1,10 @@
 """One tracker driven from a thread of its own: the training loop hands it work and goes on.
 
-Metrics are sent in batches, at most one a `flush_interval_s` (1 s) and before anything else (a table, the
-run's end): a tracker's request costs the tracker's thread a few ms of CPU (and the GIL), which once per step of
-a tiny model (~7 ms here) would double the step time; once a second it is lost in the noise.
-The thread wakes once a `flush_interval_s`, not at every item: an item the training loop hands over is only
-appended to a deque (no wakeup, no lock the thread holds), since a thread woken at every step takes the GIL from
-the training loop at every step (2.2 wakeups a step of a 25 ms loop, measured; 1 per second now); only the run's
-end (`finish`, `run_failed`, `close`) wakes it at once. The queue is bounded: when a tracker falls behind (a slow
-server), what does not fit is dropped, with one warning.
+Metrics are sent in batches, at most one a `flush_interval_s` (1 s) and before anything else (a table, the run's
+end); the thread wakes only that often (an item handed over is appended to a deque: no wakeup, no lock), since a
+request or a wakeup per step takes CPU and the GIL from the training loop (measured: docs/runs.md). Only the run's
+end (`finish`, `run_failed`, `close`) wakes it at once. The queue is bounded: what does not fit is dropped, with one
+warning.
 The first error a backend raises (its server down, a full disk, a package that breaks at run time) is one warning
 too, and the tracker is off for the rest of the run: a dead server costs its timeout once, not once per step. A
 rerun fills in what a tracker missed, since a backend says which steps it already holds (`Backend.open`).
