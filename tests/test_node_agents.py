@@ -268,3 +268,28 @@ def test_a_node_agent_without_a_server_or_with_a_bad_pool_name_is_refused_in_one
     assert main(["node", "start", "--pool", "gpu nodes", "--node", "1"]) == 2
     assert "Invalid value for --pool: 'gpu nodes': letters, digits" in capsys.readouterr().err
     assert main(["node", "start", "--pool", "gpu", "--node", "0"]) == 2  # node 0 runs the flow
+
+
+@pytest.mark.slow
+def test_a_deployment_run_on_node_0s_worker_with_node_1_an_agent_ends_on_one_nodes_checkpoint(worker_stack, node_home,
+                                                                                                tmp_path):
+    """Both nodes are Prefect workers, each started from a directory and a Prefect home of its own on 127.0.0.1:
+    node 0 the stack's worker (`rollout stack start`), which runs the flow of a `train-sft/default` run created as
+    `prefect deployment run` creates it, and node 1 a node agent (`rollout node start`), to which the flow submits
+    node 1's part. Nothing is run for either node after they start: 2 nodes x 1 process end on the checkpoint
+    1 node x 2 processes writes."""
+    from rollout_lib.store import ObjectStore
+
+    pool = f"{POOL}-c"
+    args = sft_args(tmp_path / "deployed", *over_two_nodes(pool))
+    overrides = [value for flag, value in zip(args, args[1:]) if flag == "--set"]
+    agent = NodeAgent(node_home, pool).start()
+    try:
+        flow_run = worker_stack.wait(worker_stack.create("train-sft/default", config="configs/sft-tiny.toml",
+                                                         overrides=overrides), timeout=600)
+    finally:
+        agent.stop()
+    assert flow_run["state"]["type"] == "COMPLETED", flow_run["state"]
+    expected = train_in_process(*sft_args(tmp_path / "one-node", "--nproc", "2"))
+    assert ObjectStore(str(tmp_path / "deployed")).get_ref("runs/sft-tiny/latest") == expected["checkpoint"]
+    assert [run["state"] for run in part_runs({"api_url": worker_stack.api_url}, pool)] == ["COMPLETED"]  # one group
