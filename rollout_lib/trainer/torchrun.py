@@ -135,9 +135,12 @@ def fork_hazard() -> str | None:
     return None
 
 
-def _after_fork_in_child(dispositions: dict) -> None:
+def _after_fork_in_child(launcher: int, dispositions: dict) -> None:
     """In each forked rank, first: a session of its own (torch's subprocess ranks start one), and the signal
-    dispositions the launcher started with (the agent's handlers raise SignalException)."""
+    dispositions the launcher started with (the agent's handlers raise SignalException). Not in a process a rank
+    forks itself (it inherits this hook)."""
+    if os.getppid() != launcher:
+        return
     os.setsid()
     for signum, disposition in dispositions.items():
         signal.signal(signum, disposition)
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         record(run)(args)
         return
     dispositions = {signum: signal.getsignal(signum) for signum in AGENT_SIGNALS}
-    os.register_at_fork(after_in_child=lambda: _after_fork_in_child(dispositions))
+    launcher = os.getpid()
+    os.register_at_fork(after_in_child=lambda: _after_fork_in_child(launcher, dispositions))
     import gc
 
     gc.freeze()  # the imported modules' objects out of the collector's reach: fewer pages copied in the ranks
