@@ -9,22 +9,35 @@ import subprocess
 import sys
 import threading
 
+import psutil
+import pytest
 from test_data_parallel import sft_config, sft_inputs
 
 from rollout_lib.trainer.causal import CausalLmTrainer
-from rollout_lib.trainer.segment_group import run_segment_in_processes
+from rollout_lib.trainer.segment_group import SegmentGroup
 from rollout_lib.trainer.torchrun import RANK_START_ENV, fork_hazard, unknown_threads
 
 
+@pytest.mark.slow
 def test_forked_and_fresh_ranks_train_the_same_checkpoint(tmp_path, monkeypatch):
     # 2 micro-batches a step, one per rank; one step: the paths differ in how a rank starts, not in what it does
     inputs, batches = sft_inputs(sft_config(str(tmp_path / "store"), 2, 2, 1))
     start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
-    ends = {}
+    ends, commands = {}, {}
     for way in ("fork", "fresh"):
         monkeypatch.setenv(RANK_START_ENV, way)
-        ends[way], history = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, 1, 2, batches=batches)
+        group = SegmentGroup(CausalLmTrainer, inputs, {"batches": batches})
+        try:
+            group.ranks._start("train", "rerun")
+            # a forked rank runs torchrun's command line; a fresh one its own module's
+            ranks = psutil.Process(group.ranks._process.pid).children()
+            commands[way] = {" ".join(rank.cmdline()[1:4]) for rank in ranks}
+            ends[way], history = group.train(start, 1, 1)
+        finally:
+            group.close()
         assert [m["step"] for m in history] == [1]
+    assert commands == {"fork": {"-m rollout_lib.trainer.torchrun --standalone"},
+                        "fresh": {"-u -m rollout_lib.trainer.segment_worker"}}, commands
     assert ends["fork"] == ends["fresh"] != start, ends
 
 

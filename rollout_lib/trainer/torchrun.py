@@ -30,7 +30,13 @@ launcher is SIGKILLed gets SIGINT (torch's PR_SET_PDEATHSIG) instead of living o
 
 On a GPU machine the ranks must be the first to touch CUDA: nothing the launcher imports may initialise it (checked
 as above; a fork after CUDA's initialisation is unusable in the child). Each rank then selects its local rank's GPU
-(rank_group.join_group).
+(rank_group.join_group). Not yet run on a GPU machine: should a CUDA build of torch map the driver library at import,
+`fork_hazard` refuses and the ranks start fresh (safe, not faster).
+
+Why fork and not forkserver: the agent imports torch itself (~1.3 CPU-s); a forkserver is a second interpreter that
+imports everything again before it forks the ranks. A launcher and 2 ranks that join a gloo group and end:
+fork 4.4-4.6 CPU-s, forkserver 5.8 (and its server outlived the launcher's `os._exit`), a fresh interpreter per rank
+10.0-10.1 (/tmp/cgtime, 2 runs each, 2 cores at load 15-20).
 
 `ROLLOUT_RANK_START=fresh` (RANK_START_ENV) starts every rank as a fresh interpreter: plain torchrun, as before;
 so does any other module than PART_MODULES.
