@@ -25,8 +25,8 @@ warning. After that the agent starts its own threads (its TCPStore and rendezvou
 `--start-method fork` always does; nothing of the launcher's state but the imported modules is used by a rank. Each
 rank sets its thread count from OMP_NUM_THREADS as a fresh interpreter would (the trainers pin `run.torch_threads`
 anyway). Differences that remain: a forked rank shares the launcher's hash seed and numpy's global random state
-(rollout seeds everything from content), numpy's BLAS has the single thread it was loaded with, and a rank whose
-launcher is SIGKILLed gets SIGINT (torch's PR_SET_PDEATHSIG) instead of living on until the flow closes its socket.
+(rollout seeds everything from content), and numpy's BLAS has the single thread it was loaded with. A rank whose
+launcher is SIGKILLed lives on as a fresh one does (torch's multiprocessing asks for SIGINT then: undone).
 
 On a GPU machine the ranks must be the first to touch CUDA: nothing the launcher imports may initialise it (checked
 as above; a fork after CUDA's initialisation is unusable in the child). Each rank then selects its local rank's GPU
@@ -44,6 +44,7 @@ so does any other module than PART_MODULES.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import io
 import logging
@@ -64,6 +65,7 @@ PRELOADED = ("transformers.modeling_utils", "transformers.models.auto.modeling_a
              "rollout_lib.model.loading", "pyarrow.pandas_compat")
 # The signals torch's agent handles (its default TORCHELASTIC_SIGNALS_TO_HANDLE): a rank gets them back as they were.
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+PR_SET_PDEATHSIG = 1  # prctl(2)
 # Threads allowed in the launcher when it forks: the main thread, and jemalloc's (pyarrow's allocator) background
 # thread, which jemalloc's fork handlers stop and restart.
 FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
@@ -88,6 +90,9 @@ class RankEntrypoint:
         self.__name__ = self.__qualname__ = module
 
     def __call__(self, *argv: str) -> None:
+        # torch's multiprocessing asks for SIGINT when the launcher dies; a fresh rank outlives a SIGKILLed torchrun
+        # (it serves the flow until the flow closes its socket), and so does this one
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads:  # what a fresh interpreter takes from the environment (the launcher imported torch with 1)
             import torch
