@@ -51,6 +51,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 # Read by the launcher: "fork" (the default) or "fresh" (plain torchrun: a fresh interpreter per rank).
 RANK_START_ENV = "ROLLOUT_RANK_START"
@@ -88,6 +90,7 @@ class RankEntrypoint:
     def __init__(self, module: str):
         self.module = module
         self.__name__ = self.__qualname__ = module
+        self.launcher = os.getpid()
 
     def __call__(self, *argv: str) -> None:
         # torch's multiprocessing asks for SIGINT when the launcher dies; a fresh rank outlives a SIGKILLed torchrun
@@ -100,6 +103,17 @@ class RankEntrypoint:
             torch.set_num_threads(int(threads))
         _unbuffered_std_streams()  # torchrun starts a fresh rank with `python -u`
         importlib.import_module(self.module).main(list(argv))
+        # Stopped. The agent learns it from the return value and lets the rank end; with the launcher gone (SIGKILLed:
+        # an orphan served the flow until it closed the socket) no agent will, so end as a fresh rank would.
+        threading.Thread(target=_end_when_orphaned, args=(self.launcher,), daemon=True).start()
+
+
+def _end_when_orphaned(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(0.5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _unbuffered_std_streams() -> None:
