@@ -39,7 +39,7 @@ fork 4.4-4.6 CPU-s, forkserver 5.8 (and its server outlived the launcher's `os._
 10.0-10.1 (/tmp/cgtime, 2 runs each, 2 cores at load 15-20).
 
 `ROLLOUT_RANK_START=fresh` (RANK_START_ENV) starts every rank as a fresh interpreter: plain torchrun, as before;
-so does any other module than PART_MODULES.
+so does any other module than PART_MODULES, and so does a group over several nodes (for now: `main` says why).
 """
 
 from __future__ import annotations
@@ -209,7 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     from rollout_lib.trainer.node_parts import PART_MODULES
 
     args = parse_args(argv)
-    forked = args.module and not args.no_python and not args.run_path and args.training_script in PART_MODULES
+    # One node only: with several, the rendezvous endpoint's port is bound by whichever torchrun creates its store
+    # first, and the launcher's import (seconds) would widen the time in which another socket can take that port
+    # (seen: test_node_agents' nodes on 127.0.0.1 both failing to reach the store). Those ranks start fresh.
+    single_node = args.standalone or args.nnodes == "1"
+    forked = (args.module and not args.no_python and not args.run_path and args.training_script in PART_MODULES
+              and single_node)
     if forked:
         for module in (*PRELOADED, args.training_script):
             importlib.import_module(module)
