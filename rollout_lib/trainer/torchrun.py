@@ -68,6 +68,8 @@ PRELOADED = ("transformers.modeling_utils", "transformers.models.auto.modeling_a
 # The signals torch's agent handles (its default TORCHELASTIC_SIGNALS_TO_HANDLE): a rank gets them back as they were.
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 PR_SET_PDEATHSIG = 1  # prctl(2)
+# How long a forked rank that raised waits before it ends (RankEntrypoint): many of torch's 0.1-s polls of the ranks.
+FAILED_RANK_GRACE_S = 2.0
 # Threads allowed in the launcher when it forks: the main thread, and jemalloc's (pyarrow's allocator) background
 # thread, which jemalloc's fork handlers stop and restart.
 FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
@@ -102,7 +104,13 @@ class RankEntrypoint:
 
             torch.set_num_threads(int(threads))
         _unbuffered_std_streams()  # torchrun starts a fresh rank with `python -u`
-        importlib.import_module(self.module).main(list(argv))
+        try:
+            importlib.import_module(self.module).main(list(argv))
+        except Exception:
+            # torch's agent names one failed forked rank, the first its poll finds ended (a fresh rank's summary
+            # lists every one): a rank whose collective failed because a peer died must not be found first
+            time.sleep(FAILED_RANK_GRACE_S)
+            raise
         # Stopped. The agent learns it from the return value and lets the rank end; with the launcher gone (SIGKILLed:
         # an orphan served the flow until it closed the socket) no agent will, so end as a fresh rank would.
         threading.Thread(target=_end_when_orphaned, args=(self.launcher,), daemon=True).start()
