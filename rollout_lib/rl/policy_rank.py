@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rollout_lib.hardware import hardware_settings
 from rollout_lib.rl.policy_state import adopt_snapshot, rebuild_policy, record_step_state, snapshot_state
 from rollout_lib.trainer.data_parallel import DataParallelRank
-from rollout_lib.trainer.rank_group import serve
+from rollout_lib.trainer.rank_group import end_rank, serve
 from rollout_lib.trainer.segment_worker import kill_step
 
 
@@ -103,3 +103,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    end_rank()

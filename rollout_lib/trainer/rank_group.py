@@ -351,9 +351,9 @@ class Channel:
 
 def serve(argv: list[str] | None, handler_of: Callable[[GroupSpec, DataParallelRank, Channel], Callable]) -> None:
     """A rank's life: join the group, connect to the flow and present the secret, then run each command with
-    `handler_of(spec, data_parallel, channel)(command) -> reply` until `stop`, then end the process (never returns
-    on `stop`). A command that raises is answered
-    with {"error"} and the rank exits non-zero (torchrun then stops the others)."""
+    `handler_of(spec, data_parallel, channel)(command) -> reply` until `stop`, then return (the process then ends:
+    `end_rank`). A command that raises is answered with {"error"} and the rank exits non-zero (torchrun then stops
+    the others)."""
     spec, data_parallel = join_group(argv)
     secret = group_secret(data_parallel)
     channel = Channel(socket.create_connection((spec.host, spec.port)).makefile("rw", encoding="utf-8"))
@@ -374,10 +374,15 @@ def serve(argv: list[str] | None, handler_of: Callable[[GroupSpec, DataParallelR
     finally:
         channel.file.close()
         dist.destroy_process_group()
-    # Stopped: everything this rank wrote is written and closed. Skip the interpreter's teardown of torch and
-    # transformers (a CPU-second a rank, several seconds of wall under load, all spent before torchrun sees the
-    # group end and the flow's `close` returns). A rank that failed raises above, so torchrun's error file is
-    # written as before.
+
+
+def end_rank() -> None:
+    """A rank started as `python -m MODULE` (trainer/torchrun.py, ROLLOUT_RANK_START=fresh), stopped: everything it
+    wrote is written and closed. Skip the interpreter's teardown of torch and transformers (a CPU-second a rank,
+    several seconds of wall under load, all spent before torchrun sees the group end and the flow's `close`
+    returns). A rank that failed raised before this, so torchrun's error file is written as before. A forked rank
+    returns to torch's agent instead (its return value is how the agent learns it succeeded) and multiprocessing
+    ends it with `os._exit`."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

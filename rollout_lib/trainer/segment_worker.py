@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rollout_lib.hardware import hardware_settings
 from rollout_lib.trainer.data_parallel import HOLD_AT_STEP_ENV, KILL_RANK_ENV, DataParallelRank
-from rollout_lib.trainer.rank_group import Channel, GroupSpec, serve
+from rollout_lib.trainer.rank_group import Channel, GroupSpec, end_rank, serve
 from rollout_lib.trainer.segment import TrainStepError
 
 
@@ -103,3 +103,4 @@ def kill_step(rank: int) -> int | None:
 
 if __name__ == "__main__":
     main()
+    end_rank()
