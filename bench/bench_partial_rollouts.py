@@ -71,6 +71,13 @@ def run(mode: str, overrides: list[str], steps: int, max_tokens: int) -> dict:
             "step_s": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
+def staleness(records: list[dict]) -> str:
+    """The largest staleness of a trained token (partial rollouts' staleness_max), else the schedule's lag."""
+    if any("staleness_max" in record for record in records):
+        return str(max(record.get("staleness_max", 0) for record in records))
+    return f"{max(record.get('staleness_mean', 0) for record in records):g} (lag)"
+
+
 def held_out(record: dict) -> float | None:
     return next((value for key, value in record.items() if key.startswith("eval/") and key.endswith("/reward_mean")),
                 None)
@@ -78,7 +85,7 @@ def held_out(record: dict) -> float | None:
 
 def report(results: dict[str, dict]) -> str:
     lines = ["| mode | median step (s), steps 2.. | run wall (s) | reward, first -> last step | held-out, before -> "
-             "end | staleness_max |", "|---|---|---|---|---|---|"]
+             "end | staleness, max |", "|---|---|---|---|---|---|"]
     for mode, result in results.items():
         records = result["records"]
         rewards = [record.get("reward_mean") for record in records]
@@ -86,7 +93,7 @@ def report(results: dict[str, dict]) -> str:
         lines.append(f"| {mode} | {statistics.median(result['step_s'][1:] or result['step_s']):.1f} | "
                      f"{result['wall']:.0f} | {rewards[0]:.3f} -> {rewards[-1]:.3f} | "
                      f"{before if before is not None else '-'} -> {held_out(records[-1]) or '-'} | "
-                     f"{max(record.get('staleness_max', 0) for record in records)} |")
+                     f"{staleness(records)} |")
     curve = ["", "training reward per step:", "", "| mode | " + " | ".join(
         str(step) for step in range(1, len(next(iter(results.values()))["records"]) + 1)) + " |"]
     for mode, result in results.items():
@@ -104,12 +111,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     chosen = modes(args.budget)
+    load_before = os.getloadavg()[0]
     results = {}
     for mode in args.modes.split(","):
         results[mode] = run(mode, chosen[mode], args.steps, args.max_tokens)
         print(report(results), flush=True)  # the table so far
     text = (f"{CONFIG}, max_tokens {args.max_tokens}, {args.steps} steps, partial token_budget {args.budget}; "
-            f"load before: {os.getloadavg()[0]:.2f}\n\n{report(results)}\n")
+            f"load average before {load_before:.2f}, after {os.getloadavg()[0]:.2f}\n\n{report(results)}\n")
     if args.out is not None:
         args.out.write_text(text)
     print(text)
