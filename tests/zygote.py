@@ -146,8 +146,13 @@ def serve(socket_path: str) -> None:
     for key, value in CLI_IMPORT_DEFAULTS.items():
         os.environ.setdefault(key, value)
     base_sys_path = _base_sys_path()
-    for module in (*PRELOADED, *PRELOADED_DEPENDENCIES, *PRELOADED_LATE):
+    for module in PRELOADED:
         __import__(module)
+    for module in (*PRELOADED_DEPENDENCIES, *PRELOADED_LATE):
+        try:  # a speed-up only: a library some set-up lacks (an optional extra's) is imported by the child if used
+            __import__(module)
+        except ImportError:
+            pass
     import threading
 
     assert threading.active_count() == 1, "a preloaded library started a thread: forking would lose it"
