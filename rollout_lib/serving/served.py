@@ -199,9 +199,9 @@ class ServedModels:
         """A running deployment of the model reused (a placed one only where it is placed as asked), else one
         started: `gpus` split over its replicas (hardware.replica_gpus)."""
         model_dir = served_model_directory(uri, store_url)
+        placed = replica_gpus(list(gpus), replicas) if gpus else None
         for running in engine.running_deployments():
             if running.model_dir == str(model_dir) and running.runner == runner and not running.live_policy:
-                placed = replica_gpus(list(gpus), replicas) if gpus else None
                 if placed is not None and running.gpus != placed:
                     raise ConfigError([(f"{where}.gpus", f"{uri} is already served by deployment {running.name!r} "
                                         f"on GPUs {running.gpus or 'all'}, not {placed}: stop it (rollout serve stop "
