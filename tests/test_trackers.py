@@ -77,6 +77,24 @@ def test_a_tracker_package_missing_is_refused_at_plan_time_in_one_line():
     assert "run.trackers" in lines[0] and "wandb" in lines[0] and "pip install -e '.[trackers]'" in lines[0]
 
 
+def test_the_offline_w_and_b_attempts_of_a_run_are_found_with_wandbs_same_second_suffixes(tmp_path):
+    # wandb names an attempt's directory offline-run-<second>-<id>, then -1, -2, ... when an attempt of that id
+    # started in the same second (wandb_init.set_sync_dir_suffix): a SIGKILL and its rerun can (CI did). A directory
+    # without its run file (an attempt killed before W&B wrote it) and another run's id are not attempts.
+    run_id = "fd4114e65cec4141"
+    attempts = [f"offline-run-20261128_055149-{run_id}", f"offline-run-20261128_055149-{run_id}-1",
+                f"offline-run-20261128_055149-{run_id}-2", f"offline-run-20261128_055149-{run_id}-10",
+                f"offline-run-20261128_055150-{run_id}"]
+    other_run = f"offline-run-20261128_055149-{run_id}0000"
+    for name, file in [*((name, f"run-{run_id}.wandb") for name in reversed(attempts)),
+                       (other_run, f"run-{run_id}0000.wandb")]:
+        (tmp_path / "wandb" / name).mkdir(parents=True)
+        (tmp_path / "wandb" / name / file).touch()
+    (tmp_path / "wandb" / f"offline-run-20261128_055148-{run_id}").mkdir()  # killed before W&B wrote its file
+    found = [path.parent.name for path in wandb_file.attempt_files(tmp_path, run_id)]
+    assert found == attempts
+
+
 def test_a_step_table_holds_the_failed_then_the_worst_and_best():
     rows = [{"sample_id": f"s{i}", "reward": reward} for i, reward in enumerate([0.5, None, 0.1, 0.9, 0.3, 0.7])]
     assert [row["sample_id"] for row in shown_first(rows, 4)] == ["s1", "s2", "s3", "s4"]
@@ -162,7 +180,7 @@ def tracker_overrides(mlflow_uri: str, trackio_dir: Path, experiment: str) -> li
 def wandb_run_files(store: ObjectStore, run_name: str) -> list[Path]:
     """The run's offline W&B files, attempt after attempt."""
     run_id = run_key(store, run_name)[:16]
-    files = sorted(wandb_dir(store, run_name).glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    files = wandb_file.attempt_files(wandb_dir(store, run_name), run_id)
     assert files, f"no offline W&B run {run_id} under {wandb_dir(store, run_name)}"
     return files
 

@@ -6,6 +6,7 @@ and a test reads the history back."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -69,6 +70,20 @@ def _records_of(path: str | Path, kind: str) -> list:
         if record.WhichOneof("record_type") == kind:
             found.append(record)
     return found
+
+
+def attempt_files(directory: Path, run_id: str) -> list[Path]:
+    """The run files every earlier attempt of run `run_id` wrote under `directory`, oldest first.
+
+    An attempt writes `wandb/offline-run-<second>-<id>/`, and wandb adds `-1`, `-2`, ... when an attempt of the same
+    id started in the same second (a kill and its rerun can): those count too.
+    """
+    found = []
+    for path in directory.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb"):
+        match = re.fullmatch(rf"offline-run-(.+)-{re.escape(run_id)}(?:-(\d+))?", path.parent.name)
+        if match:
+            found.append(((match[1], int(match[2] or 0)), path))
+    return [path for _, path in sorted(found)]
 
 
 def last_step(run_files: list[Path]) -> int | None:

@@ -4,7 +4,7 @@ checkpoint and flow run page in the run's summary.
 
 One W&B run per rollout run and store: its id is derived from both, and a rerun resumes it (`resume="allow"`).
 W&B ignores a step lower than the last one it holds, so a rerun logs only the steps after that one: online, W&B
-says which (the resumed run's `_step`); offline, each attempt writes its own `offline-run-*-<id>` directory (which
+says which (the resumed run's `_step`); offline, each attempt writes its own `offline-run-*-<id>[-n]` directory (which
 `wandb sync` merges), and the steps are read back from the earlier ones (wandb_file.py).
 """
 
@@ -34,7 +34,7 @@ class WandbBackend:
         import wandb
 
         self.directory.mkdir(parents=True, exist_ok=True)
-        earlier = sorted(self.directory.glob(f"wandb/offline-run-*-{self.run_id}/run-{self.run_id}.wandb"))
+        earlier = wandb_file.attempt_files(self.directory, self.run_id)
         self.run = wandb.init(project=self.settings.project, entity=self.settings.entity, mode=self.settings.mode,
                               id=self.run_id, name=self.run_name, resume="allow", dir=str(self.directory),
                               config=settings, allow_val_change=True,
