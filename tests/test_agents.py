@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
+import blake3
 import pyarrow as pa
 import pytest
 
@@ -22,6 +25,7 @@ from rollout_lib.config.rl import RlConfig
 from rollout_lib.determinism import derived_seed
 from rollout_lib.envs import build_interaction
 from rollout_lib.envs.agent import AgentSettings, agent_reward
+from rollout_lib.identity.sources import interaction_sources
 from rollout_lib.model.chat import encode_prompt, use_chat_template
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.reward.contract import RewardInput
@@ -76,8 +80,11 @@ def prompts(n: int = 1) -> pa.Table:
                                   "info": None, "source_line": i + 1} for i in range(n)], schema=wire.PROMPTS)
 
 
-def run(tokenizer, generate, agent: str, n_prompts: int = 1, group_size: int = 1, seed: int = 0, **settings):
-    interaction = build_interaction(AgentSettings(import_path=f"example_agents:{agent}", **settings))
+def run(tokenizer, generate, agent: str | list[str], n_prompts: int = 1, group_size: int = 1, seed: int = 0,
+        **settings):
+    """Episodes of `agent`: a function of tests/example_agents.py by name, or a program's command."""
+    named = {"command": agent} if isinstance(agent, list) else {"import_path": f"example_agents:{agent}"}
+    interaction = build_interaction(AgentSettings(**named, **settings))
     table = prompts(n_prompts)
     prompt_ids = [encode_prompt(tokenizer, messages) for messages in table.column("messages").to_pylist()]
     rollouts = sample_episodes(generate, tokenizer, interaction, table, prompt_ids,
@@ -205,6 +212,66 @@ def test_a_rerun_samples_the_same_tokens(tokenizer):
     assert [row["completion_ids"] for row in first] == [row["completion_ids"] for row in again]
     assert first[0]["completion_ids"] != first[1]["completion_ids"]  # group members draw their own seeds
     assert [row["completion_ids"] for row in first] != [row["completion_ids"] for row in other]
+
+
+PROGRAM = [sys.executable, str(ROOT / "examples/agent_program.py")]
+
+
+def test_an_agent_program_reads_its_task_talks_to_its_endpoint_and_its_printed_reward_is_read(tokenizer):
+    # One answer without a call: the program asks once and scores it against the task's answer ("4").
+    [right] = run(tokenizer, ScriptedPolicy(tokenizer, "It is 4"), PROGRAM)
+    assert record(right)["state"] == {"agent_reward": 1.0, "requests": 1} and record(right)["end"] == "agent"
+    # Calls answered round after round, as many as its kwargs allow; tokens recorded as sampled, one sequence.
+    policy = ScriptedPolicy(tokenizer, "calc: 2 * 2")
+    [calls] = run(tokenizer, policy, PROGRAM, group_size=2, kwargs={"max_rounds": 2})[:1]
+    assert record(calls)["state"] == {"agent_reward": 0.0, "requests": 2} and record(calls)["sequences"] == 1
+    assert [(turn["content"], turn["sampled"]) for turn in calls["completion_turns"]] == [
+        ("calc: 2 * 2", True), ("result: 4", False), ("calc: 2 * 2", True)]
+    assert calls["completion_ids"][:len(policy.ids)] == policy.ids
+
+
+def test_an_agent_program_that_fails_hangs_or_prints_no_result_fails_its_episode_with_the_reason(tokenizer):
+    [failed] = run(tokenizer, ScriptedPolicy(tokenizer), [*PROGRAM, "--mode", "fail"])
+    assert record(failed)["end"] == "error"
+    assert record(failed)["state"]["episode_error"].endswith("exited with code 1; stderr: no luck with q0")
+    [silent] = run(tokenizer, ScriptedPolicy(tokenizer), [*PROGRAM, "--mode", "silent"])
+    assert "printed no result" in record(silent)["state"]["episode_error"]
+    hanging = [*PROGRAM, "--mode", "hang"]
+    [hung] = run(tokenizer, ScriptedPolicy(tokenizer), hanging, timeout_s=2.0)
+    assert "timed out after 2.0s" in record(hung)["state"]["episode_error"]
+    assert record(hung)["state"]["requests"] == 1  # it did ask before it hung
+    still_running = subprocess.run(["pgrep", "-f", " ".join(hanging)], capture_output=True, text=True)
+    assert still_running.stdout == "", "the timed-out program's process outlived its episode"
+    assert agent_metrics([record(failed), record(silent), record(hung)])["agent_failures"] == 3
+
+
+def test_an_agent_program_is_checked_at_plan_time_and_its_script_enters_the_sample_key(tmp_path):
+    with pytest.raises(ValueError, match="exactly one"):
+        AgentSettings(import_path="example_agents:two_turns", command=PROGRAM)
+    with pytest.raises(ValueError, match="exactly one"):
+        AgentSettings()
+    with pytest.raises(ValueError, match=r"agent program '/no/such/agent' cannot be run: not an executable file "
+                                         r"\(command\[0\]\)"):
+        AgentSettings(command=["/no/such/agent"])
+    with pytest.raises(ValueError, match="nor a name on PATH"):
+        AgentSettings(command=["no-such-agent-program"])
+    script = tmp_path / "agent.py"
+    script.write_text("print(1.0)\n")
+    config = load_config(RlConfig, ROOT / "configs/rl-agent-tiny.toml", [
+        f'algorithm.rl.envs[0].interaction={{type = "agent", command = ["{sys.executable}", "{script}"]}}'])
+    before = interaction_sources(config)
+    script.write_text("print(0.0)\n")
+    after = interaction_sources(config)
+    # The script is read, the interpreter named (not read).
+    assert before["interaction_files"] == {str(script): blake3.blake3(b"print(1.0)\n").hexdigest()}
+    assert after["interaction_files"] != before["interaction_files"]
+    script.write_text("#!/usr/bin/env python3\nprint(1.0)\n")
+    script.chmod(0o755)
+    itself = load_config(RlConfig, ROOT / "configs/rl-agent-tiny.toml", [
+        f'algorithm.rl.envs[0].interaction={{type = "agent", command = ["{script}", "--fast"]}}'])
+    assert list(interaction_sources(itself)["interaction_files"]) == [str(script)]  # a script as the program
+    # A function agent's settings dump as before the program option (no `command: null`): ids do not move.
+    assert "command" not in AgentSettings(import_path="example_agents:two_turns").model_dump()
 
 
 def test_settings_name_the_agent_and_are_checked_without_importing_it():

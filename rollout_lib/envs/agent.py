@@ -1,5 +1,6 @@
 """An agent as an env: `interaction = { type = "agent", import_path = "pkg.module:function", kwargs = {...},
-timeout_s = 60, max_requests = 16 }`.
+timeout_s = 60, max_requests = 16 }`, or a program in place of the function: `command = ["prog", "arg", ...]`
+(agent_program.py: its endpoint in OPENAI_BASE_URL, the task on stdin, its reward on stdout).
 
 The function is called once per episode as `function(base_url, task, **kwargs)` (sync or async): `base_url` is an
 OpenAI-compatible endpoint served by rollout for the step (agent_server.py) and backed by the step's sampler, `task`
@@ -15,10 +16,14 @@ rerun; its module's source enters the sample stage's cache key. In full: docs/en
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from rollout_lib.envs.agent_program import AgentProgram
 from rollout_lib.envs.base import Interaction, InteractionSettings
 from rollout_lib.envs.tools.parsers import ParserName
 from rollout_lib.reward.locate import check_reference, import_reference
@@ -29,7 +34,9 @@ WHAT = "agent function"
 class AgentSettings(InteractionSettings):
     type: Literal["agent"] = "agent"
     max_turns: int = Field(4, ge=1, exclude=True)  # inherited, unused and refused as a key (_no_turn_limit)
-    import_path: str = Field(min_length=1)  # "package.module:function"
+    # Exactly one of: a function, "package.module:function"; a program, its arguments (never run through a shell).
+    import_path: str | None = Field(None, min_length=1, exclude_if=lambda value: value is None)
+    command: list[str] | None = Field(None, min_length=1, exclude_if=lambda value: value is None)
     kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the function after (base_url, task)
     timeout_s: float = Field(60.0, gt=0)  # per episode: past it the episode fails (counted), the step goes on
     max_requests: int = Field(16, ge=1)  # chat completions per episode; more are refused (HTTP 429)
@@ -44,11 +51,37 @@ class AgentSettings(InteractionSettings):
 
     @model_validator(mode="after")
     def _found_without_running_it(self) -> "AgentSettings":
-        check_reference(self.import_path, self.kwargs, what=WHAT)  # found and read, never imported at plan time
+        if (self.import_path is None) == (self.command is None):
+            raise ValueError("an agent is a function (import_path = \"pkg.module:function\") or a program "
+                             "(command = [\"program\", \"arg\", ...]): give exactly one")
+        if self.command is not None:
+            check_program(self.command)
+        else:
+            check_reference(self.import_path, self.kwargs, what=WHAT)  # found and read, never imported at plan time
         return self
 
     def user_modules(self) -> tuple[str, ...]:
-        return (self.import_path.partition(":")[0],)
+        return () if self.import_path is None else (self.import_path.partition(":")[0],)
+
+    def user_files(self) -> tuple[str, ...]:
+        """The files a program's arguments name (its script, say): their content decides the episodes. The program
+        itself counts when it is a script (`#!`); an interpreter or a compiled program is named, not read."""
+        if self.command is None:
+            return ()
+        return tuple(argument for index, argument in enumerate(self.command)
+                     if Path(argument).is_file() and (index > 0 or _is_script(Path(argument))))
+
+
+def check_program(command: list[str]) -> None:
+    """The program can be run (an executable file, or a name on PATH), checked without running it."""
+    if shutil.which(command[0]) is None:
+        raise ValueError(f"agent program {command[0]!r} cannot be run: not an executable file"
+                         f"{'' if os.sep in command[0] else ' nor a name on PATH'} (command[0])")
+
+
+def _is_script(path: Path) -> bool:
+    with path.open("rb") as file:
+        return file.read(2) == b"#!"
 
 
 class AgentDriven(Interaction):
@@ -75,12 +108,17 @@ class AgentInteraction(AgentDriven):
         super().__init__(settings, tools)
         if tools is not None:
             raise ValueError("an agent sends its own `tools` with each request; the env's `tools` are not used")
+        if settings.command is not None:
+            self.agent = AgentProgram(settings.command).run
+            return
         self.agent = import_reference(settings.import_path, what=WHAT)
         if not callable(self.agent):
             raise TypeError(f"{WHAT} {settings.import_path!r} is not callable")
 
     @property
     def name(self) -> str:
+        if self.settings.command is not None:
+            return " ".join(self.settings.command)
         return getattr(self.agent, "__name__", self.settings.import_path)
 
 

@@ -34,6 +34,10 @@ class InteractionSettings(BaseModel):
         """Modules outside the project whose source decides the episodes (a user class named by import path)."""
         return ()
 
+    def user_files(self) -> tuple[str, ...]:
+        """Files (not modules) whose content decides the episodes: an agent program's script."""
+        return ()
+
 
 @dataclass(frozen=True)
 class EnvReply:

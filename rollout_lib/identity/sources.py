@@ -69,15 +69,21 @@ def algorithm_sources(config) -> dict:
 
 
 def interaction_sources(config) -> dict:
-    """A user's environment (a custom interaction's import path) and the tools an env calls outside the project
-    decide the episodes: each one's module source (a tool's schema is made from its source, and its results too)."""
+    """A user's environment (a custom interaction's import path, an agent program's files) and the tools an env calls
+    outside the project decide the episodes: each one's source (a tool's schema is made from its source, and its
+    results too)."""
     modules = {module for env in config.settings.envs if env.interaction is not None
                for module in env.interaction.user_modules()}
     modules.update(tool.module for env in config.settings.envs for tool in env.tools
                    if tool.module.split(".")[0] not in PROJECT_PACKAGES)
-    if not modules:
-        return {}
-    return {"interaction_sources": {module: module_source_digest(module) for module in sorted(modules)}}
+    files = {path for env in config.settings.envs if env.interaction is not None
+             for path in env.interaction.user_files()}
+    sources = {}
+    if modules:
+        sources["interaction_sources"] = {module: module_source_digest(module) for module in sorted(modules)}
+    if files:  # an agent program's script, say (its path as the settings give it)
+        sources["interaction_files"] = {path: file_digest(path) for path in sorted(files)}
+    return sources
 
 
 def eval_sources(config, env_name: str) -> dict:
