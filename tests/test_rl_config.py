@@ -37,6 +37,7 @@ SHIPPED_ALGORITHMS = {"rl-tiny.toml": "grpo", "rl-smollm2.toml": "grpo", "rl-rew
                       "rl-custom.toml": "custom", "rl-opd.toml": "opd", "rl-sft-distill.toml": "sft",
                       "rl-opsd.toml": "opsd", "rl-calculator.toml": "echo", "rl-guess.toml": "grpo",
                       "rl-length.toml": "grpo", "rl-calculator-tools.toml": "grpo", "rl-agent-tiny.toml": "grpo",
+                      "rl-agent-program-tiny.toml": "grpo",
                       "rl-openenv-tiny.toml": "grpo", "rl-mix.toml": "grpo",  # rl-mix's second env: opd
                       "rl-verifiers-single.toml": "grpo", "rl-verifiers-tools.toml": "grpo",
                       "rl-smollm2-tools.toml": "grpo"}
