@@ -242,6 +242,35 @@ def test_an_environment_that_raises_fails_its_episode_not_the_step(tokenizer):
     assert record(row)["turns"] == 1 and [result.reward for result in scores([row])] == [None]
 
 
+from examples.openenv_guess.environment import GuessEnvironment  # noqa: E402
+
+
+class HangsOnZero(GuessEnvironment):
+    """The example env, but a guess of 0 hangs its step (until the test releases it)."""
+
+    release = threading.Event()
+
+    def step(self, action, timeout_s=None, **kwargs):
+        if action.guess == 0:
+            self.release.wait(60)
+        return super().step(action, timeout_s, **kwargs)
+
+
+def test_an_in_process_environment_that_hangs_fails_its_episode_at_timeout_s_not_the_step(tokenizer):
+    settings = {"group_size": 1, "environment": "test_openenv:HangsOnZero", "timeout_s": 0.5}
+    started = time.monotonic()
+    try:
+        [hung] = episodes(tokenizer, ['{"guess": 0}', f'{{"guess": {secret()}}}'], **settings)
+        [played] = episodes(tokenizer, [f'{{"guess": {secret()}}}'], **settings)
+    finally:
+        HangsOnZero.release.set()
+    assert time.monotonic() - started < 20  # not the hang's 60 s
+    assert record(hung)["state"]["episode_error"] == (
+        "OpenEnv environment test_openenv:HangsOnZero: step did not return within 0.5s (interaction.timeout_s)")
+    assert record(hung)["turns"] == 1 and [result.reward for result in scores([hung])] == [None]
+    assert record(played)["state"]["env_reward"] == 1.0  # the same class, a step that returns: unaffected
+
+
 def test_a_class_that_is_not_an_openenv_environment_is_refused_naming_it():
     with pytest.raises(TypeError, match="'rollout_lib.envs.guess_number:GuessNumber' is not a subclass of openenv"):
         build_interaction(OpenEnvSettings(environment="rollout_lib.envs.guess_number:GuessNumber"))

@@ -51,7 +51,7 @@ class OpenEnvSettings(InteractionSettings):
     tool_name: str = Field("step", min_length=1)  # action = "tool_call": the tool the model calls
     parser: ParserName = "hermes"  # action = "tool_call": how calls are written (envs/tools/parsers)
     observation_field: str | None = None  # the observation field whose text is the message; None: all, as JSON
-    timeout_s: float = Field(30.0, gt=0)  # served: per reset/step message; past it the episode fails
+    timeout_s: float = Field(30.0, gt=0)  # per reset/step (served: per message); past it the episode fails
 
     @model_validator(mode="after")
     def _one_place_and_the_package(self) -> "OpenEnvSettings":

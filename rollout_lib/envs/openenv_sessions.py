@@ -50,6 +50,7 @@ class InProcessEnvs:
             raise TypeError(f"{WHAT} {settings.environment!r} is not a subclass of openenv's Environment")
         self.action_class = action_class_of(self.env_class, env_server.Environment, env_server.Action)
         self.kwargs = settings.kwargs
+        self.timeout_s = settings.timeout_s
 
     def action_schema(self) -> dict:
         return self.action_class.model_json_schema()
@@ -62,8 +63,13 @@ class InProcessEnvs:
 
 
 class InProcessSession:
+    """One episode's instance. Each reset, step and close runs on a daemon thread of its own, bounded by timeout_s:
+    an environment that hangs fails its episode (the instance is then abandoned, its thread left to finish or not:
+    a Python thread cannot be killed) instead of hanging the step."""
+
     def __init__(self, envs: InProcessEnvs, env):
         self.envs, self.env = envs, env
+        self.abandoned = False
 
     def reset(self, seed: int) -> Outcome:
         return self._outcome("reset", lambda: self.env.reset(seed=seed))
@@ -79,17 +85,40 @@ class InProcessSession:
         return self._outcome("step", lambda: self.env.step(typed))
 
     def close(self) -> None:
-        try:
-            self.env.close()
-        except Exception:  # noqa: BLE001 - the episode is over either way
-            pass
+        if not self.abandoned:
+            try:
+                self._bounded("close", self.env.close)
+            except Exception:  # noqa: BLE001 - the episode is over either way
+                pass
 
     def _outcome(self, what: str, call) -> Outcome:
         try:
-            payload = self.envs.serialize(call())
+            payload = self.envs.serialize(self._bounded(what, call))
+        except OpenEnvFailure:
+            raise
         except Exception as exc:  # noqa: BLE001 - the user's environment may raise anything: the episode fails
             raise OpenEnvFailure(f"{self.envs.where}: {what} raised {type(exc).__name__}: {exc}") from exc
         return payload["observation"], payload.get("reward"), bool(payload.get("done"))
+
+    def _bounded(self, what: str, call):
+        """call() on a daemon thread; its value or its exception, or OpenEnvFailure past timeout_s."""
+        done, outcome = threading.Event(), {}
+
+        def target() -> None:
+            try:
+                outcome["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the episode's thread
+                outcome["error"] = exc
+            done.set()
+
+        threading.Thread(target=target, name=f"openenv-{what}", daemon=True).start()
+        if not done.wait(self.envs.timeout_s):
+            self.abandoned = True
+            raise OpenEnvFailure(f"{self.envs.where}: {what} did not return within {self.envs.timeout_s}s "
+                                 "(interaction.timeout_s)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
 
 def action_class_of(env_class: type, environment: type, action: type) -> type:
