@@ -28,7 +28,7 @@ from rollout_lib.config import ConfigError, RlConfig  # noqa: E402
 from rollout_lib.plan_checks import load_config  # noqa: E402
 from rollout_lib.determinism import derived_seed  # noqa: E402
 from rollout_lib.envs import build_interaction  # noqa: E402
-from rollout_lib.envs.openenv_env import OpenEnvSettings, env_reward  # noqa: E402
+from rollout_lib.envs.openenv_env import OpenEnvInteraction, OpenEnvSettings, env_reward  # noqa: E402
 from rollout_lib.model.chat import encode_prompt, use_chat_template  # noqa: E402
 from rollout_lib.model.loading import load_tokenizer, resolve_model  # noqa: E402
 from rollout_lib.plan import describe_plan  # noqa: E402
@@ -269,6 +269,31 @@ def test_an_in_process_environment_that_hangs_fails_its_episode_at_timeout_s_not
         "OpenEnv environment test_openenv:HangsOnZero: step did not return within 0.5s (interaction.timeout_s)")
     assert record(hung)["turns"] == 1 and [result.reward for result in scores([hung])] == [None]
     assert record(played)["state"]["env_reward"] == 1.0  # the same class, a step that returns: unaffected
+
+
+class SlowSteps(GuessEnvironment):
+    """The example env, each step 0.3 s (waiting, as on a server), counting the steps in flight at once."""
+
+    lock, in_flight, most = threading.Lock(), 0, 0
+
+    def step(self, action, timeout_s=None, **kwargs):
+        with self.lock:
+            SlowSteps.in_flight += 1
+            SlowSteps.most = max(SlowSteps.most, SlowSteps.in_flight)
+        time.sleep(0.3)
+        with self.lock:
+            SlowSteps.in_flight -= 1
+        return super().step(action, timeout_s, **kwargs)
+
+
+def test_a_turns_environment_steps_run_at_once_and_the_episodes_are_the_same_as_one_by_one(tokenizer, monkeypatch):
+    turns = ['{"guess": 9}', f'{{"guess": {secret()}}}']
+    concurrent = episodes(tokenizer, turns, group_size=4, environment="test_openenv:SlowSteps")
+    assert SlowSteps.most == 4  # the group's four steps of a turn were in flight together
+    monkeypatch.setattr(OpenEnvInteraction, "concurrent_replies", False)
+    SlowSteps.most = 0
+    assert episodes(tokenizer, turns, group_size=4, environment="test_openenv:SlowSteps") == concurrent
+    assert SlowSteps.most == 1
 
 
 def test_a_class_that_is_not_an_openenv_environment_is_refused_naming_it():

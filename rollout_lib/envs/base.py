@@ -104,6 +104,9 @@ class Interaction:
     # An interaction that runs its own episodes (an agent: envs/agent.py) defines `run_episodes`, taking what
     # episodes.run_episodes takes after the interaction; the others are driven turn by turn by episodes.py.
     drives_itself: ClassVar[bool] = False
+    # True: the driver asks for a turn's replies of all its episodes at once, on threads (an environment whose
+    # replies wait on a server or a sleep, each episode its own session: OpenEnv). False: one at a time, in order.
+    concurrent_replies: ClassVar[bool] = False
 
     def __init__(self, settings: InteractionSettings, tools: Any = None):
         if not isinstance(settings, self.settings_class):

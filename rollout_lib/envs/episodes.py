@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,9 @@ from rollout_lib.envs.base import EnvReply, Interaction
 from rollout_lib.envs.render import TemplateMismatchError, render_env_reply
 from rollout_lib.determinism import derived_seed
 from rollout_lib.model.chat import encode_prompt
+
+MAX_CONCURRENT_REPLIES = 32  # threads asking an interaction with concurrent_replies for a turn's replies
+
 
 class EpisodeError(ValueError):
     """An episode could not go on: the interaction failed or broke its contract, or the chat template cannot extend
@@ -137,6 +141,7 @@ def _play(generate: Generate, tokenizer, interaction: Interaction, episodes: lis
         if not running:
             break
         outputs = generate([episode.sequence for episode in running], params, derived_seed("episode-turn", seed, turn))
+        answered = []
         for episode, (ids, logprobs) in zip(running, outputs):
             text = turn_text(tokenizer, ids, stops, keep_markup=interaction.tool_schemas is not None)
             episode.add(list(ids), list(logprobs), "assistant", text, (0, len(ids)), sampled=True)
@@ -145,8 +150,24 @@ def _play(generate: Generate, tokenizer, interaction: Interaction, episodes: lis
             if not (ids and ids[-1] in stops):
                 episode.end = "truncated"
             else:
-                _env_turn(episode, interaction, tokenizer, ids[-1])
+                answered.append((episode, ids[-1]))
+        # The replies, then each written into its episode in index order: the same episodes either way.
+        for (episode, stop_token), reply in zip(answered, _replies(interaction, [e for e, _ in answered])):
+            _env_turn(episode, interaction, tokenizer, stop_token, reply)
     tell(every=True)
+
+
+def _replies(interaction: Interaction, episodes: list[Episode]) -> list[EnvReply]:
+    """The interaction's reply to each episode's last model turn: at once on threads when it says its replies may
+    run concurrently (the first failure, in episode order, is raised), else one after the other."""
+    def reply(episode: Episode) -> EnvReply:
+        return _call(interaction, "respond", episode.prompt, episode.state, [dict(m) for m in episode.messages])
+
+    if not interaction.concurrent_replies or len(episodes) < 2:
+        return [reply(episode) for episode in episodes]
+    with ThreadPoolExecutor(max_workers=min(len(episodes), MAX_CONCURRENT_REPLIES),
+                            thread_name_prefix="env-reply") as pool:
+        return list(pool.map(reply, episodes))
 
 
 def turn_text(tokenizer, ids: list[int], stops: set[int], keep_markup: bool) -> str:
@@ -173,10 +194,9 @@ def _call(interaction: Interaction, method: str, row: dict, *args):
                            f"{exc}") from exc
 
 
-def _env_turn(episode: Episode, interaction: Interaction, tokenizer, stop_token: int) -> None:
+def _env_turn(episode: Episode, interaction: Interaction, tokenizer, stop_token: int, reply) -> None:
     """The interaction sees every complete model turn, the last allowed one too (its state may score it); its
     reply is written only while the model has turns left."""
-    reply = _call(interaction, "respond", episode.prompt, episode.state, [dict(m) for m in episode.messages])
     if not isinstance(reply, EnvReply):
         raise EpisodeError(f"{interaction.name}.respond returned {type(reply).__name__} for "
                            f"{_example(episode.prompt)}, not an EnvReply")

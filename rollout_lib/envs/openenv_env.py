@@ -77,6 +77,7 @@ class OpenEnvSettings(InteractionSettings):
 class OpenEnvInteraction(Interaction):
     type_name = "openenv"
     settings_class = OpenEnvSettings
+    concurrent_replies = True  # each episode steps its own environment (instance or WebSocket session)
 
     def __init__(self, settings: OpenEnvSettings, tools=None):
         super().__init__(settings, tools)
