@@ -13,10 +13,12 @@ from datasets import Dataset
 import verifiers as vf
 
 WORDS = ["cat", "dog", "sun", "tree", "moon", "fish", "bird", "lamp"]
+EVAL_WORDS = ["star", "rock", "leaf", "rain"]  # its eval_dataset: held-out words (`source = { ..., split = "eval" }`)
 
 
 def load_environment(num_examples: int = 8, raise_on: list[str] | None = None) -> vf.Environment:
     rows = [{"question": f"Reverse the word: {word}", "answer": word[::-1]} for word in WORDS[:num_examples]]
+    eval_rows = [{"question": f"Reverse the word: {word}", "answer": word[::-1]} for word in EVAL_WORDS]
     parser = vf.Parser()
     failing = set(raise_on or [])
 
@@ -33,5 +35,5 @@ def load_environment(num_examples: int = 8, raise_on: list[str] | None = None) -
         return float(len((parser.parse_answer(completion) or "").strip()))
 
     rubric = vf.Rubric(funcs=[exact_reverse, shared_letters, answer_length], weights=[1.0, 0.5, 0.0], parser=parser)
-    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), system_prompt="Answer with the reversed word only.",
-                            parser=parser, rubric=rubric)
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(eval_rows),
+                            system_prompt="Answer with the reversed word only.", parser=parser, rubric=rubric)

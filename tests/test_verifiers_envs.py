@@ -139,6 +139,29 @@ def test_a_tool_env_runs_its_tool_and_keeps_every_sampled_token():
     assert [r.reward for r in results] == [1.0, 1.0]
 
 
+def test_held_out_evaluation_reads_the_environments_eval_dataset_and_its_rubric_scores_it(tokenizer):
+    from rollout_lib.identity.sources import eval_sources
+    from rollout_lib.rl.evaluate import eval_env, load_eval_prompts
+
+    config = load_config(RlConfig, ROOT / "configs/rl-verifiers-single.toml")
+    env = config.settings.envs[0]
+    held_out = load_eval_prompts(env)  # examples/vf_reverse_env.py's eval_dataset: words the dataset does not have
+    assert held_out.column("answer").to_pylist() == ["rats", "kcor", "fael", "niar"]
+    assert held_out.column("messages").to_pylist()[0][-1]["content"] == "Reverse the word: star"
+    target = eval_env(env)
+    assert target.source.split == "eval" and target.sampling.temperature == 0 and target.sampling.group_size == 1
+    prompt_ids = [encode_prompt(tokenizer, messages) for messages in held_out.column("messages").to_pylist()]
+    policy = ScriptedPolicy(tokenizer, ["rats"])
+    rollouts = sample_episodes(policy, tokenizer, build_interaction(env.interaction), held_out, prompt_ids,
+                               target.sampling, 7, [policy.end], 1024)
+    results = score(env, held_out, rollouts)  # the env's rubric on the held-out rows: only "star" is right
+    assert [r.per_function["exact_reverse"] for r in results] == [1.0, 0.0, 0.0, 0.0]
+    # The eval's key names the environment module's source (its eval_dataset is made there) and its arguments.
+    key = eval_sources(config, env.name)["eval"]["source"]
+    assert key["env_args"] == {"num_examples": 8} and list(key["env_source"]) == ["vf_reverse_env"]
+    assert key["env_source"]["vf_reverse_env"] != "missing"
+
+
 def test_settings_checks_name_the_module_and_the_extra(monkeypatch):
     with pytest.raises(ValueError, match="cannot find module 'no_such_env'.*env_id 'owner/no-such-env'"):
         env_settings("owner/no-such-env")
@@ -148,9 +171,14 @@ def test_settings_checks_name_the_module_and_the_extra(monkeypatch):
     with pytest.raises(ValueError, match='source type "verifiers" is the dataset'):
         EnvSettings.model_validate({"name": "x", "prompts_per_step": 1, "source": {"type": "verifiers"},
                                     "rewards": [{"function": "exact_match"}]})
-    with pytest.raises(ValueError, match="held-out evaluation of a verifiers environment is not built"):
-        EnvSettings.model_validate({"name": "vf", "prompts_per_step": 2, "eval": {"source": {"type": "verifiers"}},
-                                    "interaction": {"type": "verifiers", "env_id": "vf_tool_env"}})
+    with pytest.raises(ValueError, match="eval.source: a verifiers environment's episodes start from its own"):
+        EnvSettings.model_validate({"name": "vf", "prompts_per_step": 2, "interaction": {
+            "type": "verifiers", "env_id": "vf_tool_env"}, "eval": {"source": {
+                "type": "jsonl_path", "path": str(ROOT / "data/rl-tiny-prompts.jsonl")}}})
+    with pytest.raises(ValueError, match='eval.source type "verifiers" is a dataset of the env'):
+        EnvSettings.model_validate({"name": "x", "prompts_per_step": 1, "rewards": [{"function": "exact_match"}],
+                                    "source": {"type": "jsonl_path", "path": str(ROOT / "data/rl-tiny-prompts.jsonl")},
+                                    "eval": {"source": {"type": "verifiers", "split": "eval"}}})
     real_version = importlib.metadata.version
 
     def version_without(installed: str | None):
@@ -222,6 +250,10 @@ def test_two_steps_of_each_example_through_the_cli(prefect_server, tmp_path, con
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = [json.loads(line) for line in
                (tmp_path / f"store/runs/{config_name}/metrics.jsonl").read_text().splitlines()]
+    if config_name == "rl-verifiers-single":  # held-out on its eval_dataset before step 1 and at step 2
+        assert [m["step"] for m in metrics if "eval/vf-reverse/reward_mean" in m] == [0, 2]
+        assert all(m["eval/vf-reverse/missing_rewards"] == 0 for m in metrics if m["step"] in (0, 2))
+        metrics = [m for m in metrics if m["step"] > 0]
     assert [m["step"] for m in metrics] == [1, 2]
     for step in metrics:  # every episode asked the policy at least once; the rubric's metrics are in the step's
         assert step["rollouts"] == 4 and step["agent_requests_mean"] >= 1 and step["agent_failures"] == 0

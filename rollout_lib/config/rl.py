@@ -210,9 +210,17 @@ class EnvSettings(StrictModel):
         if any(isinstance(reward, RubricSettings) for reward in self.rewards) and not runs_verifiers:
             raise ValueError('rewards: { rubric = "verifiers" } scores with the env\'s verifiers environment: set '
                              'interaction = { type = "verifiers", env_id = "..." }')
-        if runs_verifiers and self.eval is not None:
-            raise ValueError("eval: held-out evaluation of a verifiers environment is not built (its episodes need "
-                             "the environment's own dataset rows); leave eval out of this env")
+        if self.eval is None:
+            return self
+        if self.eval.source.type == "verifiers" and not runs_verifiers:
+            raise ValueError('eval.source type "verifiers" is a dataset of the env\'s verifiers environment: set '
+                             'interaction = { type = "verifiers", env_id = "..." }')
+        if runs_verifiers and self.eval.source.type != "verifiers":
+            raise ValueError("eval.source: a verifiers environment's episodes start from its own dataset rows: "
+                             'eval.source = { type = "verifiers", split = "eval" } (its eval_dataset)')
+        if any(isinstance(reward, RubricSettings) for reward in self.eval.rewards or ()) and not runs_verifiers:
+            raise ValueError('eval.rewards: { rubric = "verifiers" } scores with the env\'s verifiers environment: '
+                             'set interaction = { type = "verifiers", env_id = "..." }')
         return self
 
     @model_validator(mode="after")

@@ -89,9 +89,14 @@ def interaction_sources(config) -> dict:
 def eval_sources(config, env_name: str) -> dict:
     """What an env's held-out evaluation reads besides the policy: its settings, its prompt file, the source of user
     reward functions and the content of reward models it scores with."""
-    evaluation = _env(config, env_name).eval
+    env = _env(config, env_name)
+    evaluation = env.eval
     sources = {"eval": evaluation.model_dump(mode="json")}
     sources["eval"]["source"] = prompt_source_identity(evaluation.source) or sources["eval"]["source"]
+    if evaluation.source.type == "verifiers":  # the environment's eval_dataset: made by its module, with its arguments
+        sources["eval"]["source"]["env_args"] = env.interaction.env_args
+        sources["eval"]["source"]["env_source"] = {module: module_source_digest(module)
+                                                   for module in env.interaction.user_modules()}
     for reward, dumped in zip(evaluation.rewards or (), sources["eval"]["rewards"] or ()):
         if hasattr(reward, "function") and ":" in reward.function:
             sources[reward.function] = module_source_digest(reward.function.partition(":")[0])

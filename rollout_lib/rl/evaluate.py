@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from rollout_lib.config.rl import EnvSettings, RlConfig
-from rollout_lib.data import load_env_prompts
 from rollout_lib.reward.loops import RewardLoops
+from rollout_lib.rl.prompts import load_prompts
 from rollout_lib.rl.sample import env_interaction
 from rollout_lib.rl.score import env_reward_loop, function_means
 from rollout_lib.reward.tables import apply_rewards, reward_inputs
@@ -32,8 +32,9 @@ def eval_env(env: EnvSettings) -> EnvSettings:
 
 
 def load_eval_prompts(env: EnvSettings) -> pa.Table:
-    """The evaluation's PROMPTS: its source's, the first `max_prompts` of them when set."""
-    table = load_env_prompts(eval_env(env))
+    """The evaluation's PROMPTS: its source's (a verifiers environment's eval_dataset too), the first `max_prompts`
+    of them when set."""
+    table = load_prompts(eval_env(env), f"env {env.name!r}: eval.source")
     return table.slice(0, env.eval.max_prompts) if env.eval.max_prompts else table
 
 
