@@ -16,8 +16,8 @@ FORBIDDEN = {"rollout_lib": ("prefect",)}  # the library runs and tests without 
 
 # Lowest first; docs/architecture.md says what belongs where.
 FLOORS = {
-    0: {"__init__", "wire", "store", "store_gc", "paths", "errors", "settings_base", "determinism", "hardware",
-        "checkpoint", "processes", "step_events", "adapters"},
+    0: {"__init__", "wire", "store", "store_tensors", "store_errors", "store_gc", "paths", "errors", "settings_base",
+        "determinism", "hardware", "checkpoint", "processes", "step_events", "adapters"},
     1: {"model", "packing", "losses", "rl_losses", "data"},
     2: {"algo", "envs", "sampling", "reward", "serving"},
     3: {"config"},
@@ -28,6 +28,7 @@ FLOORS = {
 DIGEST_LIBRARIES = ("blake3", "hashlib")
 DIGESTS_OUTSIDE_IDENTITY = {
     "rollout_lib.store": "content ids: an object's name, which a key holds as the id of an input",
+    "rollout_lib.store_tensors": "a streamed read checks the object's bytes against its id (store.py's content ids)",
     "rollout_lib.model.loading": "a model's content digest: model loading checks an adapter's base by it (the one "
                                  "ingredient below identity/, docs/architecture.md)",
     "rollout_lib.determinism": "seeds drawn from content",

@@ -439,7 +439,7 @@ def test_a_header_rewritten_to_sorted_order_equals_one_safetensors_wrote_sorted(
 def test_tensors_streamed_one_at_a_time_are_the_same_object_as_put_all_at_once_and_read_back_alike(tmp_path, root):
     """put_tensors_streamed (sharded snapshots, trainer/sharding.py) writes safetensors' own bytes: its layout order
     (dtype first, then name) and header, whatever dtypes and metadata."""
-    from rollout_lib.store import safetensors_order
+    from rollout_lib.store_tensors import safetensors_order
 
     store = ObjectStore(str(tmp_path) if root == "local" else f"memory://streamed-{tmp_path.name}")
     tensors = {"w": torch.randn(3, 4), "b64": torch.randn(2, dtype=torch.float64), "bf": torch.randn(5).bfloat16(),

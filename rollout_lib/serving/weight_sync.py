@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rollout_lib.adapters import adapter_config, adapter_weights, merged_state_dict
-from rollout_lib.store import SAFETENSORS_DTYPES
+from rollout_lib.store_tensors import SAFETENSORS_DTYPES
 
 WEIGHTS_FILE = "model.safetensors"
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from rollout_lib.adapters import base_of, is_adapted
 from rollout_lib.checkpoint import (gathered_weights, optimizer_entry, optimizer_state_entries, param_groups,
                                     unshared_names)
-from rollout_lib.store import safetensors_order
+from rollout_lib.store_tensors import safetensors_order
 
 
 def shard_model(model: torch.nn.Module, *, bf16: bool = False, cpu_offload: bool = False) -> torch.nn.Module:
