@@ -13,6 +13,11 @@ the trainer finds it than the sampler did:
     mis      loss_t · [w_t <= C]                                    masked importance sampling: drop, never scale
     icepop   loss_t · [low <= w_t <= high]                          drop tokens mismatched either way
 
+π_old is the trainer's: off-policy (k >= 1) its recompute under the weights that sampled, with the sampler's report
+kept beside it on the wire (`sampler_logprobs`); on-policy with the sampler's report as the behaviour stream, the
+step's own forward (losses.correction_inputs). Off-policy the trust region acts on π_θ / π_old (staleness) and w_t
+only on the engine's numerics, as verl's decoupled rollout_is does.
+
 sg: no gradient; the weight scales a token's loss, it never pulls on the policy itself. A masked token's loss is
 zero but it still counts in N_rl, so the step's other tokens keep their per-token step size.
 
