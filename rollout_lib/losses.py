@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rollout_lib.wire import LOSS_STREAMS
+from rollout_lib.wire import LOSS_STREAMS, SAMPLER_LOGPROBS
 
 # The components of the trainer's sum, in the order they are reported.
 COMPONENTS = ("rl", "ce", "ref_kl")
@@ -270,12 +270,15 @@ def component_loss(logprobs: Tensor, streams: Mapping[str, Tensor], token_counts
     place of rl_loss_terms, a registered loss (rollout_lib.rl_losses: an object with `terms`, given each token's
     sequence from `streams["sequence_lengths"]`) or a user's function (custom_rl_terms). `rl_normalizer` C: N_rl =
     C · token_counts["rl_sequences"] (count_rl_sequences) instead of the rl token count (Dr. GRPO). `correction`
-    (rl_losses/correction.py; `inference_logprobs` are then the sampler's): the rl ratio is taken against this
-    forward's detached logprobs (the trainer's π_old, on-policy) and each rl token's weight is scaled by the
-    correction's factor; its diagnostics are `mismatch/<name>`. None: the loss as before the setting.
+    (rl_losses/correction.py): the rl ratio is taken against the trainer's π_old and each rl token's weight is
+    scaled by the correction's factor, w_t against the sampler's logprobs (`correction_inputs`: with a
+    `sampler_logprobs` stream, π_old is `inference_logprobs`, the trainer's recompute; without one,
+    `inference_logprobs` are the sampler's and π_old this forward's, on-policy); its diagnostics are
+    `mismatch/<name>`. None: the loss as before the setting.
     """
     _check_streams(logprobs, streams)
     sequence_lengths = streams.get("sequence_lengths")
+    sampler_logprobs = streams.get(SAMPLER_LOGPROBS)
     # Streams take logprobs' dtype: pass float32 logprobs (ratios of bf16 logprobs are too coarse for the mask).
     streams = {key: streams[key].to(device=logprobs.device) for key in LOSS_STREAMS}
     masks = _component_masks(streams)
@@ -312,10 +315,10 @@ def component_loss(logprobs: Tensor, streams: Mapping[str, Tensor], token_counts
     rl_inference_logprobs = inference_logprobs
     if correction is not None and token_counts.get("rl", 0):
         # The sampler's logprobs are the correction's denominator; the trust region is against the trainer's π_old.
-        factors, diagnostics = correction.token_factors(logprobs.detach(), inference_logprobs, masks["rl"],
-                                                        sequence_ids)
+        old_logprobs, sampler = correction_inputs(logprobs, inference_logprobs, sampler_logprobs)
+        factors, diagnostics = correction.token_factors(old_logprobs, sampler, masks["rl"], sequence_ids)
         weights["rl"] = weights["rl"] * factors.to(logprobs.dtype)
-        rl_inference_logprobs = logprobs.detach()
+        rl_inference_logprobs = old_logprobs
         metrics.update({f"mismatch/{name}": value for name, value in diagnostics.items()})
     if token_counts.get("rl", 0):
         rl_inputs = (logprobs, rl_inference_logprobs, streams["advantages"].to(logprobs.dtype), weights["rl"])
@@ -339,6 +342,21 @@ def component_loss(logprobs: Tensor, streams: Mapping[str, Tensor], token_counts
         metrics.update({f"{component}/{name}": value for name, value in component_metrics.items()})
     metrics["loss/total"] = loss.detach().item()
     return loss, metrics
+
+
+def correction_inputs(logprobs: Tensor, inference_logprobs: Tensor,
+                      sampler_logprobs: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(π_old, π_sampler) of each token for a mismatch correction. Where the wire keeps the sampler's logprobs
+    (`sampler_logprobs`, not NaN) the behaviour stream is the trainer's (its recompute under the weights that
+    sampled, or this forward's own where NaN), so π_old is that stream: off-policy too. Elsewhere the behaviour
+    stream is the sampler's report and π_old is this forward (on-policy, behaviour_logprobs = "sampler")."""
+    this_forward = logprobs.detach()
+    if sampler_logprobs is None:
+        return this_forward, inference_logprobs
+    sampler_logprobs = sampler_logprobs.to(device=logprobs.device, dtype=logprobs.dtype)
+    kept = ~torch.isnan(sampler_logprobs)
+    return (torch.where(kept, inference_logprobs, this_forward),
+            torch.where(kept, sampler_logprobs, inference_logprobs))
 
 
 # --- helpers --------------------------------------------------------------------------------------------------

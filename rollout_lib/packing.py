@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import functools
 import inspect
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,8 +47,8 @@ import torch
 
 from rollout_lib.adapters import base_of
 from rollout_lib.model.packed_attention import PACKED_SDPA, packed_sequences
-from rollout_lib.wire import (MICRO_BATCHES, REQUIRED_STREAMS, STREAM_COLUMNS, TRAINING_SAMPLE_DEFAULTS,
-                              TRAINING_SAMPLES, conform)
+from rollout_lib.wire import (MICRO_BATCHES, REQUIRED_STREAMS, SAMPLER_LOGPROBS, STREAM_COLUMNS,
+                              TRAINING_SAMPLE_DEFAULTS, TRAINING_SAMPLES, conform)
 from rollout_lib.hardware import autocast_for, model_device
 
 FIRST_TOKEN_LOGPROB = 0.0
@@ -165,10 +166,10 @@ def check_micro_batches(micro_batches: pa.Table) -> None:
     """
     table = conform(micro_batches, MICRO_BATCHES)
     token_counts = pc.list_value_length(table["input_ids"]).to_pylist()
-    for name in ("position_ids", *STREAM_COLUMNS):
+    for name in ("position_ids", *STREAM_COLUMNS, SAMPLER_LOGPROBS):
         lengths = pc.list_value_length(table[name]).to_pylist()
         for index, (length, expected) in enumerate(zip(lengths, token_counts)):
-            if length != expected:
+            if length is not None and length != expected:  # null: an optional stream no sample carries
                 raise ValueError(f"micro-batch {index}: column {name!r} has {length} entries, input_ids has {expected}")
     for index, (row_lengths, shared, positions, expected) in enumerate(
         zip(table["sequence_lengths"].to_pylist(), table["shared_prefix_lengths"].to_pylist(),
@@ -202,7 +203,7 @@ def _validated_rows(samples: pa.Table, max_seq_len: int | None, before: str) -> 
                              f"truncate before {before}")
         if row["loss_mask"] is None:
             raise ValueError(f"sample {sample_id!r}: column 'loss_mask' is null")
-        for name in STREAM_COLUMNS:
+        for name in (*STREAM_COLUMNS, SAMPLER_LOGPROBS):
             values = row[name]
             if values is None:
                 continue
@@ -266,10 +267,20 @@ def _micro_batches(groups: Sequence[Sequence[tuple[dict, int]]]) -> pa.Table:
         }
         for name in STREAM_COLUMNS:
             record[name] = [value for row, shared in group for value in _materialised(row, name)[shared:]]
+        record[SAMPLER_LOGPROBS] = _optional_stream(group, SAMPLER_LOGPROBS)
         records.append(record)
     table = pa.Table.from_pylist(records, schema=MICRO_BATCHES)
     check_micro_batches(table)
     return table
+
+
+def _optional_stream(group: Sequence[tuple[dict, int]], name: str) -> list[float] | None:
+    """An optional stream over a micro-batch's tokens: None when no sample of `group` carries it (the micro-batch
+    is then as before the stream existed), else NaN on the tokens of the samples without it."""
+    if all(row[name] is None for row, _ in group):
+        return None
+    return [value for row, shared in group
+            for value in (row[name] if row[name] is not None else [math.nan] * len(row["input_ids"]))[shared:]]
 
 
 def _restarting_positions(sequence_lengths: Sequence[int], shared: Sequence[int] | None = None) -> np.ndarray:
@@ -349,6 +360,8 @@ def collate_micro_batch(row: dict, *, packed: bool, pad_token_id: int) -> dict[s
                              f"input_ids has {total}")
         dtype = np.bool_ if name == "loss_mask" else np.float32
         batch[name] = torch.as_tensor(np.asarray(values, dtype=dtype))
+    if row.get(SAMPLER_LOGPROBS) is not None:  # only where a correction reweights against the sampler
+        batch[SAMPLER_LOGPROBS] = torch.as_tensor(np.asarray(row[SAMPLER_LOGPROBS], dtype=np.float32))
     return batch
 
 

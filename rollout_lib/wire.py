@@ -144,6 +144,9 @@ IN_FLIGHT = pa.schema([*ROLLOUTS, pa.field("finished", pa.bool_(), nullable=Fals
 # --- training samples and micro-batches (shared by SFT and RL) ----------------------------------------------
 
 TOKEN_INT_COLUMNS = ("input_ids",)
+# An optional per-token stream (below): absent from a table stored before it, null where no correction needs it.
+SAMPLER_LOGPROBS = "sampler_logprobs"
+
 # The per-token streams the loss reads (losses.component_loss), in a fixed order ...
 LOSS_STREAMS = (
     "loss_mask",
@@ -172,6 +175,10 @@ TRAINING_SAMPLES = pa.schema([
     # each token was sampled at, which the trainer divides that token's logits by (importance ratio 1
     # on-policy).
     *[pa.field(name, pa.list_(pa.float32()), nullable=True) for name in TOKEN_FLOAT_COLUMNS],
+    # The sampler's own logprob of each token, kept beside `inference_logprobs` where those are not the sampler's
+    # (the trainer's recompute, the training forward) and a mismatch correction reweights against the sampler
+    # (rl_losses/correction.py). Null: `inference_logprobs` are the sampler's, or no correction needs them.
+    pa.field(SAMPLER_LOGPROBS, pa.list_(pa.float32()), nullable=True),
 ])
 
 # What a null stream means, per position. rl_weights: 1.0 on every loss_mask token (the "loss_mask" form, which the
@@ -221,11 +228,19 @@ MICRO_BATCHES = pa.schema([
     pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
     *[pa.field(name, pa.list_(pa.float32()), nullable=False) for name in TOKEN_FLOAT_COLUMNS],
+    # Null unless a sample of the micro-batch carries it; then one per token, NaN on the samples without it.
+    pa.field(SAMPLER_LOGPROBS, pa.list_(pa.float32()), nullable=True),
 ])
+
+# Nullable columns added after tables were stored without them: read back as null (every row), not refused.
+LATER_COLUMNS = (SAMPLER_LOGPROBS,)
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """Cast a table to a declared schema, failing with the offending column named."""
+    for name in LATER_COLUMNS:
+        if name in schema.names and name not in table.column_names:
+            table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
     missing = [name for name in schema.names if name not in table.column_names]
     if missing:
         raise ValueError(f"table is missing column(s) {missing} of schema {schema.names}")

@@ -134,13 +134,19 @@ def test_an_unknown_correction_exits_2_in_one_line_naming_the_valid_types(capsys
     assert len(lines) == 1 and "unknown correction type 'tiss': one of none, tis, seq_tis, mis, icepop" in lines[0]
 
 
-def test_a_correction_needs_the_samplers_logprobs_on_policy():
+def test_a_correction_with_the_samplers_logprobs_as_behaviour_needs_k_0():
     tis = 'algorithm.rl.loss.correction={ type = "tis" }'
     assert rl_config(tis).settings.behaviour_logprobs_source == "sampler"  # embedded sampler, k = 0
+    # Off-policy with the sampler's logprobs as π_old's stand-in: no stream holds the sampling state's π_old.
+    with pytest.raises(ConfigError, match=r"loss\.correction 'tis' with behaviour_logprobs = \"sampler\" needs "
+                                          r"max_off_policy_steps = 0 \(here k = 1\)"):
+        rl_config(tis, "algorithm.rl.max_off_policy_steps=1", 'algorithm.rl.behaviour_logprobs="sampler"')
+    with pytest.raises(ConfigError, match=r"loss\.correction 'tis' is not built for partial_rollouts"):
+        rl_config(tis, "algorithm.rl.max_off_policy_steps=1", "algorithm.rl.partial_rollouts={ token_budget = 4 }")
+    # The trainer's recompute (any k) and the training forward (vllm at k = 0) keep the sampler's stream beside.
     for other in ('algorithm.rl.behaviour_logprobs="trainer"', "algorithm.rl.max_off_policy_steps=1",
-                  'algorithm.rl.policy_sampler={ type = "vllm" }'):  # vllm at k = 0: "auto" is the training forward
-        with pytest.raises(ConfigError, match=r"loss\.correction 'tis'.*behaviour_logprobs = \"sampler\""):
-            rl_config(tis, other)
+                  'algorithm.rl.policy_sampler={ type = "vllm" }'):
+        assert rl_config(tis, other).settings.loss.correction.active, other
     assert rl_config(tis, 'algorithm.rl.policy_sampler={ type = "vllm" }', 'algorithm.rl.behaviour_logprobs="sampler"')
 
 

@@ -70,6 +70,8 @@ def training_samples(config: RlConfig, scored: pa.Table, resources: AlgorithmRes
     samples = stamp_training_samples(scored, advantages, algorithms, config.settings.max_seq_len, temperatures)
     behaviour = {}
     source = config.settings.behaviour_logprobs_source
+    # A mismatch correction reweights against the sampler: its report stays on the wire beside the trainer's.
+    keep_sampler = config.settings.loss.correction.active
     if source != "sampler":
         policy = resources.policy if resources is not None else None
         if policy is None or policy.state_id is None:
@@ -77,8 +79,9 @@ def training_samples(config: RlConfig, scored: pa.Table, resources: AlgorithmRes
                              "sampled from, and the advantages stage was given none (AlgorithmResources.policy)")
         if source == "trainer":
             samples, behaviour = recompute_behaviour_logprobs(samples, scored, lambda: policy.model, policy.state_id,
-                                                              precomputed=precomputed_behaviour)
+                                                              precomputed=precomputed_behaviour,
+                                                              keep_sampler=keep_sampler)
         else:  # "training_forward": the sampled state is the trained one (k = 0); nothing to run here
-            samples, behaviour = mark_training_forward(samples, scored, policy.state_id)
+            samples, behaviour = mark_training_forward(samples, scored, policy.state_id, keep_sampler=keep_sampler)
     samples = asyncio.run(score_for_shipping(samples, algorithms))
     return samples, {**advantage_metrics(samples), **behaviour}

@@ -44,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from rollout_lib import wire
 from rollout_lib.packing import token_logprobs
 
 CHUNK_ROWS = 8  # samples per forward: fixed, so the bits never depend on how many samples a step has
@@ -82,16 +83,20 @@ def chunk_logprobs(model, chunk: list[ForwardInputs], pad_token_id: int = 0) -> 
 
 def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, load_model: Callable[[], object],
                                  state_id: str, pad_token_id: int = 0,
-                                 precomputed: pa.Table | None = None) -> tuple[pa.Table, dict]:
+                                 precomputed: pa.Table | None = None,
+                                 keep_sampler: bool = False) -> tuple[pa.Table, dict]:
     """TRAINING_SAMPLES `samples` (one row per row of `rollouts`) with `inference_logprobs` recomputed by the policy
     at `state_id` (`load_model()`, called only if a chunk is left to compute) on every row sampled from that state;
     and the diagnostics above. `precomputed`: chunks computed while the step sampled (wire.BEHAVIOUR_LOGPROBS),
     adopted instead of computed: `behaviour/precomputed_rows` counts their rows, `behaviour/recompute_s` is the
-    time the chunks computed here took."""
+    time the chunks computed here took. `keep_sampler`: those rows keep what they carried before (the sampler's
+    report) as `sampler_logprobs`, for a mismatch correction (rl_losses/correction.py)."""
     rows = _rows_sampled_from(samples, rollouts, state_id)
     inference = samples.column("inference_logprobs").to_pylist()
     if not rows:
         return samples, {"behaviour/recomputed": 0}
+    if keep_sampler:
+        samples = _with_sampler_logprobs(samples, rows, inference)
     input_ids = samples.column("input_ids").to_pylist()
     loss_mask = samples.column("loss_mask").to_pylist()
     temperatures = samples.column("temperatures").to_pylist()
@@ -131,13 +136,17 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, load_mod
     return samples, metrics
 
 
-def mark_training_forward(samples: pa.Table, rollouts: pa.Table, state_id: str) -> tuple[pa.Table, dict]:
+def mark_training_forward(samples: pa.Table, rollouts: pa.Table, state_id: str,
+                          keep_sampler: bool = False) -> tuple[pa.Table, dict]:
     """TRAINING_SAMPLES `samples` with `inference_logprobs` NaN on every token the policy sampled (`loss_mask`) on
-    rows sampled from `state_id`, the state the step trains from: the trainer takes its own forward's there."""
+    rows sampled from `state_id`, the state the step trains from: the trainer takes its own forward's there.
+    `keep_sampler`: as for `recompute_behaviour_logprobs`."""
     rows = set(_rows_sampled_from(samples, rollouts, state_id))
     if not rows:
         return samples, {"behaviour/training_forward": 0}
     inference = samples.column("inference_logprobs").to_pylist()
+    if keep_sampler:
+        samples = _with_sampler_logprobs(samples, sorted(rows), inference)
     loss_mask = samples.column("loss_mask").to_pylist()
     for row in rows:
         inference[row] = [math.nan if member else value for member, value in zip(loss_mask[row], inference[row])]
@@ -171,6 +180,16 @@ def _rows_sampled_from(samples: pa.Table, rollouts: pa.Table, state_id: str) -> 
     if len(sampled_from) != samples.num_rows:
         raise ValueError(f"{samples.num_rows} training samples for {len(sampled_from)} rollouts")
     return [row for row, source in enumerate(sampled_from) if source == state_id]
+
+
+def _with_sampler_logprobs(samples: pa.Table, rows: list[int], reported: list) -> pa.Table:
+    """`samples` whose `rows` carry `reported` (the behaviour stream as the sampler gave it, before it is
+    replaced) as their `sampler_logprobs`; the other rows keep theirs."""
+    index = samples.schema.get_field_index(wire.SAMPLER_LOGPROBS)
+    kept = samples.column(index).to_pylist()
+    for row in rows:
+        kept[row] = list(reported[row])
+    return samples.set_column(index, samples.schema.field(index), pa.array(kept, type=samples.schema.field(index).type))
 
 
 def _with_inference_logprobs(samples: pa.Table, inference: list) -> pa.Table:

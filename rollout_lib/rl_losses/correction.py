@@ -13,6 +13,11 @@ the trainer finds it than the sampler did:
     mis      loss_t · [w_t <= C]                                    masked importance sampling: drop, never scale
     icepop   loss_t · [low <= w_t <= high]                          drop tokens mismatched either way
 
+π_old is the trainer's: off-policy (k >= 1) its recompute under the weights that sampled, with the sampler's report
+kept beside it on the wire (`sampler_logprobs`); on-policy with the sampler's report as the behaviour stream, the
+step's own forward (losses.correction_inputs). Off-policy the trust region acts on π_θ / π_old (staleness) and w_t
+only on the engine's numerics, as verl's decoupled rollout_is does.
+
 sg: no gradient; the weight scales a token's loss, it never pulls on the policy itself. A masked token's loss is
 zero but it still counts in N_rl, so the step's other tokens keep their per-token step size.
 
@@ -98,10 +103,13 @@ class MismatchCorrection:
 
 
 def mismatch_diagnostics(log_w: Tensor, member: Tensor) -> dict[str, float]:
-    """kl (k3 of KL(π_sampler ‖ π_old), mean over `member`) and ratio_max of w = exp(log_w)."""
-    ratio = torch.exp(log_w)
-    return {"kl": mean_over(ratio - 1 - log_w, member),
-            "ratio_max": float(ratio[member].max()) if bool(member.any()) else 0.0}
+    """kl (k3 of KL(π_sampler ‖ π_old), mean over `member`) and ratio_max of w = exp(log_w). k3 as expm1(log w) -
+    log w in float64: exp(log w) - 1 - log w in float32 has a rounding floor above the ~1e-5 log-ratios of an fp32
+    engine against the trainer (rl-smollm2 on the engine: 4.4e-9, where behaviour/sampler_kl in float64 gave
+    3.6e-11 for the same tokens)."""
+    log_w = log_w.double()
+    return {"kl": mean_over(torch.expm1(log_w) - log_w, member),
+            "ratio_max": float(torch.exp(log_w[member]).max()) if bool(member.any()) else 0.0}
 
 
 def build_correction(settings: CorrectionSettings) -> MismatchCorrection | None:
