@@ -313,8 +313,8 @@ def vllm_tiny(vllm_tiny_session) -> ServedTiny:
 # and compared with by the module's other tests; in one group it is trained once.
 # served_rm (test_served_reward_model.py): its module's served RM; one of its tests puts the RM behind one router with
 # the session's vLLM judge, so the module runs in vllm_tiny's group and trains and serves its RM once.
-SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "vllm_tiny_session": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack",
-                  "rlhf_reference": "worker_stack", "served_rm": "vllm_tiny"}
+SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "vllm_tiny_session": "vllm_tiny", "worker_stack": "worker_stack",
+                  "failed_row_run": "worker_stack", "rlhf_reference": "worker_stack", "served_rm": "vllm_tiny"}
 # The longest groups (seconds on one 2-core worker, measured 2026-11-27 with --durations=0, a quiet AVX-512 machine:
 # worker_stack 273, test_policy_engine 270, vllm_tiny 231, test_rl_data_parallel 218, test_task_runners 163,
 # test_sharding 162, ... of 3283 in all; test_node_agents, added later: 501 s on a machine at load 15, not measured
