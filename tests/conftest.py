@@ -282,9 +282,10 @@ class ServedTiny:
 
 
 @pytest.fixture(scope="session")
-def vllm_tiny():
+def vllm_tiny_session():
     """`rollout serve start tiny:qwen2 --name test-tiny --replicas 2`, as a user runs it (~25-40 s on 2 cores, paid
-    only by sessions that use it); always stopped (`rollout serve stop test-tiny`) at the session's end."""
+    only by sessions that use it); always stopped (`rollout serve stop test-tiny`) at the session's end. Tests take
+    it through `vllm_tiny`."""
     from rollout_lib.serving import engine
 
     try:
@@ -298,14 +299,22 @@ def vllm_tiny():
         run_cli(["serve", "stop", VLLM_TINY_NAME], env=dict(os.environ), stdin=subprocess.DEVNULL, timeout=120)
 
 
+@pytest.fixture
+def vllm_tiny(vllm_tiny_session) -> ServedTiny:
+    """The session's served tiny model with every replica running as the test starts. A test that kills a replica
+    leaves its restart to the next test that needs it, so the group's last test, a kill (test_serving_pool.py), costs
+    no restart (a replica start: ~11 CPU-s)."""
+    return vllm_tiny_session.ensure_running()
+
+
 # Session fixtures that start servers: every test using one runs in the same pytest-xdist worker, so the suite starts
 # each server once (README: `pytest -n 2 --dist loadgroup`).
 # rlhf_reference (test_rlhf_flow.py): the module's reference pipeline, run through the worker stack (rlhf/default)
 # and compared with by the module's other tests; in one group it is trained once.
 # served_rm (test_served_reward_model.py): its module's served RM; one of its tests puts the RM behind one router with
 # the session's vLLM judge, so the module runs in vllm_tiny's group and trains and serves its RM once.
-SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "worker_stack": "worker_stack", "failed_row_run": "worker_stack",
-                  "rlhf_reference": "worker_stack", "served_rm": "vllm_tiny"}
+SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "vllm_tiny_session": "vllm_tiny", "worker_stack": "worker_stack",
+                  "failed_row_run": "worker_stack", "rlhf_reference": "worker_stack", "served_rm": "vllm_tiny"}
 # The longest groups (seconds on one 2-core worker, measured 2026-11-27 with --durations=0, a quiet AVX-512 machine:
 # worker_stack 273, test_policy_engine 270, vllm_tiny 231, test_rl_data_parallel 218, test_task_runners 163,
 # test_sharding 162, ... of 3283 in all; test_node_agents, added later: 501 s on a machine at load 15, not measured

@@ -210,10 +210,10 @@ def test_a_served_reference_reuses_a_running_deployment_of_the_same_model(vllm_t
 @pytest.mark.slow
 def test_a_run_sampling_from_a_served_model_resumes_without_requerying_finished_steps(prefect_server, vllm_tiny,
                                                                                        tmp_path):
-    """rl-tiny with its env sampled by the served replicas: a run SIGKILLed after step 3 and rerun returns steps
-    1..3 from cache (never asking the server again), re-samples step 4 with the same seeds, and ends on the
-    uninterrupted run's checkpoint. One request at a time (concurrency 1): the engine's logprob bits depend on
-    batch composition, and grpo trains on them."""
+    """rl-tiny with its env sampled by the served replicas: a run SIGKILLed after step 2 (steps 1-2 pending records
+    on the step-0 checkpoint) and rerun returns steps 1..2 from cache (never asking the server again), re-samples
+    step 3 with the same seeds, and ends on the uninterrupted run's checkpoint. One request at a time (concurrency
+    1): the engine's logprob bits depend on batch composition, and grpo trains on them."""
     from clirun import final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
 
     from rollout_lib.store import ObjectStore
@@ -221,23 +221,23 @@ def test_a_run_sampling_from_a_served_model_resumes_without_requerying_finished_
     vllm_tiny.ensure_running()
     urls = ", ".join(f'"{url}"' for url in vllm_tiny.base_urls)
     source = f'{{ base_url = [{urls}], name = "{vllm_tiny.name}", concurrency = 1 }}'
-    common = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=4",
-              "--set", "algorithm.rl.checkpoint_interval=2", "--set", f"algorithm.rl.envs[0].sampler.source={source}"]
+    common = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=3",
+              "--set", "algorithm.rl.checkpoint_interval=3", "--set", f"algorithm.rl.envs[0].sampler.source={source}"]
 
     # The uninterrupted reference in this process (the CLI is the killed run's and the rerun's).
     reference = train_in_process(*common, "--set", f"run.store={tmp_path / 'uninterrupted'}")
     expected = reference["checkpoint"]
 
     args = [*common, "--set", f"run.store={tmp_path / 'interrupted'}"]
-    run_until_then_kill(args, "train-step-3' - Finished", tmp_path / "killed.log")
+    run_until_then_kill(args, "train-step-2' - Finished", tmp_path / "killed.log")
     rerun = run_rollout(*args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "frozen model algorithm.rl.envs[0].sampler.source: model 'test-tiny'" in rerun.stdout + rerun.stderr
     resumed = final_result(rerun)
     states = task_run_states(resumed["flow_run_id"])
-    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3, 4)] == ["Cached"] * 3 + ["Completed"]
+    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3)] == ["Cached"] * 2 + ["Completed"]
     assert resumed["checkpoint"] == expected
-    assert resumed["reward_curve"] == reference["reward_curve"]  # step 4 sampled the same tokens
+    assert resumed["reward_curve"] == reference["reward_curve"]  # step 3 sampled the same tokens
     assert ObjectStore(str(tmp_path / "interrupted")).get_ref("runs/rl-tiny/latest") == expected
 
 

@@ -127,7 +127,8 @@ def test_a_user_reward_function_gets_the_judge_client(vllm_tiny, tmp_path, monke
 
 def score_while_a_replica_dies(vllm_tiny, loop, pool, inputs) -> tuple[list, float]:
     """`loop.score(inputs)` in a thread; once 16 calls are in flight with some on the first replica, that replica's
-    group is SIGKILLed. Returns the results and the seconds scoring took; the replica is running again after."""
+    group is SIGKILLed. Returns the results and the seconds scoring took; the replica is left dead (the next test's
+    `vllm_tiny` restarts it)."""
     import signal
     import threading
     import time
@@ -140,16 +141,13 @@ def score_while_a_replica_dies(vllm_tiny, loop, pool, inputs) -> tuple[list, flo
         outcome["seconds"] = time.monotonic() - started
 
     worker = threading.Thread(target=score)
-    try:
-        worker.start()
-        deadline = time.monotonic() + 60
-        while not (sum(pool.outstanding.values()) >= 16 and pool.outstanding[pool.urls[0]] > 0):
-            assert time.monotonic() < deadline and worker.is_alive(), "the calls never went out"
-            time.sleep(0.05)
-        os.killpg(vllm_tiny.pids[0], signal.SIGKILL)
-        worker.join(timeout=120)
-    finally:
-        vllm_tiny.ensure_running()
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not (sum(pool.outstanding.values()) >= 16 and pool.outstanding[pool.urls[0]] > 0):
+        assert time.monotonic() < deadline and worker.is_alive(), "the calls never went out"
+        time.sleep(0.05)
+    os.killpg(vllm_tiny.pids[0], signal.SIGKILL)
+    worker.join(timeout=120)
     assert not worker.is_alive(), "the step stalled"
     return outcome["results"], outcome["seconds"]
 

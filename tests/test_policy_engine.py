@@ -417,9 +417,9 @@ def _is_record(store, object_id: str, kind: str) -> bool:
         return False
 
 
-# rl-tiny for 3 steps on the engine, one request at a time: which token a seed draws may depend on the engine's
-# batch composition (its logits vary in the last bits).
-ENGINE_RUN = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=3",
+# rl-tiny for 2 steps on the engine (one to resume from, one to sample after the kill), one request at a time: which
+# token a seed draws may depend on the engine's batch composition (its logits vary in the last bits).
+ENGINE_RUN = ["train", "rl", "--config", "configs/rl-tiny.toml", "--set", "algorithm.rl.budget.max_steps=2",
               "--set", "algorithm.rl.checkpoint_interval=2",
               "--set", 'algorithm.rl.policy_sampler={ type = "vllm", concurrency = 1 }']
 
@@ -437,12 +437,12 @@ def uninterrupted_engine_run(prefect_server, tmp_path_factory) -> tuple[Path, di
 @pytest.mark.slow
 def test_a_run_killed_mid_way_adopts_its_orphan_whose_kills_inside_its_reload_then_its_probe_end_on_the_same_checkpoint(
         uninterrupted_engine_run, tmp_path, monkeypatch, caplog):
-    """Two faults, one rerun (a run fewer for the suite than a test for each). The run is SIGKILLed after step 2
-    trained: its policy server is left as an orphan. The rerun adopts it (no second server), returns steps 1..2
-    from cache and, to sample step 3, brings the server to the state after step 2 (issue 46): the server is
+    """Two faults, one rerun (a run fewer for the suite than a test for each). The run is SIGKILLed after step 1
+    trained: its policy server is left as an orphan. The rerun adopts it (no second server), returns step 1 from
+    cache and, to sample step 2, brings the server to the state after step 1 (issue 46): the server is
     SIGKILLed inside that reload (POST /collective_rpc, the weights written), then, restarted, inside its probe (its
     scoring, the reload done), each with that request in flight. As for a server lost while sampling, the sampler
-    restarts it, writes, reloads and probes again (two restarts: the stage's max_recoveries), samples step 3 with
+    restarts it, writes, reloads and probes again (two restarts: the stage's max_recoveries), samples step 2 with
     the same seeds, and the rerun ends on the uninterrupted run's checkpoint, with no further rerun. The kill lands
     inside the phase on a loaded machine and cuts the request under way, as the issue's was (ReadError):
     in_flight.py. The rerun runs in this process (the hooks below watch it); the killed run is the CLI's. Prints the
@@ -465,13 +465,13 @@ def test_a_run_killed_mid_way_adopts_its_orphan_whose_kills_inside_its_reload_th
     assert all(m["rl/ratio_mean"] == 1.0 for m in steps)
 
     args = [*ENGINE_RUN, "--set", f"run.store={tmp_path / 'interrupted'}"]
-    run_until_then_kill(args, "train-step-2' - Finished", tmp_path / "killed.log")
+    run_until_then_kill(args, "train-step-1' - Finished", tmp_path / "killed.log")
     orphans = [d for d in engine.running_deployments() if d.live_policy]
     assert len(orphans) == 1 and orphans[0].orphaned
 
     events: list[str] = []  # write, reload, probe, kill, restart: in the order they happened
     kills: dict[str, dict] = {}  # phase -> when, the replica, the error, the restart
-    # The rerun's first hold (step 3's state on the adopted server) is reload 1: killed; after the restart it holds
+    # The rerun's first hold (step 2's state on the adopted server) is reload 1: killed; after the restart it holds
     # again (reload 2, probe 1): the probe killed.
     kill_at = {"reload": 1, "probe": 1}
     originals = {name: getattr(PolicyServer, name) for name in ("_reload", "_score", "recover")}
@@ -525,7 +525,7 @@ def test_a_run_killed_mid_way_adopts_its_orphan_whose_kills_inside_its_reload_th
 
     assert f"adopting policy server {orphans[0].name} left by a killed run" in caplog.text
     hold = ["write", "reload", "probe"]
-    assert events == ["write", "reload", "kill", "restart",  # step 3's hold: killed in its reload
+    assert events == ["write", "reload", "kill", "restart",  # step 2's hold: killed in its reload
                       "write", "reload", "probe", "kill", "restart",  # held again: killed in its probe
                       *hold]  # held again, then sampled
     for phase, what in [("reload", "weight reload failed: POST /collective_rpc"),
@@ -536,7 +536,7 @@ def test_a_run_killed_mid_way_adopts_its_orphan_whose_kills_inside_its_reload_th
         assert kill["restarted"] == [kill["url"]] and kill["new_pid"] != kill["pid"]
     assert kills["reload"]["pid"] == orphans[0].pids[0]  # the first kill hit the adopted orphan, not a new server
     states = task_run_states(resumed["flow_run_id"])
-    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2, 3)] == ["Cached", "Cached", "Completed"]
+    assert [states[f"sample-and-score-step-{k}"] for k in (1, 2)] == ["Cached", "Completed"]
     assert resumed["checkpoint"] == expected["checkpoint"]
     assert resumed["reward_curve"] == expected["reward_curve"]
     assert not [d for d in engine.running_deployments() if d.live_policy]  # the adopter stopped the restarted server

@@ -307,7 +307,8 @@ def test_one_address_over_two_judges_and_the_reward_model_loses_a_replica_of_eac
     the RM's own scorer and the router's callers (chat completions by model name, /classify) each get every answer,
     from a survivor of the model they named: the RM's scores are the same bits, each judge's surviving replica
     answered every request sent to that judge (vLLM's counters), and nothing is left counted in flight. Last in the
-    module: it leaves this node's RM replica dead (the fixture stops the deployment); test-tiny's is restarted."""
+    module: it leaves this node's RM replica dead (the fixture stops the deployment), and test-tiny's to the next
+    test that takes `vllm_tiny`."""
     import httpx
 
     from in_flight import vllm_requests_answered
@@ -381,5 +382,4 @@ def test_one_address_over_two_judges_and_the_reward_model_loses_a_replica_of_eac
             assert both.pool.failures[here] >= 1 and both.pool.recover is None  # not rollout's to restart
             assert all(set(pool.outstanding.values()) == {0} for pool in (*pools, both.pool))
         finally:
-            router.close()
-            vllm_tiny.ensure_running()  # the session's judge, for the tests after this module
+            router.close()  # test-tiny's killed replica: restarted by the next test that takes `vllm_tiny`

@@ -31,11 +31,11 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def transformers_model(vllm_tiny):
+def transformers_model(vllm_tiny_session):  # the served files, loaded once for the module
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(vllm_tiny.model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(vllm_tiny_session.model_dir), dtype=torch.float32).eval()
     return model
 
 
