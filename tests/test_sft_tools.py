@@ -168,3 +168,31 @@ def test_the_sft_tokenizer_frames_with_the_setting_s_template():
     plain = sft_tokenizer(resolve_model("tiny:qwen2"))
     framed = sft_tokenizer(resolve_model("tiny:qwen2"), str(TEMPLATE))
     assert framed.chat_template == TEMPLATE.read_text() != plain.chat_template  # the cached plain one untouched
+
+
+def test_smollm2s_warm_start_data_is_the_rl_runs_framing_on_other_products(tmp_path, monkeypatch):
+    """data/sft-smollm2-tools.jsonl is what data/make_tool_sft.py writes (deterministic), in the system prompt and
+    with the tool schema of configs/rl-smollm2-tools.toml, on products none of the RL prompts (held-out included)
+    asks."""
+    import importlib.util
+    import tomllib
+
+    spec = importlib.util.spec_from_file_location("make_tool_sft", ROOT / "data/make_tool_sft.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    monkeypatch.setattr(make, "OUT", tmp_path / "out.jsonl")
+    make.main()
+    shipped = ROOT / "data/sft-smollm2-tools.jsonl"
+    assert (tmp_path / "out.jsonl").read_bytes() == shipped.read_bytes()
+
+    env = tomllib.loads((ROOT / "configs/rl-smollm2-tools.toml").read_text())["algorithm"]["rl"]["envs"][0]
+    rows = [json.loads(line) for line in shipped.read_text().splitlines()]
+    rl_prompts = {json.loads(line)["prompt"] for name in ("train", "heldout")
+                  for line in (ROOT / f"data/rl-tools-products-{name}.jsonl").read_text().splitlines()}
+    assert all(row["messages"][0]["content"] == env["system_prompt"] for row in rows)
+    assert all(row["tools"] == rows[0]["tools"] for row in rows)
+    assert rows[0]["tools"][0]["function"]["name"] == "calculate"
+    assert not {row["messages"][1]["content"] for row in rows} & rl_prompts
+    calls = sum(any(m.get("tool_calls") for m in row["messages"]) for row in rows)
+    assert 0.6 < calls / len(rows) < 0.9  # imperfect on purpose: some demos guess
+    load_examples(shipped)  # every row valid
