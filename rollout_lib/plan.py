@@ -11,6 +11,7 @@ from rollout_lib.config.rlhf import STAGES, RlhfConfig
 from rollout_lib.config.rm import RmConfig
 from rollout_lib.config.sft import SftConfig
 from rollout_lib.data import read_examples, read_pairs
+from rollout_lib.data.tool_messages import has_tool_calls
 from rollout_lib.model.chat import tool_template_problem, use_chat_template
 from rollout_lib.model.loading import load_tokenizer, locate_model, offline_problem
 from rollout_lib.errors import ConfigError
@@ -102,19 +103,25 @@ def _check_tool_template(config: RlConfig) -> None:
         env.interaction is not None and getattr(env.interaction, "action", None) == "tool_call")]  # OpenEnv's
     if not with_tools:
         return
-    override = config.settings.chat_template
+    refusal = tool_template_refusal(config, "the policy's")
+    if refusal is not None:
+        raise ConfigError([(env_locator(index, _tools_place(config.settings.envs[index])), refusal)
+                           for index in with_tools])
+
+
+def tool_template_refusal(config, whose: str) -> str | None:
+    """Why the run's chat template (the base model's own, or the entry point's `chat_template` override) cannot
+    frame tool calls, naming the setting that supplies one; None when it can."""
+    override, setting = config.settings.chat_template, f"algorithm.{config.algorithm.kind}.chat_template"
     problem = tool_template_problem(use_chat_template(load_tokenizer(locate_model(config.settings.base_model)),
                                                       override))
     if problem is None:
-        return
+        return None
     if override is None:
-        message = (f"the policy's chat template does not render tools or tool calls ({problem}); give one that does "
-                   f"in algorithm.rl.chat_template (e.g. {TOOLS_TEMPLATE_EXAMPLE})")
-    else:
-        message = (f"algorithm.rl.chat_template ({override}) does not render tools or tool calls token-exactly "
-                   f"({problem}); e.g. {TOOLS_TEMPLATE_EXAMPLE} does")
-    raise ConfigError([(env_locator(index, _tools_place(config.settings.envs[index])),
-                        message) for index in with_tools])
+        return (f"{whose} chat template does not render tools or tool calls ({problem}); give one that does in "
+                f"{setting} (e.g. {TOOLS_TEMPLATE_EXAMPLE})")
+    return (f"{setting} ({override}) does not render tools or tool calls token-exactly ({problem}); e.g. "
+            f"{TOOLS_TEMPLATE_EXAMPLE} does")
 
 
 def _tools_place(env) -> str:
@@ -167,8 +174,9 @@ def _rm_plan(config: RmConfig) -> dict:
 def _sft_plan(config: SftConfig) -> dict:
     settings = config.settings
     train = read_examples(settings.dataset, "algorithm.sft.dataset")  # every row: a bad one fails here
-    eval_rows = (read_examples(settings.eval_dataset, "algorithm.sft.eval_dataset").num_rows
-                 if settings.eval_dataset else 0)
+    held_out = read_examples(settings.eval_dataset, "algorithm.sft.eval_dataset") if settings.eval_dataset else None
+    eval_rows = held_out.num_rows if held_out is not None else 0
+    _check_sft_tool_template(config, {"algorithm.sft.dataset": train, "algorithm.sft.eval_dataset": held_out})
     steps = settings.budget.max_steps
     turns = sum(1 for messages in train["messages"].to_pylist() for m in messages if m["role"] == "assistant")
     return {
@@ -185,6 +193,16 @@ def _sft_plan(config: SftConfig) -> dict:
         "epochs": round(steps * settings.minibatch_size / train.num_rows, 3),
         **_plan_tail(settings),
     }
+
+
+def _check_sft_tool_template(config: SftConfig, tables: dict) -> None:
+    """Examples with tools or tool calls need a chat template that renders them (as an RL env with tools does):
+    else the model would be trained on conversations with the calls left out."""
+    with_tools = [where for where, table in tables.items() if table is not None and (
+        table["tools"].null_count < table.num_rows
+        or any(has_tool_calls(messages) for messages in table["messages"].to_pylist()))]
+    if with_tools and (refusal := tool_template_refusal(config, "the base model's")) is not None:
+        raise ConfigError([(with_tools[0], f"the examples have tools or tool calls, and {refusal}")])
 
 
 def _rl_plan(config: RlConfig) -> dict:

@@ -57,9 +57,17 @@ SCORED_RESPONSES = RESPONSES.append(pa.field("reward", pa.float64(), nullable=Fa
 
 # A conversation as a list of {role, content}; prompt/completion rows become [user, assistant].
 MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
+# An SFT message may also carry OpenAI tool calls (data/tool_messages.py): an assistant's calls, each with its
+# arguments as the JSON text of an object, and a tool message's call id and tool name; null where a row has none.
+TOOL_CALL = pa.struct([pa.field("id", pa.string()), pa.field("name", pa.string()),
+                       pa.field("arguments", pa.string())])
+CHAT_MESSAGE = pa.struct([*MESSAGE, pa.field("tool_calls", pa.list_(TOOL_CALL)),
+                          pa.field("tool_call_id", pa.string()), pa.field("name", pa.string())])
 EXAMPLES = pa.schema([
-    pa.field("messages", pa.list_(MESSAGE), nullable=False),
+    pa.field("messages", pa.list_(CHAT_MESSAGE), nullable=False),
     pa.field("source_line", pa.int64(), nullable=False),
+    # The row's tools (OpenAI function schemas, as the chat template's `tools=` takes them) as JSON text; null: none.
+    pa.field("tools", pa.string(), nullable=True),
 ])
 
 
@@ -242,6 +250,10 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
         if name in schema.names and name not in table.column_names:
             table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
     missing = [name for name in schema.names if name not in table.column_names]
+    for name in [name for name in missing if schema.field(name).nullable]:
+        # A nullable column added to a schema later: a table stored before it reads as null there.
+        table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
+        missing.remove(name)
     if missing:
         raise ValueError(f"table is missing column(s) {missing} of schema {schema.names}")
     try:

@@ -47,7 +47,8 @@ def tokenize_examples_task(config: SftConfig, examples_id: str, split: str) -> d
     store = open_store(config)
     settings = config.settings
     tokenized = tokenize_examples(
-        store.get_table(examples_id, wire.EXAMPLES), sft_tokenizer(resolve_model(settings.base_model)),
+        store.get_table(examples_id, wire.EXAMPLES),
+        sft_tokenizer(resolve_model(settings.base_model), settings.chat_template),
         loss_on=settings.loss_on.kind, max_seq_len=settings.packing.max_seq_len,
         source=dataset_setting(config, split).path)
     return {"samples": store.put_table(tokenized.samples), **tokenized.report()}

@@ -21,6 +21,7 @@ from rollout_lib.identity.training import training_hash
 from rollout_lib.data import (DataError, load_examples, load_jsonl_prompts, load_pairs, read_examples, read_pairs)
 from rollout_lib.data.prompts import table_prompts
 from rollout_lib.identity.digests import content_digest
+from rollout_lib.data.tool_messages import template_messages
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
 from rollout_lib.model.loading import resolve_model
 from rollout_lib.settings_base import ModelRef
@@ -95,8 +96,8 @@ def test_sft_table_with_mapped_names_and_trl_conversational_rows(tmp_path):
                                "completion": [[{"role": "assistant", "content": "4"}]]})
     pq.write_table(conversational, tmp_path / "conv.parquet")
     read = read_examples(_source("parquet", tmp_path / "conv.parquet"), "d")
-    assert read["messages"].to_pylist() == [[{"role": "user", "content": "2+2?"},
-                                             {"role": "assistant", "content": "4"}]]
+    assert [template_messages(m) for m in read["messages"].to_pylist()] == [[{"role": "user", "content": "2+2?"},
+                                                                            {"role": "assistant", "content": "4"}]]
 
 
 @pytest.mark.parametrize("kind", KINDS)

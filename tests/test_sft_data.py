@@ -6,6 +6,7 @@ import pytest
 
 from rollout_lib import wire
 from rollout_lib.data import DataError, load_examples
+from rollout_lib.data.tool_messages import template_messages
 
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 
@@ -28,7 +29,9 @@ def test_both_shapes_and_multi_turn_chats(tmp_path):
                  json.dumps({"messages": chat, "id": "row-2"}))
     table = load_examples(path)
     assert table.schema == wire.EXAMPLES
-    assert table["messages"].to_pylist() == [[msg(USER, "Q"), msg(ASSISTANT, "A")], chat]
+    assert [template_messages(m) for m in table["messages"].to_pylist()] == [[msg(USER, "Q"), msg(ASSISTANT, "A")],
+                                                                             chat]
+    assert table["tools"].to_pylist() == [None, None]
     assert table["source_line"].to_pylist() == [1, 3]
 
 

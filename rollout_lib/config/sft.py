@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rollout_lib.adapters import AdapterSettings
 from rollout_lib.config.common import (
@@ -20,6 +20,7 @@ from rollout_lib.config.common import (
     HardwareSettings,
     DatasetSource,
     ModelRef,
+    existing_path,
     OptimizerSettings,
     StrictModel,
 )
@@ -58,6 +59,16 @@ class SftSettings(StrictModel):
     # A LoRA adapter trained instead of every weight (adapters.py, docs/scale.md). None: full fine-tuning, and then
     # absent from the settings' dump, so identities from before the setting stay.
     adapter: AdapterSettings | None = Field(None, exclude_if=lambda value: value is None)
+    # A chat template (.jinja) that renders the examples instead of the base model's tokenizer's own (one that
+    # renders tools, for data with tool calls: configs/templates/chatml-tools.jinja), and that the checkpoints are
+    # saved with. Its content is in the training identity; None: absent from the settings' dump, so identities from
+    # before the setting stay.
+    chat_template: str | None = Field(None, exclude_if=lambda value: value is None)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_from_the_config(cls, path: str | None, info: ValidationInfo) -> str | None:
+        return None if path is None else existing_path(path, info, what="chat template")
 
     @property
     def packed(self) -> bool:

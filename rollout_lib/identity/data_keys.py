@@ -23,8 +23,11 @@ def dataset_identity(config, split: str) -> dict:
 
 def sft_tokenizer_reads(config) -> dict:
     settings = config.settings
-    return {"tokenizer": model_content_digest(settings.base_model), "loss_on": settings.loss_on.kind,
-            "max_seq_len": settings.packing.max_seq_len}
+    reads = {"tokenizer": model_content_digest(settings.base_model), "loss_on": settings.loss_on.kind,
+             "max_seq_len": settings.packing.max_seq_len}
+    if settings.chat_template is not None:  # the template's content; absent without one, as keys were
+        reads["chat_template"] = file_digest(settings.chat_template)
+    return reads
 
 
 def sft_plan_reads(config) -> dict:

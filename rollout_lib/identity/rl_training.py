@@ -4,7 +4,7 @@ name), and what identifies a frozen model's rollouts: kept apart so that SFT and
 from __future__ import annotations
 
 from rollout_lib.config.rl import env_locator, frozen_fields
-from rollout_lib.identity.digests import file_digest, prompt_source_identity
+from rollout_lib.identity.digests import prompt_source_identity
 from rollout_lib.identity.sources import module_source_digest
 from rollout_lib.identity.training import content_identity, run_store
 from rollout_lib.reward.settings import RewardModelSettings
@@ -35,8 +35,6 @@ def rl_training_settings(config, settings: dict) -> dict:
     settings["loss"].pop("max_nonfinite_steps")
     if rl.loss.type == "custom":  # the function's source decides the weights as much as its name
         settings["loss"]["source"] = module_source_digest(rl.loss.user_modules()[0])
-    if rl.chat_template is not None:  # the template's content, not where this checkout keeps it
-        settings["chat_template"] = file_digest(rl.chat_template)
     for dumped in settings["envs"]:
         dumped.pop("eval")  # evaluation watches the policy, it never changes it
     for index, (env, dumped) in enumerate(zip(rl.envs, settings["envs"])):

@@ -21,6 +21,7 @@ import blake3
 from rollout_lib.checkpoint import checkpoint_named
 from rollout_lib.errors import ConfigError
 from rollout_lib.hardware import hardware_settings, resolve_hardware
+from rollout_lib.identity.digests import file_digest
 from rollout_lib.model.loading import ModelLoadError, model_content_digest
 from rollout_lib.store import ObjectStore, StoreError, canonical_json
 
@@ -59,6 +60,8 @@ def training_settings(config) -> dict:
     hardware = hardware_settings(settings).identity_settings(resolved.device.type)
     if hardware is not None:  # absent for fp32 on CPU: identities of CPU runs are what they always were
         trained["hardware"] = hardware
+    if getattr(settings, "chat_template", None) is not None:  # its content, not where this checkout keeps it
+        trained["chat_template"] = file_digest(settings.chat_template)
     projection = KIND_PROJECTIONS.get(config.algorithm.kind)
     if projection is None:
         return trained

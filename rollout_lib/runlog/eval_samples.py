@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_lib import wire
+from rollout_lib.data.tool_messages import template_messages
 from rollout_lib.runlog.eval_tables import read_eval_tables, recorded_evals
 from rollout_lib.runlog.metrics_file import read_metrics
 from rollout_lib.runlog.runs import check_run
@@ -86,7 +87,7 @@ def _sft_rows(store: ObjectStore, record: dict) -> list[dict]:
     rows = []
     for row in store.get_table(record["rows"], wire.SFT_EVAL_ROWS).to_pylist():
         example = by_sample.get(row["sample_id"])
-        messages = example["messages"] if example else None
+        messages = template_messages(example["messages"]) if example else None
         last = _last_assistant(messages or [])
         rows.append({"sample_id": row["sample_id"], "source_line": example["source_line"] if example else None,
                      "messages": messages, "prompt": messages[:last] if last is not None else messages,

@@ -9,7 +9,10 @@ turn is located by rendering prefixes of the conversation and diffing:
     span    = through[len(before):], without trailing whitespace  # "A<|im_end|>": content and end of turn
 
 and a token is trained when it starts inside a span. Both ways train every assistant turn of a multi-turn chat,
-end-of-turn token included (the model must learn to stop). Samples ship `ce_weights` = the mask as floats and
+end-of-turn token included (the model must learn to stop). A row with tools renders with `tools=` (the schemas in
+the prompt) and its assistant's `tool_calls` (data/tool_messages.py): a calling turn is an assistant turn, so its
+call tokens are trained like its final answer, while the tools' schemas and the tool results (their own turns) are
+not. Samples ship `ce_weights` = the mask as floats and
 zero rl_weights (a null rl stream would mean weight 1 on every loss_mask token), so the algorithm-blind step
 (`rollout_lib.trainer.causal`) trains them with masked NLL only.
 """
@@ -26,6 +29,8 @@ import pyarrow.compute as pc
 
 from rollout_lib import wire
 from rollout_lib.data.jsonl import DataError
+from rollout_lib.data.tool_messages import template_messages, template_tools
+from rollout_lib.model.chat import use_chat_template
 from rollout_lib.model.loading import ModelLoadError, ResolvedModel, load_tokenizer
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -35,10 +40,11 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @functools.lru_cache(maxsize=4)
-def sft_tokenizer(resolved: ResolvedModel):
-    """The tokenizer, loaded once per process (from a GGUF file that takes seconds); it must have a chat
-    template, which is what renders conversations and locates the assistant turns."""
-    tokenizer = load_tokenizer(resolved)
+def sft_tokenizer(resolved: ResolvedModel, chat_template: str | None = None):
+    """The tokenizer, loaded once per process (from a GGUF file that takes seconds), framing conversations with
+    the template at `chat_template` (`algorithm.sft.chat_template`) when given; it must have a chat template, which
+    is what renders conversations and locates the assistant turns."""
+    tokenizer = use_chat_template(load_tokenizer(resolved), chat_template)
     if not getattr(tokenizer, "chat_template", None):
         raise ModelLoadError(f"the tokenizer of {resolved.source!r} has no chat template; SFT renders every "
                              "example with it (prompt/completion rows too, as a user and an assistant turn)")
@@ -49,18 +55,21 @@ def has_generation_tags(tokenizer) -> bool:
     return bool(_GENERATION_TAG.search(tokenizer.get_chat_template()))
 
 
-def assistant_mask_from_generation_tags(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+def assistant_mask_from_generation_tags(tokenizer, messages: list[dict],
+                                        tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
     """(input_ids, mask) where the template's own `{% generation %}` blocks say what is trained."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
     return list(out["input_ids"]), [bool(keep) for keep in out["assistant_masks"]]
 
 
-def assistant_mask_from_prefixes(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+def assistant_mask_from_prefixes(tokenizer, messages: list[dict],
+                                 tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
     """(input_ids, mask) with each assistant turn located by rendering prefixes and diffing (module docstring).
 
     Raises ValueError when the template renders a prefix inconsistently with the whole conversation (e.g. it
     rewrites earlier turns), since no span could then be located honestly."""
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    full = _render(tokenizer, messages, tools, add_generation_prompt=False)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -68,8 +77,8 @@ def assistant_mask_from_prefixes(tokenizer, messages: list[dict]) -> tuple[list[
         if index == 0:
             raise ValueError("the conversation opens with an assistant turn: with no message before it, its span "
                              "cannot be located by rendering prefixes (start with a system or user message)")
-        before = _render(tokenizer, messages[:index], add_generation_prompt=True)
-        through = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
+        before = _render(tokenizer, messages[:index], tools, add_generation_prompt=True)
+        through = _render(tokenizer, messages[: index + 1], tools, add_generation_prompt=False)
         if not (through.startswith(before) and full.startswith(through)):
             raise ValueError(f"the chat template does not render messages[{index}] (assistant) as a continuation "
                              "of the conversation before it, so its span cannot be located")
@@ -79,23 +88,26 @@ def assistant_mask_from_prefixes(tokenizer, messages: list[dict]) -> tuple[list[
     return list(encoded["input_ids"]), mask
 
 
-def _render(tokenizer, messages: list[dict], *, add_generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as exc:  # e.g. a template that raise_exception()s on a prefix it does not expect
         raise ValueError(f"the chat template cannot render the first {len(messages)} message(s): {exc}") from None
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], loss_on: str) -> tuple[list[int], list[bool]]:
-    """(input_ids, loss mask) of one conversation, untruncated. The first token is never trained (it has no
-    prediction); `loss_on="all"` trains every other token."""
+def tokenize_conversation(tokenizer, messages: list[dict], loss_on: str,
+                          tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
+    """(input_ids, loss mask) of one conversation (messages as the template takes them), untruncated, with the
+    row's `tools` shown by the template. The first token is never trained (it has no prediction); `loss_on="all"`
+    trains every other token."""
     if loss_on == "all":
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
         return list(ids), [index > 0 for index in range(len(ids))]
     if has_generation_tags(tokenizer):
-        ids, mask = assistant_mask_from_generation_tags(tokenizer, messages)
+        ids, mask = assistant_mask_from_generation_tags(tokenizer, messages, tools)
     else:
-        ids, mask = assistant_mask_from_prefixes(tokenizer, messages)
+        ids, mask = assistant_mask_from_prefixes(tokenizer, messages, tools)
     return ids, ([False, *mask[1:]] if mask else mask)
 
 
@@ -125,9 +137,10 @@ def tokenize_examples(examples: pa.Table, tokenizer, *, loss_on: str, max_seq_le
     `source` (the dataset path) prefixes error messages."""
     records = []
     truncated, empty = [], []
-    for messages, line in zip(examples["messages"].to_pylist(), examples["source_line"].to_pylist()):
+    for messages, tools, line in zip(examples["messages"].to_pylist(), examples["tools"].to_pylist(),
+                                     examples["source_line"].to_pylist()):
         try:
-            ids, mask = tokenize_conversation(tokenizer, messages, loss_on)
+            ids, mask = tokenize_conversation(tokenizer, template_messages(messages), loss_on, template_tools(tools))
         except (ValueError, jinja2.TemplateError) as exc:
             raise DataError(f"{source}:{line}: {exc}") from None
         if len(ids) > max_seq_len:
