@@ -241,7 +241,7 @@ MICRO_BATCHES = pa.schema([
 ])
 
 # Nullable columns added after tables were stored without them: read back as null (every row), not refused.
-LATER_COLUMNS = (SAMPLER_LOGPROBS,)
+LATER_COLUMNS = (SAMPLER_LOGPROBS, "tools")
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -250,10 +250,6 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
         if name in schema.names and name not in table.column_names:
             table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
     missing = [name for name in schema.names if name not in table.column_names]
-    for name in [name for name in missing if schema.field(name).nullable]:
-        # A nullable column added to a schema later: a table stored before it reads as null there.
-        table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
-        missing.remove(name)
     if missing:
         raise ValueError(f"table is missing column(s) {missing} of schema {schema.names}")
     try:
