@@ -186,7 +186,7 @@ def resolve_hardware(settings: HardwareSettings, where: str = "hardware") -> Res
     else:
         device = torch.device(settings.device)
     if device.type == "cuda" and settings.gpus and settings.world_size == 1:
-        # in the flow's own process, which sees every GPU; torchrun's ranks see only `gpus` (visible_devices)
+        # in the flow's own process, which sees every GPU; torchrun's ranks see only `gpus` (gpu_env.visible_devices)
         device = torch.device("cuda", settings.gpus[0])
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -204,11 +204,6 @@ def resolve_hardware(settings: HardwareSettings, where: str = "hardware") -> Res
             raise ConfigError([(f"{where}.precision", f"{torch.cuda.get_device_name(device)} has no bf16 support; "
                                                       'use "fp32"')])
     return ResolvedHardware(device, settings.precision, settings.gradient_checkpointing, settings.cuda_deterministic)
-
-
-def visible_devices(gpus: list[int] | None) -> dict[str, str]:
-    """The environment that shows a process only `gpus` (None or empty: nothing set, every GPU as before)."""
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in gpus)} if gpus else {}
 
 
 def replica_gpus(gpus: list[int] | None, replicas: int) -> list[list[int]]:

@@ -16,26 +16,27 @@ ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
-def rollout_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rollout_cli", *args]
+def rollout_command(*args: str, module: str = "rollout_cli") -> list[str]:
+    return [sys.executable, "-m", module, *args]
 
 
 def cli_env(**extra: str) -> dict:
     return {**os.environ, "PREFECT_LOGGING_LEVEL": "INFO", **extra}
 
 
-def start_rollout(args: list[str], cwd: Path, env: dict, stdout, stderr, stdin=None):
-    """`python -m rollout_cli ARGS` started as a process: a child of the worker's pre-imported parent
-    (tests/zygote.py) where its environment allows, else a plain interpreter. Returns a Popen or what stands for
-    one (pid, poll, wait, send_signal, kill, returncode)."""
+def start_rollout(args: list[str], cwd: Path, env: dict, stdout, stderr, stdin=None, module: str = "rollout_cli"):
+    """`python -m rollout_cli ARGS` (`module`: `python -m prefect ARGS`) started as a process: a child of the
+    worker's pre-imported parent (tests/zygote.py) where its environment allows, else a plain interpreter. Returns a
+    Popen or what stands for one (pid, poll, wait, send_signal, kill, returncode)."""
     from zygote import zygote_for
 
     zygote = zygote_for(env)
     if zygote is None:
-        return subprocess.Popen(rollout_command(*args), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
+        return subprocess.Popen(rollout_command(*args, module=module), cwd=cwd, env=env, stdin=stdin, stdout=stdout,
+                                stderr=stderr)
     with open(os.devnull, "rb") if stdin == subprocess.DEVNULL else nullcontext() as devnull:
         stdin_fd = devnull.fileno() if devnull is not None else (stdin if stdin is not None else 0)
-        return zygote.popen(args, cwd, env, stdin_fd, _fd(stdout), _fd(stderr))
+        return zygote.popen(args, cwd, env, stdin_fd, _fd(stdout), _fd(stderr), module=module)
 
 
 def _fd(stream) -> int:
@@ -43,14 +44,14 @@ def _fd(stream) -> int:
 
 
 def run_cli(args: list[str], cwd: Path = ROOT, env: dict | None = None, timeout: float = 600,
-            stdin=None) -> subprocess.CompletedProcess:
-    """As `subprocess.run(rollout_command(*args), cwd=cwd, env=env, stdin=stdin, capture_output=True, text=True,
-    timeout=timeout)`, through `start_rollout`."""
+            stdin=None, module: str = "rollout_cli") -> subprocess.CompletedProcess:
+    """As `subprocess.run(rollout_command(*args, module=module), cwd=cwd, env=env, stdin=stdin,
+    capture_output=True, text=True, timeout=timeout)`, through `start_rollout`."""
     import tempfile
 
     env = cli_env() if env is None else env
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = start_rollout(list(args), cwd, env, out, err, stdin=stdin)
+        process = start_rollout(list(args), cwd, env, out, err, stdin=stdin, module=module)
         try:
             process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -59,7 +60,8 @@ def run_cli(args: list[str], cwd: Path = ROOT, env: dict | None = None, timeout:
             raise
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(rollout_command(*args), process.returncode, out.read(), err.read())
+        return subprocess.CompletedProcess(rollout_command(*args, module=module), process.returncode, out.read(),
+                                           err.read())
 
 
 def run_rollout(*args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:

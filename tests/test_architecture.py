@@ -17,7 +17,7 @@ FORBIDDEN = {"rollout_lib": ("prefect",)}  # the library runs and tests without 
 # Lowest first; docs/architecture.md says what belongs where.
 FLOORS = {
     0: {"__init__", "wire", "store", "store_tensors", "store_errors", "store_gc", "paths", "errors", "settings_base",
-        "determinism", "hardware", "checkpoint", "processes", "step_events", "adapters"},
+        "determinism", "hardware", "gpu_env", "checkpoint", "processes", "step_events", "adapters"},
     1: {"model", "packing", "losses", "rl_losses", "data"},
     2: {"algo", "envs", "sampling", "reward", "serving"},
     3: {"config"},

@@ -37,10 +37,8 @@ from rollout_lib.trainer.data_parallel import (
     KILL_RANK_ENV,
     DataParallelRank,
     empty_micro_batch,
-    failure_message,
-    first_failure,
-    root_cause_rank,
 )
+from rollout_lib.trainer.torchrun_summary import failure_message, first_failure, root_cause_rank
 from rollout_lib.trainer.segment_group import run_segment_in_processes
 from rollout_lib.determinism import plan_batches
 from rollout_lib.identity.training import training_identity

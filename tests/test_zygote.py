@@ -42,6 +42,22 @@ def test_a_forked_cli_prints_and_exits_as_a_plain_interpreter_in_the_callers_dir
     assert (forked.returncode, forked.stderr) == (2, f"rollout: error: no store at {tmp_path / 'home' / 'store'}\n")
 
 
+def test_a_forked_prefect_command_reads_its_own_environment_as_a_plain_one_does(monkeypatch, tmp_path):
+    """`prefect ARGS` through the zygote (the deployment tests' `prefect deployment run`): Prefect's settings are the
+    child's environment's, not those the zygote imported Prefect under."""
+    env = {**cli_env(), "PREFECT_API_URL": "http://localhost:4321/api", "PREFECT_HOME": str(tmp_path / "home")}
+    with open(tmp_path / "out", "w") as out:  # really forked: not a Popen
+        started = start_rollout(["version"], ROOT, env, out, out, module="prefect")
+        assert isinstance(started, zygote.ForkedProcess) and started.wait(timeout=120) == 0
+    forked = run_cli(["config", "view"], env=env, module="prefect")
+    monkeypatch.setenv("ROLLOUT_TEST_ZYGOTE", "0")
+    plain = run_cli(["config", "view"], env=env, module="prefect")
+    assert forked.returncode == plain.returncode == 0, forked.stderr[-2000:] + plain.stderr[-2000:]
+    assert forked.stdout == plain.stdout
+    assert "PREFECT_API_URL='http://localhost:4321/api' (from env)" in forked.stdout, forked.stdout
+    assert f"PREFECT_HOME='{tmp_path / 'home'}' (from env)" in forked.stdout, forked.stdout
+
+
 def test_only_variables_read_at_import_keep_a_run_from_being_forked():
     server = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": "/a", "OMP_WAIT_POLICY": "PASSIVE"}
     assert zygote.forkable({**server, "PYTHONPATH": "tests", "ROLLOUT_TEST_KILL_RANK_AT_STEP": "1:2"}, server)

@@ -1,14 +1,16 @@
-"""A parent for the `rollout` CLI processes the tests start, with torch, transformers and Prefect already imported.
+"""A parent for the `rollout` (and `prefect`) CLI processes the tests start, with torch, transformers and Prefect
+already imported.
 
 Why: every CLI process imports torch, transformers' modeling code and Prefect (5.5 CPU-s on a 2-core machine) before
 it does anything, and the suite starts over a hundred of them (docs/hardware.md, "Where the suite's CPU goes"). This
 process imports torch, transformers, Prefect, matplotlib and pandas once (and the third-party libraries Prefect's
 client and a training run import), then forks a child per CLI run: the child is a real process of its own (its pid, its argv, its working
 directory, its environment, its stdin/stdout/stderr; it can be SIGKILLed, its children are orphaned as a CLI's are),
-and runs `python -m rollout_cli ARGS` from there, rollout imported fresh. Prefect, imported here under this
-process's environment, is made to follow the child's: the CLI rebuilds Prefect's settings and logging from its
-environment at its start and whenever it sets PREFECT_API_URL or PREFECT_HOME itself
-(rollout_cli/prefect_settings.py; tests/test_zygote.py holds a child's to a fresh interpreter's). What differs
+and runs `python -m rollout_cli ARGS` (or `python -m prefect ARGS`) from there, rollout imported fresh. Prefect,
+imported here under this process's environment, is made to follow the child's: the CLI rebuilds Prefect's settings
+and logging from its environment at its start and whenever it sets PREFECT_API_URL or PREFECT_HOME itself
+(rollout_cli/prefect_settings.py; tests/test_zygote.py holds a child's to a fresh interpreter's), and a `prefect`
+child has them rebuilt the same way before Prefect's CLI starts. What differs
 from a user's start is only that the interpreter and those imports are shared;
 `ROLLOUT_TEST_ZYGOTE=0` runs every CLI process as a plain interpreter instead.
 
@@ -105,8 +107,14 @@ def _exit_code(code) -> int:
     return 1
 
 
+# What a child may run as `python -m MODULE ARGS`: the rollout CLI, and Prefect's (the tests' `prefect deployment run`,
+# `prefect flow-run retry`: 2.5 CPU-s each as a plain interpreter here).
+CHILD_MODULES = ("rollout_cli", "prefect")
+
+
 def _run_child(request: dict, fds: list[int], base_sys_path: list[str]) -> None:
-    """In the forked child: become `python -m rollout_cli ARGS` in the request's directory and environment."""
+    """In the forked child: become `python -m MODULE ARGS` (MODULE: the request's, rollout_cli by default) in the
+    request's directory and environment."""
     import atexit
     import runpy
     import signal
@@ -123,9 +131,16 @@ def _run_child(request: dict, fds: list[int], base_sys_path: list[str]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = ["-m", *request["argv"]]
+    module = request.get("module", "rollout_cli")
     code = 0
     try:
-        runpy.run_module("rollout_cli", run_name="__main__", alter_sys=True)
+        if module not in CHILD_MODULES:
+            raise ValueError(f"tests/zygote.py runs {', '.join(CHILD_MODULES)}, not {module!r}")
+        if module == "prefect":  # the rollout CLI does this itself as it starts (rollout_cli/prefect_settings.py)
+            from rollout_cli.prefect_settings import follow_environment
+
+            follow_environment()
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except BaseException:  # noqa: BLE001 - an uncaught error ends the process as the interpreter ends it
@@ -276,10 +291,11 @@ class Zygote:
         self._process.kill()
         self._process.wait()
 
-    def popen(self, args: list[str], cwd, env: dict, stdin: int, stdout: int, stderr: int) -> ForkedProcess:
+    def popen(self, args: list[str], cwd, env: dict, stdin: int, stdout: int, stderr: int,
+              module: str = "rollout_cli") -> ForkedProcess:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(self.socket_path)
-        request = json.dumps({"argv": list(args), "cwd": str(cwd), "env": env}).encode()
+        request = json.dumps({"argv": list(args), "cwd": str(cwd), "env": env, "module": module}).encode()
         socket.send_fds(connection, [request], [stdin, stdout, stderr])
         return ForkedProcess(connection, list(args))
 

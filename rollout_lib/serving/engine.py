@@ -34,7 +34,8 @@ from typing import Iterator, Mapping, Sequence
 
 import psutil
 
-from rollout_lib.hardware import replica_gpus, visible_devices
+from rollout_lib.gpu_env import visible_devices
+from rollout_lib.hardware import replica_gpus
 from rollout_lib.paths import PROJECT_ROOT, state_dir
 from rollout_lib.processes import cmdline_contains, free_ports, group_members, port_is_free
 from rollout_lib.serving.references import default_max_model_len, default_name, served_model_directory

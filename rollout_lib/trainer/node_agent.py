@@ -1,6 +1,7 @@
 """A node's side of a group over several nodes: run one `NodePart` (its torchrun) here until it ends, each output line
 logged, and fail in one line naming the node and the rank when it does not end well. What a node agent's flow run
-does (flows/node_part.py); Prefect-free, so it runs and tests without it."""
+does (flows/node_part.py); Prefect-free, so it runs and tests without it, and torch-free: the flow run's process only
+watches torchrun, which imports torch itself."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import shlex
 import subprocess
 from collections import deque
 
-from rollout_lib.trainer.data_parallel import failure_message
 from rollout_lib.trainer.node_parts import NODE_DIR_ENV, NodePart, NodePartError
+from rollout_lib.trainer.torchrun_summary import failure_message
 
 logger = logging.getLogger(__name__)
 

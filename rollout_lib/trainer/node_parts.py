@@ -22,7 +22,7 @@ import shlex
 import sys
 from dataclasses import asdict, dataclass
 
-from rollout_lib.hardware import visible_devices
+from rollout_lib.gpu_env import visible_devices
 
 logger = logging.getLogger(__name__)
 

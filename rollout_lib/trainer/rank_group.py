@@ -52,10 +52,11 @@ import torch
 import torch.distributed as dist
 
 from rollout_lib.hardware import hardware_settings
-from rollout_lib.trainer.data_parallel import (DataParallelError, DataParallelRank, Nodes, failure_message,
-                                               group_backend, other_node_parts, rank_environment,
-                                               rendezvous_timeout, root_cause_rank, torchrun_command)
+from rollout_lib.trainer.data_parallel import (DataParallelError, DataParallelRank, Nodes, group_backend,
+                                               other_node_parts, rank_environment, rendezvous_timeout,
+                                               torchrun_command)
 from rollout_lib.trainer.node_parts import RECEIVE_SPEC, NodeLauncher, NodePartError, launcher_for
+from rollout_lib.trainer.torchrun_summary import failure_message, root_cause_rank
 
 logger = logging.getLogger(__name__)
 
