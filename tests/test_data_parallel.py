@@ -185,32 +185,53 @@ def test_rm_two_processes_train_what_one_trains(tmp_path):
         assert dp["mean_margin"] == pytest.approx(single["mean_margin"], rel=1e-4, abs=1e-6)
 
 
-@pytest.mark.slow
-def test_a_run_of_three_segments_starts_torchrun_once_and_ends_where_a_torchrun_per_segment_ended(tmp_path):
+@pytest.fixture(scope="module")
+def one_group_three_segments(tmp_path_factory) -> dict:
     """Issue 44: the flow's tasks keep one group for the run (in its resident); its ranks keep the trainer between
-    segments. A torchrun per segment opened each segment's start from the store: asked for checkpoints they do not
-    hold, the same ranks open them so too (the code a torchrun per segment ran), and write the same ids again."""
+    segments. 3 steps of 2 ranks at one micro-batch a step (minibatch 2, no accumulation: rank 1 gets nothing but
+    fillers, every step), as the train-sft flow runs them: one one-step segment after another in one group
+    (tasks.sft.train_segment_task). Then the same group is asked for checkpoints it does not hold (step 3, then 2,
+    then 1): a torchrun per segment opened each segment's start from the store, and so do these ranks. Within 240 s,
+    else a hang. The store, inputs and what happened, for the two tests below."""
     from rollout_lib import step_events
     from rollout_lib.trainer.segment_group import RESOURCE
 
-    two, batches = sft_inputs(sft_config(str(tmp_path / "store"), 2, 2, 1))
+    two, batches = sft_inputs(sft_config(str(tmp_path_factory.mktemp("one-group") / "store"), 2, 2, 1))
     _, micro_batches_id, plan_id = batches.ids
     start = CausalLmTrainer.initial(two, batches=batches).checkpoint_id
-    ends, published = [], []
-    with ResidentTrainer() as resident, step_events.subscribed(lambda step, metrics: published.append(step)):
-        checkpoint = start
-        for step in range(1, STEPS + 1):  # the flow's segments, one step each, the trainer kept in the ranks
-            checkpoint = tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id,
-                                                         plan_id, checkpoint, step, step, resident)["checkpoint"]
-            ends.append(checkpoint)
-        group = resident.resource(RESOURCE, lambda: None)
-        # each from the store, as a torchrun per segment did (the ranks hold step 3, then 2, then 1)
-        opened = [group.train(ends[0], 2, 2)[0], group.train(start, 1, 1)[0], group.train(ends[1], 3, 3)[0]]
-        assert group.starts == 1  # one torchrun for all six segments
-        ranks = group.ranks._process
-    assert ranks.returncode == 0  # stopped cleanly with the run
-    assert published == [1, 2, 3, 2, 1, 3]  # each step as it finished
-    assert opened == [ends[1], ends[0], ends[2]]
+
+    def segments() -> dict:
+        ends, history, published = [], [], []
+        with ResidentTrainer() as resident, step_events.subscribed(lambda step, metrics: published.append(step)):
+            checkpoint = start
+            for step in range(1, STEPS + 1):  # the flow's segments, one step each, the trainer kept in the ranks
+                done = tasks.sft.train_segment_task.fn(two.config, two.data_ids["samples"], micro_batches_id,
+                                                       plan_id, checkpoint, step, step, resident)
+                checkpoint = done["checkpoint"]
+                ends.append(checkpoint)
+                history.extend(done["metrics"])
+            group = resident.resource(RESOURCE, lambda: None)
+            # each from the store, as a torchrun per segment did (the ranks hold step 3, then 2, then 1)
+            opened = [group.train(ends[0], 2, 2)[0], group.train(start, 1, 1)[0], group.train(ends[1], 3, 3)[0]]
+            starts = group.starts
+            ranks = group.ranks._process
+        return {"two": two, "batches": batches, "start": start, "ends": ends, "history": history,
+                "published": published, "opened": opened, "starts": starts, "returncode": ranks.returncode}
+
+    return finished_within(240, "the data-parallel segments", segments)
+
+
+@pytest.mark.slow
+def test_a_run_of_three_segments_starts_torchrun_once_and_ends_where_a_torchrun_per_segment_ended(
+        one_group_three_segments):
+    """Issue 44: a run's segments in one group (one torchrun); asked for checkpoints they do not hold, its ranks
+    open them from the store (the code a torchrun per segment ran), and write the same ids again."""
+    run = one_group_three_segments
+    assert run["starts"] == 1  # one torchrun for all six segments
+    assert run["returncode"] == 0  # stopped cleanly with the run
+    assert run["published"] == [1, 2, 3, 2, 1, 3]  # each step as it finished
+    ends = run["ends"]
+    assert run["opened"] == [ends[1], ends[0], ends[2]]
 
 
 def finished_within(seconds: float, what: str, work):
@@ -234,13 +255,17 @@ def finished_within(seconds: float, what: str, work):
 
 
 @pytest.mark.slow
-def test_a_rank_with_only_empty_micro_batches_does_not_hang(tmp_path):
-    # One micro-batch a step: rank 1 gets nothing but fillers, every step.
-    one, batches = sft_inputs(sft_config(str(tmp_path / "store"), 1, 2, 1))
-    two, _ = sft_inputs(sft_config(str(tmp_path / "store"), 2, 2, 1))
-    single_history, single_weights, history, dp_weights, initial = finished_within(
-        240, "the data-parallel segment", lambda: one_and_two_processes(CausalLmTrainer, one, two, batches=batches))
-    assert_same_training(single_history, single_weights, history, dp_weights, initial)
+def test_a_rank_with_only_empty_micro_batches_does_not_hang(one_group_three_segments):
+    """One micro-batch a step: rank 1 gets nothing but fillers, every step (the module's group, which had 240 s to
+    finish its segments), and the 2 ranks train what one process trains."""
+    run = one_group_three_segments
+    two = run["two"]
+    one, batches = sft_inputs(sft_config(two.store.root, 1, 2, 1))
+    assert batches.ids[1:] == run["batches"].ids[1:]  # the same micro-batches and step plan (ids after the store)
+    single = CausalLmTrainer.initial(one, batches=batches)
+    single_checkpoint, single_history = train_segment(single, Segment(1, STEPS))
+    assert_same_training(single_history, weights(one.store, single_checkpoint), run["history"],
+                         weights(two.store, run["ends"][-1]), weights(two.store, run["start"]))
 
 
 def _torchrun_summary(tmp_path, sigterm_error_time: int, sigkill_time: int) -> list[str]:
@@ -301,7 +326,7 @@ def test_a_rank_that_aborts_is_named_with_what_it_printed_last():
 
 @pytest.mark.slow
 def test_sigkill_of_one_rank_fails_the_run_clearly_and_the_rerun_resumes(prefect_server, tmp_path):
-    from clirun import final_result, run_rollout, task_run_states
+    from clirun import run_rollout, task_run_states, train_in_process
 
     store = tmp_path / "store"
     steps = 2
@@ -318,9 +343,7 @@ def test_sigkill_of_one_rank_fails_the_run_clearly_and_the_rerun_resumes(prefect
         "algorithm.sft.checkpoint_interval": 1, "algorithm.sft.hardware.nproc": 2})
     assert ObjectStore(str(store)).get_ref("runs/sft-tiny/latest") is None
 
-    rerun = run_rollout(*args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    result = final_result(rerun)
+    result = train_in_process(*args)  # the rerun: the flow in this process (the CLI's failure is what ran above)
     states = task_run_states(result["flow_run_id"])
     assert states["train-steps-1-1"] == "Cached", states  # the snapshot before the killed segment
     assert states["train-steps-2-2"] == "Completed"

@@ -22,6 +22,9 @@ from clirun import (
     train_in_process,
 )
 
+from rollout_lib.checkpoint import read_manifest
+from rollout_lib.store import ObjectStore
+
 pytestmark = pytest.mark.slow
 
 TEACHER_TEXT = "the sea is calm and the sky is blue and the sun"  # 12 words: target_length(12) scores it 1.0
@@ -54,6 +57,16 @@ def distill_args(teacher, run_name: str, algo: str, source: str = '"policy"', st
             "--set", f"algorithm.rl.envs[0].algo={algo}", "--set", f"algorithm.rl.envs[0].sampler.source={source}"]
 
 
+def checkpoint_of_step(store: ObjectStore, checkpoint: str, step: int) -> str:
+    """The snapshot at `step` among `checkpoint`'s ancestors (itself included)."""
+    while checkpoint is not None:
+        manifest = read_manifest(store, checkpoint)
+        if manifest["step"] == step:
+            return checkpoint
+        checkpoint = manifest["parent"]
+    raise AssertionError(f"no snapshot at step {step}")
+
+
 def head_tail(values: list[float], window: int = 3) -> tuple[float, float]:
     return sum(values[:window]) / window, sum(values[-window:]) / window
 
@@ -73,24 +86,27 @@ def test_opd_pulls_the_student_to_the_teacher_and_a_killed_run_resumes_to_the_sa
     reward_first, reward_last = head_tail(rewards)
     assert reward_last > reward_first, rewards  # toward the teacher's (~0.65: the sft-distill run's rewards)
 
-    # SIGKILLed after step 6; the rerun takes steps 1-6 from cache, and while it trains on, the teacher's only
-    # replica is SIGKILLed: the run restarts it (rollout serves it), sends the same requests again, and ends on the
-    # uninterrupted run's checkpoint.
+    # The same run to step 8 (max_steps is in no identity: its first 8 steps are the run above's, whose step-8
+    # snapshot it must end on), SIGKILLed after step 5; the rerun takes steps 1-5 from cache, and while it trains
+    # on, the teacher's only replica is SIGKILLed after step 6: the run restarts it (rollout serves it), sends the
+    # same requests again, and ends on the uninterrupted run's checkpoint of step 8.
     from rollout_lib.serving import engine
 
     def kill_the_teacher():
         victim = engine.find_deployment("distill-teacher").replicas[0]
         os.killpg(victim.pid, signal.SIGKILL)
 
-    args = distill_args(teacher, "opd", opd, steps=14, store=tmp_path / "interrupted")
-    run_until_then_kill(args, "train-step-6' - Finished", tmp_path / "killed.log")
-    rerun = run_and_act_at(args, "train-step-9' - Finished", kill_the_teacher, tmp_path / "rerun.log")
+    uninterrupted = checkpoint_of_step(ObjectStore(str(teacher.store)), result["checkpoint"], 8)
+    args = distill_args(teacher, "opd", opd, steps=8, store=tmp_path / "interrupted")
+    run_until_then_kill(args, "train-step-5' - Finished", tmp_path / "killed.log")
+    rerun = run_and_act_at(args, "train-step-6' - Finished", kill_the_teacher, tmp_path / "rerun.log")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     resumed = final_result(rerun)
     states = task_run_states(resumed["flow_run_id"])
-    assert all(states[f"{stage}-step-{k}"] == "Cached" for stage in STAGES for k in range(1, 7)), states
+    assert all(states[f"{stage}-step-{k}"] == "Cached" for stage in STAGES for k in range(1, 6)), states
+    assert all(states[f"train-step-{k}"] == "Completed" for k in range(6, 9)), states
     assert "restarted the dead ones" in rerun.stdout + rerun.stderr
-    assert resumed["checkpoint"] == result["checkpoint"]
+    assert resumed["checkpoint"] == uninterrupted
     assert engine.find_deployment("distill-teacher").replicas[0].alive  # left running for the module
 
 

@@ -253,7 +253,7 @@ def test_k1_samples_one_step_stale_and_a_kill_mid_training_reruns_to_the_same_ch
     """4 steps at k = 1: step 1 and 2 sample the initial policy, step n the state after n-2 (the rollouts record
     it), the trainer recomputed every behaviour logprob; SIGKILLed as step 3 starts training, the rerun returns
     what finished from cache and ends on the uninterrupted run's checkpoint."""
-    from clirun import final_result, run_rollout, run_until_then_kill, task_run_states, train_in_process
+    from clirun import run_until_then_kill, task_run_states, train_in_process
 
     from rollout_lib.runlog.metrics_file import read_metrics
 
@@ -267,9 +267,7 @@ def test_k1_samples_one_step_stale_and_a_kill_mid_training_reruns_to_the_same_ch
 
     args = [*HF_K1, "--store", str(tmp_path / "interrupted")]
     run_until_then_kill(args, "pack-step-3' - Finished", tmp_path / "killed.log")
-    rerun = run_rollout(*args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    resumed = final_result(rerun)
+    resumed = train_in_process(*args)  # the rerun: the flow in this process
     states = task_run_states(resumed["flow_run_id"])
     assert states["train-step-2"] == "Cached" and states["train-step-4"] == "Completed"
     assert resumed["checkpoint"] == expected["checkpoint"]
@@ -286,7 +284,7 @@ def test_k1_on_the_engine_a_kill_mid_reload_or_mid_sampling_reruns_to_the_same_c
     composition; the trainer's recomputed ones do not): SIGKILLed while the server reloads the state after step 2;
     the rerun, SIGKILLed in turn while step 4 samples from that state; each adopts the orphaned server, and the
     third run ends on the uninterrupted run's checkpoint."""
-    from clirun import final_result, run_rollout, run_until_then_kill, train_in_process
+    from clirun import run_until_then_kill, train_in_process
 
     from rollout_lib.serving import engine
 
@@ -297,9 +295,8 @@ def test_k1_on_the_engine_a_kill_mid_reload_or_mid_sampling_reruns_to_the_same_c
     for where, marker in (("reload", f"to state {state}"), ("sampling", f"with state {state}")):
         killed = run_until_then_kill(args, marker, tmp_path / f"killed-{where}.log")
         assert "train-step-2' - Finished" in killed, where
-    rerun = run_rollout(*args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
+    # the third run, the flow in this process, adopts the orphan in turn
+    assert train_in_process(*args)["checkpoint"] == expected["checkpoint"]
     assert not [d for d in engine.running_deployments() if d.live_policy]
 
 

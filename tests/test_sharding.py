@@ -11,9 +11,11 @@ the sharded and unsharded sums of two ranks are the same additions) comes out bi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from clirun import final_result, run_rollout, train_in_process
+from clirun import train_in_process
 from rollout_lib.identity.training import training_settings
 from rollout_lib.checkpoint import read_manifest
 from rollout_lib.config import RmConfig, SftConfig
@@ -152,16 +154,28 @@ def test_each_sharded_rank_holds_half_of_the_fp32_state_and_mixed_precision_comp
                                     batches=batches)[0] == checkpoint
 
 
+@pytest.fixture(scope="module")
+def two_sharded_steps(tmp_path_factory) -> SimpleNamespace:
+    """Steps 1-2 of sft() on 2 sharded ranks, one segment in a group of its own: the store, the start checkpoint and
+    the step-2 checkpoint with its per-step metrics. Shared: the SFT test continues from it, and the kill test's
+    rerun must end on it (max_steps is in no identity, so steps=2 and steps=3 are one training)."""
+    store = str(tmp_path_factory.mktemp("sharded") / "store")
+    inputs, batches = sft_inputs(sft(store, 2, "fsdp"))
+    start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
+    middle, history = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, 2, 2, batches=batches)
+    return SimpleNamespace(store=store, start=start, middle=middle, history=history)
+
+
 @pytest.mark.slow
-def test_sft_sharded_trains_what_plain_data_parallelism_trains_and_opens_on_another_rank_count(tmp_path):
-    store = str(tmp_path / "store")
+def test_sft_sharded_trains_what_plain_data_parallelism_trains_and_opens_on_another_rank_count(two_sharded_steps):
+    store = two_sharded_steps.store
     plain, batches = sft_inputs(sft(store, 2, "none"))
     sharded, _ = sft_inputs(sft(store, 2, "fsdp"))
     start = CausalLmTrainer.initial(plain, batches=batches).checkpoint_id
     plain_end, plain_history = run_segment_in_processes(CausalLmTrainer, plain, start, 1, 3, 2, batches=batches)
-    start = CausalLmTrainer.initial(sharded, batches=batches).checkpoint_id
-    # Two segments: the second opens the first's checkpoint, so its AdamW state is cut into shards.
-    middle, first = run_segment_in_processes(CausalLmTrainer, sharded, start, 1, 2, 2, batches=batches)
+    # Two segments: the second (in a group of its own) opens the first's checkpoint, so its AdamW state is cut into
+    # shards.
+    middle, first = two_sharded_steps.middle, two_sharded_steps.history
     end, second = run_segment_in_processes(CausalLmTrainer, sharded, middle, 3, 3, 2, batches=batches)
     history = first + second
     for ours, theirs in zip(history, plain_history):
@@ -209,21 +223,25 @@ def test_rm_sharded_writes_the_same_weights_and_optimizer_objects_as_plain_data_
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_sharded_segment_fails_naming_it_and_the_rerun_ends_on_the_uninterrupted_checkpoint(
-        tmp_path, monkeypatch):
+        two_sharded_steps, monkeypatch):
     """What the flows' segment task runs (trainer/data_parallel.py): the rerun of a failed segment starts again from
     its start checkpoint in the store. The rerun offloads its shards to the CPU (`cpu_offload`, FSDP2's
     CPUOffloadPolicy; on this CPU machine without pinned memory, which torch cannot pin without an accelerator):
-    where shards wait is in no identity and changes no number, so it ends on the very same checkpoint."""
-    inputs, batches = sft_inputs(sft(str(tmp_path / "store"), 2, "fsdp", steps=2))
+    where shards wait is in no identity and changes no number, so it ends on the very same checkpoint: the
+    uninterrupted segment's (`two_sharded_steps`, trained without offload in the same store; checkpoint ids are
+    content, so the rerun's id equals it only if its bytes do)."""
+    store = two_sharded_steps.store
+    inputs, batches = sft_inputs(sft(store, 2, "fsdp", steps=2))
     start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
-    expected, _ = run_segment_in_processes(CausalLmTrainer, inputs, start, 1, 2, 2, batches=batches)
+    assert start == two_sharded_steps.start
+    expected = two_sharded_steps.middle
     monkeypatch.setenv(KILL_RANK_ENV, "1:2")  # rank 1 SIGKILLs itself as step 2 starts
     with pytest.raises(DataParallelError) as raised:
         run_segment_in_processes(CausalLmTrainer, inputs, start, 1, 2, 2, batches=batches)
     assert str(raised.value).startswith("train steps 1-2: data-parallel segment (2 processes) failed: rank 1 exited "
                                         "with code -9")
     monkeypatch.delenv(KILL_RANK_ENV)
-    offloaded, _ = sft_inputs(sft(str(tmp_path / "store"), 2, "fsdp", steps=2, cpu_offload=True))
+    offloaded, _ = sft_inputs(sft(store, 2, "fsdp", steps=2, cpu_offload=True))
     assert run_segment_in_processes(CausalLmTrainer, offloaded, start, 1, 2, 2, batches=batches)[0] == expected
 
 
@@ -236,12 +254,8 @@ def test_rl_sharded_trains_what_one_process_trains(prefect_server, tmp_path):
                 # SGD: AdamW magnifies the last bits of near-zero gradients (its state is tested above)
                 "--set", "algorithm.rl.optimizer.kind=sgd", "--set", "algorithm.rl.optimizer.lr=0.05",
                 "--store", str(tmp_path / sharding), "--nproc", nproc)
-        if sharding == "none":  # the reference: the flow in this process (what the CLI runs, its start-up saved)
-            ends[sharding] = (ObjectStore(str(tmp_path / sharding)), train_in_process(*args)["checkpoint"])
-            continue
-        done = run_rollout(*args)
-        assert done.returncode == 0, done.stderr[-3000:]
-        ends[sharding] = (ObjectStore(str(tmp_path / sharding)), final_result(done)["checkpoint"])
+        # the flow in this process (what the CLI runs, its start-up saved); the sharded ranks are torchrun's
+        ends[sharding] = (ObjectStore(str(tmp_path / sharding)), train_in_process(*args)["checkpoint"])
     a, b = (weights(store, checkpoint) for store, checkpoint in ends.values())
     assert a.keys() == b.keys() and max((a[n] - b[n]).abs().max().item() for n in a) <= 1e-6
     losses = [read_manifest(store, checkpoint)["metrics"]["loss"] for store, checkpoint in ends.values()]

@@ -160,14 +160,13 @@ def test_a_run_scored_on_a_dask_local_cluster_in_an_s3_store_ends_on_the_default
     cached = [name for name in states if not name.startswith("snapshot-")]  # snapshots: the store's index is theirs
     assert len(bucket.find(f"{root}/prefect-results")) >= len(cached), sorted(states)
     # On a cluster of one worker, in the same 2 chunks a step: the chunks' cache keys hold no cluster (the runner is
-    # how fast, never what), and one worker process less to start.
+    # how fast, never what), and one worker process less to start. The flow in this process: the CLI ran the first.
     one_worker = ["--set", "run.task_runner.type=dask", "--set", "run.task_runner.n_workers=1",
                   "--set", "run.task_runner.chunks=2"]
-    rerun = run_rollout("train", "rl", "--config", TINY, "--set", f"run.store={store_url}", *STEPS, *one_worker,
-                        *on_s3)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert final_result(rerun)["checkpoint"] == expected["checkpoint"]
-    assert set(chunk_states(task_run_states(final_result(rerun)["flow_run_id"])).values()) == {"Cached"}
+    rerun = train_in_process("train", "rl", "--config", TINY, "--set", f"run.store={store_url}", *STEPS,
+                             *one_worker, *on_s3)
+    assert rerun["checkpoint"] == expected["checkpoint"]
+    assert set(chunk_states(task_run_states(rerun["flow_run_id"])).values()) == {"Cached"}
 
 
 RAY = ["--set", "run.task_runner.type=ray", "--set", "run.task_runner.chunks=2"]
