@@ -148,3 +148,16 @@ def test_a_forked_run_talks_to_its_own_server_logs_at_its_own_level_and_makes_it
     stderr = (tmp_path / "err").read_text()
     assert f"View at {api_url.removesuffix('/api')}/runs/flow-run/" in stderr, stderr[-3000:]
     assert (tmp_path / "home").is_dir()
+
+
+@pytest.mark.slow
+def test_a_worker_whose_own_environment_moved_in_an_import_time_variable_gets_a_new_zygote(monkeypatch, capsys):
+    # A library may set such a variable in the test process itself (rollout_lib/data/sources.py sets datasets'
+    # HF_DATASETS_*): every later CLI run's environment then differs from the zygote's, and without a new zygote each
+    # would start as a plain interpreter (the suite of 9c985a2 ran so from then on, and this file failed).
+    first = zygote.zygote_for(cli_env())
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    moved = zygote.zygote_for(cli_env())
+    assert first is not None and moved is not None and moved is not first
+    assert moved.env["HF_DATASETS_OFFLINE"] == "1"
+    assert "the worker's environment changed in ['HF_DATASETS_OFFLINE']: a new zygote" in capsys.readouterr().err

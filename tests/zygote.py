@@ -308,6 +308,14 @@ def zygote_for(env: dict) -> Zygote | None:
     global _zygote
     if os.environ.get("ROLLOUT_TEST_ZYGOTE", "1") == "0":
         return None
+    if _zygote is not None and not forkable(dict(os.environ), _zygote.env):
+        # The worker's own environment moved in a variable read at import (a library set one in-process, e.g.
+        # datasets' HF_DATASETS_*): children of the old server would no longer be this worker's, so start anew.
+        before, now = import_time_env(_zygote.env), import_time_env(dict(os.environ))
+        changed = sorted(key for key in {*before, *now} if before.get(key) != now.get(key))
+        print(f"tests/zygote.py: the worker's environment changed in {changed}: a new zygote", file=sys.stderr)
+        _zygote.stop()
+        _zygote = None
     if _zygote is None:
         _zygote = Zygote()
     return _zygote if forkable(env, _zygote.env) else None
