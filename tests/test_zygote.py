@@ -156,8 +156,8 @@ def test_a_worker_whose_own_environment_moved_in_an_import_time_variable_gets_a_
     # HF_DATASETS_*): every later CLI run's environment then differs from the zygote's, and without a new zygote each
     # would start as a plain interpreter (the suite of 9c985a2 ran so from then on, and this file failed).
     first = zygote.zygote_for(cli_env())
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_ROLLOUT_TEST_MOVED", "1")  # HF_*: read at import; a name no earlier test has set
     moved = zygote.zygote_for(cli_env())
     assert first is not None and moved is not None and moved is not first
-    assert moved.env["HF_DATASETS_OFFLINE"] == "1"
-    assert "the worker's environment changed in ['HF_DATASETS_OFFLINE']: a new zygote" in capsys.readouterr().err
+    assert moved.env["HF_ROLLOUT_TEST_MOVED"] == "1"
+    assert "the worker's environment changed in ['HF_ROLLOUT_TEST_MOVED']: a new zygote" in capsys.readouterr().err
