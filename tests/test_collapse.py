@@ -119,6 +119,18 @@ def test_entropy_collapse_is_its_own_symptom_and_min_entropy_0_turns_it_off():
     assert said(steps, min_entropy=0) == []
 
 
+def test_one_answer_sampled_at_the_runs_best_reward_is_convergence_not_a_collapse():
+    # rl-smollm2-tools from its warm start: reward 0.375, then every sample calls the tool and answers (1.2), the
+    # entropy of the sampled tokens ~1e-5: nothing left to learn, nothing gone wrong.
+    converged = [step(1, 0.375, entropy=0.236)] + [step(n, 1.2, zero_advantage=1.0, entropy=1.7e-5)
+                                                   for n in range(2, 7)]
+    assert said(converged) == []
+    # The same entropy below the best reward is still a collapse.
+    stuck = [step(1, 0.375, entropy=0.236), step(2, 0.9, entropy=0.2)] + [
+        step(n, 0.5, entropy=1.7e-5, zero_advantage=0.5) for n in range(3, 6)]
+    assert said(stuck)[0][1].startswith("rl collapsed at step 3: sampled entropy 1.7e-05 for 3 steps")
+
+
 def test_two_symptoms_of_one_collapse_make_one_line():
     steps = [step(1, 0.5), step(2, 0.0, entropy=0.001), step(3, 0.0, entropy=0.001), step(4, 0.0, entropy=0.001)]
     (at, line), = said(steps)

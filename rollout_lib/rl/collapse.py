@@ -9,7 +9,9 @@ nothing for the rest of its budget. Two symptoms, each read from one step's metr
   at a reward below the best an earlier step reached. Equal rewards at the run's best, once it rose, are a solved
   task (every group saturated), not a collapse; from step 1 (no rise yet) they are (a reward that never varies);
 - entropy: the tokens the policy sampled have a mean -logprob (`sampled_entropy`, rl/sample.py) below
-  `min_entropy`: the policy samples one continuation whatever the seed, so no group can tell two apart.
+  `min_entropy`: the policy samples one continuation whatever the seed, so no group can tell two apart; at the
+  run's best reward once it rose, that is a policy converged on what is rewarded (SmolLM2 with tool calls: every
+  sample calls and answers right from step 2), not a collapse.
 
 A symptom held for `patience` consecutive steps is a collapse that began at the first of them. It is said once, in
 one line naming that step, what the step before it looked like and what to do; again only after a step without
@@ -46,15 +48,21 @@ def _no_signal(metrics: dict, settings: CollapseSettings, rewards: tuple[float, 
     if not (metrics.get("rl_tokens") and isinstance(fraction, (int, float))
             and fraction >= settings.zero_advantage_fraction):
         return False
+    return not _solved(metrics, rewards)
+
+
+def _solved(metrics: dict, rewards: tuple[float, float] | None) -> bool:
+    """The step's reward is at the best an earlier step reached, after the run's reward rose: a solved task."""
     reward = metrics.get("reward_mean")
-    saturated = rewards is not None and isinstance(reward, (int, float)) and rewards[1] > rewards[0] \
+    return rewards is not None and isinstance(reward, (int, float)) and rewards[1] > rewards[0] \
         and reward >= rewards[1]
-    return not saturated
 
 
 def _low_entropy(metrics: dict, settings: CollapseSettings, rewards: tuple[float, float] | None) -> bool:
+    # One answer sampled at the run's best reward is a policy that converged on what is rewarded, not a collapse.
     entropy = metrics.get("sampled_entropy")
-    return settings.min_entropy > 0 and isinstance(entropy, (int, float)) and entropy < settings.min_entropy
+    return settings.min_entropy > 0 and isinstance(entropy, (int, float)) and entropy < settings.min_entropy \
+        and not _solved(metrics, rewards)
 
 
 def _episode(metrics: dict) -> str:
