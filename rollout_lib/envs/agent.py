@@ -80,8 +80,11 @@ def check_program(command: list[str]) -> None:
 
 
 def _is_script(path: Path) -> bool:
-    with path.open("rb") as file:
-        return file.read(2) == b"#!"
+    try:
+        with path.open("rb") as file:
+            return file.read(2) == b"#!"
+    except OSError:  # unreadable: named by its path only (running it would report what is wrong)
+        return False
 
 
 class AgentDriven(Interaction):
