@@ -24,15 +24,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from rl_runs import timed_rl_run  # noqa: E402 - bench/, on the path just above
 
 CONFIG = "configs/rl-smollm2.toml"
 
@@ -48,27 +48,10 @@ def modes(budget: int) -> dict[str, list[str]]:
 
 def run(mode: str, overrides: list[str], steps: int, max_tokens: int) -> dict:
     """One run of `mode`: its per-step records and wall times."""
-    from rollout_lib.runlog.metrics_file import read_metrics
-    from rollout_lib.store import ObjectStore
-
-    name = f"bench-partial-{mode}"
-    with tempfile.TemporaryDirectory() as store:
-        sampling = f"{{ group_size = 8, temperature = 0.7, max_tokens = {max_tokens} }}"
-        command = [sys.executable, "-m", "rollout_cli", "train", "rl", "--config", CONFIG, "--max-steps", str(steps)]
-        for override in [*overrides, f"run.store={store}", f"run.name={name}", "algorithm.rl.max_seq_len=384",
-                         f"algorithm.rl.envs[0].sampling={sampling}",
-                         f"algorithm.rl.envs[0].eval.every={steps}"]:
-            command += ["--set", override]
-        started = time.time()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        wall = time.time() - started
-        if done.returncode != 0:
-            raise RuntimeError(f"{mode} failed:\n{done.stderr[-3000:]}")
-        every = read_metrics(ObjectStore(store), name)
-    records = [record for record in every if record["step"] >= 1]
-    stamps = [started] + [record["wall_time"] for record in records]
-    return {"records": records, "before": [record for record in every if record["step"] == 0], "wall": wall,
-            "step_s": [b - a for a, b in zip(stamps, stamps[1:])]}
+    sampling = f"{{ group_size = 8, temperature = 0.7, max_tokens = {max_tokens} }}"
+    return timed_rl_run(CONFIG, f"bench-partial-{mode}", steps,
+                        [*overrides, "algorithm.rl.max_seq_len=384", f"algorithm.rl.envs[0].sampling={sampling}",
+                         f"algorithm.rl.envs[0].eval.every={steps}"])
 
 
 def staleness(records: list[dict]) -> str:

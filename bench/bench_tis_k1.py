@@ -26,15 +26,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from rl_runs import timed_rl_run  # noqa: E402 - bench/, on the path just above
 
 CONFIG = "configs/rl-smollm2.toml"
 K1 = "algorithm.rl.max_off_policy_steps=1"
@@ -49,25 +49,8 @@ DIAGNOSTICS = ("mismatch/kl", "mismatch/ratio_max", "mismatch/clipped_fraction",
 
 def run(mode: str, steps: int) -> dict:
     """One run of `mode`: its per-step records, its step-0 records and wall times."""
-    from rollout_lib.runlog.metrics_file import read_metrics
-    from rollout_lib.store import ObjectStore
-
-    name = f"bench-tis-{mode}"
-    with tempfile.TemporaryDirectory() as store:
-        command = [sys.executable, "-m", "rollout_cli", "train", "rl", "--config", CONFIG, "--max-steps", str(steps)]
-        for override in [*MODES[mode], f"run.store={store}", f"run.name={name}",
-                         f"algorithm.rl.envs[0].eval.every={min(5, steps)}"]:
-            command += ["--set", override]
-        started = time.time()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        wall = time.time() - started
-        if done.returncode != 0:
-            raise RuntimeError(f"{mode} failed:\n{done.stderr[-3000:]}")
-        every = read_metrics(ObjectStore(store), name)
-    records = [record for record in every if record["step"] >= 1]
-    stamps = [started] + [record["wall_time"] for record in records]
-    return {"records": records, "before": [record for record in every if record["step"] == 0], "wall": wall,
-            "step_s": [b - a for a, b in zip(stamps, stamps[1:])]}
+    return timed_rl_run(CONFIG, f"bench-tis-{mode}", steps,
+                        [*MODES[mode], f"algorithm.rl.envs[0].eval.every={min(5, steps)}"])
 
 
 def held_out(record: dict) -> float | None:
