@@ -76,10 +76,7 @@ def _call(call, at: str) -> dict:
         raise DataError(f"{at}.function: a call needs a 'name' (the tool's), got {name!r}")
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{at}.function.arguments: not JSON: {exc.msg} (column {exc.colno})") from None
+        arguments = _parsed(arguments, f"{at}.function.arguments: not JSON")
     if not isinstance(arguments, dict):
         raise DataError(f"{at}.function.arguments: must be an object (or its JSON text), got "
                         f"{type(arguments).__name__}")
@@ -94,10 +91,7 @@ def require_tools(value, where: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: 'tools' is not JSON: {exc.msg} (column {exc.colno})") from None
+        value = _parsed(value, f"{where}: 'tools' is not JSON")
     if not isinstance(value, list):
         raise DataError(f"{where}: 'tools' must be a list of function schemas, got {type(value).__name__}")
     for index, tool in enumerate(value):
@@ -133,3 +127,11 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 def template_tools(tools: str | None) -> list[dict] | None:
     return None if tools is None else json.loads(tools)
+
+
+def _parsed(text: str, problem: str):
+    """JSON text's value; DataError `<problem>: <why> (column N)` when it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{problem}: {exc.msg} (column {exc.colno})") from None
