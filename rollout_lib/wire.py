@@ -110,6 +110,14 @@ TURN = pa.struct([
     pa.field("content", pa.string(), nullable=False),
 ])
 
+# One training sequence of an agent episode before its last: the request it was sampled from, then its tokens.
+EARLIER_SEQUENCE = pa.struct([
+    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("completion_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("sampling_logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("completion_turns", pa.list_(TURN), nullable=False),
+])
+
 ROLLOUTS = pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("example_id", pa.string(), nullable=False),
@@ -143,6 +151,10 @@ ROLLOUTS = pa.schema([
     # the trainer's logprob of it under the version that drew it, computed by the stage that drew it (bit-stable);
     # the behaviour logprob the training samples take instead of `sampling_logprobs`. Null elsewhere.
     pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=True),
+    # An agent episode whose history was rewritten (envs/agent_tokens.py): its training sequences before the last
+    # (the row's own prompt and completion are the last), each trained with the episode's advantage
+    # (algo/stamping.py). Null: the episode is one sequence, as every other rollout.
+    pa.field("earlier_sequences", pa.list_(EARLIER_SEQUENCE), nullable=True),
 ])
 
 # Partial rollouts in flight between two sample stages (rl/partial.py): ROLLOUTS rows of the groups not yet
@@ -241,7 +253,7 @@ MICRO_BATCHES = pa.schema([
 ])
 
 # Nullable columns added after tables were stored without them: read back as null (every row), not refused.
-LATER_COLUMNS = (SAMPLER_LOGPROBS, "tools")
+LATER_COLUMNS = (SAMPLER_LOGPROBS, "tools", "earlier_sequences")
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -1,6 +1,7 @@
 """Agents over an OpenAI-compatible endpoint (envs/agent.py, agent_episodes.py, agent_server.py, agent_tokens.py):
 the step serves chat completions backed by its sampler, each episode's requests are kept apart by path, sampled
-tokens stay as sampled while requests extend the conversation, a history rewrite splits the episode (counted), and
+tokens stay as sampled while requests extend the conversation, a history rewrite splits the episode (counted, each
+sequence trained with the episode's advantage), and
 an agent that raises or hangs fails its episode (counted, reward missing) without failing the step.
 
 The policy is scripted (a generate function writing fixed turns one character per token through the real tiny
@@ -126,8 +127,10 @@ def test_a_template_that_rewrites_history_splits_the_episode_and_counts_it(token
     [row] = run(rewriting, policy, "two_turns")
     first, second = [sequence for sequence, _, _ in policy.calls]
     assert "(earlier)" in rewriting.decode(second) and second[:len(first) + len(policy.ids)] != first + policy.ids
-    # The episode trains on its last sequence only: the rewritten history is prompt, the last answer sampled.
+    # The episode's row is its last sequence (the rewritten history is prompt, the last answer sampled); the one
+    # before rides along as `earlier_sequences`, trained too (below).
     assert row["prompt_ids"] == second and row["completion_ids"] == policy.ids
+    assert [sequence["prompt_ids"] for sequence in row["earlier_sequences"]] == [first]
     assert [turn["sampled"] for turn in row["completion_turns"]] == [True]
     assert record(row)["sequences"] == 2
     assert agent_metrics([record(row)])["agent_sequence_splits"] == 1
@@ -140,6 +143,59 @@ def test_an_agent_that_edits_what_it_was_answered_splits_and_its_reward_is_read(
                                                             "agent_requests_mean": 2.0}
     [item] = reward_inputs(pa.Table.from_pylist(rows[:1], schema=wire.ROLLOUTS))
     assert agent_reward(item) == 0.5
+
+
+def test_a_split_episode_trains_every_sequence_with_the_episodes_advantage_and_behaviour_logprobs(tokenizer):
+    import math
+
+    from rollout_lib.algo.grpo import Grpo, GrpoSettings
+    from rollout_lib.algo.stamping import assign_advantages, stamp_training_samples, training_sample_sources
+    from rollout_lib.model.loading import load_causal_lm
+    from rollout_lib.rl.behaviour import ForwardInputs, chunk_logprobs, mark_training_forward, \
+        recompute_behaviour_logprobs
+
+    policy = ScriptedPolicy(tokenizer)
+    rows = run(tokenizer, policy, "rewrites_history", n_prompts=1, group_size=2)
+    first_request = policy.calls[0][0]
+    for row, reward in zip(rows, (1.0, 0.0)):
+        row.update(reward=reward, sampled_from="state-a")
+        # The sequence before the rewrite, kept as sampled: its request's tokens, then the answer's.
+        [earlier] = row["earlier_sequences"]
+        assert earlier["prompt_ids"] == first_request and earlier["completion_ids"] == policy.ids
+        assert earlier["sampling_logprobs"] == [-0.25] * len(policy.ids)
+        assert [turn["sampled"] for turn in earlier["completion_turns"]] == [True]
+    rollouts = pa.Table.from_pylist(rows, schema=wire.ROLLOUTS)
+    algorithms = {"agents": Grpo(GrpoSettings(), where="envs[0].algo")}
+    samples = stamp_training_samples(rollouts, assign_advantages(rollouts, algorithms), algorithms, 1024)
+
+    # Every rollout's row first (the row order the behaviour stream chunks), then the earlier sequences.
+    assert samples.column("sample_id").to_pylist() == ["q0#0", "q0#1", "q0#0/0", "q0#1/0"]
+    assert training_sample_sources(rollouts) == [0, 1, 0, 1]
+    stamped = {sample["sample_id"]: sample for sample in samples.to_pylist()}
+    for member, advantage in (("q0#0", 0.5), ("q0#1", -0.5)):  # grpo: reward minus the group's mean
+        for sample_id, prompt in ((member, rows[0]["prompt_ids"]), (f"{member}/0", first_request)):
+            sample = stamped[sample_id]
+            assert sample["input_ids"] == prompt + policy.ids
+            trained = [position for position, member in enumerate(sample["loss_mask"]) if member]
+            assert trained == list(range(len(prompt), len(prompt) + len(policy.ids)))
+            assert [sample["advantages"][position] for position in trained] == [advantage] * len(trained)
+            assert sample["rl_weights"] is None  # weight 1 on every sampled token
+            assert [sample["inference_logprobs"][position] for position in trained] == [-0.25] * len(trained)
+
+    # The trainer's recompute covers the earlier sequences too (in chunks of their own, after the rollouts').
+    model = load_causal_lm(resolve_model("tiny:qwen2")).eval()
+    recomputed, metrics = recompute_behaviour_logprobs(samples, rollouts, lambda: model, "state-a")
+    assert metrics["behaviour/recomputed"] == 4
+    for sample in recomputed.to_pylist():
+        [expected] = chunk_logprobs(model, [ForwardInputs.of(sample["input_ids"], sample["loss_mask"], None)])
+        trained = [position for position, member in enumerate(sample["loss_mask"]) if member]
+        assert [sample["inference_logprobs"][position] for position in trained] == \
+            pytest.approx([float(expected[position]) for position in trained], abs=1e-6)
+        assert all(sample["inference_logprobs"][position] != -0.25 for position in trained)
+    marked, metrics = mark_training_forward(samples, rollouts, "state-a")
+    assert metrics == {"behaviour/training_forward": 4}
+    assert all(math.isnan(value) for sample in marked.to_pylist()
+               for value, member in zip(sample["inference_logprobs"], sample["loss_mask"]) if member)
 
 
 def test_concurrent_episodes_are_kept_apart(tokenizer):

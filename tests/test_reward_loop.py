@@ -322,6 +322,7 @@ def test_arrow_round_trip():
             "token_policy_versions": [None, None],  # partial rollouts' columns: null for a whole sample
             "drawn_at_step": [None, None],
             "behaviour_logprobs": [None, None],
+            "earlier_sequences": [None, None],  # an agent's split episode's: null for one sequence
         },
         schema=wire.ROLLOUTS,
     )

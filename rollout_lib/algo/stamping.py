@@ -75,7 +75,8 @@ def stamp_training_samples(
     rollouts: pa.Table, advantages: list[list[float] | None], algorithms: Mapping[str, Algorithm],
     max_seq_len: int, temperatures: Mapping[str, float] | None = None,
 ) -> pa.Table:
-    """TRAINING_SAMPLES rows, one per rollout row, truncated on the right to max_seq_len tokens.
+    """TRAINING_SAMPLES rows, one per rollout row (in its order), then one per earlier sequence of a split agent
+    episode (`training_sample_sources` maps each back), truncated on the right to max_seq_len tokens.
 
     `temperatures`: env -> the temperature its completions were sampled at (1.0 when absent), stamped on the
     completion tokens so the trainer scores them under the same distribution."""
@@ -84,56 +85,100 @@ def stamp_training_samples(
     # Partial rollouts on an engine: the trainer's logprobs under the version that drew each token (wire.ROLLOUTS).
     behaviour = (rollouts.column("behaviour_logprobs").to_pylist() if "behaviour_logprobs" in rollouts.column_names
                  else [None] * rollouts.num_rows)
-    records = []
     row_dicts: list[dict] = []  # every row as a dict, made once when an observation_weights hook first needs one
+
+    def row_dict(row: int) -> dict:
+        nonlocal row_dicts
+        row_dicts = row_dicts or rollouts.to_pylist()
+        return row_dicts[row]
+
+    def stamp(row: int, sample_id: str, sequence: dict, advantage: list[float] | None, earlier: bool) -> dict:
+        env = columns["env"][row]  # an earlier sequence is its episode's row with that sequence's tokens
+        return _stamped(sample_id, env, algorithms[env], sequence, advantage, max_seq_len,
+                        (temperatures or {}).get(env, 1.0),
+                        lambda: {**row_dict(row), **sequence} if earlier else row_dict(row))
+
+    records = []
     for row, sample_id in enumerate(columns["sample_id"]):
-        algorithm = algorithms[columns["env"][row]]
-        component = algorithm.action_loss
-        prompt, completion = columns["prompt_ids"][row], columns["completion_ids"][row]
-        sampled = sampled_mask(columns["completion_turns"][row], len(completion), sample_id)
-        logprobs, advantage = columns["sampling_logprobs"][row], advantages[row]
-        if behaviour[row] is not None:
-            logprobs = behaviour[row]
-        if not prompt:
-            raise ValueError(f"sample {sample_id!r} has no prompt tokens (the first token is never trained)")
-        if len(prompt) >= max_seq_len:
-            raise ValueError(
-                f"sample {sample_id!r}: its prompt has {len(prompt)} tokens, max_seq_len is {max_seq_len}; "
-                "raise max_seq_len or shorten the prompt"
-            )
-        if len(logprobs) != len(completion) or (advantage is not None and len(advantage) != len(completion)):
-            raise ValueError(f"sample {sample_id!r}: completion, logprobs and advantages are not aligned")
-        n_prompt = len(prompt)
-        keep = max_seq_len  # truncation drops completion tokens from the right
-        temperature = (temperatures or {}).get(columns["env"][row], 1.0)
-        input_ids, loss_mask, token_temperatures = forward_streams(prompt, completion, sampled, max_seq_len,
-                                                                   temperature)
-        if advantage is not None:
-            advantage = [a if member else 0.0 for a, member in zip(advantage, sampled)]
-        record = {
-            "sample_id": sample_id,
-            "env": columns["env"][row],
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "advantages": None if advantage is None else ([0.0] * n_prompt + advantage)[:keep],
-            # Null means weight 1 on every loss_mask token (wire.TRAINING_SAMPLE_DEFAULTS): plain rl ships nothing.
-            "rl_weights": None if component == "rl" and advantage is not None else [0.0] * len(input_ids),
-            "ce_weights": None,
-            "ref_kl_weights": None,
-            "ref_logprobs": None,
-            "inference_logprobs": ([0.0] * n_prompt + [0.0 if x is None else float(x) for x in logprobs])[:keep],
-            "temperatures": token_temperatures,
-        }
-        if component != "rl":
-            record[f"{component}_weights"] = ([0.0] * n_prompt + [float(m) for m in sampled])[:keep]
-        if columns["completion_turns"][row] is not None and trains_env_tokens(algorithm):
-            row_dicts = row_dicts or rollouts.to_pylist()
-            observed = checked_observation_weights(algorithm, row_dicts[row], sampled)
-            if observed is not None and any(observed):
-                ce = record["ce_weights"] or [0.0] * (n_prompt + len(completion))
-                record["ce_weights"] = [c + o for c, o in zip(ce, [0.0] * n_prompt + observed)][:keep]
-        records.append(record)
+        sequence = {name: columns[name][row] for name in ("prompt_ids", "completion_ids", "completion_turns")}
+        sequence["sampling_logprobs"] = behaviour[row] if behaviour[row] is not None else \
+            columns["sampling_logprobs"][row]
+        records.append(stamp(row, sample_id, sequence, advantages[row], earlier=False))
+    for row, position, sequence in _earlier_sequences(rollouts):
+        # An agent episode's earlier sequences share its reward, so its advantage: the value the last sequence's
+        # sampled tokens carry (every built-in algorithm gives an episode one; a per-token hook's mean otherwise).
+        records.append(stamp(row, f"{columns['sample_id'][row]}/{position}", sequence,
+                             _episode_advantage(records[row], len(sequence["completion_ids"])), earlier=True))
     return pa.Table.from_pylist(records, schema=wire.TRAINING_SAMPLES)
+
+
+def training_sample_sources(rollouts: pa.Table) -> list[int]:
+    """The rollout row each of `stamp_training_samples`' rows comes from."""
+    return [*range(rollouts.num_rows), *(row for row, _, _ in _earlier_sequences(rollouts))]
+
+
+def _earlier_sequences(rollouts: pa.Table):
+    """(row, position, sequence) of every earlier sequence of a split agent episode, in row order."""
+    if "earlier_sequences" not in rollouts.column_names:  # a table made without it (wire.LATER_COLUMNS)
+        return
+    for row, sequences in enumerate(rollouts.column("earlier_sequences").to_pylist()):
+        for position, sequence in enumerate(sequences or ()):
+            yield row, position, sequence
+
+
+def _episode_advantage(last: dict, n_completion: int) -> list[float] | None:
+    """The advantage of every completion token of an earlier sequence (0 on env tokens, as stamping makes it):
+    the mean over the episode's last sequence's sampled tokens."""
+    if last["advantages"] is None:
+        return None
+    values = [a for a, member in zip(last["advantages"], last["loss_mask"]) if member]
+    return [sum(values) / len(values) if values else 0.0] * n_completion
+
+
+def _stamped(sample_id: str, env: str, algorithm: Algorithm, sequence: dict, advantage: list[float] | None,
+             max_seq_len: int, temperature: float, rollout) -> dict:
+    """One TRAINING_SAMPLES record of a sequence (prompt_ids, completion_ids, sampling_logprobs, completion_turns);
+    `rollout()`: the rollout row as an algorithm's observation_weights hook reads it."""
+    component = algorithm.action_loss
+    prompt, completion, logprobs = sequence["prompt_ids"], sequence["completion_ids"], sequence["sampling_logprobs"]
+    turns = sequence["completion_turns"]
+    sampled = sampled_mask(turns, len(completion), sample_id)
+    if not prompt:
+        raise ValueError(f"sample {sample_id!r} has no prompt tokens (the first token is never trained)")
+    if len(prompt) >= max_seq_len:
+        raise ValueError(
+            f"sample {sample_id!r}: its prompt has {len(prompt)} tokens, max_seq_len is {max_seq_len}; "
+            "raise max_seq_len or shorten the prompt"
+        )
+    if len(logprobs) != len(completion) or (advantage is not None and len(advantage) != len(completion)):
+        raise ValueError(f"sample {sample_id!r}: completion, logprobs and advantages are not aligned")
+    n_prompt = len(prompt)
+    keep = max_seq_len  # truncation drops completion tokens from the right
+    input_ids, loss_mask, token_temperatures = forward_streams(prompt, completion, sampled, max_seq_len, temperature)
+    if advantage is not None:
+        advantage = [a if member else 0.0 for a, member in zip(advantage, sampled)]
+    record = {
+        "sample_id": sample_id,
+        "env": env,
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "advantages": None if advantage is None else ([0.0] * n_prompt + advantage)[:keep],
+        # Null means weight 1 on every loss_mask token (wire.TRAINING_SAMPLE_DEFAULTS): plain rl ships nothing.
+        "rl_weights": None if component == "rl" and advantage is not None else [0.0] * len(input_ids),
+        "ce_weights": None,
+        "ref_kl_weights": None,
+        "ref_logprobs": None,
+        "inference_logprobs": ([0.0] * n_prompt + [0.0 if x is None else float(x) for x in logprobs])[:keep],
+        "temperatures": token_temperatures,
+    }
+    if component != "rl":
+        record[f"{component}_weights"] = ([0.0] * n_prompt + [float(m) for m in sampled])[:keep]
+    if turns is not None and trains_env_tokens(algorithm):
+        observed = checked_observation_weights(algorithm, rollout(), sampled)
+        if observed is not None and any(observed):
+            ce = record["ce_weights"] or [0.0] * (n_prompt + len(completion))
+            record["ce_weights"] = [c + o for c, o in zip(ce, [0.0] * n_prompt + observed)][:keep]
+    return record
 
 
 def forward_streams(prompt: list[int], completion: list[int], sampled: list[bool], max_seq_len: int,

@@ -4,8 +4,9 @@ concurrently, and each becomes one Episode (the ROLLOUTS row of its last trainin
 The agents run on an event loop of their own thread, beside the endpoint (agent_server.py); sampling goes through
 `generate` one request at a time on one worker thread (the policy sampler is not shared between threads). A
 request's seed derives from (step seed, example, group index, request index), so a rerun of the step samples the
-same tokens for the same requests. What an episode trains on is its last training sequence (agent_tokens.py): a
-split leaves the earlier ones untrained, counted in the record (`sequences`) and the step's metrics.
+same tokens for the same requests. An episode's ROLLOUTS row is its last training sequence (agent_tokens.py); after
+a split the ones before it ride along as `earlier_sequences` and train with the episode's advantage
+(algo/stamping.py), counted in the record (`sequences`) and the step's metrics.
 
 An interaction with `in_process = True` (a verifiers environment: envs/verifiers_env.py) runs on the same loop and
 gets an InProcessEndpoint instead of a base URL: the very `complete` the HTTP endpoint answers with, called without
@@ -34,14 +35,26 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AgentEpisode(Episode):
-    """An agent's episode as recorded: its last training sequence, and how many there were."""
+    """An agent's episode as recorded: its last training sequence, and the ones before it (a split)."""
 
-    sequences: int = 1
+    earlier: list[Episode] = field(default_factory=list)
+
+    @property
+    def sequences(self) -> int:
+        return len(self.earlier) + 1
 
     def record(self) -> str:
         record = json.loads(super().record())
         record["sequences"] = self.sequences
         return json.dumps(record, sort_keys=True)
+
+    def earlier_sequences(self) -> list[dict] | None:
+        """The ROLLOUTS `earlier_sequences` of this episode (wire.EARLIER_SEQUENCE each), None when it is one."""
+        if not self.earlier:
+            return None
+        return [{"prompt_ids": sequence.prompt_ids, "completion_ids": sequence.completion_ids,
+                 "sampling_logprobs": sequence.logprobs, "completion_turns": sequence.turns}
+                for sequence in self.earlier]
 
 
 @dataclass
@@ -209,7 +222,7 @@ def _episode(run: _Run, task_prompt_ids: list[int], interaction) -> AgentEpisode
     last = sequences[-1] if sequences else Episode(run.row, list(task_prompt_ids), {}, [])
     return AgentEpisode(run.row, last.prompt_ids, state, last.messages, last.completion_ids, last.logprobs,
                         last.turns, model_turns=run.requests, end="error" if run.error is not None else "agent",
-                        sequences=len(sequences))
+                        earlier=sequences[:-1])
 
 
 def _in_daemon_thread(function, *args, **kwargs) -> asyncio.Future:

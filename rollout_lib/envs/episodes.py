@@ -61,6 +61,11 @@ class Episode:
         self.turns.append({"role": role, "sampled": sampled, "start": start, "length": len(ids),
                            "body_start": start + body[0], "body_length": body[1] - body[0], "content": content})
 
+    def earlier_sequences(self) -> list[dict] | None:
+        """ROLLOUTS `earlier_sequences`: none for an episode of this driver (one sequence, append-only); an agent's
+        split episode has some (agent_episodes.AgentEpisode)."""
+        return None
+
     def record(self) -> str:
         """The `episode` column: the interaction's final state, how many model turns, and why it ended."""
         record = {"state": self.state, "turns": self.model_turns, "end": self.end}

@@ -45,6 +45,7 @@ import pyarrow as pa
 import torch
 
 from rollout_lib import wire
+from rollout_lib.algo.stamping import training_sample_sources
 from rollout_lib.packing import token_logprobs
 
 CHUNK_ROWS = 8  # samples per forward: fixed, so the bits never depend on how many samples a step has
@@ -104,8 +105,7 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, load_mod
     ready = precomputed_chunks(precomputed) if precomputed is not None else {}
 
     recomputed, adopted, seconds = {}, 0, 0.0
-    for index, start in enumerate(range(0, len(rows), CHUNK_ROWS)):
-        chunk = rows[start:start + CHUNK_ROWS]
+    for index, chunk in enumerate(_chunks(rows, rollouts.num_rows)):
         inputs = [ForwardInputs.of(input_ids[row], loss_mask[row], temperatures[row]) for row in chunk]
         values = _adopted(ready.get(index), index, chunk, [sample_ids[row] for row in chunk], inputs)
         if values is None:
@@ -176,10 +176,22 @@ def _adopted(found: list[dict] | None, index: int, chunk: list[int], sample_ids:
 
 
 def _rows_sampled_from(samples: pa.Table, rollouts: pa.Table, state_id: str) -> list[int]:
+    """The training samples' rows whose rollout was sampled from `state_id` (a split agent episode's earlier
+    sequences after every rollout's row: algo.stamping.training_sample_sources)."""
     sampled_from = rollouts.column("sampled_from").to_pylist()
-    if len(sampled_from) != samples.num_rows:
-        raise ValueError(f"{samples.num_rows} training samples for {len(sampled_from)} rollouts")
-    return [row for row, source in enumerate(sampled_from) if source == state_id]
+    sources = training_sample_sources(rollouts)
+    if len(sources) != samples.num_rows:
+        raise ValueError(f"{samples.num_rows} training samples for {len(sources)} sequences of "
+                         f"{len(sampled_from)} rollouts")
+    return [row for row, source in enumerate(sources) if sampled_from[source] == state_id]
+
+
+def _chunks(rows: list[int], rollout_rows: int) -> list[list[int]]:
+    """`rows` in chunks of CHUNK_ROWS in row order, the rollouts' own rows apart from earlier sequences' (those
+    after them), so a chunk the sample stage computed over rollouts (behaviour_stream.py) is met as it was."""
+    own = [row for row in rows if row < rollout_rows]
+    earlier = [row for row in rows if row >= rollout_rows]
+    return [part[start:start + CHUNK_ROWS] for part in (own, earlier) for start in range(0, len(part), CHUNK_ROWS)]
 
 
 def _with_sampler_logprobs(samples: pa.Table, rows: list[int], reported: list) -> pa.Table:

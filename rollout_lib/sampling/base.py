@@ -164,7 +164,7 @@ def sample_episodes(generate, tokenizer, interaction, prompts: pa.Table, prompt_
     def ended(index: int, episode) -> None:
         table.add(index, episode.completion_ids, episode.logprobs,
                   tokenizer.decode(episode.completion_ids, skip_special_tokens=True), (episode.turns, episode.record()),
-                  prompt_ids=episode.prompt_ids)
+                  prompt_ids=episode.prompt_ids, earlier_sequences=episode.earlier_sequences())
 
     if interaction.drives_itself:  # an agent (envs/agent.py): it makes its own requests
         interaction.run_episodes(generate, tokenizer, rows, prompt_ids, params, seed, stop_ids, context_limit,
@@ -194,10 +194,11 @@ class RolloutRows:
         self.records: list[dict[str, Any] | None] = [None] * (len(self.prompt_rows) * group_size)
 
     def add(self, index: int, ids: list[int], logprobs: list[float | None], text: str,
-            episode: tuple[list[dict], str] | None = None, prompt_ids: list[int] | None = None) -> None:
+            episode: tuple[list[dict], str] | None = None, prompt_ids: list[int] | None = None,
+            earlier_sequences: list[dict] | None = None) -> None:
         """Completion `index` (prompt-major): its tokens, their logprobs, its text, and for a multi-turn env its
         (turns, episode record); `prompt_ids`: what it was conditioned on when not the prompt row's rendering (an
-        agent frames its own requests)."""
+        agent frames its own requests); `earlier_sequences`: an agent episode's sequences before this one."""
         if len(ids) != len(logprobs):
             raise ValueError(f"completion {index}: {len(ids)} tokens but {len(logprobs)} logprobs")
         prompt_row, group_index = divmod(index, self.group_size)
@@ -219,6 +220,7 @@ class RolloutRows:
             "completion_turns": turns,
             "episode": record,
             "sampled_from": self.sampled_from,
+            "earlier_sequences": earlier_sequences,
         }
         if self.on_rollout is not None:
             self.on_rollout(index, self.records[index])
