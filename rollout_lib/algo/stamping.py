@@ -73,12 +73,14 @@ def assign_advantages(rollouts: pa.Table, algorithms: Mapping[str, Algorithm]) -
 
 def stamp_training_samples(
     rollouts: pa.Table, advantages: list[list[float] | None], algorithms: Mapping[str, Algorithm],
-    max_seq_len: int, temperatures: Mapping[str, float] | None = None,
+    max_seq_len: int, temperatures: Mapping[str, float] | None = None, keep_sampler: bool = False,
 ) -> pa.Table:
     """TRAINING_SAMPLES rows, one per rollout row, truncated on the right to max_seq_len tokens.
 
     `temperatures`: env -> the temperature its completions were sampled at (1.0 when absent), stamped on the
-    completion tokens so the trainer scores them under the same distribution."""
+    completion tokens so the trainer scores them under the same distribution. `keep_sampler`: a row whose
+    `inference_logprobs` are the trainer's (ROLLOUTS `behaviour_logprobs`, partial rollouts) also carries the
+    sampler's report as `sampler_logprobs`, which a mismatch correction weighs them against."""
     columns = {name: rollouts.column(name).to_pylist() for name in
                ("sample_id", "env", "prompt_ids", "completion_ids", "sampling_logprobs", "completion_turns")}
     # Partial rollouts on an engine: the trainer's logprobs under the version that drew each token (wire.ROLLOUTS).
@@ -92,6 +94,7 @@ def stamp_training_samples(
         prompt, completion = columns["prompt_ids"][row], columns["completion_ids"][row]
         sampled = sampled_mask(columns["completion_turns"][row], len(completion), sample_id)
         logprobs, advantage = columns["sampling_logprobs"][row], advantages[row]
+        reported = logprobs
         if behaviour[row] is not None:
             logprobs = behaviour[row]
         if not prompt:
@@ -124,6 +127,8 @@ def stamp_training_samples(
             "inference_logprobs": ([0.0] * n_prompt + [0.0 if x is None else float(x) for x in logprobs])[:keep],
             "temperatures": token_temperatures,
         }
+        if keep_sampler and behaviour[row] is not None:
+            record[wire.SAMPLER_LOGPROBS] = ([0.0] * n_prompt + [float(x) for x in reported])[:keep]
         if component != "rl":
             record[f"{component}_weights"] = ([0.0] * n_prompt + [float(m) for m in sampled])[:keep]
         if columns["completion_turns"][row] is not None and trains_env_tokens(algorithm):
