@@ -328,6 +328,12 @@ def test_a_correction_weighs_each_token_against_the_trainers_logprob_under_the_v
         index = scored.schema.get_field_index(name)
         scored = scored.set_column(index, scored.schema.field(index), pa.array(values, scored.schema.field(index).type))
     samples, _ = training_samples(cfg, scored)
+    # A rollout no stage scored (never so when a correction is set) would be weighed against the step's own forward.
+    index = scored.schema.get_field_index("behaviour_logprobs")
+    field = scored.schema.field(index)
+    unscored = scored.set_column(index, field, pa.nulls(scored.num_rows, field.type))
+    with pytest.raises(ValueError, match=r"loss.correction with partial_rollouts: \d+ rollouts .* carry no trainer"):
+        training_samples(cfg, unscored)
     for sample, row, report in zip(samples.to_pylist(), rows, scored.column("sampling_logprobs").to_pylist()):
         start, end = len(row["prompt_ids"]), len(row["prompt_ids"]) + len(report)
         assert sample["sampler_logprobs"][start:end] == pytest.approx(report, abs=0)

@@ -185,8 +185,9 @@ def _advance(sampler, rows: list[dict], indices: list[int], params: SamplingPara
 def _behaviour_logprobs(sampler, rows: list[dict], indices: list[int], drawn: list[int],
                         params: SamplingParams) -> None:
     """On an engine, whose logprob bits vary with batch composition (or on any sampler, for a mismatch correction):
-    each row's `drawn` new tokens scored by the trainer's forward under this version's weights (`sampler.model`, the state the engine was loaded with), in fixed
-    chunks in row order (rl/behaviour.py), appended to its `behaviour_logprobs`: the same bits on a rerun."""
+    each row's `drawn` new tokens scored by the trainer's forward under this version's weights (`sampler.model`, the
+    state the engine was loaded with), in fixed chunks in row order (rl/behaviour.py), appended to its
+    `behaviour_logprobs`: the same bits on a rerun."""
     temperature = params.temperature if params.temperature > 0 else 1.0  # greedy: the unscaled distribution
     pad = sampler.tokenizer.pad_token_id or 0
     inputs = []
