@@ -141,8 +141,12 @@ def test_a_correction_with_the_samplers_logprobs_as_behaviour_needs_k_0():
     with pytest.raises(ConfigError, match=r"loss\.correction 'tis' with behaviour_logprobs = \"sampler\" needs "
                                           r"max_off_policy_steps = 0 \(here k = 1\)"):
         rl_config(tis, "algorithm.rl.max_off_policy_steps=1", 'algorithm.rl.behaviour_logprobs="sampler"')
-    with pytest.raises(ConfigError, match=r"loss\.correction 'tis' is not built for partial_rollouts"):
-        rl_config(tis, "algorithm.rl.max_off_policy_steps=1", "algorithm.rl.partial_rollouts={ token_budget = 4 }")
+    # Partial rollouts: π_old is the trainer's logprob of each token under the version that drew it (rl/partial.py
+    # scores every stage's tokens when a correction is set), "sampler" spelt or resolved.
+    for spelt in ("auto", "sampler"):
+        partial = rl_config(tis, "algorithm.rl.max_off_policy_steps=1", f'algorithm.rl.behaviour_logprobs="{spelt}"',
+                            "algorithm.rl.partial_rollouts={ token_budget = 4 }")
+        assert partial.settings.loss.correction.active and partial.settings.behaviour_logprobs_source == "sampler"
     # The trainer's recompute (any k) and the training forward (vllm at k = 0) keep the sampler's stream beside.
     for other in ('algorithm.rl.behaviour_logprobs="trainer"', "algorithm.rl.max_off_policy_steps=1",
                   'algorithm.rl.policy_sampler={ type = "vllm" }'):

@@ -75,6 +75,12 @@ def test_off_policy_tis_weighs_each_token_by_the_recompute_over_the_sampler_trun
     assert step["mismatch/ratio_max"] == pytest.approx(float(w.max()), rel=1e-5)
     assert step["mismatch/kl"] == pytest.approx(float((w - 1 - torch.log(w)).mean()), rel=1e-4)
     assert step["mismatch/masked_fraction"] == 0.0
+    # The recompute's own diagnostics, there with or without a correction, foretell what TIS at its default cap
+    # (2, the one set here) cut, and what ICEPOP's default band [0.5, 2] would drop (the same tokens: none under 0.5).
+    assert metrics["behaviour/sampler_over_cap_fraction"] == pytest.approx(step["mismatch/clipped_fraction"])
+    assert metrics["behaviour/sampler_outside_band_fraction"] == metrics["behaviour/sampler_over_cap_fraction"]
+    assert metrics["behaviour/sampler_ratio_max"] == pytest.approx(step["mismatch/ratio_max"], rel=1e-5)
+    assert metrics["behaviour/sampler_kl"] == pytest.approx(step["mismatch/kl"], rel=1e-4)
 
 
 def test_the_training_forward_keeps_the_samplers_stream_and_corrects_as_the_sampler_path_does(tiny_model_dir):

@@ -73,13 +73,15 @@ def assign_advantages(rollouts: pa.Table, algorithms: Mapping[str, Algorithm]) -
 
 def stamp_training_samples(
     rollouts: pa.Table, advantages: list[list[float] | None], algorithms: Mapping[str, Algorithm],
-    max_seq_len: int, temperatures: Mapping[str, float] | None = None,
+    max_seq_len: int, temperatures: Mapping[str, float] | None = None, keep_sampler: bool = False,
 ) -> pa.Table:
     """TRAINING_SAMPLES rows, one per rollout row (in its order), then one per earlier sequence of a split agent
     episode (`training_sample_sources` maps each back), truncated on the right to max_seq_len tokens.
 
     `temperatures`: env -> the temperature its completions were sampled at (1.0 when absent), stamped on the
-    completion tokens so the trainer scores them under the same distribution."""
+    completion tokens so the trainer scores them under the same distribution. `keep_sampler`: a row whose
+    `inference_logprobs` are the trainer's (ROLLOUTS `behaviour_logprobs`, partial rollouts) also carries the
+    sampler's report as `sampler_logprobs`, which a mismatch correction weighs them against."""
     columns = {name: rollouts.column(name).to_pylist() for name in
                ("sample_id", "env", "prompt_ids", "completion_ids", "sampling_logprobs", "completion_turns")}
     # Partial rollouts on an engine: the trainer's logprobs under the version that drew each token (wire.ROLLOUTS).
@@ -103,7 +105,12 @@ def stamp_training_samples(
         sequence = {name: columns[name][row] for name in ("prompt_ids", "completion_ids", "completion_turns")}
         sequence["sampling_logprobs"] = behaviour[row] if behaviour[row] is not None else \
             columns["sampling_logprobs"][row]
-        records.append(stamp(row, sample_id, sequence, advantages[row], earlier=False))
+        record = stamp(row, sample_id, sequence, advantages[row], earlier=False)
+        if keep_sampler and behaviour[row] is not None:
+            reported = columns["sampling_logprobs"][row]
+            record[wire.SAMPLER_LOGPROBS] = ([0.0] * len(sequence["prompt_ids"]) + [float(x) for x in reported])[
+                :max_seq_len]
+        records.append(record)
     for row, position, sequence in _earlier_sequences(rollouts):
         # An agent episode's earlier sequences share its reward, so its advantage: the value the last sequence's
         # sampled tokens carry (every built-in algorithm gives an episode one; a per-token hook's mean otherwise).

@@ -390,15 +390,14 @@ class RlSettings(StrictModel):
     @model_validator(mode="after")
     def _correction_reweights_the_sampler(self) -> "RlSettings":
         # The correction weighs π_old against the sampler's logprobs. π_old is the trainer's recompute under the
-        # weights that sampled ("trainer", any k; the sampler's report kept beside it on the wire), or this step's
-        # forward ("training_forward", or "sampler" on-policy). With "sampler" off-policy no stream holds π_old:
-        # the training forward is the trained state, not the one that sampled, so w would fold the policy's own
-        # drift into the "mismatch" and the trust region would vanish (ratio 1).
-        if self.loss.correction.active and self.partial_rollouts is not None:
-            raise ValueError(f"loss.correction {self.loss.correction.type!r} is not built for partial_rollouts (their "
-                             "tokens' behaviour logprobs are the sampler's or the drawing version's, with no sampler "
-                             "stream kept beside them): remove one of the two")
-        if self.loss.correction.active and self.behaviour_logprobs_source == "sampler" and self.max_off_policy_steps:
+        # weights that sampled ("trainer", any k; the sampler's report kept beside it on the wire), this step's
+        # forward ("training_forward", or "sampler" on-policy), or under partial rollouts the trainer's logprob of
+        # each token under the version that drew it (rl/partial.py scores every stage's tokens when a correction is
+        # set). With "sampler" off-policy and whole rollouts no stream holds π_old: the training forward is the
+        # trained state, not the one that sampled, so w would fold the policy's own drift into the "mismatch" and
+        # the trust region would vanish (ratio 1).
+        if self.loss.correction.active and self.behaviour_logprobs_source == "sampler" and self.max_off_policy_steps \
+                and self.partial_rollouts is None:
             raise ValueError(f"loss.correction {self.loss.correction.type!r} with behaviour_logprobs = \"sampler\" "
                              f"needs max_off_policy_steps = 0 (here k = {self.max_off_policy_steps}): off-policy, "
                              "π_old is the trainer's recompute; set behaviour_logprobs = \"trainer\" (or \"auto\")")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rollout_lib.algo import ALGORITHMS, Algorithm, AlgorithmResources, build_algorithm
 from rollout_lib.algo.stamping import (
@@ -17,6 +18,7 @@ from rollout_lib.config.rl import RlConfig, env_locator
 from rollout_lib.rl.behaviour import mark_training_forward, recompute_behaviour_logprobs
 from rollout_lib.model.chat import use_chat_template
 from rollout_lib.model.loading import load_tokenizer, resolve_model
+from rollout_lib.wire import SAMPLER_LOGPROBS
 
 
 def algorithm_resources(config: RlConfig, served_models=None, prompts=None, policy=None) -> AlgorithmResources:
@@ -67,11 +69,14 @@ def training_samples(config: RlConfig, scored: pa.Table, resources: AlgorithmRes
     algorithms = env_algorithms(config, resources)
     advantages = assign_advantages(scored, algorithms)
     temperatures = {env.name: env.sampling.temperature for env in config.settings.envs}
-    samples = stamp_training_samples(scored, advantages, algorithms, config.settings.max_seq_len, temperatures)
-    behaviour = {}
-    source = config.settings.behaviour_logprobs_source
     # A mismatch correction reweights against the sampler: its report stays on the wire beside the trainer's.
     keep_sampler = config.settings.loss.correction.active
+    samples = stamp_training_samples(scored, advantages, algorithms, config.settings.max_seq_len, temperatures,
+                                     keep_sampler=keep_sampler)
+    if keep_sampler and config.settings.partial_rollouts is not None:
+        _check_partial_sampler_stream(samples)
+    behaviour = {}
+    source = config.settings.behaviour_logprobs_source
     if source != "sampler":
         policy = resources.policy if resources is not None else None
         if policy is None or policy.state_id is None:
@@ -85,3 +90,14 @@ def training_samples(config: RlConfig, scored: pa.Table, resources: AlgorithmRes
             samples, behaviour = mark_training_forward(samples, scored, policy.state_id, keep_sampler=keep_sampler)
     samples = asyncio.run(score_for_shipping(samples, algorithms))
     return samples, {**advantage_metrics(samples), **behaviour}
+
+
+def _check_partial_sampler_stream(samples: pa.Table) -> None:
+    """Under partial rollouts every stage scores its tokens when a correction is set (rl/partial.py); a sample
+    without those scores would be weighed against this step's forward, folding the policy's drift into w."""
+    missing = samples.column(SAMPLER_LOGPROBS).null_count
+    if missing:
+        first = samples.filter(pc.is_null(samples.column(SAMPLER_LOGPROBS))).column("sample_id")[0].as_py()
+        raise ValueError(f"loss.correction with partial_rollouts: {missing} rollouts (first {first!r}) carry no "
+                         "trainer logprobs (ROLLOUTS behaviour_logprobs), which their sample stages compute "
+                         "when a correction is set")

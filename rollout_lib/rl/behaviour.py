@@ -11,7 +11,9 @@ the same rollouts always give the same bits. It also makes off-policy steps exac
 
 The sampler's own logprobs are kept as a diagnostic: `behaviour/sampler_diff_max` and `behaviour/sampler_kl`
 (mean of r - 1 - log r, r = recomputed / reported) say how far the engine's numbers are from the trainer's; a
-large value means the server did not hold the weights it claimed, or sampled with other settings (top_p).
+large value means the server did not hold the weights it claimed, or sampled with other settings (top_p), or an
+engine in lower precision (bf16) whose mismatch a correction would weigh: `behaviour/sampler_ratio_max`,
+`..._over_cap_fraction` and `..._outside_band_fraction` say what a correction at its defaults would cut or drop.
 
 Only tokens the policy sampled are replaced (`loss_mask`, on rows whose `sampled_from` is the sampling state);
 rollouts of frozen models keep their sampler's logprobs (those are the behaviour policy, and no trainer holds it).
@@ -47,6 +49,7 @@ import torch
 from rollout_lib import wire
 from rollout_lib.algo.stamping import training_sample_sources
 from rollout_lib.packing import token_logprobs
+from rollout_lib.rl_losses.correction import sampler_report_diagnostics
 
 CHUNK_ROWS = 8  # samples per forward: fixed, so the bits never depend on how many samples a step has
 
@@ -116,24 +119,30 @@ def recompute_behaviour_logprobs(samples: pa.Table, rollouts: pa.Table, load_mod
             adopted += len(chunk)
         recomputed.update(zip(chunk, values))
 
-    diffs, kl_terms = [], []
+    log_ratios = []
     for row, values in recomputed.items():
         updated = list(inference[row])
         for position, member in enumerate(loss_mask[row]):
             if member:
                 reported, mine = updated[position], float(values[position])
-                diffs.append(abs(mine - reported))
-                log_ratio = mine - reported
-                kl_terms.append(math.exp(log_ratio) - 1.0 - log_ratio)
+                log_ratios.append(mine - reported)
                 updated[position] = mine
         inference[row] = updated
     samples = _with_inference_logprobs(samples, inference)
     metrics = {"behaviour/recomputed": len(rows), "behaviour/precomputed_rows": adopted,
-               "behaviour/recompute_s": seconds,
-               "behaviour/sampler_diff_max": max(diffs) if diffs else 0.0,
-               "behaviour/sampler_diff_mean": float(np.mean(diffs)) if diffs else 0.0,
-               "behaviour/sampler_kl": float(np.mean(kl_terms)) if kl_terms else 0.0}
+               "behaviour/recompute_s": seconds, **sampler_metrics(log_ratios)}
     return samples, metrics
+
+
+def sampler_metrics(log_ratios: list[float]) -> dict[str, float]:
+    """`behaviour/sampler_*` over tokens whose trainer logprob (π_old) and sampler's report are both known
+    (log_ratios: π_old - report each): the largest and mean |difference|, and the correction's diagnostics
+    (rl_losses/correction.py `sampler_report_diagnostics`: kl, ratio_max, what a default cap or band would cut)."""
+    diffs = np.abs(np.asarray(log_ratios, dtype=np.float64))
+    diagnostics = {"kl": 0.0, **sampler_report_diagnostics(log_ratios)}
+    return {"behaviour/sampler_diff_max": float(diffs.max()) if len(diffs) else 0.0,
+            "behaviour/sampler_diff_mean": float(diffs.mean()) if len(diffs) else 0.0,
+            **{f"behaviour/sampler_{name}": value for name, value in diagnostics.items()}}
 
 
 def mark_training_forward(samples: pa.Table, rollouts: pa.Table, state_id: str,

@@ -12,7 +12,9 @@ v = n-1-k, rl/schedule.py) continues every request in flight for at most B new t
   version. Each token records the version that drew it (`token_policy_versions`) and its logprob under that version
   (`sampling_logprobs`: the behaviour logprob, behaviour_logprobs = "sampler"; on an engine, whose logprob bits
   vary with batch composition, the stage also computes the trainer's logprob of each new token under the version
-  it holds, `behaviour_logprobs`, which the training samples take instead: bit-stable);
+  it holds, `behaviour_logprobs`, which the training samples take instead: bit-stable; with a mismatch
+  correction set the embedded sampler's tokens are scored so too, and the training samples keep the sampler's
+  report beside them as `sampler_logprobs`: π_old of each token is the trainer's under the version that drew it);
 - a group trains at the step whose stage finishes its last sample: the step's rollouts are the groups complete
   after this stage, oldest draw first;
 - the staleness bound S (`max_staleness`, default k + 1): a token drawn by version v trains at step m from state
@@ -39,7 +41,7 @@ import pyarrow.compute as pc
 from rollout_lib import wire
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.determinism import derived_seed
-from rollout_lib.rl.behaviour import CHUNK_ROWS, ForwardInputs, chunk_logprobs
+from rollout_lib.rl.behaviour import CHUNK_ROWS, ForwardInputs, chunk_logprobs, sampler_metrics
 from rollout_lib.rl.prompts import select_prompts
 from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.sampling.base import SamplingParams, encode_prompt, prompt_messages, sample_id, stop_token_ids
@@ -55,12 +57,16 @@ class PartialStage:
     budget: int
     bound: int
     final: bool
+    # Whether the trainer scores the tokens of every sampler, not only of one whose bits vary (an engine): a mismatch
+    # correction compares those scores, π_old, with the sampler's report.
+    trainer_scores: bool = False
 
     @classmethod
     def of(cls, config: RlConfig, step: int, state_id: str, final: bool) -> "PartialStage":
         settings = config.settings
         version = OffPolicySchedule(settings.max_off_policy_steps).sampled_after(step)
-        return cls(step, version, state_id, settings.partial_rollouts.token_budget, settings.staleness_bound, final)
+        return cls(step, version, state_id, settings.partial_rollouts.token_budget, settings.staleness_bound, final,
+                   trainer_scores=settings.loss.correction.active)
 
 
 def sample_partial(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table], stage: PartialStage,
@@ -172,15 +178,16 @@ def _advance(sampler, rows: list[dict], indices: list[int], params: SamplingPara
         row["sampling_logprobs"] = row["sampling_logprobs"] + list(logprobs)
         row["token_policy_versions"] = row["token_policy_versions"] + [stage.version] * len(ids)
         row["finished"] = bool(ids and ids[-1] in stops) or len(row["completion_ids"]) >= params.max_tokens
-    if not sampler.bit_stable_logprobs:
+    if stage.trainer_scores or not sampler.bit_stable_logprobs:
         _behaviour_logprobs(sampler, rows, indices, drawn, params)
 
 
 def _behaviour_logprobs(sampler, rows: list[dict], indices: list[int], drawn: list[int],
                         params: SamplingParams) -> None:
-    """On an engine, whose logprob bits vary with batch composition: each row's `drawn` new tokens scored by the
-    trainer's forward under this version's weights (`sampler.model`, the state the engine was loaded with), in fixed
-    chunks in row order (rl/behaviour.py), appended to its `behaviour_logprobs`: the same bits on a rerun."""
+    """On an engine, whose logprob bits vary with batch composition (or on any sampler, for a mismatch correction):
+    each row's `drawn` new tokens scored by the trainer's forward under this version's weights (`sampler.model`, the
+    state the engine was loaded with), in fixed chunks in row order (rl/behaviour.py), appended to its
+    `behaviour_logprobs`: the same bits on a rerun."""
     temperature = params.temperature if params.temperature > 0 else 1.0  # greedy: the unscaled distribution
     pad = sampler.tokenizer.pad_token_id or 0
     inputs = []
@@ -200,9 +207,10 @@ def _metrics(trained: list[dict], carried: list[dict], stage: PartialStage, draw
     """Staleness of the trained tokens (policy versions between the one that drew a token and the state it trains
     from, step - 1), and what the stage finished, carried and forced."""
     staleness = np.array([stage.step - 1 - version for row in trained for version in row["token_policy_versions"]])
-    engine = [(reported, mine) for row in trained if row["behaviour_logprobs"] is not None
-              for reported, mine in zip(row["sampling_logprobs"], row["behaviour_logprobs"])]
-    diagnostics = {"behaviour/sampler_diff_max": max(abs(a - b) for a, b in engine)} if engine else {}
+    # Where the trainer scored the tokens: how far the sampler's report is from them (a correction's diagnostics).
+    log_ratios = [mine - reported for row in trained if row["behaviour_logprobs"] is not None
+                  for reported, mine in zip(row["sampling_logprobs"], row["behaviour_logprobs"])]
+    diagnostics = sampler_metrics(log_ratios) if log_ratios else {}
     return {
         **diagnostics,
         "staleness_max": int(staleness.max()) if len(staleness) else 0,

@@ -22,14 +22,18 @@ sg: no gradient; the weight scales a token's loss, it never pulls on the policy 
 zero but it still counts in N_rl, so the step's other tokens keep their per-token step size.
 
 Diagnostics (`mismatch/...`, over the rl tokens): kl, the k3 estimate of KL(π_sampler ‖ π_old) (w - 1 - log w);
-ratio_max; clipped_fraction (tokens whose weight the cap lowered) and masked_fraction (tokens dropped).
+ratio_max; clipped_fraction (tokens whose weight the cap lowered) and masked_fraction (tokens dropped). Without a
+correction set, wherever a stream holds π_old beside the sampler's report, `sampler_report_diagnostics` gives the
+same kl and ratio_max and what a correction at its defaults would cut or drop (`behaviour/sampler_*`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor
@@ -110,6 +114,22 @@ def mismatch_diagnostics(log_w: Tensor, member: Tensor) -> dict[str, float]:
     log_w = log_w.double()
     return {"kl": mean_over(torch.expm1(log_w) - log_w, member),
             "ratio_max": float(torch.exp(log_w[member]).max()) if bool(member.any()) else 0.0}
+
+
+def sampler_report_diagnostics(log_w: Sequence[float]) -> dict[str, float]:
+    """How far a sampler's report is from π_old over some tokens (log_w = logp_old - logp_sampler each), and what a
+    correction at its defaults would do there: kl (k3, as `mismatch_diagnostics`), ratio_max, over_cap_fraction
+    (tokens tis would cut and mis drop at C = 2) and outside_band_fraction (tokens icepop would drop, outside
+    [0.5, 2]). The trainer's recompute and partial rollouts' stages report them as `behaviour/sampler_*` whether
+    a correction is set or not, so a run shows whether one is worth setting. Empty for no tokens."""
+    if not len(log_w):
+        return {}
+    defaults = CorrectionSettings()
+    log_w = np.asarray(log_w, dtype=np.float64)
+    ratio = np.exp(log_w)
+    return {"kl": float(np.mean(np.expm1(log_w) - log_w)), "ratio_max": float(ratio.max()),
+            "over_cap_fraction": float(np.mean(ratio > defaults.cap)),
+            "outside_band_fraction": float(np.mean((ratio < defaults.low) | (ratio > defaults.high)))}
 
 
 def build_correction(settings: CorrectionSettings) -> MismatchCorrection | None:
