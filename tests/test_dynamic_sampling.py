@@ -125,16 +125,20 @@ def test_settings_are_checked_and_absent_leaves_the_identity_as_it_was():
     assert on.settings.envs[0].dynamic_sampling.max_rounds == 3
     assert training_hash(on) != training_hash(plain)
     assert plan_problems(on) == []
-    staged = raw_config(dynamic_sampling={})
+    staged = raw_config(dynamic_sampling={})  # every scoring runs the rounds (flows/rl_rounds.py)
     staged["algorithm"]["rl"]["reward_loop"] = {"streamed": False}
-    assert "algorithm.rl.envs[0].dynamic_sampling: needs streamed scoring" in error_of(staged)
+    staged["run"]["task_runner"] = {"type": "dask"}
+    assert plan_problems(validate_config(RlConfig, staged)) == []
+    single = raw_config(dynamic_sampling={}, sampling={"group_size": 1, "max_tokens": 16})
+    assert "algorithm.rl.envs[0].dynamic_sampling: with sampling.group_size = 1 every group is uniform" \
+        in error_of(single)
 
 
 def test_bad_settings_are_one_line_and_exit_2():
     from clirun import run_rollout
 
     for setting in ("algorithm.rl.envs[0].dynamic_sampling={ max_rounds = 0 }",
-                    "algorithm.rl.reward_loop.streamed=false"):
+                    "algorithm.rl.envs[0].sampling={ group_size = 1, max_tokens = 16 }"):
         done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--dry-run", "--set",
                            "algorithm.rl.envs[0].dynamic_sampling={}", "--set", setting)
         assert done.returncode == 2, done.stderr[-2000:]
@@ -152,7 +156,8 @@ DYNAMIC_RUN = ["train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps",
 def test_a_tiny_run_trains_on_groups_with_signal_and_reruns_to_the_same_checkpoint(prefect_server, tmp_path):
     """rl-tiny with a reward that is 0 for every completion of 3 of its 8 prompts: each step's kept groups all
     carry signal, the metrics count the rounds, and a rerun of the same command ends on the same checkpoint from
-    cache, as does a run killed after step 2's sampling and rerun."""
+    cache. The same run scored staged, killed inside a step's round 2 and rerun, reruns from round 2 (rounds 0 and
+    1 from cache) and keeps the streamed run's tables, to its checkpoint."""
     from clirun import cli_env, run_until_then_kill, task_run_states, train_in_process
 
     from rollout_lib import wire
@@ -169,23 +174,40 @@ def test_a_tiny_run_trains_on_groups_with_signal_and_reruns_to_the_same_checkpoi
         assert m["dynamic_sampling/kept_groups"] + m["dynamic_sampling/short_by"] == 4
         assert m["rollouts"] == 8 * m["dynamic_sampling/kept_groups"]
     assert sum(m["dynamic_sampling/dropped_groups"] for m in steps) >= 1  # the reward made some groups uniform
-    assert any(m["dynamic_sampling/rounds"] >= 1 for m in steps)  # and fresh groups were drawn for them
-    for step in (1, 2):
-        scored = store.get_table(read_step_tables(store, "dapo", step)["scored"], wire.ROLLOUTS)
+    resampled = [m["step"] for m in steps if m["dynamic_sampling/rounds"] == 2]
+    assert resampled, steps  # a step ran both rounds (the seed decides which: the kill below needs one)
+    step = resampled[0]
+    for done in (1, 2):
+        scored = store.get_table(read_step_tables(store, "dapo", done)["scored"], wire.ROLLOUTS)
         rewards: dict[str, set] = {}
         for example_id, reward in zip(scored.column("example_id").to_pylist(), scored.column("reward").to_pylist()):
             rewards.setdefault(example_id, set()).add(reward)
         assert all(len(values) > 1 for values in rewards.values()), rewards  # no uniform group trained
+    streamed = task_run_states(first["flow_run_id"])
+    rounds = [f"{stage}-step-{step}-round-{r}" for r in (1, 2) for stage in ("draw", "sample-and-score")]
+    assert {streamed[name] for name in [*rounds, f"dynamic-sampling-step-{step}"]} == {"Completed"}
 
     again = train_in_process(*args)
     assert again["checkpoint"] == first["checkpoint"]
     states = task_run_states(again["flow_run_id"])
-    assert {states[f"{stage}-step-{step}"] for stage in ("sample-and-score", "train") for step in (1, 2)} == {"Cached"}
+    assert {states[name] for name in [*rounds, *(f"{stage}-step-{done}" for stage in ("sample-and-score", "train")
+                                                 for done in (1, 2))]} == {"Cached"}
 
-    # Killed once step 2's sampling (its rounds included) is done: the rerun resumes to the same checkpoint.
-    killed = [*DYNAMIC_RUN, "--store", str(tmp_path / "killed")]
+    # Staged scoring, killed between round 2's sample and its scores: the rerun takes rounds 0 and 1 and round 2's
+    # sample from cache, scores round 2, and keeps what the streamed run kept.
+    killed = [*DYNAMIC_RUN, "--store", str(tmp_path / "killed"), "--set", "algorithm.rl.reward_loop.streamed=false"]
     env = cli_env(PYTHONPATH=str(ROOT / "tests"))  # where example_rewards lives, outside the library
-    run_until_then_kill(killed, "sample-and-score-step-2' - Finished", tmp_path / "killed.log", env=env)
+    run_until_then_kill(killed, f"sample-step-{step}-round-2' - Finished", tmp_path / "killed.log", env=env)
     resumed = train_in_process(*killed)  # the rerun in this process: a CLI start (a plain interpreter) saved
     assert resumed["checkpoint"] == first["checkpoint"]
-    assert read_metrics(store, "dapo")[-1]["dynamic_sampling/kept_groups"] == steps[-1]["dynamic_sampling/kept_groups"]
+    states = task_run_states(resumed["flow_run_id"])
+    cached = [f"{stage}-step-{step}{suffix}" for stage, suffix in (
+        ("sample", ""), ("score", ""), ("draw", "-round-1"), ("sample", "-round-1"), ("score", "-round-1"),
+        ("draw", "-round-2"), ("sample", "-round-2"))]
+    assert {name: states[name] for name in cached} == dict.fromkeys(cached, "Cached")
+    assert states[f"score-step-{step}-round-2"] == "Completed"
+    staged_store = ObjectStore(str(tmp_path / "killed"))
+    for done in (1, 2):
+        assert read_step_tables(staged_store, "dapo", done)["scored"] == read_step_tables(store, "dapo", done)["scored"]
+    assert read_metrics(staged_store, "dapo")[-1]["dynamic_sampling/kept_groups"] == \
+        steps[-1]["dynamic_sampling/kept_groups"]
