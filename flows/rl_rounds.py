@@ -8,24 +8,21 @@ finds nothing to draw; then dynamic-sampling-step-k keeps the groups with signal
 the rounds before it, so a rerun returns the rounds a killed run finished from cache and goes on from the first it
 did not.
 
-Off-policy, the step's rounds sample from the state its first draw sampled from while later steps' sample stages
-may be in flight: a round waits for those first (a policy server holds one state at a time), as an evaluation does.
+Off-policy, the step's rounds sample from the state its first draw sampled from, before the next step's sample
+stage is submitted (flows/rl_steps.py); with k >= 2 later steps' stages may be in flight still, and a round waits
+for them first (a policy server holds one state at a time), as an evaluation does.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tasks.rl_rounds import draw_round_task, kept_rows_task
 
-if TYPE_CHECKING:
-    from flows.rl_steps import RlSteps
 
-
-def resampled_step(steps: RlSteps, sampled: dict, step: int) -> tuple[dict, dict]:
-    """Step `step`'s rounds after its sample stage's result `sampled`: the kept rows as the step's sampled result
-    (table, rewards, metrics: the first draw's, with the kept rows' and `dynamic_sampling/*` over them) and its
-    scored result (table and metrics)."""
+def resampled_step(steps, sampled: dict, step: int) -> dict:
+    """Step `step`'s rounds after its sample stage's result `sampled` (`steps`: the run's flows.rl_steps.RlSteps,
+    whose Scoring runs each round's sample and score stages): the kept rows as the step's sample result (table,
+    rewards, metrics: the first draw's, with the kept rows' and `dynamic_sampling/*` over them), with `scored`, the
+    kept rows' score result (table and metrics)."""
     scoring, task, cfg = steps.scoring, steps.run_task, steps.cfg
     sampled_from = steps.states[steps.schedule.sampled_after(step)]
     rounds = [{"rollouts": sampled["rollouts"], "rewards": scoring.rewards(steps, sampled, step, 0)}]
@@ -41,6 +38,6 @@ def resampled_step(steps: RlSteps, sampled: dict, step: int) -> tuple[dict, dict
                                             resources=steps.res)
         rounds.append({"rollouts": part["rollouts"], "rewards": scoring.rewards(steps, part, step, round_index)})
     kept = task(kept_rows_task)(cfg, step=step, rounds=rounds)
-    return ({"rollouts": kept["rollouts"], "rewards": kept["rewards"],
-             "metrics": {**sampled["metrics"], **kept["sample_metrics"]}},
-            {"rollouts": kept["scored"], "metrics": kept["score_metrics"]})
+    return {"rollouts": kept["rollouts"], "rewards": kept["rewards"],
+            "metrics": {**sampled["metrics"], **kept["sample_metrics"]},
+            "scored": {"rollouts": kept["scored"], "metrics": kept["score_metrics"]}}

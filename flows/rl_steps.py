@@ -95,18 +95,22 @@ class Scoring:
     sampling_round: Task
     rewards: Callable[["RlSteps", dict, int, int], list[str]]
 
-    def step_tables(self, steps: "RlSteps", sampled: dict, step: int) -> tuple[dict, dict]:
-        """The step's sampled and scored results (each a table id and metrics; sampled: also `rewards`,
-        `behaviour`, `in_flight` where its stage gives them)."""
-        return sampled, self.score(steps, sampled, step)
+    def resampled(self, steps: "RlSteps", sampled: dict, step: int) -> dict:
+        """The step's sample result once its dynamic-sampling rounds ran: here, none run."""
+        return sampled
 
 
 class ResampledScoring(Scoring):
     """Scoring for a run whose envs replace their uniform groups (`dynamic_sampling`): after the step's sample
-    stage, its replacement rounds as task runs of their own, then the kept rows (flows/rl_rounds.py)."""
+    stage, its replacement rounds as task runs of their own, then the kept rows, already scored
+    (flows/rl_rounds.py)."""
 
-    def step_tables(self, steps: "RlSteps", sampled: dict, step: int) -> tuple[dict, dict]:
+    def resampled(self, steps: "RlSteps", sampled: dict, step: int) -> dict:
         return resampled_step(steps, sampled, step)
+
+
+def _kept(steps: "RlSteps", sampled: dict, step: int) -> dict:  # dynamic-sampling-step-k scored the kept rows
+    return sampled["scored"]
 
 
 def _staged(steps: "RlSteps", sampled: dict, step: int) -> dict:  # score-step-k, after the last rollout is sampled
@@ -150,14 +154,17 @@ def pick_scoring(cfg: RlConfig, runner) -> Scoring:
     it goes), else streamed (`reward_loop.streamed`: sample-and-score-step-k scores each rollout as it comes back,
     rl/streamed.py) or staged; with dynamic sampling, the same with the step's rounds between its sample stage and
     its scored table (ResampledScoring)."""
-    kind = ResampledScoring if resamples(cfg) else Scoring
     if runner is not None:
-        return kind(sample_task, functools.partial(_chunked, runner), sample_round_task,
-                    functools.partial(_chunk_rewards, runner))
+        scoring = Scoring(sample_task, functools.partial(_chunked, runner), sample_round_task,
+                          functools.partial(_chunk_rewards, runner))
     # Partial rollouts: a stage's rows are final only when their groups are (rl/partial.py), scored after it.
-    if cfg.settings.reward_loop.streamed and cfg.settings.partial_rollouts is None:
-        return kind(sample_and_score_task, _merged, sample_and_score_round_task, _streamed_rewards)
-    return kind(sample_task, _staged, sample_round_task, _staged_rewards)
+    elif cfg.settings.reward_loop.streamed and cfg.settings.partial_rollouts is None:
+        scoring = Scoring(sample_and_score_task, _merged, sample_and_score_round_task, _streamed_rewards)
+    else:
+        scoring = Scoring(sample_task, _staged, sample_round_task, _staged_rewards)
+    if resamples(cfg):
+        return ResampledScoring(scoring.sampling, _kept, scoring.sampling_round, scoring.rewards)
+    return scoring
 
 
 @dataclass
@@ -210,12 +217,16 @@ class RlSteps:
             sampling, arguments = self._sampling(step)
             sampled = sampling(cfg, **arguments)
         else:
+            sampled = self.in_flight.pop(step).result()
+        self.carried[step] = sampled.get("in_flight")
+        # Dynamic sampling's rounds sample this step's state: before the next sample stage is submitted (the sample
+        # runs are chained anyway: submitting it earlier would not start it earlier).
+        sampled = self.scoring.resampled(self, sampled, step)
+        if not self.schedule.synchronous:
             ahead = self.schedule.submitted_while_training(step, self.total)
             if ahead is not None:
                 self._submit_sampling(ahead)  # from states[step - 1]: sampled while this step trains
-            sampled = self.in_flight.pop(step).result()
-        self.carried[step] = sampled.get("in_flight")
-        sampled, scored = self.scoring.step_tables(self, sampled, step)
+        scored = self.scoring.score(self, sampled, step)
         samples = task(advantages_task)(cfg, **inputs, policy_state=sampled_from, scored_id=scored["rollouts"],
                                         curriculum=None if self.pools is None else self.pools[step - 1],
                                         behaviour=sampled.get("behaviour"))
