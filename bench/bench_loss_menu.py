@@ -37,7 +37,7 @@ VARIANTS = {
     "cispo": ["algorithm.rl.loss.type=cispo"],
     "dr_grpo": ["algorithm.rl.loss.normalizer={ constant = 24 }"],
     # DAPO's dynamic sampling: a group whose rewards are all equal is replaced by a fresh prompt's (3 rounds at
-    # most); it resamples inside the streamed sample stage, so scoring is streamed.
+    # most); scored streamed, as when the bench was first run (every scoring runs the rounds now).
     "dapo": ["algorithm.rl.reward_loop.streamed=true", "algorithm.rl.envs[0].dynamic_sampling={ max_rounds = 3 }"],
 }
 

@@ -4,7 +4,7 @@ crosses steps.
 
 - Weight sync: a sample stage (and an evaluation) starts by bringing its sampler to the state it samples from:
   train-step-k's weights published to the policy server, which reloads and probes them (tasks/rl.py,
-  `_synced_samplers`), then it samples. It is part of the sample task, not a task of its own: a rerun that finds the
+  `synced_samplers`), then it samples. It is part of the sample task, not a task of its own: a rerun that finds the
   sample cached needs no weights, and one that reruns it needs them loaded whatever ran before.
 
 - Which state step n samples from: the OffPolicySchedule (rl/schedule.py). With k > 0 the sampling of step n+k
@@ -19,6 +19,8 @@ crosses steps.
   into the table (off-policy, it also computes the behaviour logprobs as rollouts come in, and advantages-step-k
   adopts them: rl/behaviour_stream.py); staged, score-step-k scores them all after the last is sampled; chunked
   (`run.task_runner` of type dask or ray), score-step-k-chunk-i tasks on that cluster, then score-merge-step-k.
+  With dynamic sampling (envs with `dynamic_sampling`), each replacement round runs the same way as task runs of
+  its own, then dynamic-sampling-step-k keeps the groups with signal (flows/rl_rounds.py).
 - Each recorded step feeds the collapse guard (rl/collapse.py): a collapse is one warning line of the flow run, or
   with `algorithm.rl.collapse.action = "fail"` the run's error.
 """
@@ -41,6 +43,8 @@ from rollout_lib.rl.schedule import OffPolicySchedule
 from rollout_lib.runlog.eval_tables import record_rl_eval_tables
 from rollout_lib.runlog.step_log import segment_means
 from rollout_lib.runlog.step_tables import record_step_tables
+from rollout_lib.rl.dynamic_sampling import resamples
+from flows.rl_rounds import resampled_step
 from tasks.common import open_store
 from rollout_lib.trainer.segment import SnapshotSchedule
 from tasks.rl import (
@@ -57,6 +61,7 @@ from tasks.rl import (
     snapshot_task,
     train_step_task,
 )
+from tasks.rl_rounds import sample_and_score_round_task, sample_round_task, score_rewards_task
 
 # Metrics shown per step in the UI table (and their column order); absent ones are left blank.
 METRIC_COLUMNS = (
@@ -80,42 +85,86 @@ OPTIONAL_METRIC_COLUMNS = (
 @dataclass(frozen=True)
 class Scoring:
     """How a step's rollouts get their rewards, picked once per run (`pick_scoring`): `sampling`, the step's sample
-    task; `score(steps, sampled, step)`, the task runs that give the scored table (the same ids every way)."""
+    task; `score(steps, sampled, step)`, the task runs that give the scored table (the same ids every way). For
+    dynamic sampling's rounds (flows/rl_rounds.py): `sampling_round`, a replacement round's sample task, and
+    `rewards(steps, sampled, step, round)`, the task runs that give a round's rewards (ids of results in row
+    order)."""
 
     sampling: Task
     score: Callable[["RlSteps", dict, int], dict]
+    sampling_round: Task
+    rewards: Callable[["RlSteps", dict, int, int], list[str]]
+
+    def resampled(self, steps: "RlSteps", sampled: dict, step: int) -> dict:
+        """The step's sample result once its dynamic-sampling rounds ran: here, none run."""
+        return sampled
+
+
+class ResampledScoring(Scoring):
+    """Scoring for a run whose envs replace their uniform groups (`dynamic_sampling`): after the step's sample
+    stage, its replacement rounds as task runs of their own, then the kept rows, already scored
+    (flows/rl_rounds.py)."""
+
+    def resampled(self, steps: "RlSteps", sampled: dict, step: int) -> dict:
+        return resampled_step(steps, sampled, step)
+
+
+def _kept(steps: "RlSteps", sampled: dict, step: int) -> dict:  # dynamic-sampling-step-k scored the kept rows
+    return sampled["scored"]
 
 
 def _staged(steps: "RlSteps", sampled: dict, step: int) -> dict:  # score-step-k, after the last rollout is sampled
     return steps.run_task(score_task)(steps.cfg, steps.prompts, sampled["rollouts"], step, steps.res.reward_loops)
 
 
+def _staged_rewards(steps: "RlSteps", sampled: dict, step: int, round_index: int) -> list[str]:
+    return [steps.run_task(score_rewards_task)(steps.cfg, steps.prompts, sampled["rollouts"], step, round_index,
+                                               steps.res.reward_loops)]
+
+
 def _merged(steps: "RlSteps", sampled: dict, step: int) -> dict:  # score-merge-step-k: the rewards streamed in
     return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, [sampled["rewards"]])
+
+
+def _streamed_rewards(steps: "RlSteps", sampled: dict, step: int, round_index: int) -> list[str]:
+    return [sampled["rewards"]]  # scored as they were sampled
 
 
 def _chunked(runner, steps: "RlSteps", sampled: dict, step: int) -> dict:
     """On the run's task runner (dask or ray): `score_chunks` score-step-k-chunk-i tasks submitted together, then
     score-merge-step-k, in row order: the table id and metrics score_task gives."""
+    chunk_ids = _chunk_rewards(runner, steps, sampled, step, 0)
+    return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, chunk_ids)
+
+
+def _chunk_rewards(runner, steps: "RlSteps", sampled: dict, step: int, round_index: int) -> list[str]:
+    """The ids of the chunks' results, in row order: `score_chunks` score-step-k[-round-r]-chunk-i tasks submitted
+    together on the run's task runner."""
     chunks = steps.cfg.run.task_runner.score_chunks
     score_chunk = steps.run_task(score_chunk_task)
     futures = [runner.submit(score_chunk, {"config": steps.cfg, "prompts_ids": steps.prompts, "chunks": chunks,
-                                           "rollouts_id": sampled["rollouts"], "step": step, "chunk": chunk})
+                                           "rollouts_id": sampled["rollouts"], "step": step, "chunk": chunk,
+                                           "round_index": round_index})
                for chunk in range(chunks)]
-    chunk_ids = [future.result() for future in futures]  # a failed chunk raises its own error here
-    return steps.run_task(score_merge_task)(steps.cfg, sampled["rollouts"], step, chunk_ids)
+    return [future.result() for future in futures]  # a failed chunk raises its own error here
 
 
 def pick_scoring(cfg: RlConfig, runner) -> Scoring:
     """Chunked on a dask or ray runner (a chunk is a task on another worker, which a sampling stage cannot feed as
     it goes), else streamed (`reward_loop.streamed`: sample-and-score-step-k scores each rollout as it comes back,
-    rl/streamed.py) or staged."""
+    rl/streamed.py) or staged; with dynamic sampling, the same with the step's rounds between its sample stage and
+    its scored table (ResampledScoring)."""
     if runner is not None:
-        return Scoring(sample_task, functools.partial(_chunked, runner))
+        scoring = Scoring(sample_task, functools.partial(_chunked, runner), sample_round_task,
+                          functools.partial(_chunk_rewards, runner))
     # Partial rollouts: a stage's rows are final only when their groups are (rl/partial.py), scored after it.
-    if cfg.settings.reward_loop.streamed and cfg.settings.partial_rollouts is None:
-        return Scoring(sample_and_score_task, _merged)
-    return Scoring(sample_task, _staged)
+    elif cfg.settings.reward_loop.streamed and cfg.settings.partial_rollouts is None:
+        scoring = Scoring(sample_and_score_task, _merged, sample_and_score_round_task, _streamed_rewards)
+    else:
+        scoring = Scoring(sample_task, _staged, sample_round_task, _staged_rewards)
+    if resamples(cfg):
+        return ResampledScoring(scoring.sampling, _kept, scoring.sampling_round, scoring.rewards)
+    return scoring
 
 
 @dataclass
@@ -168,11 +217,15 @@ class RlSteps:
             sampling, arguments = self._sampling(step)
             sampled = sampling(cfg, **arguments)
         else:
+            sampled = self.in_flight.pop(step).result()
+        self.carried[step] = sampled.get("in_flight")
+        # Dynamic sampling's rounds sample this step's state: before the next sample stage is submitted (the sample
+        # runs are chained anyway: submitting it earlier would not start it earlier).
+        sampled = self.scoring.resampled(self, sampled, step)
+        if not self.schedule.synchronous:
             ahead = self.schedule.submitted_while_training(step, self.total)
             if ahead is not None:
                 self._submit_sampling(ahead)  # from states[step - 1]: sampled while this step trains
-            sampled = self.in_flight.pop(step).result()
-        self.carried[step] = sampled.get("in_flight")
         scored = self.scoring.score(self, sampled, step)
         samples = task(advantages_task)(cfg, **inputs, policy_state=sampled_from, scored_id=scored["rollouts"],
                                         curriculum=None if self.pools is None else self.pools[step - 1],
@@ -226,10 +279,14 @@ class RlSteps:
         """Held-out metrics of the policy now (`self.state`) for the envs whose evaluation is due at `step`."""
         results = []
         for env in self._due(step):
-            for future in self.in_flight.values():
-                future.wait()  # a policy server holds one state at a time: the evaluation's, next
+            self.wait_for_samplings()  # a policy server holds one state at a time: the evaluation's, next
             results.append(self.run_task(evaluate_task)(self.cfg, **self._evaluation(env, step)))
         return self._held_out(step, results)
+
+    def wait_for_samplings(self) -> None:
+        """Wait for the sample stages in flight (off-policy): before anything else samples from another state."""
+        for future in self.in_flight.values():
+            future.wait()
 
     def _held_out(self, step: int, results: list[dict]) -> dict:
         """The evaluations' metrics at `step`, their samples recorded where `rollout runs samples --eval` reads them

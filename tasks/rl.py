@@ -10,6 +10,8 @@ rollout_lib.rl, write the result and return its id (plus JSON metrics).
                                                                             tasks on its workers, then a merge)
     (streamed, `reward_loop.streamed`: sample-and-score-step-k scores each rollout as it is sampled, and
     score-merge-step-k merges those rewards into the table: the same ids as the staged pair)
+    (dynamic sampling, envs with `dynamic_sampling`: each replacement round's draw, sample and score task runs,
+    then dynamic-sampling-step-k keeps the groups with signal: tasks/rl_rounds.py)
     advantages-step-k  scored rollouts                -> training samples   (per-env algorithms, stamping)
     pack-step-k        training samples               -> micro-batches
     train-step-k       policy state k-1, micro-batches -> policy state k     (one optimizer step)
@@ -41,7 +43,7 @@ from rollout_lib.identity import sources
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.rl.advantages import PolicyReference, algorithm_resources, training_samples
 from rollout_lib.rl.curriculum import next_difficulty_pools
-from rollout_lib.rl.dynamic_sampling import sample_and_score_resampled
+from rollout_lib.rl.dynamic_sampling import resamples
 from rollout_lib.store import ObjectStore
 from rollout_lib.rl.evaluate import evaluate_env, load_eval_prompts
 from rollout_lib.rl.pack import pack
@@ -90,7 +92,7 @@ def _env(config: RlConfig, name: str):
     return next(env for env in config.settings.envs if env.name == name)
 
 
-def _sources(*reads, env: bool = False):
+def task_sources(*reads, env: bool = False):
     """A key's `extra`: what the task reads besides its settings and input ids (rollout_lib/identity/sources.py),
     each of `reads` called with the task's config (and, with `env`, its env's name)."""
     def extra(parameters: dict) -> dict:
@@ -99,10 +101,23 @@ def _sources(*reads, env: bool = False):
     return extra
 
 
-_REWARD_SOURCES = _sources(sources.reward_sources)
+REWARD_SOURCES = task_sources(sources.reward_sources)
 
 
-def _prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
+def round_run_name(stage: str, suffix: str = ""):
+    """A `task_run_name` for a stage a step may run once per dynamic-sampling round (tasks/rl_rounds.py):
+    `<stage>-step-k` for the step's own draw (round 0), `<stage>-step-k-round-r` for round r, then `suffix`
+    formatted with the task's parameters."""
+    return functools.partial(_round_run_name, stage, suffix)
+
+
+def _round_run_name(stage: str, suffix: str, *, parameters: dict) -> str:
+    round_index = parameters.get("round_index", 0)
+    return (f"{stage}-step-{parameters['step']}" + (f"-round-{round_index}" if round_index else "")
+            + suffix.format(**parameters))
+
+
+def prompt_tables(config: RlConfig, prompts_ids: dict[str, str]) -> dict:
     options = json.dumps(config.run.storage_options, sort_keys=True)
     return {env: _stored_prompts(config.run.store, options, prompts_id) for env, prompts_id in prompts_ids.items()}
 
@@ -116,21 +131,21 @@ def _stored_prompts(store: str, storage_options: str, prompts_id: str) -> pa.Tab
 
 
 @task(name="load-prompts", task_run_name="load-prompts-{env}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=_sources(sources.prompt_sources, env=True)))
+      cache_key_fn=content_key(reads=lambda config: None, extra=task_sources(sources.prompt_sources, env=True)))
 def load_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="load-eval-prompts", task_run_name="load-eval-prompts-{env}", **TASK_OPTIONS,
-      cache_key_fn=content_key(reads=lambda config: None, extra=_sources(sources.eval_sources, env=True)))
+      cache_key_fn=content_key(reads=lambda config: None, extra=task_sources(sources.eval_sources, env=True)))
 def load_eval_prompts_task(config: RlConfig, env: str) -> dict:
     table = load_eval_prompts(_env(config, env))
     return {"prompts": open_store(config).put_table(table), "rows": table.num_rows}
 
 
 @task(name="evaluate", task_run_name="evaluate-{env}-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_sources(sources.eval_sources, env=True)))
+      cache_key_fn=content_key(extra=task_sources(sources.eval_sources, env=True)))
 def evaluate_task(config: RlConfig, *, prompts_ids: dict[str, str], eval_prompts_id: str, env: str,
                   policy_state: str, step: int, resources: RunResources) -> dict:
     """The policy at `policy_state` on the env's held-out prompts (rollout_lib/rl/evaluate.py): its metrics, and
@@ -172,7 +187,7 @@ def connect_frozen_models_task(config: RlConfig, served_models: ServedModels,
 
 
 @task(name="sample", task_run_name="sample-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_sources(sources.interaction_sources)))
+      cache_key_fn=content_key(extra=task_sources(sources.interaction_sources)))
 def sample_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, step: int,
                 resources: RunResources, curriculum: str | None = None, in_flight: str | None = None,
                 final: bool = False) -> dict:
@@ -182,21 +197,21 @@ def sample_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: 
     `in_flight` is what this stage carries on."""
     started = time.perf_counter()
     store = open_store(config)
-    _, samplers = _synced_samplers(config, store, prompts_ids, policy_state, resources)
+    _, samplers = synced_samplers(config, store, prompts_ids, policy_state, resources)
     if config.settings.partial_rollouts is not None:
         carried = None if in_flight is None else store.get_table(in_flight, wire.IN_FLIGHT)
-        rollouts, carry, partial_metrics = sample_partial(config, samplers, _prompt_tables(config, prompts_ids),
+        rollouts, carry, partial_metrics = sample_partial(config, samplers, prompt_tables(config, prompts_ids),
                                                           PartialStage.of(config, step, policy_state, final), carried)
         return {"rollouts": store.put_table(rollouts), "in_flight": None if carry is None else store.put_table(carry),
                 "metrics": {**rollout_metrics(config, rollouts), **partial_metrics,
                             "sample_s": time.perf_counter() - started}}
-    rollouts, metrics = sample_rollouts(config, samplers, _prompt_tables(config, prompts_ids), step,
+    rollouts, metrics = sample_rollouts(config, samplers, prompt_tables(config, prompts_ids), step,
                                         curriculum_state=None if curriculum is None else store.get_json(curriculum))
     return {"rollouts": open_store(config).put_table(rollouts),
             "metrics": {**metrics, **reload_metrics(samplers.values()), "sample_s": time.perf_counter() - started}}
 
 
-def _synced_samplers(config: RlConfig, store, prompts_ids: dict[str, str], policy_state: str,
+def synced_samplers(config: RlConfig, store, prompts_ids: dict[str, str], policy_state: str,
                      resources: RunResources) -> tuple:
     """A sample stage's policy and samplers (by env), after its weight sync: the trainer's weights at
     `policy_state` published to the policy server, which reloads and probes them, before anything samples."""
@@ -209,7 +224,7 @@ def _synced_samplers(config: RlConfig, store, prompts_ids: dict[str, str], polic
 
 
 @task(name="sample-and-score", task_run_name="sample-and-score-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_sources(sources.interaction_sources, sources.reward_sources)))
+      cache_key_fn=content_key(extra=task_sources(sources.interaction_sources, sources.reward_sources)))
 def sample_and_score_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, step: int,
                           resources: RunResources, curriculum: str | None = None) -> dict:
     """A streamed step's sample stage (`algorithm.rl.reward_loop.streamed`): sample_task's rollouts and metrics,
@@ -220,13 +235,12 @@ def sample_and_score_task(config: RlConfig, *, prompts_ids: dict[str, str], poli
     None."""
     started = time.perf_counter()
     store = open_store(config)
-    policy, samplers = _synced_samplers(config, store, prompts_ids, policy_state, resources)
-    # Envs with `dynamic_sampling` replace their uniform groups by fresh ones (rl/dynamic_sampling.py).
-    sample = sample_and_score_resampled if any(env.dynamic_sampling for env in config.settings.envs) \
-        else sample_and_score
-    streamed = sample(config, samplers, _prompt_tables(config, prompts_ids), step, resources.reward_loops,
-                      curriculum_state=None if curriculum is None else store.get_json(curriculum),
-                      policy_model=policy.model, policy_state=policy_state)
+    policy, samplers = synced_samplers(config, store, prompts_ids, policy_state, resources)
+    # With dynamic sampling the step's rows are known after its rounds (tasks/rl_rounds.py): the behaviour
+    # logprobs are left to the advantages stage, which computes the same values for the rows kept.
+    streamed = sample_and_score(config, samplers, prompt_tables(config, prompts_ids), step, resources.reward_loops,
+                                curriculum_state=None if curriculum is None else store.get_json(curriculum),
+                                policy_model=None if resamples(config) else policy.model, policy_state=policy_state)
     return {"rollouts": store.put_table(streamed.rollouts),
             "rewards": store.put_json(rewards_json(streamed.results, streamed.reward_model_metrics)),
             "behaviour": None if streamed.behaviour is None else store.put_table(streamed.behaviour),
@@ -235,13 +249,13 @@ def sample_and_score_task(config: RlConfig, *, prompts_ids: dict[str, str], poli
                         "score_tail_s": streamed.scored_at - streamed.sampled_at}}
 
 
-@task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=_REWARD_SOURCES))
+@task(name="score", task_run_name="score-step-{step}", **TASK_OPTIONS, cache_key_fn=content_key(extra=REWARD_SOURCES))
 def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int,
                reward_loops: RewardLoops) -> dict:
     started = time.perf_counter()
     store = open_store(config)
     rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
-    scored, metrics = score_rollouts(config, rollouts, _prompt_tables(config, prompts_ids), reward_loops)
+    scored, metrics = score_rollouts(config, rollouts, prompt_tables(config, prompts_ids), reward_loops)
     return {"rollouts": store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
 
 
@@ -250,25 +264,26 @@ def chunk_rows(num_rows: int, chunk: int, chunks: int) -> tuple[int, int]:
     return num_rows * chunk // chunks, num_rows * (chunk + 1) // chunks
 
 
-@task(name="score-chunk", task_run_name="score-step-{step}-chunk-{chunk}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_REWARD_SOURCES))
+@task(name="score-chunk", task_run_name=round_run_name("score", "-chunk-{chunk}"), **TASK_OPTIONS,
+      cache_key_fn=content_key(extra=REWARD_SOURCES))
 def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int, chunk: int,
-                     chunks: int) -> str:
+                     chunks: int, round_index: int = 0) -> str:
     """The rewards of one chunk of a step's rollouts (chunk_rows), scored where the run's task runner put this
     task (a Dask or Ray worker): with reward functions built here, since the flow's RewardLoops cannot travel.
     Judges and reward models served over HTTP are reached from here; an embedded reward model loads here, once
-    per chunk. Returns the id of the chunk's results (JSON: rollout_lib.rl.score.rewards_json)."""
+    per chunk. Returns the id of the chunk's results (JSON: rollout_lib.rl.score.rewards_json). `round_index`: the
+    dynamic-sampling round whose rollouts these are (0: the step's own draw; tasks/rl_rounds.py)."""
     store = open_store(config)
     rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
     start, stop = chunk_rows(rollouts.num_rows, chunk, chunks)
     with ServedModels(config.run.store) as served_models, run_reward_loops(config, served_models) as reward_loops:
         results, reward_model_metrics = reward_results(config, rollouts.slice(start, stop - start),
-                                                       _prompt_tables(config, prompts_ids), reward_loops)
+                                                       prompt_tables(config, prompts_ids), reward_loops)
     return store.put_json(rewards_json(results, reward_model_metrics))
 
 
 @task(name="score-merge", task_run_name="score-merge-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_REWARD_SOURCES))
+      cache_key_fn=content_key(extra=REWARD_SOURCES))
 def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: list[str]) -> dict:
     """The step's scored rollouts from its chunks' results, concatenated in row order (a streamed step's: one
     chunk, scored as it was sampled): the table (and its id) and metrics score_task gives."""
@@ -288,7 +303,7 @@ def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: l
 # `behaviour`, the behaviour logprobs the sample stage computed, is not in the key: they are the bits the advantages
 # stage would compute itself (rl/behaviour_stream.py), so the training samples are the same with or without them.
 @task(name="advantages", task_run_name="advantages-step-{step}", **TASK_OPTIONS,
-      cache_key_fn=content_key(extra=_sources(sources.algorithm_sources), ignore=("behaviour",)))
+      cache_key_fn=content_key(extra=task_sources(sources.algorithm_sources), ignore=("behaviour",)))
 def advantages_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_state: str, scored_id: str,
                     step: int, resources: RunResources, curriculum: str | None = None,
                     behaviour: str | None = None) -> dict:
@@ -302,14 +317,14 @@ def advantages_task(config: RlConfig, *, prompts_ids: dict[str, str], policy_sta
     policy = PolicyReference(
         lambda: sampling_policy(policy_inputs(store, config, prompts_ids), policy_state, resources.resident),
         config.settings.base_model, state_id=policy_state)
-    algorithm = algorithm_resources(config, resources.served_models, _prompt_tables(config, prompts_ids), policy)
+    algorithm = algorithm_resources(config, resources.served_models, prompt_tables(config, prompts_ids), policy)
     scored = store.get_table(scored_id, wire.ROLLOUTS)
     precomputed = None if behaviour is None else store.get_table(behaviour, wire.BEHAVIOUR_LOGPROBS)
     samples, metrics = training_samples(config, scored, algorithm, precomputed)
     result = {"samples": store.put_table(samples)}
     if curriculum is not None:
         pools, pool_metrics = next_difficulty_pools(config, store.get_json(curriculum), scored,
-                                                    _prompt_tables(config, prompts_ids))
+                                                    prompt_tables(config, prompts_ids))
         result["curriculum"], metrics = store.put_json(pools), {**metrics, **pool_metrics}
     return {**result, "metrics": {**metrics, "advantages_s": time.perf_counter() - started}}
 

@@ -1,13 +1,18 @@
 """DAPO dynamic sampling (rollout_lib/rl/dynamic_sampling.py): which groups are uniform, the seeded replacement
-draw (deterministic, never a prompt the step drew), the rounds' bookkeeping and metrics, settings errors, and a
-tiny run whose kept groups all carry signal and whose rerun ends on the same checkpoint."""
+draw (deterministic, never a prompt the step drew), the rounds' bookkeeping and metrics, settings errors, and
+tiny runs: their kept groups all carry signal, each round is task runs of their own (a kill inside round 2 reruns
+from round 2), and streamed, staged and Dask-chunked scoring keep the same tables, to the same checkpoint."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
+
+from rollout_lib import wire
+from rollout_lib.store import ObjectStore
 
 from rollout_lib.plan_checks import plan_problems
 from rollout_lib.identity.training import training_settings
@@ -125,16 +130,20 @@ def test_settings_are_checked_and_absent_leaves_the_identity_as_it_was():
     assert on.settings.envs[0].dynamic_sampling.max_rounds == 3
     assert training_hash(on) != training_hash(plain)
     assert plan_problems(on) == []
-    staged = raw_config(dynamic_sampling={})
+    staged = raw_config(dynamic_sampling={})  # every scoring runs the rounds (flows/rl_rounds.py)
     staged["algorithm"]["rl"]["reward_loop"] = {"streamed": False}
-    assert "algorithm.rl.envs[0].dynamic_sampling: needs streamed scoring" in error_of(staged)
+    staged["run"]["task_runner"] = {"type": "dask"}
+    assert plan_problems(validate_config(RlConfig, staged)) == []
+    single = raw_config(dynamic_sampling={}, sampling={"group_size": 1, "max_tokens": 16})
+    assert "algorithm.rl.envs[0].dynamic_sampling: with sampling.group_size = 1 every group is uniform" \
+        in error_of(single)
 
 
 def test_bad_settings_are_one_line_and_exit_2():
     from clirun import run_rollout
 
     for setting in ("algorithm.rl.envs[0].dynamic_sampling={ max_rounds = 0 }",
-                    "algorithm.rl.reward_loop.streamed=false"):
+                    "algorithm.rl.envs[0].sampling={ group_size = 1, max_tokens = 16 }"):
         done = run_rollout("train", "rl", "--config", "configs/rl-tiny.toml", "--dry-run", "--set",
                            "algorithm.rl.envs[0].dynamic_sampling={}", "--set", setting)
         assert done.returncode == 2, done.stderr[-2000:]
@@ -148,44 +157,134 @@ DYNAMIC_RUN = ["train", "rl", "--config", "configs/rl-tiny.toml", "--max-steps",
                "--set", "algorithm.rl.envs[0].dynamic_sampling={ max_rounds = 2 }"]
 
 
-@pytest.mark.slow
-def test_a_tiny_run_trains_on_groups_with_signal_and_reruns_to_the_same_checkpoint(prefect_server, tmp_path):
-    """rl-tiny with a reward that is 0 for every completion of 3 of its 8 prompts: each step's kept groups all
-    carry signal, the metrics count the rounds, and a rerun of the same command ends on the same checkpoint from
-    cache, as does a run killed after step 2's sampling and rerun."""
-    from clirun import cli_env, run_until_then_kill, task_run_states, train_in_process
+@dataclass(frozen=True)
+class StreamedRun:
+    result: dict  # train_in_process's
+    store: ObjectStore
+    steps: list[dict]  # its metrics, step by step
+    resampled: int  # a step that ran both rounds
 
-    from rollout_lib import wire
+
+@pytest.fixture(scope="module")
+def streamed_run(prefect_server, tmp_path_factory) -> StreamedRun:
+    """The reference: DYNAMIC_RUN scored streamed (the default), uninterrupted."""
+    from clirun import train_in_process
+
     from rollout_lib.runlog.metrics_file import read_metrics
-    from rollout_lib.runlog.step_tables import read_step_tables
-    from rollout_lib.store import ObjectStore
 
-    args = [*DYNAMIC_RUN, "--store", str(tmp_path / "store")]
-    first = train_in_process(*args)
-    store = ObjectStore(str(tmp_path / "store"))
-    steps = read_metrics(store, "dapo")
-    assert [m["step"] for m in steps] == [1, 2]
-    for m in steps:
-        assert m["dynamic_sampling/kept_groups"] + m["dynamic_sampling/short_by"] == 4
-        assert m["rollouts"] == 8 * m["dynamic_sampling/kept_groups"]
-    assert sum(m["dynamic_sampling/dropped_groups"] for m in steps) >= 1  # the reward made some groups uniform
-    assert any(m["dynamic_sampling/rounds"] >= 1 for m in steps)  # and fresh groups were drawn for them
-    for step in (1, 2):
-        scored = store.get_table(read_step_tables(store, "dapo", step)["scored"], wire.ROLLOUTS)
+    store = tmp_path_factory.mktemp("streamed") / "store"
+    result = train_in_process(*DYNAMIC_RUN, "--store", str(store))
+    steps = read_metrics(ObjectStore(str(store)), "dapo")
+    resampled = [m["step"] for m in steps if m["dynamic_sampling/rounds"] == 2]
+    assert resampled, steps  # a step ran both rounds (the seed decides which: the tests below need one)
+    return StreamedRun(result, ObjectStore(str(store)), steps, resampled[0])
+
+
+def kept_tables(store: ObjectStore, steps=(1, 2)) -> list[str]:
+    """The ids of each step's scored (kept) table."""
+    from rollout_lib.runlog.step_tables import read_step_tables
+
+    return [read_step_tables(store, "dapo", step)["scored"] for step in steps]
+
+
+def assert_every_group_has_signal(store: ObjectStore) -> None:
+    for scored_id in kept_tables(store):
+        scored = store.get_table(scored_id, wire.ROLLOUTS)
         rewards: dict[str, set] = {}
         for example_id, reward in zip(scored.column("example_id").to_pylist(), scored.column("reward").to_pylist()):
             rewards.setdefault(example_id, set()).add(reward)
         assert all(len(values) > 1 for values in rewards.values()), rewards  # no uniform group trained
 
-    again = train_in_process(*args)
+
+@pytest.mark.slow
+def test_a_tiny_run_trains_on_groups_with_signal_and_reruns_to_the_same_checkpoint(streamed_run):
+    """rl-tiny with a reward that is 0 for every completion of 3 of its 8 prompts: each step's kept groups all
+    carry signal, the metrics count the rounds, each round is task runs of its own, and a rerun of the same command
+    ends on the same checkpoint with every round from cache."""
+    from clirun import task_run_states, train_in_process
+
+    first, step = streamed_run.result, streamed_run.resampled
+    for m in streamed_run.steps:
+        assert m["dynamic_sampling/kept_groups"] + m["dynamic_sampling/short_by"] == 4
+        assert m["rollouts"] == 8 * m["dynamic_sampling/kept_groups"]
+    assert sum(m["dynamic_sampling/dropped_groups"] for m in streamed_run.steps) >= 1  # some groups were uniform
+    assert_every_group_has_signal(streamed_run.store)
+    rounds = [f"{stage}-step-{step}-round-{r}" for r in (1, 2) for stage in ("draw", "sample-and-score")]
+    states = task_run_states(first["flow_run_id"])
+    assert {states[name] for name in [*rounds, f"dynamic-sampling-step-{step}"]} == {"Completed"}
+
+    again = train_in_process(*DYNAMIC_RUN, "--store", streamed_run.store.root)
     assert again["checkpoint"] == first["checkpoint"]
     states = task_run_states(again["flow_run_id"])
-    assert {states[f"{stage}-step-{step}"] for stage in ("sample-and-score", "train") for step in (1, 2)} == {"Cached"}
+    assert {states[name] for name in [*rounds, *(f"{stage}-step-{done}" for stage in ("sample-and-score", "train")
+                                                 for done in (1, 2))]} == {"Cached"}
 
-    # Killed once step 2's sampling (its rounds included) is done: the rerun resumes to the same checkpoint.
-    killed = [*DYNAMIC_RUN, "--store", str(tmp_path / "killed")]
+
+@pytest.mark.slow
+def test_staged_scoring_killed_inside_round_2_reruns_from_round_2_to_the_streamed_runs_checkpoint(streamed_run,
+                                                                                                 tmp_path):
+    """The same run scored staged, SIGKILLed between round 2's sample and its scores: the rerun takes rounds 0 and
+    1 (and round 2's sample) from cache, scores round 2, and keeps the tables the streamed run kept."""
+    from clirun import cli_env, run_until_then_kill, task_run_states, train_in_process
+
+    from rollout_lib.runlog.metrics_file import read_metrics
+
+    step = streamed_run.resampled
+    killed = [*DYNAMIC_RUN, "--store", str(tmp_path / "killed"), "--set", "algorithm.rl.reward_loop.streamed=false"]
     env = cli_env(PYTHONPATH=str(ROOT / "tests"))  # where example_rewards lives, outside the library
-    run_until_then_kill(killed, "sample-and-score-step-2' - Finished", tmp_path / "killed.log", env=env)
+    run_until_then_kill(killed, f"sample-step-{step}-round-2' - Finished", tmp_path / "killed.log", env=env)
     resumed = train_in_process(*killed)  # the rerun in this process: a CLI start (a plain interpreter) saved
-    assert resumed["checkpoint"] == first["checkpoint"]
-    assert read_metrics(store, "dapo")[-1]["dynamic_sampling/kept_groups"] == steps[-1]["dynamic_sampling/kept_groups"]
+    assert resumed["checkpoint"] == streamed_run.result["checkpoint"]
+    states = task_run_states(resumed["flow_run_id"])
+    cached = [f"{stage}-step-{step}{suffix}" for stage, suffix in (
+        ("sample", ""), ("score", ""), ("draw", "-round-1"), ("sample", "-round-1"), ("score", "-round-1"),
+        ("draw", "-round-2"), ("sample", "-round-2"))]
+    assert {name: states[name] for name in cached} == dict.fromkeys(cached, "Cached")
+    assert states[f"score-step-{step}-round-2"] == "Completed"
+    staged = ObjectStore(str(tmp_path / "killed"))
+    assert kept_tables(staged) == kept_tables(streamed_run.store)
+    assert read_metrics(staged, "dapo")[-1]["dynamic_sampling/kept_groups"] == \
+        streamed_run.steps[-1]["dynamic_sampling/kept_groups"]
+
+
+@pytest.mark.slow
+def test_chunked_scoring_on_a_dask_cluster_ends_on_the_streamed_runs_checkpoint(streamed_run, tmp_path):
+    """Scored on a Dask LocalCluster (one worker, 2 chunks a round): every round's chunks run on it, and the run
+    keeps the same tables, to the same checkpoint."""
+    from clirun import task_run_states, train_in_process
+
+    step = streamed_run.resampled
+    on_dask = [*DYNAMIC_RUN, "--store", str(tmp_path / "dask"), "--set", "run.task_runner.type=dask",
+               "--set", "run.task_runner.n_workers=1", "--set", "run.task_runner.chunks=2"]
+    chunked = train_in_process(*on_dask)
+    assert chunked["checkpoint"] == streamed_run.result["checkpoint"]
+    states = task_run_states(chunked["flow_run_id"])
+    assert {states[f"score-step-{step}{r}-chunk-{chunk}"] for r in ("", "-round-1", "-round-2")
+            for chunk in (0, 1)} == {"Completed"}
+    assert kept_tables(ObjectStore(str(tmp_path / "dask"))) == kept_tables(streamed_run.store)
+
+
+@pytest.mark.slow
+def test_off_policy_rounds_sample_the_state_their_step_samples(streamed_run, tmp_path):
+    """k = 1, scored staged: step 1 samples the initial policy as on-policy, so it keeps the same rows; step 2
+    samples the initial policy too (one step stale), its rounds included, and keeps only groups with signal."""
+    from clirun import train_in_process
+
+    from rollout_lib.runlog.metrics_file import read_metrics
+
+    store = ObjectStore(str(tmp_path / "k1"))
+    train_in_process(*DYNAMIC_RUN, "--store", store.root, "--set", "algorithm.rl.max_off_policy_steps=1",
+                     "--set", "algorithm.rl.reward_loop.streamed=false")
+    def step_1(run_store: ObjectStore) -> pa.Table:
+        """Step 1's kept rows but what says which copy of the initial weights sampled them: the state's id (k is in
+        the chain's identity) and the logprobs' last bits (off-policy, a frozen copy samples)."""
+        scored = run_store.get_table(kept_tables(run_store, (1,))[0], wire.ROLLOUTS)
+        return scored.drop_columns(["sampled_from", "sampling_logprobs"])
+
+    assert step_1(store).equals(step_1(streamed_run.store))
+    assert_every_group_has_signal(store)
+    steps = read_metrics(store, "dapo")
+    assert [m["off_policy_lag"] for m in steps] == [0, 1]
+    sampled_from = set(store.get_table(kept_tables(store, (2,))[0], wire.ROLLOUTS).column("sampled_from").to_pylist())
+    assert sampled_from == set(store.get_table(kept_tables(store, (1,))[0], wire.ROLLOUTS)
+                               .column("sampled_from").to_pylist())  # both steps: the initial state

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rollout_lib.algo import ALGORITHMS
 from rollout_lib.algo.base import trains_env_tokens
-from rollout_lib.config.rl import EnvSettings, ReasoningGymSource, RlConfig, env_locator
+from rollout_lib.config.rl import EnvSettings, ReasoningGymSource, env_locator
 from rollout_lib.reward.functions import check_reward_function
 from rollout_lib.reward.settings import RewardFunctionSettings
 from rollout_lib.store import is_process_local
@@ -75,7 +75,7 @@ def rl_problems(config) -> list[tuple[str, str]]:
                              "with its trainer; a frozen model's logprobs are another policy's, never the "
                              "trainer's: sample this env from the policy or set correction type = \"none\""))
         if env.dynamic_sampling is not None:
-            problems += _dynamic_sampling_problems(config, env, where)
+            problems += _dynamic_sampling_problems(env, where)
         if env.sampling.max_tokens >= settings.max_seq_len:
             problems.append((f"{where}.sampling.max_tokens", f"must be < algorithm.rl.max_seq_len "
                              f"({settings.max_seq_len}) to leave room for the prompt"))
@@ -90,13 +90,8 @@ def rl_problems(config) -> list[tuple[str, str]]:
     return problems
 
 
-def _dynamic_sampling_problems(config: RlConfig, env: EnvSettings, where: str) -> list[tuple[str, str]]:
-    """Dynamic sampling scores each round inside the streamed sample stage (rl/dynamic_sampling.py): the staged
-    path (and a dask or ray fan-out, which is staged) is not built for it."""
+def _dynamic_sampling_problems(env: EnvSettings, where: str) -> list[tuple[str, str]]:
     problems = []
-    if not config.settings.reward_loop.streamed or config.run.task_runner.type != "thread":
-        problems.append((f"{where}.dynamic_sampling", "needs streamed scoring (algorithm.rl.reward_loop.streamed = "
-                         "true, run.task_runner.type = \"thread\"): the staged path does not resample"))
     if env.sampling.group_size == 1:
         problems.append((f"{where}.dynamic_sampling", "with sampling.group_size = 1 every group is uniform and "
                          "would be replaced"))

@@ -7,6 +7,11 @@ Resume-identical: round r's prompts are a seeded draw (derived_seed(seed, "dynam
 the env's prompts the step has not drawn yet, and its rollouts are seeded per (step, env, r), so the step's table is
 a function of its inputs, as the step's first draw is. A step where no group of any env kept its signal trains on
 its first round as it was (zero advantages: the step exists, it moves nothing but the KL terms).
+
+The rounds are steps of a chain: `next_replacements` draws round r's prompts from rounds 0..r-1 (their rows and
+rewards), `kept_rows` keeps the groups with signal once no round is left. A train-rl run runs each round as task
+runs of its own, cached on the ids of the rounds before (flows/rl_rounds.py), so a kill inside round r reruns from
+round r.
 """
 
 from __future__ import annotations
@@ -20,9 +25,6 @@ import pyarrow as pa
 from rollout_lib.config.rl import RlConfig
 from rollout_lib.determinism import derived_seed
 from rollout_lib.reward.loop import RewardResult
-from rollout_lib.reward.loops import RewardLoops
-from rollout_lib.rl.sample import rollout_metrics
-from rollout_lib.rl.streamed import StreamedStep, sample_and_score
 
 Group = tuple[str, str]  # (env, example_id)
 
@@ -33,6 +35,11 @@ class Round:
 
     rollouts: pa.Table
     results: list[RewardResult]
+
+
+def resamples(config: RlConfig) -> bool:
+    """Whether any env of the run replaces its uniform groups (`dynamic_sampling`)."""
+    return any(env.dynamic_sampling is not None for env in config.settings.envs)
 
 
 def uniform_groups(rollouts: pa.Table, results: list[RewardResult], envs: set[str]) -> set[Group]:
@@ -57,74 +64,76 @@ def replacement_prompts(prompts: pa.Table, drawn: set[str], count: int, *, seed:
     return prompts.take(pa.array([fresh[i] for i in picked], pa.int64()))
 
 
-def resampled(config: RlConfig, prompt_tables: dict[str, pa.Table], step: int, first: Round,
-              sample_round: Callable[[dict[str, pa.Table], int], Round]) -> tuple[Round, dict]:
-    """The step's kept rows, from its `first` round and as many replacement rounds (`sample_round(prompts by env,
-    round index)`, round index from 1) as its envs' `dynamic_sampling` allow, and the `dynamic_sampling/*`
-    metrics: rounds run, groups dropped (every round), groups kept, groups a full batch lacks."""
-    settings = {env.name: (index, env) for index, env in enumerate(config.settings.envs)
-                if env.dynamic_sampling is not None}
-    rounds, dropped = [first], uniform_groups(first.rollouts, first.results, set(settings))
-    drawn = {name: set() for name in settings}
-    for env, example_id in zip(first.rollouts.column("env").to_pylist(),
-                               first.rollouts.column("example_id").to_pylist()):
-        if env in drawn:
-            drawn[env].add(example_id)
-    kept = {name: len(drawn[name]) - sum(env == name for env, _ in dropped) for name in settings}
-    round_index = 0
-    while True:
-        round_index += 1
-        wanted = {name: env.prompts_per_step - kept[name] for name, (_, env) in settings.items()
-                  if kept[name] < env.prompts_per_step and round_index <= env.dynamic_sampling.max_rounds}
-        chosen = {name: replacement_prompts(prompt_tables[name], drawn[name], count, seed=config.run.seed,
-                                            step=step, env_index=settings[name][0], round_index=round_index)
-                  for name, count in wanted.items()}
-        chosen = {name: table for name, table in chosen.items() if table.num_rows}
-        if not chosen:
-            break
-        extra = sample_round(chosen, round_index)
-        uniform = uniform_groups(extra.rollouts, extra.results, set(chosen))
-        for name, table in chosen.items():
-            drawn[name].update(table.column("example_id").to_pylist())
-            kept[name] += table.num_rows - sum(env == name for env, _ in uniform)
-        rounds.append(extra)
-        dropped |= uniform
+def next_replacements(config: RlConfig, prompt_tables: dict[str, pa.Table], step: int,
+                      rounds: list[Round]) -> dict[str, pa.Table]:
+    """The PROMPTS, by env, of the step's next round (round index `len(rounds)`), given its `rounds` so far (the
+    first draw first): for each env with `dynamic_sampling` still short of `prompts_per_step` kept groups and rounds
+    left, that many prompts it has not drawn; empty when the step's rounds are over. A function of the rounds' rows
+    and rewards alone, so a rerun (or a round run by another process) draws the same."""
+    settings = _resampled_envs(config)
+    round_index = len(rounds)
+    drawn, kept = _drawn_and_kept(rounds, settings)
+    wanted = {name: env.prompts_per_step - kept[name] for name, (_, env) in settings.items()
+              if kept[name] < env.prompts_per_step and round_index <= env.dynamic_sampling.max_rounds}
+    chosen = {name: replacement_prompts(prompt_tables[name], drawn[name], count, seed=config.run.seed, step=step,
+                                        env_index=settings[name][0], round_index=round_index)
+              for name, count in wanted.items()}
+    return {name: table for name, table in chosen.items() if table.num_rows}
+
+
+def kept_rows(config: RlConfig, rounds: list[Round]) -> tuple[Round, dict]:
+    """The step's kept rows (every round's groups that carry a signal, round by round, in row order) and the
+    `dynamic_sampling/*` metrics: rounds run, groups dropped (every round), groups kept, groups a full batch lacks.
+    None kept: the first round as it was."""
+    settings = _resampled_envs(config)
+    _, kept = _drawn_and_kept(rounds, settings)
+    dropped = _dropped(rounds, settings)
     metrics = {"dynamic_sampling/rounds": len(rounds) - 1, "dynamic_sampling/dropped_groups": len(dropped),
                "dynamic_sampling/kept_groups": sum(kept.values()),
                "dynamic_sampling/short_by": sum(max(env.prompts_per_step - kept[name], 0)
                                                 for name, (_, env) in settings.items())}
     tables, results = [], []
     for part in rounds:
-        rows = [row for row, group in enumerate(zip(part.rollouts.column("env").to_pylist(),
-                                                    part.rollouts.column("example_id").to_pylist()))
-                if group not in dropped]
+        rows = [row for row, group in enumerate(_groups_of(part.rollouts)) if group not in dropped]
         tables.append(part.rollouts.take(pa.array(rows, pa.int64())))
         results.extend(part.results[row] for row in rows)
     if not results:  # nothing kept its signal: train the first round as it was, so the step exists
-        return first, metrics
+        return rounds[0], metrics
     return Round(pa.concat_tables(tables), results), metrics
 
 
-def sample_and_score_resampled(config: RlConfig, samplers: dict, prompt_tables: dict[str, pa.Table], step: int,
-                               loops: RewardLoops, curriculum_state: dict | None = None, policy_model=None,
-                               policy_state: str | None = None) -> StreamedStep:
-    """streamed.sample_and_score with dynamic sampling: every round streamed and scored as the first. The
-    behaviour logprobs are left to the advantages stage (they would cover rows the step drops), which computes
-    the same values."""
-    del policy_model, policy_state  # the behaviour stream is off here (docstring)
-    first = sample_and_score(config, samplers, prompt_tables, step, loops, curriculum_state)
-    steps = [first]
+def resampled(config: RlConfig, prompt_tables: dict[str, pa.Table], step: int, first: Round,
+              sample_round: Callable[[dict[str, pa.Table], int], Round]) -> tuple[Round, dict]:
+    """The step's kept rows, from its `first` round and as many replacement rounds (`sample_round(prompts by env,
+    round index)`, round index from 1) as its envs' `dynamic_sampling` allow, and their metrics (kept_rows): the
+    rounds in one process. A train-rl run runs each round as task runs of its own instead (flows/rl_rounds.py)."""
+    rounds = [first]
+    while chosen := next_replacements(config, prompt_tables, step, rounds):
+        rounds.append(sample_round(chosen, len(rounds)))
+    return kept_rows(config, rounds)
 
-    def sample_round(chosen: dict[str, pa.Table], round_index: int) -> Round:
-        steps.append(sample_and_score(config, samplers, prompt_tables, step, loops, replacements=chosen,
-                                      round_index=round_index))
-        return Round(steps[-1].rollouts, steps[-1].results)
 
-    kept, metrics = resampled(config, prompt_tables, step, Round(first.rollouts, first.results), sample_round)
-    reward_model_metrics: dict[str, int] = {}
-    for part in steps:
-        for name, count in part.reward_model_metrics.items():
-            reward_model_metrics[name] = reward_model_metrics.get(name, 0) + count
-    curriculum = {name: value for name, value in first.sample_metrics.items() if name.startswith("curriculum/")}
-    return StreamedStep(kept.rollouts, {**rollout_metrics(config, kept.rollouts), **curriculum, **metrics},
-                        kept.results, reward_model_metrics, steps[-1].sampled_at, steps[-1].scored_at)
+def _resampled_envs(config: RlConfig) -> dict:
+    """name -> (env index, env settings) of the envs with `dynamic_sampling`."""
+    return {env.name: (index, env) for index, env in enumerate(config.settings.envs)
+            if env.dynamic_sampling is not None}
+
+
+def _groups_of(rollouts: pa.Table) -> list[Group]:
+    return list(zip(rollouts.column("env").to_pylist(), rollouts.column("example_id").to_pylist()))
+
+
+def _dropped(rounds: list[Round], settings: dict) -> set[Group]:
+    return set().union(*(uniform_groups(part.rollouts, part.results, set(settings)) for part in rounds))
+
+
+def _drawn_and_kept(rounds: list[Round], settings: dict) -> tuple[dict[str, set[str]], dict[str, int]]:
+    """Per env with `dynamic_sampling`: the example ids its rounds drew, and how many of those groups kept a
+    signal."""
+    drawn: dict[str, set[str]] = {name: set() for name in settings}
+    for part in rounds:
+        for env, example_id in _groups_of(part.rollouts):
+            if env in drawn:
+                drawn[env].add(example_id)
+    dropped = _dropped(rounds, settings)
+    return drawn, {name: len(drawn[name]) - sum(env == name for env, _ in dropped) for name in settings}
