@@ -98,10 +98,10 @@ def test_a_single_turn_env_samples_the_policys_tokens_and_its_rubric_scores_them
         record = json.loads(row["episode"])
         assert record["sequences"] == 1 and record["state"]["verifiers"]["stop_condition"] == "max_turns_reached"
     results = score(env, prompts, rollouts)
-    # exact_reverse 1.0 * 1 + shared_letters 1.0 * 0.5 + answer_length (weight 0) + num_turns (weight 0)
+    # exact_reverse 1.0 * 1 + shared_letters 1.0 * 0.5 + answer_length, distinct_answers, num_turns (weight 0)
     assert [r.reward for r in results[:2]] == [1.5, 1.5]
     assert results[0].per_function == {"exact_reverse": 1.0, "shared_letters": 1.0, "answer_length": 3.0,
-                                       "num_turns": 1.0}
+                                       "distinct_answers": 0.5, "num_turns": 1.0}  # a group's two "tac"s: 1 of 2
     # "tac" is not "god": the failing function's rollouts lose their reward (verifiers would score 0), counted
     for result in results[2:]:
         assert result.reward is None and "shared_letters" in result.error and "told to fail on 'god'" in result.error
@@ -109,6 +109,7 @@ def test_a_single_turn_env_samples_the_policys_tokens_and_its_rubric_scores_them
     assert reward_metrics(results)["n_missing"] == 2
     means = function_means(None, results)  # the weight-0 metrics reach the step's metrics too
     assert means["reward/answer_length"] == 3.0 and means["reward/num_turns"] == 1.0
+    assert means["reward/distinct_answers"] == 0.5
 
 
 def test_a_tool_env_runs_its_tool_and_keeps_every_sampled_token():
@@ -240,7 +241,7 @@ def test_a_missing_env_module_is_one_line_and_exit_2_from_the_cli():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config_name, metric", [("rl-verifiers-single", "reward/answer_length"),
+@pytest.mark.parametrize("config_name, metric", [("rl-verifiers-single", "reward/distinct_answers"),
                                                  ("rl-verifiers-tools", "reward/total_tool_calls")])
 def test_two_steps_of_each_example_through_the_cli(prefect_server, tmp_path, config_name, metric):
     from clirun import run_rollout
