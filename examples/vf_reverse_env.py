@@ -1,6 +1,7 @@
 """A verifiers SingleTurnEnv, written as for verifiers 0.3.x and run unchanged by rollout (docs/environments.md,
 "verifiers environments"): reverse a short word. Its dataset is local rows (no hub), its rubric two reward
-functions and a weight-0 metric, all reading the parser's answer as verifiers' rubrics do.
+functions and two weight-0 metrics (one a group function, scoring a prompt's completions together), all reading the
+parser's answer as verifiers' rubrics do.
 
     PYTHONPATH=examples rollout train rl --config configs/rl-verifiers-single.toml
 
@@ -34,6 +35,11 @@ def load_environment(num_examples: int = 8, raise_on: list[str] | None = None) -
     def answer_length(completion, parser) -> float:  # weight 0: watched, not trained on
         return float(len((parser.parse_answer(completion) or "").strip()))
 
-    rubric = vf.Rubric(funcs=[exact_reverse, shared_letters, answer_length], weights=[1.0, 0.5, 0.0], parser=parser)
+    def distinct_answers(completions, parser) -> list[float]:  # a group metric: the share of different answers
+        said = [(parser.parse_answer(completion) or "").strip() for completion in completions]
+        return [len(set(said)) / len(said)] * len(said)
+
+    rubric = vf.Rubric(funcs=[exact_reverse, shared_letters, answer_length, distinct_answers],
+                       weights=[1.0, 0.5, 0.0, 0.0], parser=parser)
     return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(eval_rows),
                             system_prompt="Answer with the reversed word only.", parser=parser, rubric=rubric)

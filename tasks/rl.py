@@ -67,6 +67,8 @@ from rollout_lib.rl.sample import (
 from rollout_lib.rl.streamed import sample_and_score
 from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.rl.score import (
+    chunk_rows,
+    merged_results,
     results_from_json,
     reward_results,
     rewards_json,
@@ -259,25 +261,20 @@ def score_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, 
     return {"rollouts": store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
 
 
-def chunk_rows(num_rows: int, chunk: int, chunks: int) -> tuple[int, int]:
-    """Rows [start, stop) of chunk `chunk` of `chunks`: contiguous, in order, sizes differing by one at most."""
-    return num_rows * chunk // chunks, num_rows * (chunk + 1) // chunks
-
-
 @task(name="score-chunk", task_run_name=round_run_name("score", "-chunk-{chunk}"), **TASK_OPTIONS,
       cache_key_fn=content_key(extra=REWARD_SOURCES))
 def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id: str, step: int, chunk: int,
                      chunks: int, round_index: int = 0) -> str:
-    """The rewards of one chunk of a step's rollouts (chunk_rows), scored where the run's task runner put this
-    task (a Dask or Ray worker): with reward functions built here, since the flow's RewardLoops cannot travel.
+    """The rewards of one chunk of a step's rollouts (rl.score.chunk_rows: whole groups), scored where the run's
+    task runner put this task (a Dask or Ray worker): with reward functions built here, since the flow's RewardLoops cannot travel.
     Judges and reward models served over HTTP are reached from here; an embedded reward model loads here, once
     per chunk. Returns the id of the chunk's results (JSON: rollout_lib.rl.score.rewards_json). `round_index`: the
     dynamic-sampling round whose rollouts these are (0: the step's own draw; tasks/rl_rounds.py)."""
     store = open_store(config)
     rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
-    start, stop = chunk_rows(rollouts.num_rows, chunk, chunks)
+    rows = pa.array(chunk_rows(rollouts, chunk, chunks), pa.int64())
     with ServedModels(config.run.store) as served_models, run_reward_loops(config, served_models) as reward_loops:
-        results, reward_model_metrics = reward_results(config, rollouts.slice(start, stop - start),
+        results, reward_model_metrics = reward_results(config, rollouts.take(rows),
                                                        prompt_tables(config, prompts_ids), reward_loops)
     return store.put_json(rewards_json(results, reward_model_metrics))
 
@@ -285,18 +282,18 @@ def score_chunk_task(config: RlConfig, prompts_ids: dict[str, str], rollouts_id:
 @task(name="score-merge", task_run_name="score-merge-step-{step}", **TASK_OPTIONS,
       cache_key_fn=content_key(extra=REWARD_SOURCES))
 def score_merge_task(config: RlConfig, rollouts_id: str, step: int, chunk_ids: list[str]) -> dict:
-    """The step's scored rollouts from its chunks' results, concatenated in row order (a streamed step's: one
-    chunk, scored as it was sampled): the table (and its id) and metrics score_task gives."""
+    """The step's scored rollouts from its chunks' results, put back in row order (a streamed step's: one chunk,
+    scored as it was sampled): the table (and its id) and metrics score_task gives."""
     started = time.perf_counter()
     store = open_store(config)
     rollouts = store.get_table(rollouts_id, wire.ROLLOUTS)
-    results, reward_model_metrics = [], {}
+    chunk_results, reward_model_metrics = [], {}
     for chunk_id in chunk_ids:
         chunk = store.get_json(chunk_id)
-        results.extend(results_from_json(chunk["results"]))
+        chunk_results.append(results_from_json(chunk["results"]))
         for name, count in chunk["reward_model_metrics"]:
             reward_model_metrics[name] = reward_model_metrics.get(name, 0) + count
-    scored, metrics = scored_rollouts(config, rollouts, results, reward_model_metrics)
+    scored, metrics = scored_rollouts(config, rollouts, merged_results(rollouts, chunk_results), reward_model_metrics)
     return {"rollouts": store.put_table(scored), "metrics": {**metrics, "score_s": time.perf_counter() - started}}
 
 

@@ -269,6 +269,67 @@ def test_concurrency_bound_is_respected():
     assert peak == 4
 
 
+_longest_calls: list[list[str]] = []
+
+
+async def longest(items: list[RewardInput]) -> list[float]:
+    """A group function: 1 for the group's longest completion (the first on a tie), else 0."""
+    _longest_calls.append([item.completion_text for item in items])
+    lengths = [len(item.completion_text) for item in items]
+    return [float(k == lengths.index(max(lengths))) for k in range(len(items))]
+
+
+async def picky(items: list[RewardInput]) -> list[float]:
+    """A group function that fails as its group's example id says."""
+    how = items[0].example_id
+    if how == "raises":
+        raise RuntimeError("picky broke")
+    if how == "slow":
+        await asyncio.sleep(30)
+    return {"short": [1.0] * (len(items) - 1), "nan": [1.0, math.nan][:len(items)]}.get(how, [0.0] * len(items))
+
+
+longest.scores_group = picky.scores_group = True
+
+
+def test_a_group_function_scores_each_group_whole_in_row_order_and_its_failure_fails_the_group():
+    calls = _longest_calls
+
+    def group(example_id, *texts, **state):
+        return [RewardInput([], text, env="e", example_id=example_id, state=state) for text in texts]
+
+    good = group("a", "x", "xyz", "xy")
+    failed = group("f", "abc", "a") + group("f", "ab", episode_error="the env broke")
+    failing = [item for how in ("raises", "slow", "short", "nan") for item in group(how, "p", "q")]
+    with RewardLoop([(_async_one, 1.0), (longest, 2.0), (picky, 0.0)], concurrency=8, timeout_s=0.5) as loop:
+        interleaved = [good[0], failed[0], *failing, good[1], failed[1], failed[2], good[2]]
+        results = dict(zip(map(id, interleaved), loop.score(interleaved)))
+        assert [results[id(item)].reward for item in good] == [1.0, 3.0, 1.0]
+        assert results[id(good[1])].per_function == {"_async_one": 1.0, "longest": 1.0, "picky": 0.0}
+        # a member whose episode failed is missing, and left out of what the group function sees
+        assert [results[id(item)].reward for item in failed] == [3.0, 1.0, None]
+        assert results[id(failed[2])].error == "episode failed: the env broke"
+        assert sorted(calls) == [["abc", "a"], ["p", "q"], ["p", "q"], ["p", "q"], ["p", "q"], ["x", "xyz", "xy"]]
+        errors = {item.example_id: results[id(item)].error for item in failing}
+        assert all(results[id(item)].reward is None for item in failing)  # the whole group, never 0
+        assert errors == {"raises": "RuntimeError: reward fn 'picky': picky broke",
+                          "slow": "TimeoutError: reward fn 'picky' exceeded 0.5s",
+                          "short": "ValueError: reward fn 'picky': returned 1 scores for a group of 2 rollouts",
+                          "nan": "ValueError: reward fn 'picky': reward is not finite: nan"}
+
+        async def handed_over_last_first():  # as a streamed step hands rollouts over: in the order they end
+            scoring = loop.grouped(group_size=3)
+            calls.clear()
+            futures = {position: scoring.add(good[position], position) for position in (2, 1)}
+            await asyncio.sleep(0.05)
+            assert calls == []  # the group is not whole yet
+            futures[0] = scoring.add(good[0], 0)
+            return [await futures[position] for position in range(3)]
+
+        assert asyncio.run(handed_over_last_first()) == [results[id(item)] for item in good]
+        assert calls == [["x", "xyz", "xy"]]  # once, in row order
+
+
 def test_non_picklable_sync_function_is_refused_up_front():
     with pytest.raises(TypeError, match="must be picklable"):
         RewardLoop([(lambda inp: 1.0, 1.0)], concurrency=1, timeout_s=1)
@@ -328,7 +389,7 @@ def test_arrow_round_trip():
     )
     inputs = reward_inputs(rollouts, prompts)
     assert inputs[0] == RewardInput([{"role": "user", "content": "2+2?"}], "it is 4", "4", {"k": 1}, "math",
-                                    turns=[{"role": "assistant", "content": "it is 4"}])
+                                    turns=[{"role": "assistant", "content": "it is 4"}], example_id="e1")
     assert inputs[1].info == {}
     scored = apply_rewards(rollouts, [RewardResult(1.0), RewardResult(None, "ValueError: x")])
     assert scored.schema == wire.ROLLOUTS

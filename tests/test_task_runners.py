@@ -67,11 +67,9 @@ def test_chunked_scoring_merges_to_the_single_score_tasks_table_and_metrics(tmp_
     from prefect.logging import disable_run_logger
 
     from rollout_lib import wire
-    from rollout_lib.rl.score import run_reward_loops
-    from tasks.rl import chunk_rows, score_chunk_task, score_merge_task, score_task
+    from rollout_lib.rl.score import chunk_rows, run_reward_loops
+    from tasks.rl import score_chunk_task, score_merge_task, score_task
 
-    assert [chunk_rows(10, chunk, 3) for chunk in range(3)] == [(0, 3), (3, 6), (6, 10)]
-    assert [chunk_rows(2, chunk, 4) for chunk in range(4)] == [(0, 0), (0, 1), (1, 1), (1, 2)]  # empty chunks too
     config = rl_tiny(**{"run.store": str(tmp_path / "store")})
     store = ObjectStore(config.run.store)
     prompts = store.put_table(pa.Table.from_pylist([
@@ -84,6 +82,9 @@ def test_chunked_scoring_merges_to_the_single_score_tasks_table_and_metrics(tmp_
         {"sample_id": f"s{i}", "example_id": "ab"[i % 2], "env": "words", "group_index": i // 2, "prompt_ids": [1],
          "completion_ids": [2], "sampling_logprobs": [-0.1], "completion_text": text, "answer": None, "info": None}
         for i, text in enumerate(completions)], schema=wire.ROLLOUTS))
+    table = store.get_table(rollouts)  # groups a and b interleaved: a chunk holds whole groups, not a run of rows
+    assert [chunk_rows(table, chunk, 2) for chunk in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    assert [chunk_rows(table, chunk, 4) for chunk in range(4)] == [[], [0, 2, 4], [], [1, 3, 5]]  # empty chunks too
     with disable_run_logger(), run_reward_loops(config) as loops:
         single = score_task.fn(config, {"words": prompts}, rollouts, 1, loops)
     for chunks in (1, 4, 7):

@@ -98,10 +98,10 @@ def test_a_single_turn_env_samples_the_policys_tokens_and_its_rubric_scores_them
         record = json.loads(row["episode"])
         assert record["sequences"] == 1 and record["state"]["verifiers"]["stop_condition"] == "max_turns_reached"
     results = score(env, prompts, rollouts)
-    # exact_reverse 1.0 * 1 + shared_letters 1.0 * 0.5 + answer_length (weight 0) + num_turns (weight 0)
+    # exact_reverse 1.0 * 1 + shared_letters 1.0 * 0.5 + answer_length, distinct_answers, num_turns (weight 0)
     assert [r.reward for r in results[:2]] == [1.5, 1.5]
     assert results[0].per_function == {"exact_reverse": 1.0, "shared_letters": 1.0, "answer_length": 3.0,
-                                       "num_turns": 1.0}
+                                       "distinct_answers": 0.5, "num_turns": 1.0}  # a group's two "tac"s: 1 of 2
     # "tac" is not "god": the failing function's rollouts lose their reward (verifiers would score 0), counted
     for result in results[2:]:
         assert result.reward is None and "shared_letters" in result.error and "told to fail on 'god'" in result.error
@@ -109,6 +109,7 @@ def test_a_single_turn_env_samples_the_policys_tokens_and_its_rubric_scores_them
     assert reward_metrics(results)["n_missing"] == 2
     means = function_means(None, results)  # the weight-0 metrics reach the step's metrics too
     assert means["reward/answer_length"] == 3.0 and means["reward/num_turns"] == 1.0
+    assert means["reward/distinct_answers"] == 0.5
 
 
 def test_a_tool_env_runs_its_tool_and_keeps_every_sampled_token():
@@ -240,7 +241,7 @@ def test_a_missing_env_module_is_one_line_and_exit_2_from_the_cli():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config_name, metric", [("rl-verifiers-single", "reward/answer_length"),
+@pytest.mark.parametrize("config_name, metric", [("rl-verifiers-single", "reward/distinct_answers"),
                                                  ("rl-verifiers-tools", "reward/total_tool_calls")])
 def test_two_steps_of_each_example_through_the_cli(prefect_server, tmp_path, config_name, metric):
     from clirun import run_rollout
@@ -300,3 +301,90 @@ def test_a_nan_from_a_rubric_function_is_a_missing_reward_and_a_bool_counts_as_v
     assert first.reward == 1.5 and first.per_function == {"said_hello": 1.0, "unmeasurable": 0.5, "num_turns": 1.0}
     assert second.reward is None and "reward is not finite: nan" in second.error  # never 0, as verifiers' would be
     assert "unmeasurable" in second.error
+
+
+VF_GROUP_ENV = '''from datasets import Dataset
+import verifiers as vf
+
+
+def said_yes(completion) -> float:
+    return float("yes" in completion[-1].content)
+
+
+def longest(completions, answers, parser) -> list[float]:  # a group function: 1 for the group's longest answer
+    if "b" in answers:
+        raise RuntimeError("longest was told to fail on 'b'")
+    lengths = [len(parser.parse_answer(completion) or "") for completion in completions]
+    return [float(k == lengths.index(max(lengths))) for k in range(len(lengths))]
+
+
+async def group_size(states) -> list[float]:  # an async group metric (weight 0)
+    return [float(len(states))] * len(states)
+
+
+def load_environment():
+    rows = Dataset.from_list([{"question": "A?", "answer": "a"}, {"question": "B?", "answer": "b"}])
+    return vf.SingleTurnEnv(dataset=rows, eval_dataset=rows, rubric=vf.Rubric(
+        funcs=[said_yes, longest, group_size], weights=[1.0, 0.5, 0.0]))
+'''
+
+
+class CyclingPolicy(ScriptedPolicy):
+    """Answers its n-th request with turns[n % len(turns)], so the members of a group differ."""
+
+    def __call__(self, sequences, params, seed):
+        answers = []
+        for sequence in sequences:
+            ids = self.turns[len(self.sequences) % len(self.turns)]
+            self.sequences.append(list(sequence))
+            answers.append((list(ids), [-0.25] * len(ids)))
+        return answers
+
+
+def test_group_rubric_functions_score_each_group_as_verifiers_does_staged_streamed_or_chunked(
+        tmp_path, monkeypatch, tokenizer):
+    import asyncio
+
+    import pyarrow as pa
+
+    from rollout_lib.envs.verifiers_rubric import rebuilt_state
+    from rollout_lib.envs.verifiers_env import load_verifiers_environment
+    from rollout_lib.rl.score import chunk_rows, merged_results, reward_results
+    from rollout_lib.rl.streamed import StreamedScoring
+
+    (tmp_path / "vf_group_env.py").write_text(VF_GROUP_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(RlConfig, ROOT / "configs/rl-verifiers-single.toml", [
+        "algorithm.rl.envs[0].interaction.env_id=vf_group_env", "algorithm.rl.envs[0].interaction.env_args={}",
+        "algorithm.rl.envs[0].sampling.group_size=3", "algorithm.rl.reward_loop.sync_workers=1",
+        "algorithm.rl.reward_loop.timeout_s=60"])
+    env = config.settings.envs[0]
+    prompts = verifiers_prompts(env, "source")
+    policy = CyclingPolicy(tokenizer, ["yes", "no yes", "n"])
+    rollouts = sample_episodes(policy, tokenizer, build_interaction(env.interaction), prompts,
+                               [encode_prompt(tokenizer, m) for m in prompts.column("messages").to_pylist()],
+                               env.sampling.model_copy(update={"max_tokens": 64}), 7, [policy.end], 1024)
+    assert rollouts.column("example_id").to_pylist() == ["vf-reverse/0"] * 3 + ["vf-reverse/1"] * 3
+    tables = {env.name: prompts}
+    with RewardLoops(config.settings.reward_loop) as loops:
+        staged, _ = reward_results(config, rollouts, tables, loops)
+        with StreamedScoring(config, loops) as streamed:  # each row handed over as it would end: last row first
+            hand_over = streamed.stream_to(env.name, prompts)
+            for index, record in reversed(list(enumerate(rollouts.to_pylist()))):
+                hand_over(index, record)
+            assert streamed.results(rollouts, tables)[0] == staged
+        chunks = [reward_results(config, rollouts.take(pa.array(chunk_rows(rollouts, chunk, 3), pa.int64())),
+                                 tables, loops)[0] for chunk in range(3)]  # two groups in three chunks: each whole in one, one chunk empty
+        assert merged_results(rollouts, chunks) == staged
+    # verifiers' own Rubric.score_group on the first group's states gives the same rewards and function values
+    states = [rebuilt_state(item) for item in reward_inputs(rollouts.slice(0, 3), prompts)]
+    asyncio.run(load_verifiers_environment(env.interaction).rubric.score_group(states))
+    assert [r.reward for r in staged[:3]] == [state["reward"] for state in states] == [1.0, 1.5, 0.0]
+    assert [r.per_function for r in staged[:3]] == [state["metrics"] for state in states]
+    assert staged[1].per_function == {"said_yes": 1.0, "longest": 1.0, "group_size": 3.0, "num_turns": 1.0}
+    # the raising group function: the second group's rewards missing with its reason (verifiers would score 0)
+    for result in staged[3:]:
+        assert result.reward is None and result.per_function["longest"] is None
+        assert result.error == "RuntimeError: reward fn 'longest': longest was told to fail on 'b'"
+    means = function_means(None, staged)  # a group metric's mean reaches the step's metrics as any function's
+    assert means["reward/group_size"] == 3.0 and means["reward/longest"] == 1 / 3

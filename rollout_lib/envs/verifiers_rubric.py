@@ -11,9 +11,13 @@ step's metrics (`reward/<function>`), never trained on, as in verifiers.
 Each function is called as verifiers' Rubric calls it: with the arguments its signature names among those the
 rubric's own `score_objects` gives (prompt, completion, answer, state, info, task, the rubric's parser and its other
 class objects), from the episode's recorded final state (verifiers_client.state_record) rebuilt as a verifiers State
-with pydantic messages. The trajectory it sees holds each turn's completion messages, not their tokens. Group reward
-functions (plural arguments: `completions`, `states`, ...) score a group together, which a per-rollout reward loop
-cannot: they are refused when the loop is built.
+with pydantic messages. The trajectory it sees holds each turn's completion messages, not their tokens.
+
+A group reward function (verifiers' `_is_group_func`: plural arguments `completions`, `states`, ..., or a list
+return) is a group function of the loop (contract.is_group_function): called once per (env, example_id) group with
+the rubric's `group_score_objects` of the members' states, in row order, as Rubric.score_group calls it; its scores
+enter each member's weighted sum with its weight, as there. Where verifiers scores a raising one 0 for the whole
+group, the loop records the group's rewards missing with the error.
 """
 
 from __future__ import annotations
@@ -40,12 +44,9 @@ def rubric_functions(settings, weight: float = 1.0) -> list[tuple[object, float]
     functions = []
     for index, (rubric, function, function_weight) in enumerate(flattened_rubric(environment.rubric)):
         name = getattr(function, "__name__", None) or type(function).__name__
-        if rubric._is_group_func(function):
-            raise ValueError(f"verifiers environment {settings.env_id!r}: rubric function {name!r} scores a group "
-                             "(plural arguments or a list return); rollout's reward loop scores each rollout on its "
-                             "own, so group reward functions are not supported")
         kind = AsyncRubricFunction if inspect.iscoroutinefunction(function) else SyncRubricFunction
-        functions.append((kind(settings.env_id, args, index, name), float(function_weight) * weight))
+        functions.append((kind(settings.env_id, args, index, name, scores_group=rubric._is_group_func(function)),
+                          float(function_weight) * weight))
     if not functions:
         raise ValueError(f"verifiers environment {settings.env_id!r}: its rubric has no reward functions")
     return functions
@@ -53,27 +54,41 @@ def rubric_functions(settings, weight: float = 1.0) -> list[tuple[object, float]
 
 class SyncRubricFunction:
     """A sync rubric function, by position: picklable (the loop runs it in a worker process, which loads the
-    environment once)."""
+    environment once). `scores_group`: a group function, given the group's RewardInputs and returning their scores."""
 
-    def __init__(self, env_id: str, env_args_json: str, index: int, name: str):
+    def __init__(self, env_id: str, env_args_json: str, index: int, name: str, scores_group: bool = False):
         self.env_id, self.env_args_json, self.index = env_id, env_args_json, index
+        self.scores_group = scores_group
         self.__name__ = self.__qualname__ = name  # what the step's metrics and errors call it
 
-    def _bound(self, item: RewardInput):
+    def _bound(self, argument: RewardInput | list[RewardInput]):
         rubric, function, _ = flattened_rubric(loaded_environment(self.env_id, self.env_args_json).rubric)[self.index]
-        return function, _arguments(rubric, function, item)
+        if self.scores_group:
+            return function, _named(function, rubric.group_score_objects([rebuilt_state(item) for item in argument]))
+        return function, _named(function, rubric.score_objects(rebuilt_state(argument)))
 
-    def __call__(self, item: RewardInput) -> float:
-        function, kwargs = self._bound(item)
-        return _as_number(function(**kwargs))
+    def _read(self, value) -> float | list[float]:
+        return _as_numbers(value) if self.scores_group else _as_number(value)
+
+    def __call__(self, argument: RewardInput | list[RewardInput]) -> float | list[float]:
+        function, kwargs = self._bound(argument)
+        return self._read(function(**kwargs))
 
 
 class AsyncRubricFunction(SyncRubricFunction):
     """An async rubric function: awaited on the reward loop's event loop (cancelled at the timeout)."""
 
-    async def __call__(self, item: RewardInput) -> float:
-        function, kwargs = self._bound(item)
-        return _as_number(await function(**kwargs))
+    async def __call__(self, argument: RewardInput | list[RewardInput]) -> float | list[float]:
+        function, kwargs = self._bound(argument)
+        return self._read(await function(**kwargs))
+
+
+def _as_numbers(value) -> list[float]:
+    """A group function's scores, each read as verifiers reads a reward; the loop checks the count against the
+    group's size."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"a group rubric function returns a list of numbers, got {type(value).__name__}: {value!r}")
+    return [_as_number(score) for score in value]
 
 
 def _as_number(value) -> float:
@@ -83,10 +98,9 @@ def _as_number(value) -> float:
     return float(value)
 
 
-def _arguments(rubric, function, item: RewardInput) -> dict:
-    """What verifiers' Rubric._call_individual_reward_func passes `function`: the rubric's score objects for the
-    episode's state, all of them to a **kwargs function, else those its signature names."""
-    objects = rubric.score_objects(rebuilt_state(item))
+def _named(function, objects: dict) -> dict:
+    """What verifiers' Rubric._call_individual_reward_func (and _call_group_reward_func) passes `function` of the
+    rubric's score objects: all of them to a **kwargs function, else those its signature names."""
     parameters = inspect.signature(function).parameters.values()
     if any(parameter.kind == parameter.VAR_KEYWORD for parameter in parameters):
         return objects

@@ -1,5 +1,6 @@
 """The contract between the reward loop and a reward function: what one call is given (`RewardInput`), what its
-return value stands for (`as_score`), and how the loop tells an async function from a sync one.
+return value stands for (`as_score`), and how the loop tells an async function from a sync one, and a group function
+(`is_group_function`: it scores a group's rollouts together) from a per-rollout one.
 
 The bottom of the reward room: functions, adapters (verl), the loop, judges and reward models all import it, and
 it imports none of them.
@@ -29,6 +30,11 @@ class RewardInput:
     # episode's final state (envs.base.Interaction). Single-turn: turns holds the one completion, state is empty.
     turns: list[dict] = field(default_factory=list)
     state: dict = field(default_factory=dict)
+    example_id: str = ""  # with `env`, the group the rollout belongs to (the rollouts of one prompt)
+
+    @property
+    def group(self) -> tuple[str, str]:
+        return self.env, self.example_id
 
 
 def as_score(value: Any) -> float:
@@ -67,6 +73,15 @@ def is_async_callable(fn: Any) -> bool:
     if isinstance(fn, type):  # calling a class constructs an instance, whatever its __call__ is
         return False
     return inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))
+
+
+def is_group_function(fn: Any) -> bool:
+    """True for a group reward function (a verifiers rubric's plural-argument one): marked `scores_group = True`,
+    it is called once per group with the group's RewardInputs in row order and returns one score per input, in
+    that order (each a float or a reward dict, as `as_score` reads them)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "scores_group", False) is True
 
 
 def function_name(fn: Any) -> str:

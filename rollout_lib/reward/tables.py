@@ -50,6 +50,7 @@ def reward_input(row: dict, messages_by_example: dict[str, list[dict]] | None = 
         env=row.get("env"),
         turns=messages,
         state=state,
+        example_id=example_id,
     )
 
 

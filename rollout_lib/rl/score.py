@@ -7,6 +7,7 @@ import math
 
 import pyarrow as pa
 
+from rollout_lib.algo.stamping import group_rows
 from rollout_lib.config.rl import EnvSettings, RlConfig, env_locator
 from rollout_lib.hardware import hardware_of_config
 from rollout_lib.reward.loop import (
@@ -60,8 +61,9 @@ def score_rollouts(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
 def reward_results(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str, pa.Table],
                    loops: RewardLoops) -> tuple[list[RewardResult], dict[str, int]]:
     """Each rollout's RewardResult, row for row, and the reward models' counts (`reward_model/<count>`, none
-    without one). Every result depends on its own row alone: scoring the rows in chunks and concatenating the
-    results gives the same list (the fan-out of a dask or ray task runner)."""
+    without one). Every result depends on its own row (a group function's on its group) alone: scoring the rows in
+    chunks of whole groups (chunk_rows) and putting the results back by row (merged_results) gives the same list
+    (the fan-out of a dask or ray task runner)."""
     envs = rollouts.column("env").to_pylist()
     rows_by_env = {env.name: [i for i, name in enumerate(envs) if name == env.name] for env in config.settings.envs}
     # outside the event loop: may connect a judge
@@ -79,6 +81,28 @@ def reward_results(config: RlConfig, rollouts: pa.Table, prompt_tables: dict[str
         for row, result in zip(rows_by_env[env.name], env_results):
             results[row] = result
     return results, loops.take_reward_model_metrics()
+
+
+def chunk_rows(rollouts: pa.Table, chunk: int, chunks: int) -> list[int]:
+    """The rows, in row order, of chunk `chunk` of `chunks` of a step's rollouts: whole (env, example_id) groups, so
+    a group reward function sees its group in one chunk; the groups, in order of first appearance, cut into runs
+    whose counts differ by one at most (a chunk may hold none). One chunk: every row."""
+    groups = list(group_rows(rollouts).values())
+    first, stop = len(groups) * chunk // chunks, len(groups) * (chunk + 1) // chunks
+    return sorted(row for group in groups[first:stop] for row in group)
+
+
+def merged_results(rollouts: pa.Table, chunk_results: list[list[RewardResult]]) -> list[RewardResult]:
+    """The step's RewardResults in row order from each chunk's (chunk_rows of len(chunk_results) chunks)."""
+    results: list = [None] * rollouts.num_rows
+    for chunk, chunk_result in enumerate(chunk_results):
+        rows = chunk_rows(rollouts, chunk, len(chunk_results))
+        if len(rows) != len(chunk_result):
+            raise ValueError(f"chunk {chunk} of {len(chunk_results)} has {len(chunk_result)} rewards for its "
+                             f"{len(rows)} rows")
+        for row, result in zip(rows, chunk_result):
+            results[row] = result
+    return results
 
 
 def scored_rollouts(config: RlConfig, rollouts: pa.Table, results: list[RewardResult],

@@ -3,9 +3,11 @@
 A streamed step's sample stage hands each rollout to StreamedScoring the moment its sampler has it final (a
 request back from the engine, a batch of the embedded sampler, an episode that ended: sampling.base.RolloutRows),
 and StreamedScoring starts its reward at once, on an event loop in a thread of its own, while the caller's thread
-samples on. Every reward depends on its own row alone, so the results, put in row order, are the ones the staged
-score stage gives (rl/score.py) and the scored table, its id and the step's checkpoint are the same either way;
-only the time differs (docs/rewards.md, "Scoring while sampling").
+samples on; a group reward function (a verifiers rubric's) runs when its group's last member is in, over the
+members in row order (reward/loop.py, GroupedScoring). Every reward depends on its own row (and a group function's
+on its group) alone, so the results, put in row order, are the ones the staged score stage gives (rl/score.py) and
+the scored table, its id and the step's checkpoint are the same either way; only the time differs (docs/rewards.md,
+"Scoring while sampling").
 
 Off-policy, the same hand-over feeds the behaviour logprobs' forwards (rl/behaviour_stream.py), which then run
 while the step samples instead of at its advantages stage.
@@ -25,7 +27,7 @@ from typing import Callable
 import pyarrow as pa
 
 from rollout_lib.config.rl import RlConfig
-from rollout_lib.reward.loop import RewardResult
+from rollout_lib.reward.loop import GroupedScoring, RewardResult
 from rollout_lib.reward.loops import RewardLoops
 from rollout_lib.reward.tables import prompt_messages, reward_input
 from rollout_lib.rl.behaviour_stream import BehaviourStream, overlaps_behaviour_logprobs
@@ -103,14 +105,15 @@ class StreamedScoring:
         self.loops = loops
         # Built here, outside the event loop: building one may connect a judge.
         self._env_loops = {env.name: env_reward_loop(loops, config, env) for env in config.settings.envs}
+        self._group_sizes = {env.name: env.sampling.group_size for env in config.settings.envs}
         # (env name, index among the env's rows, record, its env's prompt messages), appended by the sampler's
         # thread, drained by the scoring thread's `_start_handed`; `_wake_pending` while a drain is scheduled.
         self._handed: collections.deque = collections.deque()
         self._wake_pending = False
-        self._scoring: dict[tuple[str, int], tuple[str, asyncio.Task]] = {}  # the scoring thread's
+        self._scoring: dict[tuple[str, int], tuple[str, asyncio.Future]] = {}  # the scoring thread's
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._streams: dict[str, GroupedScoring] = {}
         started = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(started,), name="streamed-scoring", daemon=True)
         self._thread.start()
@@ -128,7 +131,9 @@ class StreamedScoring:
     async def _until_stopped(self, started: threading.Event) -> None:
         try:
             self._stop = asyncio.Event()
-            self._slots = {name: asyncio.Semaphore(loop.concurrency) for name, loop in self._env_loops.items()}
+            # Each env with its own bound of `concurrency` calls in flight; a group's functions once it is whole.
+            self._streams = {name: loop.grouped(group_size=self._group_sizes[name])
+                             for name, loop in self._env_loops.items()}
             self._event_loop = asyncio.get_running_loop()
         finally:
             started.set()
@@ -143,13 +148,14 @@ class StreamedScoring:
             self._start(env_name, index, record["sample_id"], record, messages)
 
     def _start(self, env_name: str, index: int, sample_id: str, record: dict, messages: dict) -> None:
-        task = asyncio.ensure_future(self._score(env_name, record, messages))
-        self._scoring[(env_name, index)] = (sample_id, task)
-
-    async def _score(self, env_name: str, record: dict, messages: dict) -> RewardResult:
-        item = reward_input(record, messages, f"rollout {record['sample_id']!r}")
-        (result,) = await self._env_loops[env_name].ascore([item], self._slots[env_name])
-        return result
+        try:
+            item = reward_input(record, messages, f"rollout {sample_id!r}")
+        except Exception as exc:  # noqa: BLE001 - a row its prompts lack: raised where the results are collected
+            result = asyncio.get_running_loop().create_future()
+            result.set_exception(exc)
+        else:
+            result = self._streams[env_name].add(item, index)
+        self._scoring[(env_name, index)] = (sample_id, result)
 
     async def _collect(self, envs: list[str], sample_ids: list[str], rollouts: pa.Table,
                        prompt_tables: dict[str, pa.Table]) -> list[RewardResult]:
@@ -174,6 +180,8 @@ class StreamedScoring:
         if len(keys) != len(self._scoring):
             raise AssertionError(f"streamed scoring: {len(self._scoring)} rollouts handed over, {len(keys)} in "
                                  "the table")
+        for stream in self._streams.values():  # groups short of group_size members: scored with those they have
+            stream.flush()
         return list(await asyncio.gather(*(self._scoring[key][1] for key in keys)))
 
     # -- the sampling thread --------------------------------------------------------------------------------------
