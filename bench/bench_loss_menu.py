@@ -12,6 +12,8 @@ greedy held-out set, evaluated before step 1 and every 5 steps) at steps 0/5/...
                 gspo, cispo            `algorithm.rl.loss.type`, their default knobs
                 dr_grpo                grpo + `algorithm.rl.loss.normalizer = { constant = 24 }` (the max_tokens)
                 dapo                   grpo + `envs[0].dynamic_sampling = { max_rounds = 3 }` (streamed scoring)
+                grpo_k1, gspo_k1,      the same with `max_off_policy_steps = 1`
+                cispo_k1
 
     .venv/bin/python bench/bench_loss_menu.py [--seeds 42,43] [--steps 25] [--variants grpo,gspo,cispo,dr_grpo,dapo]
                                               [--out bench-loss-menu.md]
@@ -39,6 +41,10 @@ VARIANTS = {
     # DAPO's dynamic sampling: a group whose rewards are all equal is replaced by a fresh prompt's (3 rounds at
     # most); scored streamed, as when the bench was first run (every scoring runs the rounds now).
     "dapo": ["algorithm.rl.reward_loop.streamed=true", "algorithm.rl.envs[0].dynamic_sampling={ max_rounds = 3 }"],
+    # Off-policy (k = 1: each batch sampled one policy version back), where the ratios move and the losses differ.
+    "grpo_k1": ["algorithm.rl.max_off_policy_steps=1"],
+    "gspo_k1": ["algorithm.rl.loss.type=gspo", "algorithm.rl.max_off_policy_steps=1"],
+    "cispo_k1": ["algorithm.rl.loss.type=cispo", "algorithm.rl.max_off_policy_steps=1"],
 }
 
 
