@@ -56,6 +56,7 @@ class NodeAgent:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "NodeAgent":
+        begun = self.log.stat().st_size if self.log.exists() else 0  # the log is shared by this home's agents
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "rollout_cli", "node", "start", "--pool", self.pool, "--node", "1", "--poll-s", "1",
@@ -63,7 +64,7 @@ class NodeAgent:
                 cwd=self.work, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         deadline = time.monotonic() + 120
-        while "started!" not in self.log.read_text(errors="replace"):  # the worker's own "Worker ... started!"
+        while b"started!" not in self.log.read_bytes()[begun:]:  # this worker's own "Worker ... started!"
             assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
             time.sleep(0.5)
         return self
