@@ -158,10 +158,10 @@ def test_a_node_whose_agent_never_runs_is_frozen_or_killed_fails_the_segment_nam
         f"node-part/{pool}-node-1): run `rollout node start --pool {pool} --node 1` on that node")
     assert not (tmp_path / "absent").exists()
 
-    # registered, but its worker never started: the part is never taken
+    # registered, but its worker never started: the part is never taken (the rendezvous' whole 2 s waited)
     register(prefect_server["api_url"], pool, 1, node_home)
     with pytest.raises(DataParallelError) as never:
-        train_in_process(*sft_args(tmp_path / "never", *over_two_nodes(pool, timeout_s=5)))
+        train_in_process(*sft_args(tmp_path / "never", *over_two_nodes(pool, timeout_s=2)))
     error = str(never.value).splitlines()[0]
     assert error.startswith("train steps 1-1: node 1's part (flow run ") and error.endswith(
         f"work queue 'node-1' of pool '{pool}') never started: no agent of that node took it; start it there with "
