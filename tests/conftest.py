@@ -107,6 +107,9 @@ def write_pairs(path: Path, rows: list[dict], bad_line: int | None = None) -> Pa
     return path
 
 
+READ_TIME_FIELDS = ("estimated_run_time", "estimated_start_time_delta")  # Prefect's own __eq__ skips them too
+
+
 class DeploymentStack:
     """The session's stack seen from a test: start deployment runs as users do (`prefect deployment run`) and
     read what happened through the REST API."""
@@ -166,8 +169,14 @@ class DeploymentStack:
         """The task runs of a finished flow run, once the server has recorded them all."""
         from clirun import settled
 
-        return settled(lambda: self.api("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}},
-                                                                        "sort": "EXPECTED_START_TIME_ASC"}))
+        def read() -> list[dict]:
+            runs = self.api("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}},
+                                                          "sort": "EXPECTED_START_TIME_ASC"})
+            # computed at each read (a task run left Running by a killed flow run grows them forever): dropped, or
+            # `settled` never sees two reads alike and waits its whole timeout
+            return [{key: value for key, value in run.items() if key not in READ_TIME_FIELDS} for run in runs]
+
+        return settled(read)
 
     def artifacts(self, flow_run_id: str) -> list[dict]:
         return self.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})

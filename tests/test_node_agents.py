@@ -56,6 +56,7 @@ class NodeAgent:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "NodeAgent":
+        begun = self.log.stat().st_size if self.log.exists() else 0  # the log is shared by this home's agents
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "rollout_cli", "node", "start", "--pool", self.pool, "--node", "1", "--poll-s", "1",
@@ -63,7 +64,7 @@ class NodeAgent:
                 cwd=self.work, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         deadline = time.monotonic() + 120
-        while "started!" not in self.log.read_text(errors="replace"):  # the worker's own "Worker ... started!"
+        while b"started!" not in self.log.read_bytes()[begun:]:  # this worker's own "Worker ... started!"
             assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
             time.sleep(0.5)
         return self
@@ -157,10 +158,10 @@ def test_a_node_whose_agent_never_runs_is_frozen_or_killed_fails_the_segment_nam
         f"node-part/{pool}-node-1): run `rollout node start --pool {pool} --node 1` on that node")
     assert not (tmp_path / "absent").exists()
 
-    # registered, but its worker never started: the part is never taken
+    # registered, but its worker never started: the part is never taken (the rendezvous' whole 2 s waited)
     register(prefect_server["api_url"], pool, 1, node_home)
     with pytest.raises(DataParallelError) as never:
-        train_in_process(*sft_args(tmp_path / "never", *over_two_nodes(pool, timeout_s=5)))
+        train_in_process(*sft_args(tmp_path / "never", *over_two_nodes(pool, timeout_s=2)))
     error = str(never.value).splitlines()[0]
     assert error.startswith("train steps 1-1: node 1's part (flow run ") and error.endswith(
         f"work queue 'node-1' of pool '{pool}') never started: no agent of that node took it; start it there with "

@@ -87,14 +87,15 @@ def test_two_nodes_of_one_process_train_what_one_node_of_two_trains(tmp_path):
 @pytest.mark.slow
 def test_a_node_that_never_joins_fails_the_segment_or_policy_group_in_one_line_naming_the_rendezvous(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
-    inputs, batches = sft_inputs(sft(str(tmp_path / "store"), 1, 2, endpoint, timeout_s=5))
+    # 2 s: no node will come, so the whole timeout is waited (twice: the segment's group, the policy group)
+    inputs, batches = sft_inputs(sft(str(tmp_path / "store"), 1, 2, endpoint, timeout_s=2))
     start = CausalLmTrainer.initial(inputs, batches=batches).checkpoint_id
     with pytest.raises(DataParallelError) as raised:
         run_segment_in_processes(CausalLmTrainer, inputs, start, 1, 2, 1, announce=lambda commands: None,
                                  batches=batches)
     message = str(raised.value)
     assert message == (f"train steps 1-2: not every node of 2 joined the training group's rendezvous at {endpoint} "
-                       "within 5 s (hardware.rdzv_timeout_s); start the other nodes' torchrun (logged as the group "
+                       "within 2 s (hardware.rdzv_timeout_s); start the other nodes' torchrun (logged as the group "
                        "started), "
                        "or set hardware.nnodes = 1. The segment's start checkpoint is in the store, so a rerun trains "
                        "steps 1-2 again from it")
@@ -102,7 +103,7 @@ def test_a_node_that_never_joins_fails_the_segment_or_policy_group_in_one_line_n
     # train-rl's policy group likewise, at its first command; nothing is lost: the start is in the store
     cfg = load_config(RlConfig, "configs/rl-tiny.toml", {
         "run.store": str(tmp_path / "rl"), "algorithm.rl.hardware.nnodes": 2,
-        "algorithm.rl.hardware.rdzv_endpoint": endpoint, "algorithm.rl.hardware.rdzv_timeout_s": 5})
+        "algorithm.rl.hardware.rdzv_endpoint": endpoint, "algorithm.rl.hardware.rdzv_timeout_s": 2})
     store = ObjectStore(cfg.run.store)
     run = policy_inputs(store, cfg, {"words": store.put_table(load_prompts(cfg.settings.envs[0]))})
     start = CausalLmTrainer.initial(run, batches=RecordedBatches(store)).checkpoint_id
@@ -113,6 +114,6 @@ def test_a_node_that_never_joins_fails_the_segment_or_policy_group_in_one_line_n
     finally:
         group.close()
     assert str(raised.value) == (
-        f"export of state {start}: not every node of 2 joined the policy group's rendezvous at {endpoint} within 5 s "
+        f"export of state {start}: not every node of 2 joined the policy group's rendezvous at {endpoint} within 2 s "
         "(hardware.rdzv_timeout_s); start the other nodes' torchrun (logged as the group started), or set "
         "hardware.nnodes = 1. The steps before it are in the store, so a rerun trains from the last of them")
