@@ -327,7 +327,9 @@ SHARED_SERVERS = {"vllm_tiny": "vllm_tiny", "vllm_tiny_session": "vllm_tiny", "w
 # The longest groups (seconds on one 2-core worker, measured 2026-11-27 with --durations=0, a quiet AVX-512 machine:
 # worker_stack 273, test_policy_engine 270, vllm_tiny 231, test_rl_data_parallel 218, test_task_runners 163,
 # test_sharding 162, ... of 3283 in all; test_node_agents, added later: 501 s on a machine at load 15, not measured
-# quiet), handed out first so that neither worker is left with a long group at the end; the rest follow in file order.
+# quiet), first in the collected order. pytest-xdist (3.8, `--loadscope-reorder`, its default) hands groups out by
+# how many tests each holds, so this order only breaks its ties: replaying a suite's durations through its scheduler
+# gave workers ending 856 / 854 s, this order 850 / 860, the ideal longest-first 855 / 855 (helper "wall", 2026-11-28).
 LONGEST_GROUPS = ["worker_stack", "test_policy_engine", "vllm_tiny", "test_rl_data_parallel", "test_task_runners",
                   "test_sharding", "test_node_agents", "test_off_policy", "test_distillation", "test_rlhf_flow", "test_data_parallel",
                   "test_multiturn_learn", "test_lora", "test_policy_remote",
