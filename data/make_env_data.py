@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prompts of the multi-turn toy envs (calculator, guess_number) and the tiny model's SFT warm start for both.
 
-    python data/make_env_data.py   # writes the three files below
+    python data/make_env_data.py   # writes the four files below
 
 - rl-calculator-prompts.jsonl: "Use the calculator. What is 56 * 77?" with answer "4312": products of two numbers
   in 32..99 (always 4 digits), which the tiny model cannot compute; it has to call the tool
@@ -13,13 +13,21 @@
   with one digit wrong) and the others "Maybe it is <another 4-digit number>.". GUESS_FEEDBACK_RATE of the
   guessing demos bisect the interval the feedback leaves; the others guess at random in 1..8. The calculator
   demos ask other questions than the RL prompts.
+- sft-calculator-tools-tiny.jsonl: the same demonstrations with the calculator's as OpenAI tool calls
+  (`tools`: the `calculate` schema, made from the function as the RL run makes it; the assistant's `tool_calls`
+  with the RL driver's call id; the `tool` result), which configs/templates/chatml-tools-compact.jinja renders as
+  configs/rl-calculator.toml's episodes: the warm start of that config (configs/sft-calculator-tools-tiny.toml).
+  Same questions, answers, copy rates and order; the guessing demos stay in, as in the warm start measured
+  (docs/environments.md).
 
 Why the calculator data is this regular (measured with configs/sft-tools-tiny.toml, several seeds): the tiny model
 copies the question into the call, and the result into the answer, only once one attention head copies from a
 fixed distance back. So the question ends every prompt, every operand and result has the same length, and "The
 product is " is as long as the framing before the call's expression: both copies are from 21 tokens back. With `+`
 questions too, the operator was copied in some runs only; with an operand as the wrong answer, or a wrong answer
-after the same words as a right one, the result was copied in some runs only.
+after the same words as a right one, the result was copied in some runs only. With tool calls a Hermes call's
+framing is ~55 tokens, so the two copies are from different distances back; seed 42 still learns both, around SFT
+step 300-350.
 
 Deterministic: one seeded `random.Random` per file, no iteration over sets.
 """
@@ -28,9 +36,16 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from rollout_lib.envs.tools import ToolSettings  # noqa: E402
+from rollout_lib.envs.tools.toolbox import build_toolbox  # noqa: E402
+
+CALCULATE = "rollout_lib.envs.tools.calculate:calculate"  # configs/rl-calculator.toml's tool
 
 CALC_TEMPLATES = (
     "What is {expr}?",
@@ -105,7 +120,14 @@ def _sloppy_copy(rng: random.Random, value: int) -> int:
     return int("".join(digits))
 
 
+def calculate_schema() -> dict:
+    """The `calculate` tool's OpenAI schema, made as the RL run makes it (from the function's signature and
+    docstring), so the demos show the model the tool line its RL prompts show."""
+    return build_toolbox([ToolSettings.model_validate(CALCULATE)]).schemas[0]
+
+
 def _calc_demo(rng: random.Random, expr: str, value: int) -> dict:
+    """A text-protocol episode (`calc: 37 * 24`, the calculator interaction)."""
     if rng.random() < CALC_COPY_RATE:
         final = COPIED_ANSWER.format(_sloppy_copy(rng, value) if rng.random() < SLOPPY_COPY_RATE else value)
     else:
@@ -115,6 +137,20 @@ def _calc_demo(rng: random.Random, expr: str, value: int) -> dict:
         {"role": "assistant", "content": f"calc: {expr}"},
         {"role": "tool", "content": str(value)},
         {"role": "assistant", "content": final},
+    ]}
+
+
+def _as_tool_calls(demo: dict, schema: dict) -> dict:
+    """A text-protocol calculator demo as an OpenAI tool-call conversation (the tools interaction)."""
+    question, call, result, final = demo["messages"]
+    expr = call["content"].removeprefix("calc: ")
+    return {"tools": [schema], "messages": [
+        question,
+        {"role": "assistant", "content": "", "tool_calls": [  # the RL driver's call id for turn 1's first call
+            {"id": "call_1_0", "type": "function",
+             "function": {"name": "calculate", "arguments": {"expression": expr}}}]},
+        {"role": "tool", "tool_call_id": "call_1_0", "name": "calculate", "content": result["content"]},
+        final,
     ]}
 
 
@@ -135,16 +171,27 @@ def _guess_demo(rng: random.Random, secret: int) -> dict:
     return {"messages": messages}
 
 
-def sft_tools_rows() -> list[dict]:
+def _sft_rows(as_tool_calls: bool) -> list[dict]:
     # One generator per part: retuning the guessing demos leaves the calculator demos and the order as they are.
     calc_rng, guess_rng = random.Random(202), random.Random(203)
     rl_exprs = {expr for expr, _ in _rl_calc_questions()}
     calc = [_calc_demo(calc_rng, expr, value)
             for expr, value in _calc_questions(calc_rng, SFT_CALC_ROWS, rl_exprs)]
+    if as_tool_calls:
+        schema = calculate_schema()
+        calc = [_as_tool_calls(demo, schema) for demo in calc]
     guess = [_guess_demo(guess_rng, guess_rng.randint(LOW, HIGH)) for _ in range(SFT_GUESS_ROWS)]
     rows = calc + guess
     random.Random(204).shuffle(rows)
     return rows
+
+
+def sft_tools_rows() -> list[dict]:
+    return _sft_rows(as_tool_calls=False)
+
+
+def sft_calculator_tools_rows() -> list[dict]:
+    return _sft_rows(as_tool_calls=True)
 
 
 def jsonl_text(rows: list[dict]) -> str:
@@ -155,6 +202,7 @@ FILES = {
     "rl-calculator-prompts.jsonl": rl_calculator_rows,
     "rl-guess-prompts.jsonl": rl_guess_rows,
     "sft-tools-tiny.jsonl": sft_tools_rows,
+    "sft-calculator-tools-tiny.jsonl": sft_calculator_tools_rows,
 }
 
 

@@ -3,7 +3,8 @@
 # after a change that should not change behaviour (a refactor) and compare the two lists. Ids are reproducible per
 # machine type, not across CPU instruction sets (docs/hardware.md), so compare lists made on one machine.
 #   bash scripts/checkpoint-ids.sh [CHECKOUT] > ids.txt   # CHECKOUT: another tree of the project (default: this one)
-# The rl-calculator / rl-guess configs start from sft-tools-tiny's checkpoint, so they share its store.
+# The rl-calculator-echo / rl-guess configs start from sft-tools-tiny's checkpoint, so they share its store (the
+# tool-call rl-calculator is left out: its warm start, sft-calculator-tools-tiny, is 1000 steps of ~230 tokens).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 checkout="$(cd "${1:-$here}" && pwd)"
@@ -30,5 +31,11 @@ train rl rl-opsd rl-opsd
 PYTHONPATH="$checkout/tests" train rl rl-custom rl-custom  # its advantage function lives in tests/
 train rlhf rlhf-tiny rlhf
 train sft sft-tools-tiny tools
-train rl rl-calculator tools
+# The text-protocol calculator was configs/rl-calculator.toml before issue 40 (run.name is not in the id): an older
+# CHECKOUT's is measured and printed under the new name, so the two lists compare line by line.
+if [ -e "$checkout/configs/rl-calculator-echo.toml" ]; then
+  train rl rl-calculator-echo tools
+else
+  train rl rl-calculator tools | sed -E 's/^rl-calculator +/rl-calculator-echo /'
+fi
 train rl rl-guess tools

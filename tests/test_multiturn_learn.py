@@ -2,8 +2,9 @@
 
 The base is tiny:qwen2 warm-started by train-sft on configs/sft-tools-tiny.toml (the protocols of both envs, taught
 imperfectly on purpose), once for the module; the RL configs name it as a checkpoint, runs/tools-tiny/latest. Then:
-- echo on the calculator (configs/rl-calculator.toml), through `rollout train rl` (the Prefect flow): the ce of the
-  tool results' contents falls while the reward (right final answer) rises, and the policy keeps calling the tool;
+- echo on the calculator's text protocol (configs/rl-calculator-echo.toml), through `rollout train rl` (the Prefect
+  flow): the ce of the tool results' contents falls while the reward (right final answer) rises, and the policy keeps
+  calling the tool;
 - grpo on guess_number (configs/rl-guess.toml), in-process through the library's stages: the reward rises.
 The curves are printed (pytest -s) and in the assertion messages. Both pass with margin on AVX-512 and on AVX2
 kernels (`bash scripts/test-learning.sh avx2 -k multiturn`) at the configs' seed; over seeds 1-3 echo passes both ways
@@ -47,10 +48,10 @@ def median(values) -> float:
 @pytest.mark.learning
 def test_echo_learns_the_tool_results_while_grpo_raises_the_reward(tools_store):
     # The config's base_model is the checkpoint ref runs/tools-tiny/latest, found in the run's store.
-    rewards = train_in_process("train", "rl", "--config", "configs/rl-calculator.toml",
+    rewards = train_in_process("train", "rl", "--config", "configs/rl-calculator-echo.toml",
                                "--set", f"run.store={tools_store}",
                                *[arg for setting in SEED_OVERRIDE for arg in ("--set", setting)])["reward_curve"]
-    metrics = metrics_table("rl-calculator")
+    metrics = metrics_table("rl-calculator-echo")
     ce = metrics["loss/ce"]
     print("echo on the calculator, reward per step:", [round(v, 3) for v in rewards])
     print("echo on the calculator, ce of the tool results (alpha 0.02, weighted) per step:", [round(v, 3) for v in ce])
@@ -61,7 +62,7 @@ def test_echo_learns_the_tool_results_while_grpo_raises_the_reward(tools_store):
     #   AVX2 kernels (scripts/test-learning.sh avx2): 0.48 -> 0.88, 0.52 -> 0.81, 0.50 -> 0.85 (gains 0.29-0.40);
     #   ce median ratio 0.34-0.51; turns per episode >= 1.67 at every step of all six runs. (Before the prompt
     #   was shared the rewards were the same to two decimals; ce ratios 0.33-0.50.)
-    # At alpha 0.1 the AVX2 kernels collapsed it (reward 0 and one turn from step 5: configs/rl-calculator.toml).
+    # At alpha 0.1 the AVX2 kernels collapsed it (reward 0 and one turn from step 5: configs/rl-calculator-echo.toml).
     # Asserted: half the smallest gain; a policy that does not learn gains ~0, one that collapses loses ~0.5.
     assert mean(rewards[-6:]) > mean(rewards[:3]) + 0.11, rewards
     assert median(ce[-6:]) < 0.8 * median(ce[:3]), ce

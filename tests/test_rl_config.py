@@ -35,8 +35,8 @@ def error_of(raw) -> str:
 
 SHIPPED_ALGORITHMS = {"rl-tiny.toml": "grpo", "rl-smollm2.toml": "grpo", "rl-reward.toml": "reward",
                       "rl-custom.toml": "custom", "rl-opd.toml": "opd", "rl-sft-distill.toml": "sft",
-                      "rl-opsd.toml": "opsd", "rl-calculator.toml": "echo", "rl-guess.toml": "grpo",
-                      "rl-length.toml": "grpo", "rl-calculator-tools.toml": "grpo", "rl-agent-tiny.toml": "grpo",
+                      "rl-opsd.toml": "opsd", "rl-calculator-echo.toml": "echo", "rl-guess.toml": "grpo",
+                      "rl-length.toml": "grpo", "rl-calculator.toml": "grpo", "rl-agent-tiny.toml": "grpo",
                       "rl-agent-program-tiny.toml": "grpo",
                       "rl-openenv-tiny.toml": "grpo", "rl-mix.toml": "grpo",  # rl-mix's second env: opd
                       "rl-verifiers-single.toml": "grpo", "rl-verifiers-tools.toml": "grpo",

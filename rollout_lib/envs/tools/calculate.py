@@ -1,4 +1,4 @@
-"""The calculator as an OpenAI-format tool (configs/rl-calculator-tools.toml): `calculate(expression)` evaluates
+"""The calculator as an OpenAI-format tool (configs/rl-calculator.toml): `calculate(expression)` evaluates
 arithmetic with envs/calculator.py's own parser (integers, + - * / // and parentheses; never eval),
 `calculate_answer` scores an episode's final answer, and `calculate_call_ran` is the shaped bonus for a call that ran
 (configs/rl-smollm2-tools.toml; verifiers' ToolEnv rubrics reward well-formed calls the same way). The text protocol (`calc: 37 * 24`, envs/calculator.py)
