@@ -56,6 +56,7 @@ def rollouts_table(rows: list[tuple[str, str]]) -> tuple[pa.Table, pa.Table]:
         "info": [None] * n, "reward": [None] * n, "reward_error": [None] * n, "completion_turns": [None] * n,
         "episode": [None] * n, "sampled_from": [None] * n,
         "token_policy_versions": [None] * n, "drawn_at_step": [None] * n, "behaviour_logprobs": [None] * n,
+        "earlier_sequences": [None] * n,
     }, schema=wire.ROLLOUTS)
     return rollouts, prompts_table
 
