@@ -21,6 +21,7 @@ from rollout_lib.model.chat import use_chat_template
 from rollout_lib.model.loading import load_tokenizer, resolve_model
 from rollout_lib.plan_checks import load_config
 from rollout_lib.sft.tokenize import sft_tokenizer, tokenize_examples
+from test_sft_tokenize import trained_text  # the trained tokens, decoded run by run
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ROOT / "configs/templates/chatml-tools.jinja"
@@ -52,18 +53,6 @@ def tokenizer():
     return use_chat_template(load_tokenizer(resolve_model("tiny:qwen2")), str(TEMPLATE))
 
 
-def masked_spans(tokenizer, ids: list[int], mask: list[bool]) -> list[str]:
-    """The trained tokens, decoded run by run."""
-    spans, current = [], []
-    for token, keep in zip(ids, mask):
-        if keep:
-            current.append(token)
-        elif current:
-            spans.append(tokenizer.decode(current))
-            current = []
-    return spans + ([tokenizer.decode(current)] if current else [])
-
-
 def test_a_tool_call_row_is_the_templates_rendering_and_trains_the_calls_and_the_answer_only(tokenizer, tmp_path):
     data = write_rows(tmp_path / "tools.jsonl", row(), row(arguments='{"expression": "27 * 682"}'))
     examples = load_examples(data)
@@ -72,7 +61,7 @@ def test_a_tool_call_row_is_the_templates_rendering_and_trains_the_calls_and_the
     expected = tokenizer.apply_chat_template(row()["messages"], tools=[TOOL], tokenize=True, return_dict=True)
     assert samples[0]["input_ids"] == list(expected["input_ids"])
     call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "27 * 682"}}\n</tool_call><|im_end|>'
-    assert masked_spans(tokenizer, samples[0]["input_ids"], samples[0]["loss_mask"]) == [
+    assert trained_text(tokenizer, samples[0]["input_ids"], samples[0]["loss_mask"]) == [
         call, "27 * 682 = 18414.<|im_end|>"]
     text = tokenizer.decode(samples[0]["input_ids"])
     assert '"description": "Evaluate an arithmetic expression exactly."' in text  # the schema is shown, untrained
@@ -89,7 +78,7 @@ def test_a_template_without_generation_tags_locates_the_same_turns_by_prefixes(t
     tagged, diffed = (tokenize_examples(examples, tok, loss_on="assistant_only", max_seq_len=2048).samples.to_pylist()[0]
                       for tok in (tokenizer, untagged))
     assert diffed["input_ids"] == tagged["input_ids"]
-    assert masked_spans(untagged, diffed["input_ids"], diffed["loss_mask"]) == masked_spans(
+    assert trained_text(untagged, diffed["input_ids"], diffed["loss_mask"]) == trained_text(
         tokenizer, tagged["input_ids"], tagged["loss_mask"])
 
 
