@@ -23,10 +23,19 @@ from rollout_lib.identity.training import training_hash
 from rollout_lib.plan_checks import validate_config
 from rollout_lib.config.loading import read_toml
 from rollout_lib.reward.loop import RewardResult
-from rollout_lib.rl.dynamic_sampling import Round, replacement_prompts, resampled, uniform_groups
+from rollout_lib.rl.dynamic_sampling import Round, kept_rows, next_replacements, replacement_prompts, uniform_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIFORM = {"words/0", "words/1", "words/2", "words/3", "words/4"}  # the fake reward's prompts without signal
+
+
+def resampled(config, prompt_tables, step, first, sample_round):
+    """The step's rounds in one process, as flows/rl_rounds.py chains them as tasks: `first`, then a round from
+    `sample_round(prompts by env, round index)` while next_replacements draws one, then kept_rows."""
+    rounds = [first]
+    while chosen := next_replacements(config, prompt_tables, step, rounds):
+        rounds.append(sample_round(chosen, len(rounds)))
+    return kept_rows(config, rounds)
 
 
 def raw_config(**env_overrides) -> dict:

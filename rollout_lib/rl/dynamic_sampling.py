@@ -17,7 +17,6 @@ round r.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -72,7 +71,7 @@ def next_replacements(config: RlConfig, prompt_tables: dict[str, pa.Table], step
     and rewards alone, so a rerun (or a round run by another process) draws the same."""
     settings = _resampled_envs(config)
     round_index = len(rounds)
-    drawn, kept = _drawn_and_kept(rounds, settings)
+    drawn, _, kept = _tally(rounds, settings)
     wanted = {name: env.prompts_per_step - kept[name] for name, (_, env) in settings.items()
               if kept[name] < env.prompts_per_step and round_index <= env.dynamic_sampling.max_rounds}
     chosen = {name: replacement_prompts(prompt_tables[name], drawn[name], count, seed=config.run.seed, step=step,
@@ -86,8 +85,7 @@ def kept_rows(config: RlConfig, rounds: list[Round]) -> tuple[Round, dict]:
     `dynamic_sampling/*` metrics: rounds run, groups dropped (every round), groups kept, groups a full batch lacks.
     None kept: the first round as it was."""
     settings = _resampled_envs(config)
-    _, kept = _drawn_and_kept(rounds, settings)
-    dropped = _dropped(rounds, settings)
+    _, dropped, kept = _tally(rounds, settings)
     metrics = {"dynamic_sampling/rounds": len(rounds) - 1, "dynamic_sampling/dropped_groups": len(dropped),
                "dynamic_sampling/kept_groups": sum(kept.values()),
                "dynamic_sampling/short_by": sum(max(env.prompts_per_step - kept[name], 0)
@@ -102,17 +100,6 @@ def kept_rows(config: RlConfig, rounds: list[Round]) -> tuple[Round, dict]:
     return Round(pa.concat_tables(tables), results), metrics
 
 
-def resampled(config: RlConfig, prompt_tables: dict[str, pa.Table], step: int, first: Round,
-              sample_round: Callable[[dict[str, pa.Table], int], Round]) -> tuple[Round, dict]:
-    """The step's kept rows, from its `first` round and as many replacement rounds (`sample_round(prompts by env,
-    round index)`, round index from 1) as its envs' `dynamic_sampling` allow, and their metrics (kept_rows): the
-    rounds in one process. A train-rl run runs each round as task runs of its own instead (flows/rl_rounds.py)."""
-    rounds = [first]
-    while chosen := next_replacements(config, prompt_tables, step, rounds):
-        rounds.append(sample_round(chosen, len(rounds)))
-    return kept_rows(config, rounds)
-
-
 def _resampled_envs(config: RlConfig) -> dict:
     """name -> (env index, env settings) of the envs with `dynamic_sampling`."""
     return {env.name: (index, env) for index, env in enumerate(config.settings.envs)
@@ -123,17 +110,13 @@ def _groups_of(rollouts: pa.Table) -> list[Group]:
     return list(zip(rollouts.column("env").to_pylist(), rollouts.column("example_id").to_pylist()))
 
 
-def _dropped(rounds: list[Round], settings: dict) -> set[Group]:
-    return set().union(*(uniform_groups(part.rollouts, part.results, set(settings)) for part in rounds))
-
-
-def _drawn_and_kept(rounds: list[Round], settings: dict) -> tuple[dict[str, set[str]], dict[str, int]]:
-    """Per env with `dynamic_sampling`: the example ids its rounds drew, and how many of those groups kept a
-    signal."""
+def _tally(rounds: list[Round], settings: dict) -> tuple[dict[str, set[str]], set[Group], dict[str, int]]:
+    """Per env with `dynamic_sampling`: the example ids its rounds drew; the groups without signal (every round);
+    and per env how many of its drawn groups kept a signal."""
     drawn: dict[str, set[str]] = {name: set() for name in settings}
     for part in rounds:
         for env, example_id in _groups_of(part.rollouts):
             if env in drawn:
                 drawn[env].add(example_id)
-    dropped = _dropped(rounds, settings)
-    return drawn, {name: len(drawn[name]) - sum(env == name for env, _ in dropped) for name in settings}
+    dropped = set().union(*(uniform_groups(part.rollouts, part.results, set(settings)) for part in rounds))
+    return drawn, dropped, {name: len(drawn[name]) - sum(env == name for env, _ in dropped) for name in settings}
